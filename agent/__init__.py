@@ -1,0 +1,1 @@
+"""Kernel probes, event decoding, HTTP/SSE assembly, storage sink and the tokenprobe CLI."""

@@ -1,0 +1,137 @@
+"""The `tokenprobe` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_STORE = "chdb:///var/lib/tokenprobe/store"
+
+
+def _add_agent_args(p: argparse.ArgumentParser) -> None:
+    targets = p.add_argument_group("targets (any combination; a connection is tracked if one selects it)")
+    targets.add_argument("--port", type=int, action="append", default=[], metavar="PORT",
+                         help="a listening TCP port of an inference server (repeatable)")
+    targets.add_argument("--pid", type=int, action="append", default=[], metavar="PID",
+                         help="a server process, and the processes it forks (repeatable)")
+    targets.add_argument("--exe", action="append", default=[], metavar="PATH",
+                         help="an executable: every process of it, including ones started later (repeatable)")
+    targets.add_argument("--outbound", action="store_true",
+                         help="also track connections that --pid/--exe processes open (e.g. a proxy's upstreams)")
+    p.add_argument("--store", default=DEFAULT_STORE, metavar="URL",
+                   help="chdb:///DIR for the embedded store (default %(default)s) or http://host:8123/")
+    p.add_argument("--ringbuf-mb", type=int, default=16,
+                   help="kernel ring buffer size in MiB, a power of two (default %(default)s)")
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from tokenprobe.agent.probes import ProbeError, Targets
+    from tokenprobe.agent.runner import Agent, AgentConfig
+
+    targets = Targets(ports=args.port, pids=args.pid, exes=args.exe, outbound=args.outbound)
+    try:
+        targets.validate()
+    except ValueError as exc:
+        print(f"tokenprobe agent: {exc}", file=sys.stderr)
+        return 2
+    pages = args.ringbuf_mb * 256
+    if pages & (pages - 1):
+        print("tokenprobe agent: --ringbuf-mb must be a power of two", file=sys.stderr)
+        return 2
+    config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
+                         ringbuf_pages=pages, status=not args.quiet)
+    try:
+        summary = Agent(config).run()
+    except ProbeError as exc:
+        print(f"tokenprobe agent: {exc}\nRun 'tokenprobe doctor' for what works on this node.",
+              file=sys.stderr)
+        return 1
+    print(f"done: {summary.requests} requests from {summary.events} kernel events in "
+          f"{summary.seconds:.1f}s; {summary.rows_written} rows stored"
+          + (f", {summary.rows_spooled} spooled to disk for later" if summary.rows_spooled else "")
+          + f"; {summary.drops} events dropped by the kernel", file=sys.stderr)
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from tokenprobe.agent.doctor import FAIL, render, run_checks
+
+    checks = run_checks(load=not args.no_load)
+    print(render(checks))
+    return 1 if any(c.state == FAIL for c in checks) else 0
+
+
+def _cmd_query(args: argparse.Namespace) -> int:
+    from tokenprobe.agent.store import open_store
+
+    store = open_store(args.store, serve=False)
+    try:
+        df = store.query_df(args.sql)
+    finally:
+        store.close()
+    if args.format == "csv":
+        df.to_csv(sys.stdout, index=False)
+    else:
+        with __import__("pandas").option_context("display.max_rows", args.max_rows,
+                                                 "display.width", 200):
+            print(df.to_string(index=False))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from tokenprobe.agent.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenprobe",
+        description="eBPF observability for LLM serving: every streamed request's network, queue, "
+                    "prefill and decode time, from the kernel, with no change to the server.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("agent", help="trace inference servers and store one row per request",
+                       description="Load the probes, follow the target servers' connections and "
+                                   "store one row per HTTP request in tokenprobe.requests. Stops on "
+                                   "SIGINT/SIGTERM or after --duration, flushing everything.")
+    _add_agent_args(p)
+    p.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    p.add_argument("--quiet", action="store_true", help="no live status line")
+    p.set_defaults(func=_cmd_agent)
+
+    p = sub.add_parser("demo", help="the reference server under load, traced, into an embedded store",
+                       description="Start the reference OpenAI-compatible server, a Poisson load "
+                                   "generator and the agent on an embedded store; print each request "
+                                   "as it completes and totals at the end. The store stays for queries.")
+    p.add_argument("--store", default="chdb:///var/lib/tokenprobe/demo-store", metavar="URL",
+                   help="where to store the requests (default %(default)s)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load (default %(default)s)")
+    p.add_argument("--rate", type=float, default=6.0, help="requests per second (default %(default)s)")
+    p.add_argument("--slots", type=int, default=4, help="the server's concurrent slots (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="the server's port (default %(default)s)")
+    p.add_argument("--tls", action="store_true", help="serve and load over HTTPS")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("doctor", help="say what works on this node and what to do about what doesn't")
+    p.add_argument("--no-load", action="store_true", help="skip compiling and loading the probes")
+    p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("query", help="run SQL on a store (also while an agent owns it)",
+                       description="Run one SQL query and print the result. On an embedded store that "
+                                   "an agent is writing, the query goes through the agent.")
+    p.add_argument("sql", help="e.g. \"SELECT count() FROM tokenprobe.requests\"")
+    p.add_argument("--store", default=DEFAULT_STORE, metavar="URL", help="default %(default)s")
+    p.add_argument("--format", choices=("table", "csv"), default="table")
+    p.add_argument("--max-rows", type=int, default=100)
+    p.set_defaults(func=_cmd_query)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)

@@ -1,0 +1,190 @@
+"""The agent's main loop: probes → tracker → store, with a live status line.
+
+The kernel side never waits for us: if this loop falls behind, the ring
+buffer fills and the kernel counts drops, which the status line reports. On
+SIGINT/SIGTERM or at the end of --duration the loop drains the ring buffer,
+writes every request still open (outcome 'truncated'), flushes the store and
+returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tokenprobe.agent.clock import MonotonicWallClock
+from tokenprobe.agent.probes import Probes, Targets
+from tokenprobe.agent.store import RequestSink, open_store
+from tokenprobe.agent.tracker import ConnectionTracker
+
+log = logging.getLogger("tokenprobe.agent")
+
+DEFAULT_KEY_FILE = Path("/var/lib/tokenprobe/fingerprint.key")
+RESCAN_INTERVAL_S = 5.0
+
+
+def load_fingerprint_key(path: Path = DEFAULT_KEY_FILE) -> bytes:
+    """The node's secret for request-body fingerprints, made on first use.
+
+    Fingerprints let the analytics spot retried requests without storing
+    bodies; a secret key keeps them from being reversed by guessing bodies.
+    """
+    env = os.environ.get("TOKENPROBE_FINGERPRINT_KEY")
+    if env:
+        return env.encode()
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_bytes(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        return key
+
+
+@dataclass
+class AgentConfig:
+    targets: Targets
+    store_url: str
+    duration_s: float | None = None
+    ringbuf_pages: int = 4096
+    status: bool = True
+    on_row: Callable[[dict], None] | None = None   # e.g. the demo's live lines
+
+
+@dataclass
+class AgentSummary:
+    requests: int
+    events: int
+    drops: int
+    rows_written: int
+    rows_spooled: int
+    parse_errors: int
+    seconds: float
+
+
+class StatusLine:
+    """One refreshed line on a terminal; a plain line every 10 s otherwise."""
+
+    def __init__(self, stream=sys.stderr) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self._last_plain = 0.0
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + text)
+            self.stream.flush()
+        elif time.monotonic() - self._last_plain >= 10:
+            self._last_plain = time.monotonic()
+            print(text, file=self.stream, flush=True)
+
+    def end(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self._stop = False
+
+    def stop(self, *_args) -> None:
+        self._stop = True
+
+    def run(self) -> AgentSummary:
+        cfg = self.config
+        store = open_store(cfg.store_url)
+        try:
+            store.ensure_schema()
+            sink = RequestSink(store)
+            try:
+                summary = self._run_probes(sink)
+            finally:
+                sink.close()
+        finally:
+            store.close()
+        # Counted after close(): it flushes (or spools) the last batch.
+        summary.rows_written, summary.rows_spooled = sink.rows_written, sink.rows_spooled
+        return summary
+
+    def _run_probes(self, sink: RequestSink) -> AgentSummary:
+        cfg = self.config
+        probes = Probes(cfg.targets, ringbuf_pages=cfg.ringbuf_pages)
+        clock = MonotonicWallClock()
+
+        def emit(row: dict) -> None:
+            sink.put(row)
+            if cfg.on_row:
+                cfg.on_row(row)
+
+        tracker = ConnectionTracker(
+            emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=socket.gethostname(),
+            target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
+            forget_connection=probes.forget_connection)
+        probes.open(tracker.handle)
+        previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        status = StatusLine() if cfg.status else None
+        started = time.monotonic()
+        deadline = started + cfg.duration_s if cfg.duration_s else None
+        next_rescan = started + RESCAN_INTERVAL_S
+        last_tick, last_events = started, 0
+        try:
+            while not self._stop:
+                probes.poll(100)
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    break
+                if now >= next_rescan:
+                    next_rescan = now + RESCAN_INTERVAL_S
+                    clock.maybe_refresh()
+                    for path in probes.attach_ssl():
+                        log.info("probing libssl %s", path)
+                    probes.rescan_processes()
+                if status and now - last_tick >= 1.0:
+                    rate = (tracker.stats.events - last_events) / (now - last_tick)
+                    last_tick, last_events = now, tracker.stats.events
+                    status.show(self._status_text(tracker, probes, sink, rate, now - started))
+            # Drain what the kernel already produced before closing connections.
+            for _ in range(50):
+                before = tracker.stats.events
+                probes.poll(0)
+                if tracker.stats.events == before:
+                    break
+            tracker.close_all(time.monotonic_ns())
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            drops = probes.drops()
+            probes.close()
+            if status:
+                status.show(self._status_text(tracker, probes, sink, 0.0, time.monotonic() - started))
+                status.end()
+        return AgentSummary(
+            requests=tracker.stats.requests, events=tracker.stats.events, drops=drops,
+            rows_written=0, rows_spooled=0, parse_errors=tracker.stats.parse_errors,
+            seconds=time.monotonic() - started)
+
+    @staticmethod
+    def _status_text(tracker: ConnectionTracker, probes: Probes, sink: RequestSink,
+                     rate: float, elapsed: float) -> str:
+        stats = tracker.stats
+        inflight = sum(stats.inflight.values())
+        text = (f"tokenprobe agent {elapsed:6.0f}s | requests {stats.requests} | {rate:7.0f} ev/s | "
+                f"drops {probes.drops()} | conns {len(tracker.connections)} | in flight {inflight} | "
+                f"stored {sink.rows_written}")
+        if sink.rows_spooled:
+            text += f" (spooled {sink.rows_spooled})"
+        if stats.parse_errors:
+            text += f" | parse errors {stats.parse_errors}"
+        return text

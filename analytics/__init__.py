@@ -1,0 +1,1 @@
+"""Phase decomposition, indicators, knee detection, SLOs (see the issues on analytics)."""

@@ -1,0 +1,1 @@
+"""BPF C sources loaded by the agent (tokenprobe.agent.probes)."""

@@ -1,0 +1,689 @@
+// tokenprobe kernel side: per-connection I/O of target HTTP servers.
+//
+// Only syscall tracepoints, sock:inet_sock_set_state, sched tracepoints and
+// libssl uprobes: many kernels (this one included) have no kprobes, and
+// tracepoint layouts are read from tracefs at load time, so the program does
+// not depend on the kernel headers matching the running kernel exactly.
+//
+// A connection is tracked from accept (or connect, for outbound tracking)
+// when its local port is a target port or its process is a target process.
+// Only tracked connections emit events; everything else returns after one
+// hash lookup. The agent (agent/probes.py) sets the compile-time constants.
+
+#include <uapi/linux/ptrace.h>
+#include <linux/sched.h>
+#include <linux/socket.h>
+#include <linux/in.h>
+#include <linux/in6.h>
+#include <linux/uio.h>
+
+#ifndef HEAD_CAP
+#define HEAD_CAP 8192 // bytes captured from the start of each read/write (power of two)
+#endif
+#ifndef TAIL_CAP
+#define TAIL_CAP 1024 // bytes captured from the end of a call larger than HEAD_CAP
+#endif
+#ifndef RINGBUF_PAGES
+#define RINGBUF_PAGES 4096
+#endif
+#ifndef MAX_CONNS
+#define MAX_CONNS 65536
+#endif
+#define MAX_IOV 8
+#define MAX_EXE_PATHS 4
+#define EXE_PATH_LEN 256
+
+// Hides a value from the compiler so that the bounds check the verifier
+// needs is applied to the very register used for the memory access.
+#define OPAQUE(x) asm volatile("" : "+r"(x))
+
+#define TCP_ESTABLISHED 1
+#define TCP_SYN_RECV 3
+#define TCP_CLOSE 7
+
+enum event_kind {
+    EV_ACCEPT = 1,
+    EV_CONNECT = 2,
+    EV_DATA = 3,
+    EV_CLOSE = 4,
+    EV_TLS_DONE = 5,
+    EV_EXEC = 6,
+};
+
+enum direction { DIR_READ = 0, DIR_WRITE = 1 };
+enum role { ROLE_SERVER = 0, ROLE_CLIENT = 1 };
+
+// Which libssl function a thread is inside (uprobe entry → return).
+enum ssl_fn { SSL_FN_READ = 1, SSL_FN_READ_EX, SSL_FN_WRITE, SSL_FN_WRITE_EX, SSL_FN_HANDSHAKE };
+
+// Config array slots, written by the agent.
+enum config_slot { CFG_TRACK_OUTBOUND = 0, CFG_EXE_PATHS = 1, CFG_SLOTS = 2 };
+
+struct conn_key {
+    u32 tgid;
+    u32 fd;
+};
+
+struct conn_info {
+    u64 accept_ns;      // also the connection's generation: fds are reused
+    u8 peer_addr[16];   // IPv6 or IPv4-mapped IPv6
+    u16 local_port;     // 0 when unknown (accept without a peer address)
+    u16 peer_port;
+    u8 role;
+    u8 tls;
+    u8 pad[2];
+};
+
+struct peer_key {
+    u8 addr[16];
+    u16 port;
+    u16 pad;
+};
+
+// One record in the ring buffer; only the used part of data[] is sent.
+struct event {
+    u64 ts_ns;          // CLOCK_MONOTONIC
+    u64 conn_ns;        // the connection's accept_ns
+    u32 tgid;
+    u32 fd;
+    u8 kind;
+    u8 dir;
+    u8 tls;
+    u8 role;
+    s32 ret;            // syscall/SSL return value: bytes, or -errno
+    u32 total_len;      // bytes moved by the call
+    u16 head_len;       // bytes of data[] from the call's start
+    u16 tail_len;       // bytes of data[] (after head) from the call's end
+    u16 local_port;
+    u16 peer_port;
+    u8 peer_addr[16];
+    char comm[16];
+    u8 data[2 * HEAD_CAP];
+};
+
+struct io_args {
+    u64 enter_ns;
+    const u8 *buf;            // contiguous buffer (read/write/recvfrom/sendto)
+    const struct iovec *iov;  // vectored I/O (readv/writev/recvmsg/sendmsg)
+    u32 iovcnt;
+    u32 fd;
+    u8 dir;
+};
+
+struct accept_args {
+    struct sockaddr *addr;
+    u32 listen_fd;
+};
+
+struct connect_args {
+    struct sockaddr *addr;
+    u32 fd;
+};
+
+struct ssl_args {
+    u64 enter_ns;
+    void *ssl;
+    const u8 *buf;
+    size_t *len_out;        // SSL_*_ex's size_t* result
+    u8 fn;
+    u8 bound_in_call;       // a socket syscall inside this call named the fd
+};
+
+struct exe_path {
+    char path[EXE_PATH_LEN];
+};
+
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+BPF_PERCPU_ARRAY(scratch, struct event, 1);
+BPF_PERCPU_ARRAY(drops, u64, 1);
+BPF_ARRAY(config, u32, CFG_SLOTS);
+BPF_ARRAY(exe_paths, struct exe_path, MAX_EXE_PATHS);
+
+BPF_TABLE("lru_hash", struct conn_key, struct conn_info, conns, MAX_CONNS);
+BPF_HASH(target_ports, u16, u8, 256);
+BPF_TABLE("lru_hash", u32, u8, target_tgids, 16384);
+// Processes that own a tracked connection: the libssl uprobes return at once
+// for every other process on the node.
+BPF_TABLE("lru_hash", u32, u8, active_tgids, 16384);
+// Passive opens seen by inet_sock_set_state: peer address → local port, read
+// back at accept() to learn which listening port the connection came in on.
+BPF_TABLE("lru_hash", struct peer_key, u16, passive_peers, 65536);
+
+BPF_HASH(io_pending, u64, struct io_args, 16384);
+BPF_HASH(accept_pending, u64, struct accept_args, 4096);
+BPF_HASH(connect_pending, u64, struct connect_args, 4096);
+BPF_HASH(ssl_pending, u64, struct ssl_args, 16384);
+// SSL* → fd, learnt from socket syscalls made inside libssl calls (socket
+// BIOs: nginx, CPython's ssl), or from the thread's last socket read
+// (memory BIOs: asyncio, uvicorn).
+BPF_TABLE("lru_hash", u64, u32, ssl_fd, MAX_CONNS);
+BPF_TABLE("lru_hash", u64, u32, thread_last_fd, 16384);
+
+static __always_inline void count_drop(void) {
+    int zero = 0;
+    u64 *d = drops.lookup(&zero);
+    if (d)
+        __sync_fetch_and_add(d, 1);
+}
+
+static __always_inline struct event *new_event(u8 kind, u32 tgid, u32 fd,
+                                               struct conn_info *ci, u64 ts) {
+    int zero = 0;
+    struct event *e = scratch.lookup(&zero);
+    if (!e)
+        return 0;
+    e->ts_ns = ts;
+    e->conn_ns = ci->accept_ns;
+    e->tgid = tgid;
+    e->fd = fd;
+    e->kind = kind;
+    e->dir = 0;
+    e->tls = ci->tls;
+    e->role = ci->role;
+    e->ret = 0;
+    e->total_len = 0;
+    e->head_len = 0;
+    e->tail_len = 0;
+    e->local_port = ci->local_port;
+    e->peer_port = ci->peer_port;
+    __builtin_memcpy(e->peer_addr, ci->peer_addr, 16);
+    e->comm[0] = 0;
+    return e;
+}
+
+static __always_inline void submit(struct event *e, u32 data_len) {
+    u32 size = offsetof(struct event, data) + (data_len & (2 * HEAD_CAP - 1));
+    if (size > sizeof(struct event))
+        size = sizeof(struct event);
+    if (events.ringbuf_output(e, size, 0) != 0)
+        count_drop();
+}
+
+// Copies the head (and, for large calls, the tail) of a contiguous buffer.
+static __always_inline u32 capture_flat(struct event *e, const u8 *buf, u32 total) {
+    u64 head = total;
+    OPAQUE(head);
+    if (head > HEAD_CAP)
+        head = HEAD_CAP;
+    if (head > 0 && bpf_probe_read_user(e->data, head, buf) != 0)
+        head = 0;
+    e->head_len = head;
+    if (total > HEAD_CAP && head == HEAD_CAP) {
+        u64 tail = total - HEAD_CAP;
+        OPAQUE(tail);
+        if (tail > TAIL_CAP)
+            tail = TAIL_CAP;
+        if (bpf_probe_read_user(e->data + HEAD_CAP, tail, buf + total - tail) == 0)
+            e->tail_len = tail;
+    }
+    return e->head_len + e->tail_len;
+}
+
+// Copies the head of a vectored call, iovec after iovec, up to HEAD_CAP.
+static __always_inline u32 capture_iov(struct event *e, const struct iovec *iov,
+                                       u32 iovcnt, u32 total) {
+    u32 off = 0;
+    for (int i = 0; i < MAX_IOV; i++) {
+        if (i >= iovcnt || off >= total || off >= HEAD_CAP)
+            break;
+        struct iovec v = {};
+        if (bpf_probe_read_user(&v, sizeof(v), &iov[i]) != 0)
+            break;
+        u32 n = v.iov_len;
+        if (n > total - off)
+            n = total - off;
+        if (n > HEAD_CAP - off)
+            n = HEAD_CAP - off;
+        if (n == 0)
+            continue;
+        u64 pos = off;
+        OPAQUE(pos);
+        pos &= HEAD_CAP - 1;
+        u64 len = n;
+        OPAQUE(len);
+        if (len > HEAD_CAP)
+            len = HEAD_CAP;
+        if (bpf_probe_read_user(e->data + pos, len, v.iov_base) != 0)
+            break;
+        off += n;
+    }
+    e->head_len = off;
+    return off;
+}
+
+static __always_inline void to_v6(u8 *dst, u16 family, const u8 *v4, const u8 *v6) {
+    __builtin_memset(dst, 0, 16);
+    if (family == AF_INET) {
+        dst[10] = 0xff;
+        dst[11] = 0xff;
+        __builtin_memcpy(dst + 12, v4, 4);
+    } else {
+        __builtin_memcpy(dst, v6, 16);
+    }
+}
+
+// Reads a user sockaddr into an IPv6-form address and a port; 0 if not inet.
+static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *port) {
+    struct sockaddr_in6 sa = {};
+    if (!uaddr || bpf_probe_read_user(&sa, sizeof(sa), uaddr) != 0)
+        return 0;
+    if (sa.sin6_family == AF_INET) {
+        struct sockaddr_in *s4 = (struct sockaddr_in *)&sa;
+        to_v6(addr, AF_INET, (u8 *)&s4->sin_addr.s_addr, 0);
+        *port = ntohs(s4->sin_port);
+        return 1;
+    }
+    if (sa.sin6_family == AF_INET6) {
+        to_v6(addr, AF_INET6, 0, (u8 *)&sa.sin6_addr);
+        *port = ntohs(sa.sin6_port);
+        return 1;
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------- sockets
+
+TRACEPOINT_PROBE(sock, inet_sock_set_state) {
+    if (args->protocol != IPPROTO_TCP)
+        return 0;
+    // A passive open completing: remember which local port this peer reached.
+    if (args->oldstate == TCP_SYN_RECV && args->newstate == TCP_ESTABLISHED) {
+        struct peer_key pk = {};
+        to_v6(pk.addr, args->family, args->daddr, args->daddr_v6);
+        pk.port = args->dport;
+        u16 lport = args->sport;
+        passive_peers.update(&pk, &lport);
+    }
+    return 0;
+}
+
+static __always_inline int accept_enter(int fd, struct sockaddr *addr) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct accept_args a = {.addr = addr, .listen_fd = fd};
+    accept_pending.update(&id, &a);
+    return 0;
+}
+
+static __always_inline int accept_exit(long ret) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct accept_args *a = accept_pending.lookup(&id);
+    if (!a)
+        return 0;
+    struct accept_args saved = *a;
+    accept_pending.delete(&id);
+    if (ret < 0)
+        return 0;
+
+    u32 tgid = id >> 32;
+    struct conn_info ci = {};
+    ci.accept_ns = bpf_ktime_get_ns();
+    ci.role = ROLE_SERVER;
+    int known_peer = read_sockaddr(saved.addr, ci.peer_addr, &ci.peer_port);
+    if (known_peer) {
+        struct peer_key pk = {};
+        __builtin_memcpy(pk.addr, ci.peer_addr, 16);
+        pk.port = ci.peer_port;
+        u16 *lport = passive_peers.lookup(&pk);
+        if (lport) {
+            ci.local_port = *lport;
+            passive_peers.delete(&pk);
+        }
+    }
+    int wanted = target_tgids.lookup(&tgid) != 0;
+    if (!wanted && ci.local_port)
+        wanted = target_ports.lookup(&ci.local_port) != 0;
+    // No peer address given to accept(): the port is unknown here. Keep the
+    // connection if this process already serves a target port; the agent
+    // resolves the port from /proc and drops it if it is not a target.
+    if (!wanted && !ci.local_port)
+        wanted = active_tgids.lookup(&tgid) != 0;
+    if (!wanted)
+        return 0;
+
+    struct conn_key k = {.tgid = tgid, .fd = (u32)ret};
+    conns.update(&k, &ci);
+    u8 one = 1;
+    active_tgids.update(&tgid, &one);
+
+    struct event *e = new_event(EV_ACCEPT, tgid, k.fd, &ci, ci.accept_ns);
+    if (!e)
+        return 0;
+    bpf_get_current_comm(e->comm, sizeof(e->comm));
+    submit(e, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_accept4) {
+    return accept_enter(args->fd, args->upeer_sockaddr);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_accept4) { return accept_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_accept) {
+    return accept_enter(args->fd, args->upeer_sockaddr);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_accept) { return accept_exit(args->ret); }
+
+TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
+    int zero = CFG_TRACK_OUTBOUND;
+    u32 *outbound = config.lookup(&zero);
+    if (!outbound || !*outbound)
+        return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!target_tgids.lookup(&tgid))
+        return 0;
+    struct connect_args a = {.addr = (struct sockaddr *)args->uservaddr, .fd = args->fd};
+    connect_pending.update(&id, &a);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_connect) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct connect_args *a = connect_pending.lookup(&id);
+    if (!a)
+        return 0;
+    struct connect_args saved = *a;
+    connect_pending.delete(&id);
+    // Non-blocking sockets report EINPROGRESS and complete later.
+    if (args->ret != 0 && args->ret != -115)
+        return 0;
+    struct conn_info ci = {};
+    ci.accept_ns = bpf_ktime_get_ns();
+    ci.role = ROLE_CLIENT;
+    if (!read_sockaddr(saved.addr, ci.peer_addr, &ci.peer_port))
+        return 0; // not TCP/IP (e.g. a unix socket)
+    u32 tgid = id >> 32;
+    struct conn_key k = {.tgid = tgid, .fd = saved.fd};
+    conns.update(&k, &ci);
+    u8 one = 1;
+    active_tgids.update(&tgid, &one);
+    struct event *e = new_event(EV_CONNECT, tgid, k.fd, &ci, ci.accept_ns);
+    if (!e)
+        return 0;
+    bpf_get_current_comm(e->comm, sizeof(e->comm));
+    submit(e, 0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_close) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct conn_key k = {.tgid = id >> 32, .fd = args->fd};
+    struct conn_info *ci = conns.lookup(&k);
+    if (!ci)
+        return 0;
+    struct event *e = new_event(EV_CLOSE, k.tgid, k.fd, ci, bpf_ktime_get_ns());
+    conns.delete(&k);
+    if (e)
+        submit(e, 0);
+    return 0;
+}
+
+// ---------------------------------------------------------------- plain I/O
+
+static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *iov,
+                                    u32 iovcnt, u8 dir) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct conn_key k = {.tgid = id >> 32, .fd = fd};
+    struct conn_info *ci = conns.lookup(&k);
+    if (!ci)
+        return 0;
+    u64 tid = (u32)id;
+    if (dir == DIR_READ)
+        thread_last_fd.update(&tid, &fd);
+    // Inside a libssl call this is ciphertext: learn SSL* → fd, emit nothing.
+    struct ssl_args *sa = ssl_pending.lookup(&id);
+    if (sa) {
+        u64 ssl = (u64)sa->ssl;
+        ssl_fd.update(&ssl, &fd);
+        sa->bound_in_call = 1;
+        if (!ci->tls)
+            ci->tls = 1;
+        return 0;
+    }
+    if (ci->tls)
+        return 0; // ciphertext; the plaintext comes from the SSL uprobes
+    struct io_args a = {.enter_ns = bpf_ktime_get_ns(), .buf = buf, .iov = iov,
+                        .iovcnt = iovcnt, .fd = fd, .dir = dir};
+    io_pending.update(&id, &a);
+    return 0;
+}
+
+static __always_inline int io_exit(long ret) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct io_args *a = io_pending.lookup(&id);
+    if (!a)
+        return 0;
+    struct io_args saved = *a;
+    io_pending.delete(&id);
+    // EAGAIN/EINTR moved nothing; other errors (ECONNRESET, EPIPE) matter.
+    if (ret == 0 && saved.dir == DIR_WRITE)
+        return 0;
+    if (ret == -11 || ret == -4)
+        return 0;
+    struct conn_key k = {.tgid = id >> 32, .fd = saved.fd};
+    struct conn_info *ci = conns.lookup(&k);
+    if (!ci)
+        return 0;
+    // Reads count when the bytes reached the process, writes when the
+    // process handed them over.
+    u64 ts = saved.dir == DIR_READ ? bpf_ktime_get_ns() : saved.enter_ns;
+    struct event *e = new_event(EV_DATA, k.tgid, k.fd, ci, ts);
+    if (!e)
+        return 0;
+    e->dir = saved.dir;
+    e->ret = ret;
+    u32 len = 0;
+    if (ret > 0) {
+        e->total_len = ret;
+        if (saved.iov)
+            len = capture_iov(e, saved.iov, saved.iovcnt, ret);
+        else
+            len = capture_flat(e, saved.buf, ret);
+    }
+    submit(e, len);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_read) {
+    return io_enter(args->fd, (const u8 *)args->buf, 0, 0, DIR_READ);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom) {
+    return io_enter(args->fd, (const u8 *)args->ubuf, 0, 0, DIR_READ);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_readv) {
+    return io_enter(args->fd, 0, (const struct iovec *)args->vec, args->vlen, DIR_READ);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) {
+    struct user_msghdr m = {};
+    if (bpf_probe_read_user(&m, sizeof(m), args->msg) != 0)
+        return 0;
+    return io_enter(args->fd, 0, m.msg_iov, m.msg_iovlen, DIR_READ);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args->ret); }
+
+TRACEPOINT_PROBE(syscalls, sys_enter_write) {
+    return io_enter(args->fd, (const u8 *)args->buf, 0, 0, DIR_WRITE);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_sendto) {
+    return io_enter(args->fd, (const u8 *)args->buff, 0, 0, DIR_WRITE);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_writev) {
+    return io_enter(args->fd, 0, (const struct iovec *)args->vec, args->vlen, DIR_WRITE);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg) {
+    struct user_msghdr m = {};
+    if (bpf_probe_read_user(&m, sizeof(m), args->msg) != 0)
+        return 0;
+    return io_enter(args->fd, 0, m.msg_iov, m.msg_iovlen, DIR_WRITE);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args->ret); }
+
+// ---------------------------------------------------------------- libssl
+
+static __always_inline int ssl_enter(struct pt_regs *ctx, u8 fn) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    // Nested public calls (one SSL_* implemented with another): the outer
+    // call owns the record.
+    if (ssl_pending.lookup(&id))
+        return 0;
+    struct ssl_args a = {};
+    a.enter_ns = bpf_ktime_get_ns();
+    a.ssl = (void *)PT_REGS_PARM1(ctx);
+    a.buf = (const u8 *)PT_REGS_PARM2(ctx);
+    if (fn == SSL_FN_READ_EX || fn == SSL_FN_WRITE_EX)
+        a.len_out = (size_t *)PT_REGS_PARM4(ctx);
+    a.fn = fn;
+    ssl_pending.update(&id, &a);
+    return 0;
+}
+
+// Finds the connection an SSL* belongs to; 0 if none is tracked.
+static __always_inline struct conn_info *ssl_conn(struct ssl_args *a, u64 id,
+                                                  struct conn_key *k) {
+    u64 ssl = (u64)a->ssl;
+    u32 *fdp = ssl_fd.lookup(&ssl);
+    u64 tid = (u32)id;
+    // Memory BIOs: no socket call inside libssl; the ciphertext was read
+    // just before on this thread. A handshake always rebinds (SSL* reuse).
+    if (!a->bound_in_call && (!fdp || a->fn == SSL_FN_HANDSHAKE)) {
+        u32 *last = thread_last_fd.lookup(&tid);
+        if (!last)
+            return 0;
+        u32 fd = *last;
+        ssl_fd.update(&ssl, &fd);
+        fdp = ssl_fd.lookup(&ssl);
+    }
+    if (!fdp)
+        return 0;
+    k->tgid = id >> 32;
+    k->fd = *fdp;
+    return conns.lookup(k);
+}
+
+static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct ssl_args *ap = ssl_pending.lookup(&id);
+    if (!ap || ap->fn != fn)
+        return 0;
+    struct ssl_args a = *ap;
+    ssl_pending.delete(&id);
+    long ret = PT_REGS_RC(ctx);
+    struct conn_key k = {};
+    struct conn_info *ci = ssl_conn(&a, id, &k);
+    if (!ci)
+        return 0;
+    if (!ci->tls)
+        ci->tls = 1;
+
+    u64 now = bpf_ktime_get_ns();
+    if (fn == SSL_FN_HANDSHAKE) {
+        if (ret != 1)
+            return 0;
+        struct event *e = new_event(EV_TLS_DONE, k.tgid, k.fd, ci, now);
+        if (e)
+            submit(e, 0);
+        return 0;
+    }
+    u32 n = 0;
+    if (fn == SSL_FN_READ_EX || fn == SSL_FN_WRITE_EX) {
+        size_t moved = 0;
+        if (ret != 1 || !a.len_out || bpf_probe_read_user(&moved, sizeof(moved), a.len_out) != 0)
+            return 0;
+        n = moved;
+    } else {
+        if (ret <= 0)
+            return 0;
+        n = ret;
+    }
+    u8 dir = (fn == SSL_FN_READ || fn == SSL_FN_READ_EX) ? DIR_READ : DIR_WRITE;
+    struct event *e = new_event(EV_DATA, k.tgid, k.fd, ci, dir == DIR_READ ? now : a.enter_ns);
+    if (!e)
+        return 0;
+    e->dir = dir;
+    e->tls = 1;
+    e->ret = n;
+    e->total_len = n;
+    u32 len = capture_flat(e, a.buf, n);
+    submit(e, len);
+    return 0;
+}
+
+int uprobe_ssl_read(struct pt_regs *ctx) { return ssl_enter(ctx, SSL_FN_READ); }
+int uretprobe_ssl_read(struct pt_regs *ctx) { return ssl_exit(ctx, SSL_FN_READ); }
+int uprobe_ssl_read_ex(struct pt_regs *ctx) { return ssl_enter(ctx, SSL_FN_READ_EX); }
+int uretprobe_ssl_read_ex(struct pt_regs *ctx) { return ssl_exit(ctx, SSL_FN_READ_EX); }
+int uprobe_ssl_write(struct pt_regs *ctx) { return ssl_enter(ctx, SSL_FN_WRITE); }
+int uretprobe_ssl_write(struct pt_regs *ctx) { return ssl_exit(ctx, SSL_FN_WRITE); }
+int uprobe_ssl_write_ex(struct pt_regs *ctx) { return ssl_enter(ctx, SSL_FN_WRITE_EX); }
+int uretprobe_ssl_write_ex(struct pt_regs *ctx) { return ssl_exit(ctx, SSL_FN_WRITE_EX); }
+int uprobe_ssl_handshake(struct pt_regs *ctx) { return ssl_enter(ctx, SSL_FN_HANDSHAKE); }
+int uretprobe_ssl_handshake(struct pt_regs *ctx) { return ssl_exit(ctx, SSL_FN_HANDSHAKE); }
+
+// ---------------------------------------------------------------- processes
+
+// Children of target processes are targets too (pre-fork servers: nginx
+// workers, gunicorn).
+TRACEPOINT_PROBE(sched, sched_process_fork) {
+    u32 parent = args->parent_pid;
+    if (!target_tgids.lookup(&parent))
+        return 0;
+    u32 child = args->child_pid;
+    u8 one = 1;
+    target_tgids.update(&child, &one);
+    return 0;
+}
+
+// A newly executed program whose path is a target executable becomes a target.
+TRACEPOINT_PROBE(sched, sched_process_exec) {
+    int slot = CFG_EXE_PATHS;
+    u32 *npaths = config.lookup(&slot);
+    if (!npaths || !*npaths)
+        return 0;
+    int zero = 0;
+    struct event *e = scratch.lookup(&zero);
+    if (!e)
+        return 0;
+    // Borrow the scratch event's data area for the path.
+    char *name = (char *)e->data;
+    unsigned short loc = args->data_loc_filename & 0xFFFF;
+    if (bpf_probe_read_kernel_str(name, EXE_PATH_LEN, (void *)args + loc) < 0)
+        return 0;
+    for (int p = 0; p < MAX_EXE_PATHS; p++) {
+        if (p >= *npaths)
+            break;
+        int idx = p;
+        struct exe_path *want = exe_paths.lookup(&idx);
+        if (!want)
+            continue;
+        int same = 1;
+        for (int i = 0; i < EXE_PATH_LEN; i++) {
+            if (want->path[i] != name[i]) {
+                same = 0;
+                break;
+            }
+            if (want->path[i] == 0)
+                break;
+        }
+        if (!same)
+            continue;
+        u32 tgid = bpf_get_current_pid_tgid() >> 32;
+        u8 one = 1;
+        target_tgids.update(&tgid, &one);
+        struct conn_info none = {};
+        e = new_event(EV_EXEC, tgid, 0, &none, bpf_ktime_get_ns());
+        if (!e)
+            return 0;
+        bpf_get_current_comm(e->comm, sizeof(e->comm));
+        submit(e, 0);
+        return 0;
+    }
+    return 0;
+}

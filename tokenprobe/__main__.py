@@ -1,0 +1,3 @@
+from tokenprobe.agent.cli import main
+
+raise SystemExit(main())
