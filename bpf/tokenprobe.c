@@ -419,8 +419,13 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
 
 // ---------------------------------------------------------------- plain I/O
 
+#define MSG_PEEK_FLAG 2
+
 static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *iov,
-                                    u32 iovcnt, u8 dir) {
+                                    u32 iovcnt, u8 dir, u32 flags) {
+    // A peek leaves the bytes queued: they are read again, and counted then.
+    if (flags & MSG_PEEK_FLAG)
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
     struct conn_key k = {.tgid = id >> 32, .fd = fd};
     struct conn_info *ci = conns.lookup(&k);
@@ -484,42 +489,42 @@ static __always_inline int io_exit(long ret) {
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_read) {
-    return io_enter(args->fd, (const u8 *)args->buf, 0, 0, DIR_READ);
+    return io_enter(args->fd, (const u8 *)args->buf, 0, 0, DIR_READ, 0);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom) {
-    return io_enter(args->fd, (const u8 *)args->ubuf, 0, 0, DIR_READ);
+    return io_enter(args->fd, (const u8 *)args->ubuf, 0, 0, DIR_READ, args->flags);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_readv) {
-    return io_enter(args->fd, 0, (const struct iovec *)args->vec, args->vlen, DIR_READ);
+    return io_enter(args->fd, 0, (const struct iovec *)args->vec, args->vlen, DIR_READ, 0);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) {
     struct user_msghdr m = {};
     if (bpf_probe_read_user(&m, sizeof(m), args->msg) != 0)
         return 0;
-    return io_enter(args->fd, 0, m.msg_iov, m.msg_iovlen, DIR_READ);
+    return io_enter(args->fd, 0, m.msg_iov, m.msg_iovlen, DIR_READ, args->flags);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_write) {
-    return io_enter(args->fd, (const u8 *)args->buf, 0, 0, DIR_WRITE);
+    return io_enter(args->fd, (const u8 *)args->buf, 0, 0, DIR_WRITE, 0);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_sendto) {
-    return io_enter(args->fd, (const u8 *)args->buff, 0, 0, DIR_WRITE);
+    return io_enter(args->fd, (const u8 *)args->buff, 0, 0, DIR_WRITE, 0);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_writev) {
-    return io_enter(args->fd, 0, (const struct iovec *)args->vec, args->vlen, DIR_WRITE);
+    return io_enter(args->fd, 0, (const struct iovec *)args->vec, args->vlen, DIR_WRITE, 0);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg) {
     struct user_msghdr m = {};
     if (bpf_probe_read_user(&m, sizeof(m), args->msg) != 0)
         return 0;
-    return io_enter(args->fd, 0, m.msg_iov, m.msg_iovlen, DIR_WRITE);
+    return io_enter(args->fd, 0, m.msg_iov, m.msg_iovlen, DIR_WRITE, 0);
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args->ret); }
 
@@ -575,7 +580,7 @@ static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
         return 0;
     struct ssl_args a = *ap;
     ssl_pending.delete(&id);
-    long ret = PT_REGS_RC(ctx);
+    int ret = (int)PT_REGS_RC(ctx); // every probed SSL_* returns int
     struct conn_key k = {};
     struct conn_info *ci = ssl_conn(&a, id, &k);
     if (!ci)
