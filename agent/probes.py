@@ -178,6 +178,52 @@ def libssl_paths(pids: Iterable[int] | None = None) -> list[str]:
     return list(found.values())
 
 
+def listening_sockets(ports: set[int]) -> dict[tuple[int, int], int]:
+    """(pid, fd) → port for every socket listening on one of `ports`, in
+    every network namespace (each process's /proc/PID/net shows its own)."""
+    if not ports:
+        return {}
+    inode_port: dict[str, int] = {}
+    seen_netns: set[str] = set()
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    for pid in pids:
+        try:
+            netns = os.readlink(f"/proc/{pid}/ns/net")
+        except OSError:
+            continue
+        if netns in seen_netns:
+            continue
+        seen_netns.add(netns)
+        for table in ("tcp", "tcp6"):
+            try:
+                with open(f"/proc/{pid}/net/{table}") as f:
+                    next(f)
+                    for line in f:
+                        cols = line.split()
+                        if len(cols) > 9 and cols[3] == "0A":  # TCP_LISTEN
+                            port = int(cols[1].rsplit(":", 1)[1], 16)
+                            if port in ports:
+                                inode_port[f"socket:[{cols[9]}]"] = port
+            except (OSError, StopIteration):
+                continue
+    found: dict[tuple[int, int], int] = {}
+    if not inode_port:
+        return found
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                port = inode_port.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                continue
+            if port is not None:
+                found[(int(pid), int(fd))] = port
+    return found
+
+
 def _bpf_class():
     try:
         from bcc import BPF  # Debian's python3-bpfcc, linked into the venv
@@ -246,8 +292,15 @@ class Probes:
         self.bpf["target_tgids"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
 
     def rescan_processes(self) -> list[int]:
-        """Adds running processes of target executables (started before us,
-        or exec'd through a path the kernel-side match did not know)."""
+        """Tells the kernel about listening sockets of target ports and
+        running processes of target executables that it cannot have seen
+        (started before us, forked workers, exec'd through another path)."""
+        listeners, listener_tgids = self.bpf["listeners"], self.bpf["listener_tgids"]
+        for (pid, fd), port in listening_sockets(set(self.targets.ports)).items():
+            key = listeners.Key()
+            key.tgid, key.fd = pid, fd
+            listeners[key] = ctypes.c_uint16(port)
+            listener_tgids[ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
         if not self.targets.exes:
             return []
         wanted = set()

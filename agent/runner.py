@@ -59,6 +59,7 @@ class AgentConfig:
     ringbuf_pages: int = 4096
     status: bool = True
     on_row: Callable[[dict], None] | None = None   # e.g. the demo's live lines
+    on_ready: Callable[[], None] | None = None     # called once the probes are attached
 
 
 @dataclass
@@ -133,6 +134,11 @@ class Agent:
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
             forget_connection=probes.forget_connection)
         probes.open(tracker.handle)
+        t = cfg.targets
+        log.info("tracing ports %s pids %s exes %s; libssl probed: %s", t.ports or "-", t.pids or "-",
+                 t.exes or "-", ", ".join(probes.attached_ssl) or "none")
+        if cfg.on_ready:
+            cfg.on_ready()
         previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         status = StatusLine() if cfg.status else None
         started = time.monotonic()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import ipaddress
 import logging
 import os
 import socket
@@ -119,14 +120,16 @@ class ConnectionTracker:
         if old is not None:  # the fd was reused and its close() was not seen
             self._finish(old, old.assembler.close(ev.ts_ns, "server_closed"))
         if ev.role != ROLE_CLIENT and ev.local_port == 0:
-            port = local_port_of(ev.tgid, ev.fd)
-            if port is None or (self.target_ports and port not in self.target_ports
-                                and ev.tgid not in self.target_pids):
+            # The kernel could not name the port (see accept_exit in the BPF
+            # program): read it, and the peer, from /proc.
+            endpoints = socket_endpoints(ev.tgid, ev.fd)
+            if endpoints is None or (self.target_ports and endpoints[0] not in self.target_ports
+                                     and ev.tgid not in self.target_pids):
                 self.stats.dropped_connections += 1
                 if self.forget_connection:
                     self.forget_connection(ev.tgid, ev.fd)
                 return
-            ev.local_port = port
+            ev.local_port, ev.peer_addr, ev.peer_port = endpoints
         self._new_connection(ev, accept_seen=True)
 
     def _connection_for(self, ev: KernelEvent) -> Connection:
@@ -258,8 +261,21 @@ def _comm_of(tgid: int) -> str:
         return ""
 
 
-def local_port_of(tgid: int, fd: int) -> int | None:
-    """The local TCP port of a process's socket fd, from /proc; None if gone."""
+def _proc_net_address(hex_addr: str) -> tuple[str, int]:
+    """'0100007F:1F40' (or the 32-digit IPv6 form) → ('127.0.0.1', 8000)."""
+    host, port = hex_addr.rsplit(":", 1)
+    raw = bytes.fromhex(host)
+    # /proc prints each 32-bit word in host (little-endian) order.
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    addr = ipaddress.ip_address(raw)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+        addr = addr.ipv4_mapped
+    return str(addr), int(port, 16)
+
+
+def socket_endpoints(tgid: int, fd: int) -> tuple[int, str, int] | None:
+    """(local port, peer address, peer port) of a process's TCP socket fd,
+    from /proc; None if the socket is gone or not TCP."""
     try:
         link = os.readlink(f"/proc/{tgid}/fd/{fd}")
     except OSError:
@@ -274,7 +290,9 @@ def local_port_of(tgid: int, fd: int) -> int | None:
                 for line in f:
                     cols = line.split()
                     if len(cols) > 9 and cols[9] == inode:
-                        return int(cols[1].rsplit(":", 1)[1], 16)
-        except OSError:
+                        _, local_port = _proc_net_address(cols[1])
+                        peer_addr, peer_port = _proc_net_address(cols[2])
+                        return local_port, peer_addr, peer_port
+        except (OSError, StopIteration):
             continue
     return None

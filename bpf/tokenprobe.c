@@ -115,7 +115,7 @@ struct accept_args {
     u32 listen_fd;
 };
 
-struct connect_args {
+struct sockaddr_args {
     struct sockaddr *addr;
     u32 fd;
 };
@@ -149,9 +149,16 @@ BPF_TABLE("lru_hash", u32, u8, active_tgids, 16384);
 // back at accept() to learn which listening port the connection came in on.
 BPF_TABLE("lru_hash", struct peer_key, u16, passive_peers, 65536);
 
+// Listening sockets of target ports: (tgid, fd) → port. Filled from bind()
+// here and from /proc by the agent (sockets bound before it started, and
+// listening fds inherited by forked workers).
+BPF_HASH(listeners, struct conn_key, u16, 16384);
+BPF_HASH(bind_pending, u64, struct sockaddr_args, 4096);
+BPF_TABLE("lru_hash", u32, u8, listener_tgids, 16384);
+
 BPF_HASH(io_pending, u64, struct io_args, 16384);
 BPF_HASH(accept_pending, u64, struct accept_args, 4096);
-BPF_HASH(connect_pending, u64, struct connect_args, 4096);
+BPF_HASH(connect_pending, u64, struct sockaddr_args, 4096);
 BPF_HASH(ssl_pending, u64, struct ssl_args, 16384);
 // SSL* → fd, learnt from socket syscalls made inside libssl calls (socket
 // BIOs: nginx, CPython's ssl), or from the thread's last socket read
@@ -306,29 +313,43 @@ static __always_inline int accept_enter(int fd, struct sockaddr *addr) {
 
 static __always_inline int accept_exit(long ret) {
     u64 id = bpf_get_current_pid_tgid();
+    struct accept_args saved = {};
     struct accept_args *a = accept_pending.lookup(&id);
-    if (!a)
-        return 0;
-    struct accept_args saved = *a;
-    accept_pending.delete(&id);
+    if (a) {
+        saved = *a;
+        accept_pending.delete(&id);
+    }
     if (ret < 0)
         return 0;
-
     u32 tgid = id >> 32;
     struct conn_info ci = {};
     ci.accept_ns = bpf_ktime_get_ns();
     ci.role = ROLE_SERVER;
-    int known_peer = read_sockaddr(saved.addr, ci.peer_addr, &ci.peer_port);
-    if (known_peer) {
-        struct peer_key pk = {};
-        __builtin_memcpy(pk.addr, ci.peer_addr, 16);
-        pk.port = ci.peer_port;
-        u16 *lport = passive_peers.lookup(&pk);
-        if (lport) {
-            ci.local_port = *lport;
-            passive_peers.delete(&pk);
+    if (a) {
+        if (read_sockaddr(saved.addr, ci.peer_addr, &ci.peer_port)) {
+            struct peer_key pk = {};
+            __builtin_memcpy(pk.addr, ci.peer_addr, 16);
+            pk.port = ci.peer_port;
+            u16 *lport = passive_peers.lookup(&pk);
+            if (lport) {
+                ci.local_port = *lport;
+                passive_peers.delete(&pk);
+            }
+        }
+        // accept() can return before the new socket's state change is
+        // traced (another CPU finishes the handshake): the listener names
+        // the port then.
+        if (!ci.local_port) {
+            struct conn_key lk = {.tgid = tgid, .fd = saved.listen_fd};
+            u16 *lport = listeners.lookup(&lk);
+            if (lport)
+                ci.local_port = *lport;
         }
     }
+    // Without the entry (a thread already blocked in accept() when the
+    // probes attached) neither peer nor port is known here: keep the
+    // connection if this process listens on a target port and let the agent
+    // read both from /proc.
     int wanted = target_tgids.lookup(&tgid) != 0;
     if (!wanted && ci.local_port)
         wanted = target_ports.lookup(&ci.local_port) != 0;
@@ -336,7 +357,7 @@ static __always_inline int accept_exit(long ret) {
     // connection if this process already serves a target port; the agent
     // resolves the port from /proc and drops it if it is not a target.
     if (!wanted && !ci.local_port)
-        wanted = active_tgids.lookup(&tgid) != 0;
+        wanted = listener_tgids.lookup(&tgid) != 0 || active_tgids.lookup(&tgid) != 0;
     if (!wanted)
         return 0;
 
@@ -362,6 +383,33 @@ TRACEPOINT_PROBE(syscalls, sys_enter_accept) {
 }
 TRACEPOINT_PROBE(syscalls, sys_exit_accept) { return accept_exit(args->ret); }
 
+TRACEPOINT_PROBE(syscalls, sys_enter_bind) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct sockaddr_args a = {.addr = (struct sockaddr *)args->umyaddr, .fd = args->fd};
+    bind_pending.update(&id, &a);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_bind) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct sockaddr_args *a = bind_pending.lookup(&id);
+    if (!a)
+        return 0;
+    struct sockaddr_args saved = *a;
+    bind_pending.delete(&id);
+    if (args->ret != 0)
+        return 0;
+    u8 addr[16];
+    u16 port = 0;
+    if (!read_sockaddr(saved.addr, addr, &port) || !target_ports.lookup(&port))
+        return 0;
+    struct conn_key k = {.tgid = id >> 32, .fd = saved.fd};
+    listeners.update(&k, &port);
+    u8 one = 1;
+    listener_tgids.update(&k.tgid, &one);
+    return 0;
+}
+
 TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
     int zero = CFG_TRACK_OUTBOUND;
     u32 *outbound = config.lookup(&zero);
@@ -371,17 +419,17 @@ TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
     u32 tgid = id >> 32;
     if (!target_tgids.lookup(&tgid))
         return 0;
-    struct connect_args a = {.addr = (struct sockaddr *)args->uservaddr, .fd = args->fd};
+    struct sockaddr_args a = {.addr = (struct sockaddr *)args->uservaddr, .fd = args->fd};
     connect_pending.update(&id, &a);
     return 0;
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_connect) {
     u64 id = bpf_get_current_pid_tgid();
-    struct connect_args *a = connect_pending.lookup(&id);
+    struct sockaddr_args *a = connect_pending.lookup(&id);
     if (!a)
         return 0;
-    struct connect_args saved = *a;
+    struct sockaddr_args saved = *a;
     connect_pending.delete(&id);
     // Non-blocking sockets report EINPROGRESS and complete later.
     if (args->ret != 0 && args->ret != -115)

@@ -1,0 +1,14 @@
+# Both targets install what they need first (as root, on Debian 12).
+.PHONY: install demo test bench
+
+install:
+	./scripts/install.sh
+
+demo: install
+	.venv/bin/tokenprobe demo
+
+test: install
+	.venv/bin/python -m pytest -q -rs
+
+bench: install
+	.venv/bin/python benchmarks/bench_agent_overhead.py

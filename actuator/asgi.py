@@ -1,0 +1,189 @@
+"""ASGI middleware: the actuator's hook in front of a Python gateway's routes.
+
+For each completion request it reads the body (to estimate tokens), asks the
+``GatewayGuard``, and then either answers 429/503 with Retry-After itself,
+waits out a delay, or passes the request on untouched. When the response
+reports its token usage (the ``usage`` object of a JSON body or of the last
+SSE events — the upstream server's own count), the reservation is settled
+with it, so the tenant pays what the server counted, not what was guessed.
+
+    app = ActuatorMiddleware(proxy_app, GatewayGuard("127.0.0.1:50051", ClientAuth(bearer_token=...)),
+                             upstream="vllm-a")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from tokenprobe.actuator.gateway import (
+    DEFAULT_COMPLETION_TOKENS,
+    GatewayGuard,
+    estimate_request,
+    rejection_response,
+)
+
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# A JSON response bigger than this is passed through without reading its usage.
+MAX_JSON_RESPONSE_BYTES = 4 * 1024 * 1024
+MAX_LABEL_LENGTH = 256
+
+
+class ActuatorMiddleware:
+    def __init__(
+        self,
+        app,
+        guard: GatewayGuard,
+        *,
+        upstream: str,
+        tenant_header: str = "x-tenant-id",
+        default_tenant: str = "",
+        paths: frozenset[str] = COMPLETION_PATHS,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        default_completion_tokens: int = DEFAULT_COMPLETION_TOKENS,
+    ):
+        self._app = app
+        self._guard = guard
+        self._upstream = upstream
+        self._tenant_header = tenant_header.lower().encode("latin-1")
+        self._default_tenant = default_tenant
+        self._paths = paths
+        self._max_body_bytes = max_body_bytes
+        self._default_completion_tokens = default_completion_tokens
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self._paths:
+            await self._app(scope, receive, send)
+            return
+        received, body = await _read_body(receive, self._max_body_bytes)
+        # A body cut at the limit is not JSON: it is then estimated from its size.
+        estimate = estimate_request(body, self._default_completion_tokens)
+        verdict = await self._guard.check_async(self._upstream, estimate.model[:MAX_LABEL_LENGTH],
+                                                self._tenant(scope), estimate.estimated_tokens)
+        if not verdict.allowed:
+            status, headers, payload = rejection_response(verdict)
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]})
+            await send({"type": "http.response.body", "body": payload, "more_body": False})
+            return
+        if verdict.delay_s > 0:
+            await asyncio.sleep(verdict.delay_s)
+        if verdict.reservation_id:
+            send = _settling_send(send, self._guard, verdict.reservation_id)
+        await self._app(scope, _replay(received, receive), send)
+
+    def _tenant(self, scope) -> str:
+        for name, value in scope.get("headers", ()):
+            if name.lower() == self._tenant_header:
+                return value.decode("latin-1").strip()[:MAX_LABEL_LENGTH]
+        return self._default_tenant
+
+
+async def _read_body(receive, limit: int) -> tuple[list[dict], bytes]:
+    """Read the request body, stopping once more than `limit` bytes came.
+
+    Returns the messages read (to replay to the app) and the body bytes read.
+    """
+    received: list[dict] = []
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        received.append(message)
+        if message["type"] != "http.request":  # the client went away
+            return received, b"".join(chunks)
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        if not message.get("more_body", False) or size > limit:
+            return received, b"".join(chunks)
+
+
+def _replay(received: list[dict], receive):
+    """A receive() that first hands back what the middleware read, then reads on."""
+    pending = list(received)
+
+    async def replaying_receive():
+        if pending:
+            return pending.pop(0)
+        return await receive()
+    return replaying_receive
+
+
+def _settling_send(send, guard: GatewayGuard, reservation_id: str):
+    scanner = UsageScanner()
+
+    async def settling_send(message):
+        if message["type"] == "http.response.start":
+            scanner.start(dict(message.get("headers", ())).get(b"content-type", b""))
+        elif message["type"] == "http.response.body":
+            scanner.feed(message.get("body", b""))
+            if not message.get("more_body", False):
+                observed = scanner.total_tokens()
+                if observed is not None:
+                    guard.settle(reservation_id, observed)
+        await send(message)
+    return settling_send
+
+
+class UsageScanner:
+    """Finds the token usage in an OpenAI-style response, JSON or SSE.
+
+    It reads the stream as it passes and keeps only the usage figures (and,
+    for SSE, the current partial line): no response text is retained.
+    """
+
+    def __init__(self) -> None:
+        self._sse = False
+        self._partial = b""
+        self._json_body: list[bytes] | None = []
+        self._json_size = 0
+        self._usage: dict | None = None
+
+    def start(self, content_type: bytes) -> None:
+        self._sse = content_type.split(b";")[0].strip().lower() == b"text/event-stream"
+
+    def feed(self, chunk: bytes) -> None:
+        if self._sse:
+            lines = (self._partial + chunk).split(b"\n")
+            self._partial = lines.pop()
+            for line in lines:
+                self._read_event_line(line.rstrip(b"\r"))
+        elif self._json_body is not None:
+            self._json_size += len(chunk)
+            if self._json_size > MAX_JSON_RESPONSE_BYTES:
+                self._json_body = None
+            else:
+                self._json_body.append(chunk)
+
+    def _read_event_line(self, line: bytes) -> None:
+        if not line.startswith(b"data:") or b'"usage"' not in line:
+            return
+        self._take_usage(line[5:])
+
+    def _take_usage(self, document: bytes) -> None:
+        try:
+            parsed = json.loads(document)
+        except (ValueError, UnicodeDecodeError):
+            return
+        if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
+            self._usage = parsed["usage"]
+
+    def total_tokens(self) -> int | None:
+        """prompt + completion tokens as the server reported them, None if it did not."""
+        if not self._sse and self._json_body:
+            self._take_usage(b"".join(self._json_body))
+        if self._usage is None:
+            return None
+        total = self._usage.get("total_tokens")
+        if _is_count(total):
+            return total
+        prompt, completion = self._usage.get("prompt_tokens"), self._usage.get("completion_tokens")
+        if _is_count(prompt) and _is_count(completion):
+            return prompt + completion
+        return None
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

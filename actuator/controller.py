@@ -1,0 +1,378 @@
+"""From per-window figures to actuator decisions, and their record in ClickHouse.
+
+``Controller`` is pure: the analytics side hands it one ``WindowFigures`` per
+upstream per window (rate, p99 TTFT, the knee, the baseline, the tokens each
+tenant really used as the agent saw them) and gets back the decisions to push
+— at most one per target per window, each with its reason and evidence:
+
+- Overloaded (rate past capacity × 0.8 AND p99 past baseline × 2.5) for 3
+  windows: the upstream's breaker opens, then recovers step by step (see
+  ``breaker``). A CLOSED decision is pushed once when it recovers.
+- Over capacity with healthy latency: throttle, not break. The upstream's
+  token capacity is shared max-min fairly: every tenant using more than the
+  fair level L gets a token budget of L tokens/s, so light tenants are not
+  touched and heavy ones share what is left equally.
+- Back under capacity: budgets are raised by ``budget_recovery_factor`` each
+  window (no slamming) and left to lapse once they no longer bind.
+- No figures (no knee or baseline yet, no traffic): nothing new is pushed and
+  whatever is in force lapses at its expiry.
+
+``DecisionPublisher`` pushes decisions over gRPC and ``DecisionRecorder``
+writes every one, with its evidence and how the actuator took it, to
+``tokenprobe.decisions``.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from tokenprobe.actuator import wire
+from tokenprobe.actuator.auth import ClientAuth
+from tokenprobe.actuator.breaker import Breaker, BreakerPolicy, BreakerStatus, Pressure, UpstreamWindow
+from tokenprobe.actuator.decisions import (
+    BreakerAction,
+    BreakerState,
+    Decision,
+    Evidence,
+    Target,
+    TokenBudgetAction,
+)
+from tokenprobe.actuator.v1 import actuator_pb2 as pb
+from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
+from tokenprobe.agent import schema
+
+
+@dataclass(frozen=True)
+class ControllerPolicy:
+    window_s: float = 5.0
+    # Decisions live this many windows unless renewed: a controller that
+    # stops leaves the gateways at normal within that time.
+    decision_ttl_windows: int = 3
+    breaker: BreakerPolicy = BreakerPolicy()
+    burst_seconds: float = 2.0  # a budget's bucket holds this many seconds of its rate
+    max_delay_s: float = 0.5
+    budget_recovery_factor: float = 1.5
+    issuer: str = "tokenprobe-controller"
+
+    def __post_init__(self) -> None:
+        if not self.window_s > 0 or self.decision_ttl_windows < 2:
+            raise ValueError("window_s must be > 0 and decision_ttl_windows >= 2 (renewal needs a window of slack)")
+        if not self.burst_seconds > 0 or self.max_delay_s < 0 or not self.budget_recovery_factor > 1:
+            raise ValueError("burst_seconds must be > 0, max_delay_s >= 0, budget_recovery_factor > 1")
+
+    @property
+    def ttl_s(self) -> float:
+        return self.window_s * self.decision_ttl_windows
+
+
+@dataclass(frozen=True)
+class WindowFigures:
+    """One upstream over one window, as the analytics measured it."""
+
+    upstream: str
+    window_end: float  # wall-clock seconds
+    request_rate: float  # requests/s
+    p99_ttft_s: float | None
+    knee_capacity_rps: float | None
+    baseline_p99_s: float | None
+    # prompt + completion tokens each tenant used in the window, server-side counts
+    tenant_tokens: Mapping[str, int] = field(default_factory=dict)
+    model: str = ""  # empty: the breaker covers every model on the upstream
+
+    @property
+    def health(self) -> UpstreamWindow:
+        return UpstreamWindow(self.request_rate, self.p99_ttft_s, self.knee_capacity_rps, self.baseline_p99_s)
+
+
+def fair_share_level(demands: Sequence[float], capacity: float) -> float:
+    """The per-tenant cap L with sum(min(d, L)) == capacity (max-min fairness); inf when all fit."""
+    if sum(demands) <= capacity:
+        return math.inf
+    remaining = capacity
+    ordered = sorted(demands)
+    for served, demand in enumerate(ordered):
+        level = remaining / (len(ordered) - served)
+        if demand >= level:
+            return level
+        remaining -= demand
+    raise AssertionError("unreachable: total demand exceeds capacity")
+
+
+class _UpstreamState:
+    def __init__(self, breaker_policy: BreakerPolicy):
+        self.breaker = Breaker(breaker_policy)
+        self.last_window_end = -math.inf
+        self.breaker_decision: Decision | None = None
+        self.budgets: dict[str, Decision] = {}  # tenant -> budget in force
+
+
+class Controller:
+    def __init__(self, policy: ControllerPolicy = ControllerPolicy()):
+        self.policy = policy
+        self._upstreams: dict[str, _UpstreamState] = {}
+
+    def decide(self, window: WindowFigures) -> list[Decision]:
+        """The decisions to push for this window: at most one per target."""
+        state = self._upstreams.setdefault(window.upstream, _UpstreamState(self.policy.breaker))
+        if window.window_end <= state.last_window_end:
+            raise ValueError(f"window ending {window.window_end} for {window.upstream!r} was already decided")
+        state.last_window_end = window.window_end
+        decisions = []
+        breaker_decision = self._decide_breaker(state, window)
+        if breaker_decision is not None:
+            decisions.append(breaker_decision)
+        decisions.extend(self._decide_budgets(state, window))
+        return decisions
+
+    # -- breaker -----------------------------------------------------------
+
+    def _decide_breaker(self, state: _UpstreamState, window: WindowFigures) -> Decision | None:
+        before = state.breaker.status
+        status = state.breaker.observe(window.health, window.window_end)
+        previous = state.breaker_decision
+        if status.state == BreakerState.CLOSED:
+            if previous is None or previous.action.state == BreakerState.CLOSED:
+                return None  # normal and already known to be: nothing to say
+            action = BreakerAction(BreakerState.CLOSED)
+            # Pushed once: the closed state needs no renewal, lapsing is the same as closed.
+        elif status.state == BreakerState.OPEN:
+            action = BreakerAction(BreakerState.OPEN, cooldown_s=self.policy.breaker.cooldown_s,
+                                   probe_share=self.policy.breaker.recovery_shares[0])
+        else:
+            action = BreakerAction(BreakerState.HALF_OPEN, admitted_share=status.admitted_share)
+        if previous is not None and previous.action == action and not self._due_for_renewal(previous, window):
+            return None
+        # An OPEN decision's cool-down runs from its issued_at: renewals keep it.
+        issued_at = status.opened_at if status.state == BreakerState.OPEN else window.window_end
+        expires_at = window.window_end + self.policy.ttl_s
+        if status.state == BreakerState.OPEN:
+            expires_at = max(expires_at, issued_at + self.policy.breaker.cooldown_s + self.policy.ttl_s)
+        decision = Decision(
+            target=Target(upstream=window.upstream, model=window.model),
+            action=action,
+            issued_at=issued_at,
+            expires_at=expires_at,
+            reason=_breaker_reason(before, status, window, self.policy.breaker),
+            evidence=_health_evidence(window, self.policy.breaker),
+            issuer=self.policy.issuer,
+            id=uuid.uuid4().hex,
+        )
+        state.breaker_decision = decision
+        return decision
+
+    def _due_for_renewal(self, decision: Decision, window: WindowFigures) -> bool:
+        # Renew while at least one window of life is left, so the next window's
+        # push (if any) never comes after the lapse.
+        return decision.expires_at - window.window_end < 2 * self.policy.window_s
+
+    # -- token budgets -------------------------------------------------------
+
+    def _decide_budgets(self, state: _UpstreamState, window: WindowFigures) -> list[Decision]:
+        pressure = window.health.pressure(self.policy.breaker)
+        if pressure in (Pressure.OVER_CAPACITY, Pressure.OVERLOADED):
+            wanted = self._throttle(state, window)
+            reason = "over capacity: tenants above the fair share are held to it"
+        elif pressure == Pressure.NORMAL:
+            wanted = self._relax(state, window)
+            reason = "under capacity again: budget raised step by step"
+        elif pressure == Pressure.DAMAGED:
+            wanted = {tenant: d.action for tenant, d in state.budgets.items()}  # hold, do not loosen
+            reason = "latency damaged under capacity: budget held"
+        else:
+            return []  # no evidence: let what is in force lapse
+        decisions = []
+        for tenant, action in sorted(wanted.items()):
+            previous = state.budgets.get(tenant)
+            if previous is not None and previous.action == action and not self._due_for_renewal(previous, window):
+                continue
+            decision = Decision(
+                target=Target(upstream=window.upstream, tenant=tenant),
+                action=action,
+                issued_at=window.window_end,
+                expires_at=window.window_end + self.policy.ttl_s,
+                reason=reason,
+                evidence=(*_health_evidence(window, self.policy.breaker),
+                          Evidence("tenant_tokens_per_s", window.tenant_tokens.get(tenant, 0) / self.policy.window_s,
+                                   action.tokens_per_second, "tokens/s")),
+                issuer=self.policy.issuer,
+                id=uuid.uuid4().hex,
+            )
+            state.budgets[tenant] = decision
+            decisions.append(decision)
+        for tenant in set(state.budgets) - set(wanted):
+            del state.budgets[tenant]  # released: it lapses at its expiry
+        return decisions
+
+    def _throttle(self, state: _UpstreamState, window: WindowFigures) -> dict[str, TokenBudgetAction]:
+        # Anonymous traffic ('' tenant) cannot be budgeted apart from the rest.
+        demand = {t: tokens / self.policy.window_s for t, tokens in window.tenant_tokens.items() if t and tokens > 0}
+        requests = window.request_rate * self.policy.window_s
+        capacity_rps = window.health.capacity_threshold(self.policy.breaker)
+        if not demand or requests <= 0 or capacity_rps is None:
+            return {tenant: d.action for tenant, d in state.budgets.items()}
+        tokens_per_request = sum(window.tenant_tokens.values()) / requests
+        level = fair_share_level(list(demand.values()), capacity_rps * tokens_per_request)
+        throttled = {t for t, d in demand.items() if d > level} | set(state.budgets)
+        return {tenant: self._budget(level) for tenant in throttled} if math.isfinite(level) else {}
+
+    def _relax(self, state: _UpstreamState, window: WindowFigures) -> dict[str, TokenBudgetAction]:
+        relaxed = {}
+        for tenant, decision in state.budgets.items():
+            raised = decision.action.tokens_per_second * self.policy.budget_recovery_factor
+            used = window.tenant_tokens.get(tenant, 0) / self.policy.window_s
+            if used * self.policy.budget_recovery_factor < decision.action.tokens_per_second:
+                continue  # no longer binding: release
+            relaxed[tenant] = self._budget(raised)
+        return relaxed
+
+    def _budget(self, tokens_per_second: float) -> TokenBudgetAction:
+        rate = round(tokens_per_second, 3)  # stable values: equal budgets compare equal across windows
+        return TokenBudgetAction(tokens_per_second=rate, burst_tokens=round(rate * self.policy.burst_seconds, 3),
+                                 max_delay_s=self.policy.max_delay_s)
+
+
+def _health_evidence(window: WindowFigures, policy: BreakerPolicy) -> tuple[Evidence, ...]:
+    health = window.health
+    evidence = [Evidence("request_rate", window.request_rate, health.capacity_threshold(policy) or 0.0, "req/s")]
+    if window.p99_ttft_s is not None:
+        evidence.append(Evidence("p99_ttft", window.p99_ttft_s, health.latency_threshold(policy) or 0.0, "s"))
+    if window.knee_capacity_rps is not None:
+        evidence.append(Evidence("knee_capacity", window.knee_capacity_rps, 0.0, "req/s"))
+    if window.baseline_p99_s is not None:
+        evidence.append(Evidence("baseline_p99_ttft", window.baseline_p99_s, 0.0, "s"))
+    return tuple(evidence)
+
+
+def _breaker_reason(before: BreakerStatus, after: BreakerStatus, window: WindowFigures,
+                    policy: BreakerPolicy) -> str:
+    if after.state == BreakerState.OPEN and before.state != BreakerState.OPEN:
+        if before.state == BreakerState.HALF_OPEN:
+            return "probe window damaged: breaker re-opened"
+        return (f"overloaded for {policy.trip_windows} windows: rate {window.request_rate:.2f} req/s over "
+                f"{policy.capacity_factor:g} x knee and p99 TTFT over {policy.latency_factor:g} x baseline")
+    if after.state == BreakerState.HALF_OPEN:
+        return f"probing recovery: admitting {after.admitted_share:.0%}"
+    if after.state == BreakerState.CLOSED:
+        return "recovered: breaker closed"
+    return "breaker open: cooling down"
+
+
+# -- pushing and recording -------------------------------------------------------
+
+DECISIONS_TABLE = "decisions"
+DECISIONS_DDL = """CREATE TABLE IF NOT EXISTS {db}.decisions
+(
+    `issued_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `recorded_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `decision_id` String CODEC(ZSTD(1)),
+    `kind` LowCardinality(String) CODEC(ZSTD(1)),
+    `upstream` LowCardinality(String) CODEC(ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `tenant` LowCardinality(String) CODEC(ZSTD(1)),
+    `breaker_state` LowCardinality(String) CODEC(ZSTD(1)),
+    `admitted_share` Float64 CODEC(ZSTD(1)),
+    `cooldown_s` Float64 CODEC(ZSTD(1)),
+    `tokens_per_second` Float64 CODEC(ZSTD(1)),
+    `burst_tokens` Float64 CODEC(ZSTD(1)),
+    `reason` String CODEC(ZSTD(1)),
+    `evidence_name` Array(LowCardinality(String)) CODEC(ZSTD(1)),
+    `evidence_value` Array(Float64) CODEC(ZSTD(1)),
+    `evidence_threshold` Array(Float64) CODEC(ZSTD(1)),
+    `evidence_unit` Array(LowCardinality(String)) CODEC(ZSTD(1)),
+    `expires_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `issuer` LowCardinality(String) CODEC(ZSTD(1)),
+    `outcome` LowCardinality(String) CODEC(ZSTD(1)),
+    `outcome_detail` String CODEC(ZSTD(1))
+)
+ENGINE = MergeTree
+PARTITION BY toDate(issued_at)
+ORDER BY (upstream, issued_at)
+TTL toDateTime(issued_at) + INTERVAL {ttl_days} DAY"""
+
+schema.register_table(DECISIONS_TABLE, DECISIONS_DDL)
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    decision: Decision
+    outcome: str  # applied / refused / unreachable
+    detail: str = ""
+
+
+class DecisionPublisher:
+    """Pushes decisions to the actuator with ApplyDecision."""
+
+    def __init__(self, target: str, auth: ClientAuth, deadline_s: float = 2.0):
+        self._channel = auth.channel(target)
+        self._stub = pb_grpc.ActuatorStub(self._channel)
+        self._metadata = auth.metadata()
+        self._deadline_s = deadline_s
+
+    def publish(self, decisions: Sequence[Decision]) -> list[PushOutcome]:
+        outcomes = []
+        for decision in decisions:
+            request = pb.ApplyDecisionRequest(decision=wire.decision_to_proto(decision))
+            try:
+                response = self._stub.ApplyDecision(request, timeout=self._deadline_s, metadata=self._metadata)
+            except grpc.RpcError as error:
+                code = error.code()
+                unreachable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                outcomes.append(PushOutcome(decision, "unreachable" if unreachable else "refused",
+                                            f"{code.name}: {error.details()}"))
+                continue
+            stored = wire.decision_from_proto(response.decision)
+            outcomes.append(PushOutcome(replace(decision, expires_at=stored.expires_at), "applied"))
+        return outcomes
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def decision_row(outcome: PushOutcome, recorded_at: float) -> dict:
+    """The tokenprobe.decisions row for one pushed decision (timestamps in ns)."""
+    decision = outcome.decision
+    action = decision.action
+    is_breaker = isinstance(action, BreakerAction)
+    return {
+        "issued_at": _ns(decision.issued_at),
+        "recorded_at": _ns(recorded_at),
+        "decision_id": decision.id,
+        "kind": decision.kind,
+        "upstream": decision.target.upstream,
+        "model": decision.target.model,
+        "tenant": decision.target.tenant,
+        "breaker_state": action.state.name if is_breaker else "",
+        "admitted_share": action.admitted_share if is_breaker else 1.0,
+        "cooldown_s": action.cooldown_s if is_breaker else 0.0,
+        "tokens_per_second": 0.0 if is_breaker else action.tokens_per_second,
+        "burst_tokens": 0.0 if is_breaker else action.burst_tokens,
+        "reason": decision.reason,
+        "evidence_name": [e.name for e in decision.evidence],
+        "evidence_value": [e.value for e in decision.evidence],
+        "evidence_threshold": [e.threshold for e in decision.evidence],
+        "evidence_unit": [e.unit for e in decision.evidence],
+        "expires_at": _ns(decision.expires_at),
+        "issuer": decision.issuer,
+        "outcome": outcome.outcome,
+        "outcome_detail": outcome.detail,
+    }
+
+
+def _ns(seconds: float) -> int:
+    return int(round(seconds * 1e9))
+
+
+class DecisionRecorder:
+    """Writes pushed decisions to tokenprobe.decisions through the store."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def record(self, outcomes: Sequence[PushOutcome], recorded_at: float) -> None:
+        if outcomes:
+            self._store.insert_rows(DECISIONS_TABLE, [decision_row(o, recorded_at) for o in outcomes])

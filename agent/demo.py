@@ -1,0 +1,111 @@
+"""`tokenprobe demo`: the whole pipeline on one machine.
+
+The reference server and the load generator run as child processes, so the
+agent in this process observes them from the kernel exactly as it would a
+real inference server: no hooks, no shared state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tokenprobe.agent.probes import ProbeError, Targets
+from tokenprobe.agent.runner import Agent, AgentConfig
+
+
+def _ms(later: int | None, earlier: int | None) -> str:
+    if later is None or earlier is None:
+        return "     -"
+    return f"{(later - earlier) / 1e6:6.1f}"
+
+
+def request_line(row: dict) -> str:
+    """One request as a person reads it."""
+    return (f"{row['method']:<4} {row['path']:<22} {row['status']:>3}  "
+            f"ttft {_ms(row['first_token'], row['req_end'])} ms  "
+            f"total {_ms(row['resp_end'], row['req_start'])} ms  "
+            f"{row['token_events']:>3} tok  in flight {row['inflight_at_arrival']:>2}  "
+            f"{'tls ' if row['tls'] else ''}{row['outcome']}")
+
+
+class Totals:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rows: list[dict] = []
+
+    def add(self, row: dict) -> None:
+        with self.lock:
+            self.rows.append(row)
+        print(request_line(row), flush=True)
+
+    def summary(self) -> str:
+        rows = [r for r in self.rows if r["path"].startswith("/v1/")]
+        ttfts = sorted((r["first_token"] - r["req_end"]) / 1e6 for r in rows
+                       if r["first_token"] is not None and r["req_end"] is not None)
+        outcomes: dict[str, int] = {}
+        for r in rows:
+            outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+
+        def pct(q: float) -> str:
+            return f"{ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]:.1f}" if ttfts else "-"
+
+        return (f"{len(rows)} completions traced ({', '.join(f'{n} {o}' for o, n in sorted(outcomes.items()))}); "
+                f"server TTFT p50 {pct(0.5)} ms, p99 {pct(0.99)} ms; "
+                f"{sum(r['token_events'] for r in rows)} token events")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    workdir = Path(tempfile.mkdtemp(prefix="tokenprobe-demo-"))
+    server_cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(args.port),
+                  "--slots", str(args.slots), "--truth-log", str(workdir / "truth.jsonl"),
+                  "--log-level", "WARNING"]
+    if args.tls:
+        server_cmd.append("--tls-self-signed")
+    load_cmd = [sys.executable, "-m", "tokenprobe.refserver", "load", "--port", str(args.port),
+                "--rate", str(args.rate), "--duration", str(args.duration), "--quiet",
+                "--json", str(workdir / "load.json")]
+    if args.tls:
+        load_cmd.append("--tls")
+
+    print(f"demo: reference server on port {args.port} with {args.slots} slots, "
+          f"{args.rate:g} requests/s for {args.duration:g}s, store {args.store}", file=sys.stderr)
+    server = subprocess.Popen(server_cmd)
+    totals = Totals()
+    load: subprocess.Popen | None = None
+
+    def start_load() -> None:
+        nonlocal load
+        load = subprocess.Popen(load_cmd)
+        load.wait()
+        time.sleep(0.5)  # let the last responses' closing bytes reach the agent
+        agent.stop()
+
+    driver = threading.Thread(target=start_load, daemon=True)
+    agent = Agent(AgentConfig(targets=Targets(ports=[args.port]), store_url=args.store,
+                              status=False, on_row=totals.add, on_ready=driver.start))
+    try:
+        summary = agent.run()
+    except ProbeError as exc:
+        print(f"demo: {exc}\nRun 'tokenprobe doctor' for what works on this node.", file=sys.stderr)
+        return 1
+    finally:
+        if load is not None and load.poll() is None:
+            load.send_signal(signal.SIGINT)
+            load.wait(timeout=10)
+        server.terminate()
+        server.wait(timeout=10)
+
+    print(f"\ndemo: {totals.summary()}", file=sys.stderr)
+    print(f"demo: {summary.rows_written} rows in {args.store} "
+          f"({summary.drops} kernel events dropped). Query it with:\n"
+          f"  tokenprobe query --store {args.store} "
+          f"\"SELECT path, count(), quantile(0.5)(dateDiff('millisecond', req_end, first_token)) "
+          f"AS ttft_p50_ms FROM tokenprobe.requests GROUP BY path\"", file=sys.stderr)
+    return 0

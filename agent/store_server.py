@@ -1,0 +1,491 @@
+"""A ClickHouse-compatible HTTP interface over this process's embedded chDB engine.
+
+chDB lets one process own a data directory. The owner (normally the agent)
+runs this server so that every other process (dashboard, analytics CLI) reads
+and writes the same store through clickhouse-connect's ordinary HTTP client,
+exactly as it would talk to a ClickHouse server: one code path for both modes.
+
+It implements the part of ClickHouse's HTTP protocol that clickhouse-connect
+and curl use: ``GET /ping``; ``GET|POST /`` with the SQL in the ``query`` URL
+parameter and/or the body (concatenated, as ClickHouse does), ``database``,
+``default_format``, ``param_<name>`` bind parameters, multipart form fields,
+gzip/deflate/lz4/zstd request bodies, and ``INSERT ... FORMAT <fmt>`` followed
+by data in any input format chDB reads (Native, Arrow, RowBinary, TSV, ...).
+Other URL parameters that name a ClickHouse setting are applied to the
+request's own session; the rest are HTTP-transport options and are ignored.
+Each request runs on its own chDB connection handle, so ``USE`` and ``SET``
+never leak between requests or into the owner's session. There are no
+server-side sessions (``session_id`` is ignored) and no external data.
+
+Clients authenticate with the token the owner published, sent as the password
+(basic auth, ``X-ClickHouse-Key``, the ``password`` parameter) or as a bearer
+token. Anyone holding the token has the owner's rights over the store.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import email.parser
+import email.policy
+import gzip
+import hmac
+import json
+import logging
+import os
+import re
+import socket
+import tempfile
+import threading
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qsl, urlsplit
+
+import chdb
+
+logger = logging.getLogger(__name__)
+
+# ClickHouse error codes used for failures this server detects itself.
+_BAD_ARGUMENTS = 36
+_UNKNOWN_COMPRESSION_METHOD = 89
+_ABORTED = 236
+_AUTHENTICATION_FAILED = 516
+_ERROR_NAMES = {
+    _BAD_ARGUMENTS: "BAD_ARGUMENTS",
+    _UNKNOWN_COMPRESSION_METHOD: "UNKNOWN_COMPRESSION_METHOD",
+    _ABORTED: "ABORTED",
+    _AUTHENTICATION_FAILED: "AUTHENTICATION_FAILED",
+}
+# Code 1001 (STD_EXCEPTION) is what ClickHouse reports when an error has no code of its own.
+_UNKNOWN_ERROR_CODE = 1001
+
+# A batch insert of 100k wide rows is tens of MiB; this cap only stops a
+# runaway client from exhausting the owner's memory.
+MAX_BODY_BYTES = 1 << 30
+
+# Parameters that steer the HTTP exchange itself, never the engine.
+_TRANSPORT_PARAMETERS = frozenset(
+    {
+        "query", "database", "default_format", "user", "password", "query_id", "quota_key",
+        "session_id", "session_timeout", "session_check", "compress", "decompress", "buffer_size",
+        "wait_end_of_query", "client_protocol_version", "role",
+    }
+)
+# chDB's Python API turns these "formats" into Python objects instead of bytes.
+_PYTHON_ONLY_FORMATS = frozenset({"dataframe", "datastore", "arrowtable"})
+_FORMAT_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
+_CODE_IN_MESSAGE = re.compile(r"\bCode:\s*(\d+)")
+_TRAILING_FORMAT = re.compile(r"\bFORMAT\s++(\w++)\s*+;?\s*+$", re.IGNORECASE)
+_LEADING_COMMENTS = r"(?:\s|--[^\n]*(?:\n|$)|/\*.*?\*/)*"
+# Statements whose answer is a result set; ClickHouse announces its format for them.
+_RESULT_STATEMENT = re.compile(
+    _LEADING_COMMENTS + r"(?:SELECT|WITH|SHOW|DESC|DESCRIBE|EXPLAIN|EXISTS|CHECK)\b", re.IGNORECASE | re.DOTALL
+)
+# `INSERT INTO t [(cols)] [SETTINGS ...] FORMAT f` followed by data. ClickHouse
+# starts the data after the format name, its trailing blanks and at most one
+# newline. Matched on bytes: the data may be binary. Possessive quantifiers
+# keep matching linear: a client cannot make it backtrack over long blanks.
+_INSERT_WITH_DATA = re.compile(
+    rb"\s*+INSERT\s++INTO\s++(?:TABLE\s++)?"
+    rb"(?P<table>(?:`[^`]*+`|\"[^\"]*+\"|[\w.])++)\s*+"
+    rb"(?P<columns>\([^()]*+\))?\s*+"
+    rb"(?:SETTINGS\s++(?P<settings>(?:[^;\s]++|\s++(?!FORMAT\s))*+)\s++)?"
+    rb"FORMAT\s++(?P<format>\w++)[ \t\f]*+(?:\r?\n)?",
+    re.IGNORECASE,
+)
+# The statement part of an insert is short; never scan megabytes of data for it.
+_MAX_INSERT_HEAD_BYTES = 256 * 1024
+
+_CONTENT_TYPES = (
+    ("TabSeparated", "text/tab-separated-values; charset=UTF-8"),
+    ("TSV", "text/tab-separated-values; charset=UTF-8"),
+    ("CSV", "text/csv; charset=UTF-8"),
+    ("JSON", "application/json; charset=UTF-8"),
+    ("Pretty", "text/plain; charset=UTF-8"),
+)
+
+
+class ClickHouseHTTPError(Exception):
+    """An error reported to the client the way ClickHouse reports it."""
+
+    def __init__(self, code: int, message: str, status: int = HTTPStatus.INTERNAL_SERVER_ERROR):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+
+    @classmethod
+    def from_engine(cls, error: Exception) -> ClickHouseHTTPError:
+        message = str(error).strip()
+        # chDB prefixes engine messages with its own context; ClickHouse's text starts at "Code:".
+        start = message.find("Code: ")
+        if start > 0:
+            message = message[start:]
+        match = _CODE_IN_MESSAGE.search(message)
+        return cls(int(match.group(1)) if match else _UNKNOWN_ERROR_CODE, message)
+
+    def body(self) -> bytes:
+        if self.message.startswith("Code: "):
+            text = self.message
+        else:
+            name = _ERROR_NAMES.get(self.code, "STD_EXCEPTION")
+            text = f"Code: {self.code}. DB::Exception: {self.message}. ({name})"
+        return (text.rstrip() + "\n").encode()
+
+
+@dataclass
+class _Reply:
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _quote_identifier(name: str) -> str:
+    return "`" + name.replace("\\", "\\\\").replace("`", "\\`") + "`"
+
+
+def _quote_string(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _content_type(fmt: str) -> str:
+    for prefix, content_type in _CONTENT_TYPES:
+        if fmt.startswith(prefix):
+            return content_type
+    return "application/octet-stream"
+
+
+def _decompress(body: bytes, encoding: str) -> bytes:
+    """Undo a request's Content-Encoding, as ClickHouse does for compressed inserts."""
+    encoding = encoding.strip().lower()
+    try:
+        if encoding in ("", "identity"):
+            return body
+        if encoding == "gzip":
+            return gzip.decompress(body)
+        if encoding == "deflate":
+            return zlib.decompress(body)
+        if encoding == "lz4":
+            # lz4 and backports.zstd ship with clickhouse-connect, the client that sends them.
+            import lz4.frame
+
+            return lz4.frame.decompress(body)
+        if encoding == "zstd":
+            from backports import zstd
+
+            return zstd.decompress(body)
+    except ImportError as error:
+        raise ClickHouseHTTPError(
+            _UNKNOWN_COMPRESSION_METHOD, f"Content-Encoding {encoding} needs the missing module {error.name}"
+        ) from None
+    except Exception as error:  # each codec raises its own error type for corrupt input
+        raise ClickHouseHTTPError(
+            _BAD_ARGUMENTS, f"Cannot decompress the {encoding} request body: {error}"
+        ) from None
+    raise ClickHouseHTTPError(_UNKNOWN_COMPRESSION_METHOD, f"Unsupported Content-Encoding {encoding!r}")
+
+
+def _form_fields(content_type: str, body: bytes) -> dict[str, str]:
+    """The fields of a multipart/form-data body (clickhouse-connect moves large bind parameters there)."""
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body
+    )
+    if not message.is_multipart():
+        raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Malformed multipart/form-data body")
+    fields = {}
+    for part in message.iter_parts():
+        if part.get_filename() is not None:
+            raise ClickHouseHTTPError(
+                _BAD_ARGUMENTS, "External data (file parts) is not supported by the embedded store"
+            )
+        name = part.get_param("name", header="content-disposition")
+        if name:
+            try:
+                fields[name] = part.get_payload(decode=True).decode("utf-8")
+            except UnicodeDecodeError:
+                raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"Form field {name!r} is not valid UTF-8") from None
+    return fields
+
+
+class StoreServer:
+    """Serves the ClickHouse HTTP protocol for the chDB engine this process owns.
+
+    The caller must keep its own chDB client open on ``engine_path`` for the
+    server's lifetime: the server opens short-lived handles on that engine and
+    must never be the one to (re)start it.
+    """
+
+    def __init__(self, engine_path: str, token: str, *, host: str = "127.0.0.1", port: int = 0):
+        if not token:
+            raise ValueError("StoreServer needs a non-empty token")
+        self._engine_path = os.path.realpath(engine_path)
+        self._token = token.encode()
+        self._display_name = socket.gethostname()
+        self._closed = False
+        self._inflight = 0
+        self._inflight_changed = threading.Condition()
+        self._timezone, self._setting_names = self._engine_facts()
+        self._httpd = ThreadingHTTPServer((host, port), _StoreRequestHandler)
+        self._httpd.store_server = self  # type: ignore[attr-defined]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="tokenprobe-store-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def host(self) -> str:
+        return self._httpd.server_address[0]
+
+    @property
+    def port(self) -> int:
+        return self._httpd.server_address[1]
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting requests and wait up to ``timeout`` s for running ones."""
+        with self._inflight_changed:
+            if self._closed:
+                return
+            # From here on no request starts on the engine, which the owner is about to close.
+            self._closed = True
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+        with self._inflight_changed:
+            if not self._inflight_changed.wait_for(lambda: self._inflight == 0, timeout):
+                logger.warning("store server closed with %d request(s) still running", self._inflight)
+
+    # -- engine ---------------------------------------------------------------
+
+    def _engine_facts(self) -> tuple[str, frozenset[str]]:
+        connection = chdb.connect(self._engine_path)
+        try:
+            timezone = connection.query("SELECT timezone()", "TabSeparated").bytes().decode().strip()
+            names = connection.query("SELECT name FROM system.settings", "TabSeparated").bytes().decode().split()
+        finally:
+            connection.close()
+        return timezone, frozenset(names)
+
+    def check_credentials(self, password: str | None) -> None:
+        if password is None or not hmac.compare_digest(password.encode(), self._token):
+            raise ClickHouseHTTPError(
+                _AUTHENTICATION_FAILED,
+                "Authentication failed: wrong or missing token for the embedded tokenprobe store",
+                HTTPStatus.UNAUTHORIZED,
+            )
+
+    def execute(self, statement: bytes, params: dict[str, str]) -> _Reply:
+        """Run one request's statement on a fresh handle and build ClickHouse's reply headers."""
+        with self._inflight_changed:
+            if self._closed:
+                raise ClickHouseHTTPError(_ABORTED, "The embedded store is shutting down")
+            self._inflight += 1
+        try:
+            return self._execute(statement, params)
+        finally:
+            with self._inflight_changed:
+                self._inflight -= 1
+                self._inflight_changed.notify_all()
+
+    def _execute(self, statement: bytes, params: dict[str, str]) -> _Reply:
+        output_format = params.get("default_format") or "TabSeparated"
+        if not _FORMAT_NAME.match(output_format) or output_format.lower() in _PYTHON_ONLY_FORMATS:
+            raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"Unknown output format {output_format!r}")
+        bind_params = {name[len("param_"):]: value for name, value in params.items() if name.startswith("param_")}
+        settings = {
+            name: value
+            for name, value in params.items()
+            if name not in _TRANSPORT_PARAMETERS and name in self._setting_names
+        }
+        connection = chdb.connect(self._engine_path)
+        data_file = None
+        try:
+            if params.get("database"):
+                connection.query(f"USE {_quote_identifier(params['database'])}", "TabSeparated")
+            for name, value in settings.items():
+                connection.query(f"SET {name} = {_quote_string(value)}", "TabSeparated")
+            insert = _INSERT_WITH_DATA.match(statement[:_MAX_INSERT_HEAD_BYTES])
+            if insert:
+                data_file = self._spill_insert_data(statement[insert.end():])
+                sql = self._insert_from_file_sql(insert, data_file)
+            else:
+                try:
+                    sql = statement.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise ClickHouseHTTPError(_BAD_ARGUMENTS, "The query is not valid UTF-8") from None
+                if not sql.strip():
+                    raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Empty query")
+            result = connection.query(sql, output_format, params=bind_params)
+        except ClickHouseHTTPError:
+            raise
+        except Exception as error:  # chDB raises ChdbError or RuntimeError with ClickHouse's message
+            raise ClickHouseHTTPError.from_engine(error) from None
+        finally:
+            connection.close()
+            if data_file is not None:
+                os.unlink(data_file)
+        return self._reply(sql, output_format, result, is_insert=insert is not None)
+
+    @staticmethod
+    def _spill_insert_data(data: bytes) -> str:
+        # chDB reads insert data from a file (INSERT ... FROM INFILE), not from a stream.
+        descriptor, path = tempfile.mkstemp(prefix="tokenprobe-insert-", suffix=".data")
+        with os.fdopen(descriptor, "wb") as data_file:
+            data_file.write(data)
+        return path
+
+    @staticmethod
+    def _insert_from_file_sql(insert: re.Match, data_file: str) -> str:
+        def part(name: str) -> str:
+            value = insert.group(name)
+            return value.decode("utf-8") if value else ""
+
+        settings = f" SETTINGS {part('settings')}" if insert.group("settings") else ""
+        return (f"INSERT INTO {part('table')} {part('columns')} FROM INFILE {_quote_string(data_file)}"
+                f"{settings} FORMAT {part('format')}")
+
+    def _reply(self, sql: str, output_format: str, result, *, is_insert: bool) -> _Reply:
+        body = result.bytes() or b""
+        summary = {
+            "read_rows": str(result.rows_read()),
+            "read_bytes": str(result.bytes_read()),
+            # An INFILE insert reads exactly the rows it writes.
+            "written_rows": str(result.rows_read() if is_insert else result.rows_written()),
+            "written_bytes": str(result.bytes_read() if is_insert else result.bytes_written()),
+            "result_bytes": str(len(body)),
+            "elapsed_ns": str(int(result.elapsed() * 1e9)),
+        }
+        headers = {"X-ClickHouse-Summary": json.dumps(summary)}
+        if _RESULT_STATEMENT.match(sql):
+            trailing = _TRAILING_FORMAT.search(sql)
+            result_format = trailing.group(1) if trailing else output_format
+            headers["X-ClickHouse-Format"] = result_format
+            headers["Content-Type"] = _content_type(result_format)
+        else:
+            headers["Content-Type"] = "text/plain; charset=UTF-8"
+        return _Reply(body, headers)
+
+    def common_headers(self, query_id: str) -> dict[str, str]:
+        return {
+            "X-ClickHouse-Server-Display-Name": self._display_name,
+            "X-ClickHouse-Timezone": self._timezone,
+            "X-ClickHouse-Query-Id": query_id,
+        }
+
+
+class _StoreRequestHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as clickhouse-connect's connection pool expects
+    server_version = "tokenprobe-store"
+    # An idle keep-alive connection must not pin a thread forever.
+    timeout = 300
+
+    @property
+    def _store(self) -> StoreServer:
+        return self.server.store_server  # type: ignore[attr-defined]
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self._handle()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._handle()
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002
+        # Request lines carry SQL in the URL; keep them out of the default stderr log.
+        logger.debug("store server: %s", format % args)
+
+    def _handle(self) -> None:
+        url = urlsplit(self.path)
+        params = dict(parse_qsl(url.query, keep_blank_values=True))
+        query_id = params.get("query_id") or str(uuid.uuid4())
+        try:
+            body = self._read_body()
+            if url.path == "/ping" or (url.path == "/" and self.command == "GET" and not params.get("query")):
+                self._send(HTTPStatus.OK, _Reply(b"Ok.\n", {"Content-Type": "text/plain; charset=UTF-8"}), query_id)
+                return
+            if url.path != "/":
+                raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"No handler for path {url.path}", HTTPStatus.NOT_FOUND)
+            self._store.check_credentials(self._password(params))
+            statement = self._statement(params, body)
+            self._send(HTTPStatus.OK, self._store.execute(statement, params), query_id)
+        except ClickHouseHTTPError as error:
+            self._send_error(error, query_id)
+        except Exception as error:  # a handler bug must still answer the client, in ClickHouse's shape
+            logger.exception("store server request failed")
+            self._send_error(ClickHouseHTTPError(_UNKNOWN_ERROR_CODE, f"Internal error: {error!r}"), query_id)
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            body = self._read_chunked()
+        else:
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                self.close_connection = True
+                raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Invalid Content-Length") from None
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True
+                raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"Request body over {MAX_BODY_BYTES} bytes")
+            body = self.rfile.read(length)
+        return _decompress(body, self.headers.get("Content-Encoding", ""))
+
+    def _read_chunked(self) -> bytes:
+        chunks, total = [], 0
+        while True:
+            size_line = self.rfile.readline(1024)
+            try:
+                size = int(size_line.split(b";")[0].strip(), 16)
+            except ValueError:
+                self.close_connection = True
+                raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Malformed chunked request body") from None
+            if size == 0:
+                while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                    pass  # trailer headers carry nothing we use
+                return b"".join(chunks)
+            total += size
+            if total > MAX_BODY_BYTES:
+                self.close_connection = True
+                raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"Request body over {MAX_BODY_BYTES} bytes")
+            chunks.append(self.rfile.read(size))
+            self.rfile.readline(1024)
+
+    def _statement(self, params: dict[str, str], body: bytes) -> bytes:
+        content_type = self.headers.get("Content-Type", "")
+        if content_type.lower().startswith("multipart/form-data"):
+            params.update(_form_fields(content_type, body))
+            body = b""
+        query = params.get("query", "").encode()
+        if self.command == "GET":
+            body = b""  # ClickHouse ignores a GET body
+        if query and body:
+            # ClickHouse joins the URL query and the body with a newline.
+            return query + b"\n" + body
+        return query or body
+
+    def _password(self, params: dict[str, str]) -> str | None:
+        authorization = self.headers.get("Authorization", "")
+        scheme, _, credentials = authorization.partition(" ")
+        if scheme.lower() == "basic":
+            try:
+                return base64.b64decode(credentials, validate=True).decode().partition(":")[2]
+            except (binascii.Error, UnicodeDecodeError):
+                return None
+        if scheme.lower() == "bearer":
+            return credentials.strip()
+        return self.headers.get("X-ClickHouse-Key") or params.get("password")
+
+    def _send_error(self, error: ClickHouseHTTPError, query_id: str) -> None:
+        reply = _Reply(error.body(), {
+            "Content-Type": "text/plain; charset=UTF-8",
+            "X-ClickHouse-Exception-Code": str(error.code),
+        })
+        self._send(error.status, reply, query_id)
+
+    def _send(self, status: int, reply: _Reply, query_id: str) -> None:
+        self.send_response(status)
+        for name, value in {**self._store.common_headers(query_id), **reply.headers}.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(reply.body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(reply.body)

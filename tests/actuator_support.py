@@ -1,0 +1,58 @@
+"""Shared pieces of the actuator tests: a token, decisions to apply, and waiting without tight timing."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import time
+
+from tokenprobe.actuator import wire
+from tokenprobe.actuator.decisions import BreakerAction, BreakerState, Decision, Target, TokenBudgetAction
+from tokenprobe.actuator.v1 import actuator_pb2 as pb
+
+TOKEN = "test-token-0123456789abcdef"
+WAIT_S = 30.0  # generous: other engineers run tests on the same 2-core machine
+RPC_TIMEOUT_S = 10.0
+_upstream_numbers = itertools.count()
+
+
+def unique_upstream() -> str:
+    """Each test works on its own upstream, so tests sharing one server never meet."""
+    return f"vllm-{next(_upstream_numbers)}"
+
+
+def wait_until(predicate, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def auth_metadata(token: str = TOKEN) -> tuple:
+    return (("authorization", f"Bearer {token}"),)
+
+
+def breaker(upstream: str, state: BreakerState, ttl: float = 60.0, **fields) -> Decision:
+    now = time.time()
+    return Decision(target=Target(upstream=upstream), action=BreakerAction(state, **fields), issued_at=now,
+                    expires_at=now + ttl, reason="test", issuer="pytest")
+
+
+def budget(upstream: str, tenant: str, rate: float, burst: float, ttl: float = 60.0,
+           max_delay_s: float = 0.0) -> Decision:
+    now = time.time()
+    return Decision(target=Target(upstream=upstream, tenant=tenant),
+                    action=TokenBudgetAction(rate, burst, max_delay_s), issued_at=now, expires_at=now + ttl,
+                    reason="test", issuer="pytest")
+
+
+def apply(stub, decision: Decision) -> pb.ApplyDecisionResponse:
+    return stub.ApplyDecision(pb.ApplyDecisionRequest(decision=wire.decision_to_proto(decision)),
+                              metadata=auth_metadata(), timeout=RPC_TIMEOUT_S)

@@ -1,0 +1,502 @@
+"""The actuator's state machines, pure: breaker, token buckets, enforcement, controller.
+
+Properties are checked with hypothesis over random sequences of windows,
+decisions, clock steps and requests; time is a manual clock so every
+expiry and cool-down is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenprobe.actuator.breaker import LEGAL_TRANSITIONS, Breaker, BreakerPolicy, Pressure, UpstreamWindow
+from tokenprobe.actuator.buckets import TokenBucket
+from tokenprobe.actuator.controller import Controller, ControllerPolicy, WindowFigures, fair_share_level
+from tokenprobe.actuator.decisions import (
+    BreakerAction,
+    BreakerState,
+    Decision,
+    InvalidDecision,
+    Target,
+    TokenBudgetAction,
+)
+from tokenprobe.actuator.engine import DwellViolation, Enforcer, SubscriptionOverflow, VerdictKind
+
+PROPERTY_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+T0 = 1_800_000_000.0  # a fixed wall-clock epoch for the manual clock
+
+
+class ManualClock:
+    def __init__(self, now: float = T0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+KNEE_RPS, BASELINE_S = 10.0, 0.4  # thresholds: 8 req/s and 1.0 s
+OVERLOADED = UpstreamWindow(12.0, 2.0, KNEE_RPS, BASELINE_S)
+OVER_CAPACITY = UpstreamWindow(12.0, 0.5, KNEE_RPS, BASELINE_S)
+HEALTHY = UpstreamWindow(3.0, 0.5, KNEE_RPS, BASELINE_S)
+DAMAGED_PROBE = UpstreamWindow(1.0, 2.0, KNEE_RPS, BASELINE_S)
+
+# Mostly typical windows, overload-heavy so that trips and recoveries happen, plus arbitrary ones.
+windows = st.one_of(
+    st.sampled_from([OVERLOADED, OVERLOADED, OVERLOADED, OVER_CAPACITY, HEALTHY, HEALTHY, DAMAGED_PROBE]),
+    st.builds(
+        UpstreamWindow,
+        request_rate=st.floats(0, 30),
+        p99_ttft_s=st.one_of(st.none(), st.floats(0, 5)),
+        knee_capacity_rps=st.one_of(st.none(), st.just(KNEE_RPS)),
+        baseline_p99_s=st.one_of(st.none(), st.just(BASELINE_S)),
+    ),
+)
+
+
+def breaker_decision(state: BreakerState, now: float, ttl: float = 60.0, **fields) -> Decision:
+    return Decision(target=Target(upstream="vllm-a"), action=BreakerAction(state, **fields),
+                    issued_at=now, expires_at=now + ttl)
+
+
+def budget_decision(now: float, rate: float, burst: float, tenant: str = "acme", max_delay_s: float = 0.0,
+                    ttl: float = 60.0) -> Decision:
+    return Decision(target=Target(upstream="vllm-a", tenant=tenant),
+                    action=TokenBudgetAction(rate, burst, max_delay_s), issued_at=now, expires_at=now + ttl)
+
+
+# --------------------------------------------------------------------------- breaker
+
+
+def test_pressure_needs_both_dimensions_to_count_as_overload():
+    policy = BreakerPolicy()
+    assert OVERLOADED.pressure(policy) == Pressure.OVERLOADED
+    assert OVER_CAPACITY.pressure(policy) == Pressure.OVER_CAPACITY
+    assert UpstreamWindow(3.0, 2.0, KNEE_RPS, BASELINE_S).pressure(policy) == Pressure.DAMAGED
+    assert HEALTHY.pressure(policy) == Pressure.NORMAL
+    assert UpstreamWindow(12.0, 2.0, None, BASELINE_S).pressure(policy) == Pressure.UNKNOWN
+    assert UpstreamWindow(12.0, None, KNEE_RPS, BASELINE_S).pressure(policy) == Pressure.UNKNOWN
+
+
+def test_breaker_full_cycle_trip_cooldown_ramp_close():
+    breaker = Breaker(BreakerPolicy(cooldown_s=15.0))
+    now = T0
+    states = []
+    for window in [OVERLOADED, OVERLOADED, OVERLOADED]:
+        now += 5
+        states.append(breaker.observe(window, now).state)
+    assert states == [BreakerState.CLOSED, BreakerState.CLOSED, BreakerState.OPEN]
+    opened = now
+    now += 5
+    assert breaker.observe(HEALTHY, now).state == BreakerState.OPEN  # cool-down not over
+    now = opened + 15
+    assert (breaker.observe(HEALTHY, now).state, breaker.admitted_share) == (BreakerState.HALF_OPEN, 0.1)
+    shares = []
+    for _ in range(3):
+        now += 5
+        shares.append(breaker.observe(HEALTHY, now).admitted_share)
+    assert shares == [0.25, 0.5, 0.75]
+    now += 5
+    assert breaker.observe(HEALTHY, now).state == BreakerState.CLOSED
+
+
+def test_over_capacity_without_latency_damage_never_trips():
+    breaker = Breaker()
+    for step in range(20):
+        assert breaker.observe(OVER_CAPACITY, T0 + 5 * step).state == BreakerState.CLOSED
+
+
+def test_a_gap_breaks_the_streak():
+    breaker = Breaker()
+    for step, window in enumerate([OVERLOADED, OVERLOADED, HEALTHY, OVERLOADED, OVERLOADED]):
+        assert breaker.observe(window, T0 + 5 * step).state == BreakerState.CLOSED
+
+
+def test_damaged_probe_reopens():
+    breaker = Breaker(BreakerPolicy(trip_windows=1, cooldown_s=10.0))
+    breaker.observe(OVERLOADED, T0)
+    breaker.observe(HEALTHY, T0 + 10)
+    assert breaker.state == BreakerState.HALF_OPEN
+    status = breaker.observe(DAMAGED_PROBE, T0 + 15)
+    assert (status.state, status.opened_at) == (BreakerState.OPEN, T0 + 15)
+
+
+def test_windows_out_of_order_are_refused():
+    breaker = Breaker()
+    breaker.observe(HEALTHY, T0 + 10)
+    with pytest.raises(ValueError, match="time order"):
+        breaker.observe(HEALTHY, T0)
+
+
+@pytest.mark.parametrize("bad", [dict(trip_windows=0), dict(cooldown_s=0), dict(recovery_shares=()),
+                                 dict(recovery_shares=(0.5, 0.25)), dict(recovery_shares=(0.1, 1.0))])
+def test_bad_policies_are_refused(bad):
+    with pytest.raises(ValueError):
+        BreakerPolicy(**bad)
+
+
+@PROPERTY_SETTINGS
+@given(steps=st.lists(st.tuples(windows, st.floats(0.5, 20)), min_size=1, max_size=60))
+def test_breaker_properties(steps):
+    """No illegal transition; OPEN lasts the cool-down; the ramp only rises; trips need the streak."""
+    policy = BreakerPolicy()
+    breaker = Breaker(policy)
+    now, previous = T0, breaker.status
+    streak = 0
+    for window, elapsed in steps:
+        now += elapsed
+        streak = streak + 1 if window.pressure(policy) == Pressure.OVERLOADED else 0
+        status = breaker.observe(window, now)
+        if status.state != previous.state:
+            assert status.state in LEGAL_TRANSITIONS[previous.state]
+        if previous.state == BreakerState.OPEN and status.state == BreakerState.HALF_OPEN:
+            assert now >= previous.opened_at + policy.cooldown_s
+            assert status.admitted_share == policy.recovery_shares[0]
+        if previous.state == status.state == BreakerState.HALF_OPEN:
+            assert status.admitted_share >= previous.admitted_share
+        if previous.state == BreakerState.CLOSED and status.state == BreakerState.OPEN:
+            assert streak >= policy.trip_windows
+            streak = 0
+        assert 0.0 <= status.admitted_share <= 1.0
+        previous = status
+
+
+# --------------------------------------------------------------------------- token buckets
+
+
+def test_bucket_starts_full_refills_and_caps():
+    bucket = TokenBucket(tokens_per_second=100.0, burst_tokens=500.0, now=T0)
+    assert bucket.wait_for(500, T0) == 0.0
+    bucket.take(500, T0)
+    assert bucket.wait_for(100, T0) == pytest.approx(1.0)
+    assert bucket.level(T0 + 2.0) == pytest.approx(200.0)
+    assert bucket.level(T0 + 100.0) == 500.0  # never beyond the burst
+
+
+def test_bucket_request_larger_than_burst_waits_for_full_then_owes():
+    bucket = TokenBucket(100.0, 500.0, T0)
+    bucket.take(300, T0)
+    assert bucket.wait_for(5000, T0) == pytest.approx(3.0)  # until full, not forever
+    bucket.take(5000, T0 + 3.0)
+    assert bucket.level(T0 + 3.0) == pytest.approx(-4500.0)
+
+
+def test_bucket_reconfigure_keeps_spent_tokens_spent():
+    bucket = TokenBucket(100.0, 1000.0, T0)
+    bucket.take(900, T0)
+    bucket.reconfigure(50.0, 2000.0, T0)
+    assert bucket.level(T0) == pytest.approx(100.0)
+
+
+# --------------------------------------------------------------------------- enforcement
+
+
+def test_open_breaker_rejects_until_cooldown_then_probes_at_exact_share():
+    clock = ManualClock()
+    enforcer = Enforcer(clock=clock)
+    decision = enforcer.apply(breaker_decision(BreakerState.OPEN, T0, cooldown_s=15.0, probe_share=0.1))
+    verdict = enforcer.check("vllm-a", "small", "acme", 10)
+    assert (verdict.kind, verdict.http_status, verdict.decision_id) == (VerdictKind.REJECT, 503, decision.id)
+    assert verdict.retry_after_s == pytest.approx(15.0)
+    assert enforcer.check("vllm-b", "small", "acme", 10).kind == VerdictKind.ALLOW  # other upstream
+    clock.now = T0 + 15.0
+    admitted = sum(enforcer.check("vllm-a", "small", "acme", 10).allowed for _ in range(100))
+    assert admitted == 10
+
+
+def test_breaker_for_one_model_leaves_other_models_alone():
+    enforcer = Enforcer(clock=ManualClock())
+    decision = breaker_decision(BreakerState.OPEN, T0, cooldown_s=15.0, probe_share=0.1)
+    enforcer.apply(Decision(target=Target(upstream="vllm-a", model="big"), action=decision.action,
+                            issued_at=T0, expires_at=T0 + 60))
+    assert not enforcer.check("vllm-a", "big", "acme", 1).allowed
+    assert enforcer.check("vllm-a", "small", "acme", 1).allowed
+
+
+def test_budget_rejects_early_delays_within_max_delay_and_settles():
+    clock = ManualClock()
+    enforcer = Enforcer(clock=clock)
+    enforcer.apply(budget_decision(T0, rate=100.0, burst=1000.0, max_delay_s=0.5))
+    first = enforcer.check("vllm-a", "small", "acme", 900)
+    assert first.kind == VerdictKind.ALLOW and first.reservation_id
+    delayed = enforcer.check("vllm-a", "small", "acme", 140)  # 100 left, 40 more within 0.4 s
+    assert delayed.kind == VerdictKind.DELAY and delayed.delay_s == pytest.approx(0.4)
+    rejected = enforcer.check("vllm-a", "small", "acme", 500)  # bucket at -40: 5.4 s away
+    assert (rejected.kind, rejected.http_status) == (VerdictKind.REJECT, 429)
+    assert rejected.retry_after_s == pytest.approx(5.4)
+    assert enforcer.check("vllm-a", "small", "other-tenant", 500).kind == VerdictKind.ALLOW
+    # The first request really cost 300 tokens: 600 come back.
+    assert enforcer.settle(first.reservation_id, 300) == -600
+    assert enforcer.settle(first.reservation_id, 300) is None  # settled once only
+    assert enforcer.check("vllm-a", "small", "acme", 500).kind == VerdictKind.ALLOW
+
+
+def test_under_estimate_is_charged_at_settlement():
+    clock = ManualClock()
+    enforcer = Enforcer(clock=clock)
+    enforcer.apply(budget_decision(T0, rate=10.0, burst=1000.0))
+    verdict = enforcer.check("vllm-a", "", "acme", 100)
+    assert enforcer.settle(verdict.reservation_id, 1000) == 900
+    assert not enforcer.check("vllm-a", "", "acme", 1).allowed
+
+
+def test_reservations_are_bounded_and_age_out():
+    clock = ManualClock()
+    enforcer = Enforcer(clock=clock, max_reservations=3, reservation_ttl_s=10.0)
+    enforcer.apply(budget_decision(T0, rate=1e6, burst=1e9))
+    ids = [enforcer.check("vllm-a", "", "acme", 1).reservation_id for _ in range(4)]
+    assert enforcer.settle(ids[0], 1) is None  # evicted: the 4th pushed it out
+    assert enforcer.settle(ids[1], 1) == 0
+    clock.now += 11
+    enforcer.check("vllm-a", "", "acme", 1)
+    assert enforcer.settle(ids[2], 1) is None  # too old
+
+
+def test_dwell_refuses_early_loosening_but_never_tightening():
+    clock = ManualClock()
+    enforcer = Enforcer(clock=clock, min_dwell_s=3.0)
+    enforcer.apply(breaker_decision(BreakerState.HALF_OPEN, T0, admitted_share=0.5))
+    clock.now += 1
+    with pytest.raises(DwellViolation, match="loosening"):
+        enforcer.apply(breaker_decision(BreakerState.CLOSED, clock.now))
+    enforcer.apply(breaker_decision(BreakerState.HALF_OPEN, clock.now, admitted_share=0.25))  # tighter: fine
+    enforcer.apply(breaker_decision(BreakerState.HALF_OPEN, clock.now, admitted_share=0.25, ttl=90))  # renewal
+    clock.now += 3
+    enforcer.apply(breaker_decision(BreakerState.CLOSED, clock.now))
+
+
+def test_budget_loosening_is_paced_too():
+    clock = ManualClock()
+    enforcer = Enforcer(clock=clock, min_dwell_s=3.0)
+    enforcer.apply(budget_decision(T0, rate=100.0, burst=200.0))
+    with pytest.raises(DwellViolation):
+        enforcer.apply(budget_decision(T0, rate=150.0, burst=300.0))
+    enforcer.apply(budget_decision(T0, rate=50.0, burst=100.0))
+
+
+@pytest.mark.parametrize("decision, message", [
+    (Decision(Target(), BreakerAction(BreakerState.CLOSED), T0 + 60, T0), "needs an upstream"),
+    (Decision(Target("u", tenant="t"), BreakerAction(BreakerState.CLOSED), T0 + 60, T0), "not a tenant"),
+    (Decision(Target("u"), BreakerAction(BreakerState.HALF_OPEN, admitted_share=0.0), T0 + 60, T0), "admitted_share"),
+    (Decision(Target("u"), BreakerAction(BreakerState.OPEN, cooldown_s=10, probe_share=1.5), T0 + 60, T0),
+     "probe_share"),
+    (Decision(Target("u"), BreakerAction(BreakerState.OPEN, cooldown_s=0, probe_share=0.1), T0 + 60, T0),
+     "cooldown"),
+    (Decision(Target(model="m"), TokenBudgetAction(10, 10), T0 + 60, T0), "tenant or an upstream"),
+    (Decision(Target(tenant="t"), TokenBudgetAction(math.nan, 10), T0 + 60, T0), "tokens_per_second"),
+    (Decision(Target(tenant="t"), TokenBudgetAction(10, 10, max_delay_s=-1), T0 + 60, T0), "max_delay"),
+    (Decision(Target(tenant="t"), TokenBudgetAction(10, 10), T0 - 1, T0 - 5), "expired"),
+    (Decision(Target(tenant="t"), TokenBudgetAction(10, 10), T0 + 600, T0 + 300), "future"),
+    (Decision(Target(tenant="t" * 300), TokenBudgetAction(10, 10), T0 + 60, T0), "longer than"),
+])
+def test_invalid_decisions_are_refused_with_a_reason(decision, message):
+    with pytest.raises(InvalidDecision, match=message):
+        Enforcer(clock=ManualClock()).apply(decision)
+
+
+def test_lifetime_is_capped():
+    enforcer = Enforcer(clock=ManualClock(), max_lifetime_s=600.0)
+    stored = enforcer.apply(budget_decision(T0, 10, 10, ttl=86_400))
+    assert stored.expires_at == T0 + 600.0
+
+
+def test_watchers_get_snapshot_then_updates_and_overflow_is_reported():
+    enforcer = Enforcer(clock=ManualClock(), min_dwell_s=0)
+    first = enforcer.apply(budget_decision(T0, 10, 10))
+    subscription = enforcer.subscribe(max_pending=2)
+    assert subscription.snapshot == [first]
+    second = enforcer.apply(budget_decision(T0, 20, 20))
+    assert subscription.next(timeout=0) == second
+    assert subscription.next(timeout=0) is None
+    for rate in (30, 40, 50):
+        enforcer.apply(budget_decision(T0, rate, rate))
+    with pytest.raises(SubscriptionOverflow):
+        for _ in range(3):
+            subscription.next(timeout=0)
+
+
+def test_replace_all_keeps_bucket_levels_and_drops_the_rest():
+    clock = ManualClock()
+    cache = Enforcer(clock=clock, min_dwell_s=0)
+    budget = budget_decision(T0, rate=1.0, burst=100.0)
+    breaker = breaker_decision(BreakerState.OPEN, T0, cooldown_s=30, probe_share=0.1)
+    cache.replace_all([budget, breaker])
+    cache.check("vllm-a", "", "acme", 0)  # the breaker rejects before the budget is touched
+    cache.replace_all([budget])
+    assert cache.check("vllm-a", "", "acme", 100).allowed
+    cache.replace_all([budget])  # resync: the bucket stays spent
+    assert not cache.check("vllm-a", "", "acme", 100).allowed
+
+
+decision_ops = st.one_of(
+    st.tuples(st.just("breaker"), st.sampled_from(list(BreakerState)), st.floats(0.05, 1.0), st.floats(0.5, 20),
+              st.floats(0.5, 40)),
+    st.tuples(st.just("budget"), st.sampled_from(["acme", "globex"]), st.floats(1, 500), st.floats(1, 2000),
+              st.floats(0.5, 40)),
+    st.tuples(st.just("tick"), st.floats(0.01, 15)),
+    st.tuples(st.just("check"), st.sampled_from(["acme", "globex", ""]), st.integers(0, 800)),
+)
+
+
+@PROPERTY_SETTINGS
+@given(ops=st.lists(decision_ops, min_size=1, max_size=80))
+def test_enforcement_properties(ops):
+    """Expiry is always honoured; loosening respects the dwell; rejections name a live decision."""
+    clock = ManualClock()
+    enforcer = Enforcer(clock=clock, min_dwell_s=3.0)
+    applied: dict[str, Decision] = {}
+    for op in ops:
+        if op[0] == "tick":
+            clock.now += op[1]
+        elif op[0] == "check":
+            verdict = enforcer.check("vllm-a", "small", op[1], op[2])
+            if not verdict.allowed:
+                assert applied[verdict.decision_id].expires_at > clock.now
+        else:
+            if op[0] == "breaker":
+                _, state, share, cooldown, ttl = op
+                decision = breaker_decision(state, clock.now, ttl=ttl, admitted_share=share,
+                                            cooldown_s=cooldown, probe_share=share)
+            else:
+                _, tenant, rate, burst, ttl = op
+                decision = budget_decision(clock.now, rate, burst, tenant=tenant, ttl=ttl)
+            before = {s.decision.key: s for s in enforcer.status()}.get(decision.key)
+            try:
+                stored = enforcer.apply(decision)
+            except DwellViolation:
+                assert before is not None and clock.now - before.changed_at < 3.0
+                continue
+            applied[stored.id] = stored
+            after = {s.decision.key: s for s in enforcer.status()}[decision.key]
+            if before is not None and _looser(before, after):
+                assert clock.now - before.changed_at >= 3.0
+    # Once every decision has lapsed, nothing is enforced any more: fail-open.
+    clock.now += 1000
+    assert enforcer.status() == []
+    assert all(enforcer.check("vllm-a", "small", t, 10_000).kind == VerdictKind.ALLOW
+               for t in ("acme", "globex", ""))
+
+
+def _looser(before, after) -> bool:
+    if after.effective_state is not None:
+        return after.admitted_share > before.admitted_share
+    old, new = before.decision.action, after.decision.action
+    return new.tokens_per_second > old.tokens_per_second or new.burst_tokens > old.burst_tokens
+
+
+@PROPERTY_SETTINGS
+@given(rate=st.floats(1, 1000), burst=st.floats(1, 5000), max_delay=st.floats(0, 2),
+       requests=st.lists(st.tuples(st.floats(0, 2), st.integers(0, 3000)), min_size=1, max_size=60))
+def test_budget_never_admits_more_than_it_refills(rate, burst, max_delay, requests):
+    """Tokens admitted by time t never exceed burst + rate × (t + max_delay) + one request's overshoot."""
+    clock = ManualClock()
+    enforcer = Enforcer(clock=clock)
+    enforcer.apply(budget_decision(T0, rate, burst, max_delay_s=max_delay, ttl=600))
+    admitted_tokens, largest = 0, 0
+    for gap, tokens in requests:
+        clock.now += gap
+        if enforcer.check("vllm-a", "", "acme", tokens).allowed:
+            admitted_tokens += tokens
+            largest = max(largest, tokens)
+        elapsed = clock.now - T0
+        # A request larger than the bucket may overshoot by its excess once.
+        assert admitted_tokens <= burst + rate * (elapsed + max_delay) + max(0, largest - burst) + 1e-6
+
+
+# --------------------------------------------------------------------------- controller
+
+
+def figures(end: float, window: UpstreamWindow, tenant_tokens=None, upstream: str = "vllm-a") -> WindowFigures:
+    return WindowFigures(upstream, end, window.request_rate, window.p99_ttft_s, window.knee_capacity_rps,
+                         window.baseline_p99_s, tenant_tokens or {})
+
+
+def test_fair_share_level_is_max_min_fair():
+    assert fair_share_level([10, 20], 100) == math.inf
+    level = fair_share_level([10, 50, 100], 90)
+    assert level == 40
+    assert sum(min(d, level) for d in [10, 50, 100]) == pytest.approx(90)
+
+
+def test_controller_trips_recovers_and_closes_once():
+    controller = Controller(ControllerPolicy(window_s=5.0))
+    now = T0
+    kinds = []
+    for window in [OVERLOADED] * 3 + [HEALTHY] * 2 + [HEALTHY] * 6:
+        now += 5
+        decisions = [d for d in controller.decide(figures(now, window)) if d.kind == "breaker"]
+        assert len(decisions) <= 1  # at most one per target per window
+        kinds.append((decisions[0].action.state.name, decisions[0].action.admitted_share) if decisions else None)
+    assert kinds[:3] == [None, None, ("OPEN", 1.0)]
+    assert kinds[3:5] == [None, None]  # cooling down; the OPEN decision outlives the cool-down
+    assert kinds[5:] == [("HALF_OPEN", 0.1), ("HALF_OPEN", 0.25), ("HALF_OPEN", 0.5), ("HALF_OPEN", 0.75),
+                         ("CLOSED", 1.0), None]
+
+
+def test_controller_evidence_and_expiry():
+    controller = Controller(ControllerPolicy(window_s=5.0))
+    for step in range(1, 4):
+        decisions = controller.decide(figures(T0 + 5 * step, OVERLOADED))
+    opened = next(d for d in decisions if d.kind == "breaker")
+    evidence = {e.name: e for e in opened.evidence}
+    assert evidence["request_rate"].value == 12.0 and evidence["request_rate"].threshold == pytest.approx(8.0)
+    assert evidence["p99_ttft"].value == 2.0 and evidence["p99_ttft"].threshold == pytest.approx(1.0)
+    assert "overloaded for 3 windows" in opened.reason
+    assert opened.expires_at >= opened.issued_at + 15.0 + 15.0  # cool-down plus a lifetime to probe
+
+
+def test_controller_throttles_heavy_tenants_only_when_latency_is_fine():
+    controller = Controller(ControllerPolicy(window_s=5.0))
+    # 12 req/s for 5 s = 60 requests, 6000 tokens: 100 tokens per request.
+    usage = {"light": 500, "heavy": 3500, "medium": 2000}
+    decisions = controller.decide(figures(T0 + 5, OVER_CAPACITY, usage))
+    assert all(d.kind == "token_budget" for d in decisions)
+    budgets = {d.target.tenant: d.action.tokens_per_second for d in decisions}
+    assert set(budgets) == {"heavy", "medium"}
+    capacity = 8.0 * 100  # 0.8 × knee × tokens per request, tokens/s
+    demand = {t: v / 5.0 for t, v in usage.items()}
+    level = budgets["heavy"]
+    assert budgets["medium"] == level
+    assert sum(min(d, level) for d in demand.values()) == pytest.approx(capacity, rel=1e-3)
+
+
+def test_controller_relaxes_budgets_gradually_then_releases():
+    controller = Controller(ControllerPolicy(window_s=5.0))
+    first = controller.decide(figures(T0 + 5, OVER_CAPACITY, {"light": 500, "heavy": 5500}))
+    level = first[0].action.tokens_per_second
+    # Under capacity, the heavy tenant still uses all it is allowed: raise by 1.5 each window.
+    used = int(level * 5)
+    raised = controller.decide(figures(T0 + 10, HEALTHY, {"heavy": used}))
+    assert raised[0].action.tokens_per_second == pytest.approx(level * 1.5, rel=1e-3)
+    # It no longer needs the room: the budget is released (left to lapse, not renewed).
+    assert controller.decide(figures(T0 + 15, HEALTHY, {"heavy": 10})) == []
+    assert controller.decide(figures(T0 + 20, HEALTHY, {"heavy": 10})) == []
+
+
+def test_controller_says_nothing_without_evidence_and_refuses_a_window_twice():
+    controller = Controller()
+    assert controller.decide(figures(T0 + 5, UpstreamWindow(50.0, None, None, None), {"a": 100})) == []
+    with pytest.raises(ValueError, match="already decided"):
+        controller.decide(figures(T0 + 5, HEALTHY))
+
+
+@PROPERTY_SETTINGS
+@given(steps=st.lists(st.tuples(st.sampled_from([OVERLOADED, OVER_CAPACITY, HEALTHY, DAMAGED_PROBE]),
+                                st.integers(0, 8000), st.integers(0, 8000)), min_size=1, max_size=40))
+def test_controller_decisions_are_unique_per_target_and_always_accepted(steps):
+    """At most one decision per target per window, and the enforcer (with its dwell time) takes every one."""
+    policy = ControllerPolicy(window_s=5.0)
+    controller = Controller(policy)
+    clock = ManualClock()
+    enforcer = Enforcer(clock=clock, min_dwell_s=3.0)
+    for index, (window, acme, globex) in enumerate(steps, start=1):
+        clock.now = T0 + policy.window_s * index
+        decisions = controller.decide(figures(clock.now, window, {"acme": acme, "globex": globex}))
+        keys = [d.key for d in decisions]
+        assert len(keys) == len(set(keys))
+        for decision in decisions:
+            enforcer.apply(decision)
+            assert decision.expires_at > clock.now

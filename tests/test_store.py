@@ -1,0 +1,531 @@
+"""The store, its read server and the sink, against real chDB, real HTTP and real processes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import clickhouse_connect
+import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError
+
+from tokenprobe.agent import schema
+from tokenprobe.agent.store import (
+    LOCK_FILE,
+    SERVE_FILE,
+    RequestSink,
+    StoreUnavailable,
+    open_store,
+    parse_store_url,
+)
+from tokenprobe.agent.store_server import StoreServer
+
+ROW_SCHEMA_DOC = Path(__file__).resolve().parents[1] / "docs" / "ROW_SCHEMA.md"
+# Generous: other engineers run tests on the same 2-core machine.
+WAIT_S = 60.0
+
+
+def wait_until(predicate, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def make_row(**overrides) -> dict:
+    """A complete request row; timestamps are recent so the table's TTL keeps them."""
+    start = time.time_ns()
+    row = {
+        "node": "node-a", "conn_id": 1, "req_seq": 0, "role": "server", "pid": 4242, "comm": "vllm",
+        "server_port": 8000, "client_addr": "127.0.0.1", "client_port": 51234, "tls": False,
+        "accept_ts": start - 5_000_000, "tls_done_ts": None, "req_start": start, "req_end": start + 1_000,
+        "resp_start": start + 2_000_001, "first_token": start + 30_000_007, "last_token": start + 90_000_011,
+        "resp_end": start + 90_500_013, "method": "POST", "path": "/v1/chat/completions", "status": 200,
+        "model": "small", "response_id": "chatcmpl-90137e70dd9c3d12", "streamed": True, "token_events": 3,
+        "sse_events": 5, "token_offsets_us": [0, 30_000, 60_000], "prompt_tokens": 12, "completion_tokens": 3,
+        "inflight_at_arrival": 1, "bytes_in": 512, "bytes_out": 3419, "body_fp": 2**64 - 1,
+        "outcome": "complete", "error": "",
+    }
+    row.update(overrides)
+    return row
+
+
+def stored_conn_ids(store) -> list[int]:
+    return [conn_id for (conn_id,) in store.query_rows("SELECT conn_id FROM tokenprobe.requests ORDER BY conn_id")]
+
+
+def run_python(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def store_dir(tmp_path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def owner(store_dir):
+    store = open_store(f"chdb://{store_dir}")
+    store.ensure_schema()
+    yield store
+    store.close()
+
+
+def serve_advert(store_dir: Path) -> dict:
+    return json.loads((store_dir / SERVE_FILE).read_text())
+
+
+# --------------------------------------------------------------------------- URLs
+
+
+def test_parse_store_url_embedded_forms(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_store_url("chdb:///var/lib/tp").path == "/var/lib/tp"
+    assert parse_store_url("chdb://./rel/dir").path == str(tmp_path / "rel" / "dir")
+    bare = parse_store_url("data")
+    assert (bare.kind, bare.path, bare.database) == ("embedded", str(tmp_path / "data"), "tokenprobe")
+    assert parse_store_url("chdb:///x?database=tp_test").database == "tp_test"
+
+
+def test_parse_store_url_server_forms():
+    plain = parse_store_url("http://ch.example:9000/")
+    assert (plain.kind, plain.scheme, plain.host, plain.port, plain.username, plain.password) == (
+        "server", "http", "ch.example", 9000, "default", "")
+    full = parse_store_url("https://writer:s3cret@ch.example/?database=prod")
+    assert (full.port, full.username, full.password, full.database) == (8443, "writer", "s3cret", "prod")
+    assert "s3cret" not in full.display()
+    assert parse_store_url("http://ch.example").port == 8123
+
+
+@pytest.mark.parametrize("url, message", [
+    ("", "empty"),
+    ("ftp://host/dir", "unsupported store URL scheme 'ftp'"),
+    ("chdb://", "names no directory"),
+    ("http:///?database=x", "names no host"),
+    ("http://host:notaport/", "invalid port"),
+    ("http://host/?db=x", "unknown parameter"),
+    ("chdb:///x?database=bad-name", "not a plain identifier"),
+])
+def test_parse_store_url_rejects_bad_urls(url, message):
+    with pytest.raises(ValueError, match=message):
+        parse_store_url(url)
+
+
+def test_bad_url_errors_hide_the_password():
+    with pytest.raises(ValueError) as raised:
+        parse_store_url("http://user:hunter2@host/?nope=1")
+    assert "hunter2" not in str(raised.value)
+
+
+def test_unreachable_server_is_store_unavailable_naming_the_url():
+    port = free_port()
+    with pytest.raises(StoreUnavailable, match=f"127.0.0.1:{port}") as raised:
+        open_store(f"http://default:hunter2@127.0.0.1:{port}/")
+    assert "hunter2" not in str(raised.value)
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def test_requests_columns_match_row_schema_doc(owner):
+    documented = re.findall(r"^\| (\w+) \| ([A-Za-z0-9()]+(?:\([^|]*\))?) \|", ROW_SCHEMA_DOC.read_text(), re.M)
+    documented = [(name, ch_type.replace("DateTime64(9)", "DateTime64(9, 'UTC')")) for name, ch_type in documented]
+    assert len(documented) == 35
+    assert schema.REQUEST_COLUMNS == [name for name, _ in documented]
+    described = owner.query_rows("SELECT name, type FROM system.columns"
+                                 " WHERE database = 'tokenprobe' AND table = 'requests' ORDER BY position")
+    assert described == documented
+
+
+def test_ensure_schema_is_idempotent_and_keys_tables_as_designed(owner):
+    owner.insert_rows("requests", [make_row()])
+    owner.ensure_schema()
+    owner.ensure_schema(ttl_days=7)
+    assert owner.command("SELECT count() FROM tokenprobe.requests") == 1
+    (partition_key, sorting_key, engine_full), = owner.query_rows(
+        "SELECT partition_key, sorting_key, engine_full FROM system.tables"
+        " WHERE database = 'tokenprobe' AND name = 'requests'")
+    assert partition_key == "toDate(req_start)"
+    assert sorting_key == "server_port, req_start, conn_id"
+    assert "TTL toDateTime(req_start) + toIntervalDay(30)" in engine_full
+    codecs = dict(owner.query_rows("SELECT name, compression_codec FROM system.columns"
+                                   " WHERE database = 'tokenprobe' AND table = 'requests'"))
+    assert codecs["req_start"] == "CODEC(DoubleDelta, ZSTD(1))"
+    assert codecs["bytes_out"] == "CODEC(T64, ZSTD(1))"
+    assert codecs["token_offsets_us"] == "CODEC(ZSTD(1))"
+
+
+def test_ttl_days_is_configurable(tmp_path):
+    with open_store(f"chdb://{tmp_path / 'store'}?database=short_lived") as store:
+        store.ensure_schema(ttl_days=3)
+        engine_full = store.command("SELECT engine_full FROM system.tables"
+                                    " WHERE database = 'short_lived' AND name = 'requests'")
+    assert "toIntervalDay(3)" in engine_full
+
+
+def test_registered_tables_are_created_and_take_typed_rows(owner, monkeypatch):
+    monkeypatch.setattr(schema, "TABLES", dict(schema.TABLES))
+    ddl = """CREATE TABLE IF NOT EXISTS {db}.probe_samples
+    (ts DateTime64(9, 'UTC'), value Float64, note String DEFAULT 'none')
+    ENGINE = MergeTree ORDER BY ts TTL toDateTime(ts) + INTERVAL {ttl_days} DAY"""
+    schema.register_table("probe_samples", ddl)
+    schema.register_table("probe_samples", ddl)  # the same DDL again is fine
+    with pytest.raises(ValueError, match="already registered"):
+        schema.register_table("probe_samples", ddl.replace("Float64", "Float32"))
+    with pytest.raises(ValueError, match="placeholders"):
+        schema.register_table("other", "CREATE TABLE {database}.other (a UInt8) ENGINE = Memory")
+
+    owner.ensure_schema()
+    ts = time.time_ns() + 123
+    assert owner.insert_rows("probe_samples", [{"ts": ts, "value": 0.5}]) == 1
+    assert owner.query_rows("SELECT toUnixTimestamp64Nano(ts), value, note FROM tokenprobe.probe_samples") == [
+        (ts, 0.5, "none")]
+
+
+# --------------------------------------------------------------------------- rows in, rows out
+
+
+def test_rows_round_trip_with_exact_nanoseconds_nulls_and_arrays(owner):
+    full = make_row(conn_id=1)
+    sparse = make_row(conn_id=2, accept_ts=None, req_end=None, resp_start=None, first_token=None,
+                      last_token=None, resp_end=None, token_offsets_us=[], prompt_tokens=None,
+                      completion_tokens=None, outcome="reset")
+    assert owner.insert_rows("requests", [full, sparse]) == 2
+
+    timestamps = ["accept_ts", "tls_done_ts", "req_start", "req_end", "resp_start", "first_token",
+                  "last_token", "resp_end"]
+    selected = ", ".join(f"toUnixTimestamp64Nano({name})" for name in timestamps)
+    rows = owner.query_rows(f"SELECT {selected}, token_offsets_us, prompt_tokens, body_fp, tls, streamed"
+                            " FROM tokenprobe.requests ORDER BY conn_id")
+    for stored, sent in zip(rows, [full, sparse]):
+        assert list(stored[:8]) == [sent[name] for name in timestamps]
+        assert list(stored[8:]) == [sent["token_offsets_us"], sent["prompt_tokens"], 2**64 - 1, False, True]
+
+    frame = owner.query_df("SELECT req_start, first_token FROM tokenprobe.requests ORDER BY conn_id")
+    assert frame["req_start"].iloc[0].value == full["req_start"]
+    assert frame["first_token"].isna().tolist() == [False, True]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"bogus": 1}, "unknown column 'bogus'"),
+    ({"req_start": None}, "'req_start' cannot be None"),
+    ({"server_port": 70000}, "'server_port' must be an int in \\[0, 65536\\)"),
+    ({"req_end": 1.5}, "'req_end' must be an int"),
+    ({"token_offsets_us": [1, "2"]}, "'token_offsets_us' must be a list"),
+    ({"tls": 1}, "'tls' must be a bool"),
+])
+def test_bad_rows_are_refused_with_the_column_named(owner, change, message):
+    with pytest.raises(ValueError, match=message):
+        owner.insert_rows("requests", [make_row(**change)])
+
+
+def test_a_row_missing_a_required_column_is_refused(owner):
+    row = make_row()
+    del row["node"]
+    with pytest.raises(ValueError, match="lacks required column"):
+        owner.insert_rows("requests", [row])
+
+
+def test_malformed_sql_gives_clickhouse_error_in_both_modes(owner, store_dir):
+    with open_store(f"chdb://{store_dir}") as reader:
+        assert reader.mode == "embedded-via-owner"
+        for store in (owner, reader):
+            with pytest.raises(DatabaseError, match="Syntax error") as raised:
+                store.query_rows("SELEC 1")
+            assert raised.value.code == 62
+            with pytest.raises(DatabaseError, match="UNKNOWN_TABLE"):
+                store.query_rows("SELECT * FROM tokenprobe.no_such_table")
+
+
+def test_store_is_safe_to_share_between_threads(owner, store_dir):
+    with open_store(f"chdb://{store_dir}") as reader:
+        def work(store, first_conn_id):
+            for conn_id in range(first_conn_id, first_conn_id + 10):
+                store.insert_rows("requests", [make_row(conn_id=conn_id)])
+                store.query_rows("SELECT count() FROM tokenprobe.requests")
+
+        threads = [threading.Thread(target=work, args=(store, 100 * index))
+                   for index, store in enumerate([owner, owner, reader, reader])]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT_S)
+    assert stored_conn_ids(owner) == [100 * index + offset for index in range(4) for offset in range(10)]
+
+
+# --------------------------------------------------------------------------- sharing the embedded store
+
+
+SECOND_PROCESS = """
+import json, sys
+from tokenprobe.agent.store import open_store
+store = open_store(sys.argv[1])
+seen = store.query_rows(
+    "SELECT conn_id, toUnixTimestamp64Nano(req_start), token_offsets_us FROM tokenprobe.requests ORDER BY conn_id")
+written = store.insert_rows("requests", [json.loads(sys.argv[2])])
+print(json.dumps({"mode": store.mode, "seen": seen, "written": written}))
+store.close()
+"""
+
+
+def test_second_process_reads_and_writes_through_the_owner(owner, store_dir):
+    first = make_row(conn_id=10)
+    owner.insert_rows("requests", [first])
+    theirs = make_row(conn_id=20, tls_done_ts=None)
+
+    result = run_python(SECOND_PROCESS, f"chdb://{store_dir}", json.dumps(theirs))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["mode"] == "embedded-via-owner"
+    assert report["seen"] == [[10, first["req_start"], first["token_offsets_us"]]]
+    assert report["written"] == 1
+    assert owner.query_rows("SELECT conn_id, toUnixTimestamp64Nano(req_start) FROM tokenprobe.requests"
+                            " ORDER BY conn_id") == [(10, first["req_start"]), (20, theirs["req_start"])]
+
+
+HOLD_STORE = """
+import sys, time
+from tokenprobe.agent.store import open_store
+store = open_store(sys.argv[1])
+print(store.mode, flush=True)
+time.sleep(120)
+"""
+
+
+def test_owner_killed_leaves_files_that_the_next_opener_takes_over(store_dir):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_STORE, f"chdb://{store_dir}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first_line = holder.stdout.readline().strip()  # empty if the holder died; see its stderr then
+        assert first_line == "embedded-owner"
+        assert serve_advert(store_dir)["pid"] == holder.pid
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    stale_advert = serve_advert(store_dir)  # left behind by the killed owner
+
+    with open_store(f"chdb://{store_dir}") as store:
+        assert store.mode == "embedded-owner"
+        advert = serve_advert(store_dir)
+        assert advert["pid"] == os.getpid() and advert["token"] != stale_advert["token"]
+        assert (store_dir / LOCK_FILE).read_text().strip() == str(os.getpid())
+        store.ensure_schema()
+        with open_store(f"chdb://{store_dir}") as reader:
+            assert reader.mode == "embedded-via-owner"
+            assert reader.command("SELECT 40 + 2") == 42
+    assert not (store_dir / SERVE_FILE).exists()  # a clean close withdraws the advertisement
+
+
+def test_leftover_serve_file_of_a_dead_process_is_replaced(store_dir):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    store_dir.mkdir(parents=True)
+    (store_dir / LOCK_FILE).write_text(f"{dead_pid}\n")
+    (store_dir / SERVE_FILE).write_text(json.dumps({"pid": dead_pid, "port": free_port(), "token": "old"}))
+    with open_store(str(store_dir)) as store:
+        assert store.mode == "embedded-owner"
+        assert serve_advert(store_dir)["pid"] == os.getpid()
+        assert serve_advert(store_dir)["token"] != "old"
+
+
+def test_reader_gives_up_clearly_when_the_owner_does_not_serve(store_dir):
+    with open_store(f"chdb://{store_dir}", serve=False) as store:
+        assert store.mode == "embedded-owner"
+        assert not (store_dir / SERVE_FILE).exists()
+        with pytest.raises(StoreUnavailable, match=f"owned by pid {os.getpid()}, which does not serve"):
+            open_store(f"chdb://{store_dir}", owner_wait_s=0.5)
+
+
+# --------------------------------------------------------------------------- the read server
+
+
+def http(port: int, query: str = "", body: bytes | None = None, headers: dict | None = None, path: str = "/"):
+    """One raw HTTP request; returns (status, headers, body) for successes and errors alike."""
+    url = f"http://127.0.0.1:{port}{path}" + (f"?{query}" if query else "")
+    request = urllib.request.Request(url, data=body, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=WAIT_S) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, error.read()
+
+
+def test_wrong_or_missing_token_is_rejected(owner, store_dir):
+    port = serve_advert(store_dir)["port"]
+    with pytest.raises(DatabaseError, match="Authentication failed") as raised:
+        clickhouse_connect.get_client(host="127.0.0.1", port=port, password="not-the-token")
+    assert raised.value.code == 516
+    status, headers, body = http(port, "query=SELECT+1")
+    assert (status, headers["X-ClickHouse-Exception-Code"]) == (401, "516")
+    assert body.startswith(b"Code: 516. DB::Exception: Authentication failed")
+    assert http(port, path="/ping")[:3:2] == (200, b"Ok.\n")  # health checks need no token
+
+
+def test_read_server_speaks_clickhouse_http(owner, store_dir):
+    advert = serve_advert(store_dir)
+    port, auth = advert["port"], {"X-ClickHouse-User": "default", "X-ClickHouse-Key": advert["token"]}
+
+    # The URL query and the body are one statement, joined by a newline.
+    status, headers, body = http(port, "query=SELECT+40", b"+ 2", auth)
+    assert (status, body, headers["X-ClickHouse-Format"]) == (200, b"42\n", "TabSeparated")
+    assert headers["X-ClickHouse-Timezone"] and headers["X-ClickHouse-Query-Id"]
+
+    owner.command("CREATE TABLE tokenprobe.pairs (k UInt8, v String) ENGINE = MergeTree ORDER BY k")
+    gzipped_csv = gzip.compress(b"7,tp\n8,\"a,b\"\n")
+    status, headers, _ = http(port, "query=INSERT+INTO+tokenprobe.pairs+FORMAT+CSV", gzipped_csv,
+                              {**auth, "Content-Encoding": "gzip"})
+    assert status == 200
+    assert json.loads(headers["X-ClickHouse-Summary"])["written_rows"] == "2"
+
+    status, headers, body = http(port, "database=tokenprobe&default_format=JSONEachRow",
+                                 b"SELECT k, v FROM pairs ORDER BY k", auth)
+    assert [json.loads(line) for line in body.splitlines()] == [{"k": 7, "v": "tp"}, {"k": 8, "v": "a,b"}]
+    assert headers["X-ClickHouse-Format"] == "JSONEachRow"
+
+    status, headers, body = http(port, "param_k=8", b"SELECT v FROM tokenprobe.pairs WHERE k = {k:UInt8}", auth)
+    assert body == b"a,b\n"
+
+    status, headers, body = http(port, "query=SELECT+1", None, auth, path="/nowhere")
+    assert status == 404 and b"No handler" in body
+
+
+def test_clickhouse_connect_inserts_through_the_owner_in_every_format(owner, store_dir):
+    advert = serve_advert(store_dir)
+    # The default client compresses Native inserts (lz4) and streams them chunked.
+    client = clickhouse_connect.get_client(host="127.0.0.1", port=advert["port"], password=advert["token"])
+    try:
+        client.command("CREATE TABLE tokenprobe.counts (n UInt32, label LowCardinality(String))"
+                       " ENGINE = MergeTree ORDER BY n")
+        client.insert("tokenprobe.counts", [[n, f"l{n % 3}"] for n in range(5000)], column_names=["n", "label"])
+        client.insert_df("tokenprobe.counts", owner.query_df("SELECT 9999 :: UInt32 AS n, 'df' AS label"))
+        assert client.query("SELECT count(), sum(n) FROM tokenprobe.counts").result_rows == [
+            (5001, sum(range(5000)) + 9999)]
+        many = list(range(4000))  # large enough that clickhouse-connect sends it as a multipart form
+        assert client.query("SELECT count() FROM tokenprobe.counts WHERE n IN {ns:Array(UInt32)}",
+                            parameters={"ns": many}).result_rows == [(4000,)]
+    finally:
+        client.close()
+
+
+def test_closed_owner_stops_serving(store_dir):
+    store = open_store(f"chdb://{store_dir}")
+    port = serve_advert(store_dir)["port"]
+    store.close()
+    with pytest.raises(StoreUnavailable, match="closed"):
+        store.command("SELECT 1")
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+# --------------------------------------------------------------------------- the sink
+
+
+def test_sink_inserts_in_batches_and_close_flushes_the_rest(owner, tmp_path):
+    # A long interval: only the batch size and close() may trigger inserts.
+    sink = RequestSink(owner, spool_dir=tmp_path / "spool", batch_rows=10, flush_interval=600)
+    for conn_id in range(25):
+        sink.put(make_row(conn_id=conn_id))
+    wait_until(lambda: sink.rows_written == 20)
+    assert sink.stats().inserts == 2
+    assert sink.rows_pending == 5
+
+    stats = sink.close()
+    assert (stats.rows_written, stats.inserts, stats.rows_pending, stats.rows_spooled) == (25, 3, 0, 0)
+    assert stored_conn_ids(owner) == list(range(25))
+
+
+def test_sink_refuses_bad_rows_at_put(owner, tmp_path):
+    sink = RequestSink(owner, spool_dir=tmp_path / "spool")
+    try:
+        with pytest.raises(ValueError, match="unknown column 'prompt'"):
+            sink.put(make_row(prompt="never stored"))
+    finally:
+        sink.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        sink.put(make_row())
+
+
+def test_sink_spools_while_the_store_is_down_and_replays_when_it_returns(owner, store_dir, tmp_path):
+    port = free_port()
+    sink = RequestSink(f"http://default:sink-token@127.0.0.1:{port}/", spool_dir=tmp_path / "spool",
+                       flush_interval=0.1, retry_min_s=0.1, retry_max_s=0.5)
+    server = None
+    try:
+        for conn_id in range(20):
+            sink.put(make_row(conn_id=conn_id))
+        wait_until(lambda: sink.rows_spooled == 20)
+        assert sink.rows_written == 0
+        assert f"127.0.0.1:{port}" in sink.last_error
+        assert list((tmp_path / "spool").glob("*.arrow"))
+
+        # The store comes back on the same address.
+        server = StoreServer(str(store_dir), "sink-token", port=port)
+        for conn_id in range(20, 30):
+            sink.put(make_row(conn_id=conn_id))
+        wait_until(lambda: sink.rows_written == 30)
+        stats = sink.close()
+    finally:
+        if server is not None:
+            server.close()
+    assert (stats.rows_spooled, stats.rows_lost, stats.rows_rejected) == (0, 0, 0)
+    assert not list((tmp_path / "spool").glob("*.arrow"))
+    assert stored_conn_ids(owner) == list(range(30))
+
+
+def test_close_spools_what_it_cannot_write_and_a_later_sink_replays_it(owner, tmp_path):
+    down = RequestSink(f"http://127.0.0.1:{free_port()}/", spool_dir=tmp_path / "spool",
+                       flush_interval=600, retry_min_s=60)
+    for conn_id in range(15):
+        down.put(make_row(conn_id=conn_id))
+    stats = down.close(timeout=WAIT_S)
+    assert (stats.rows_written, stats.rows_pending, stats.rows_spooled, stats.rows_lost) == (0, 0, 15, 0)
+
+    later = RequestSink(owner, spool_dir=tmp_path / "spool", flush_interval=0.1)
+    assert later.rows_spooled == 15  # found on disk at start
+    wait_until(lambda: later.rows_written == 15)
+    assert later.close().rows_spooled == 0
+    assert stored_conn_ids(owner) == list(range(15))
+
+
+def test_put_spools_itself_when_too_many_rows_pile_up(tmp_path):
+    sink = RequestSink(f"http://127.0.0.1:{free_port()}/", spool_dir=tmp_path / "spool",
+                       flush_interval=600, batch_rows=100, max_pending_rows=5, retry_min_s=60)
+    try:
+        for conn_id in range(5):
+            sink.put(make_row(conn_id=conn_id))
+        assert (sink.rows_spooled, sink.rows_pending) == (5, 0)  # spooled by put itself, not dropped
+    finally:
+        sink.close(timeout=WAIT_S)
+
+
+def test_a_batch_the_store_refuses_is_kept_aside_not_retried_forever(owner, tmp_path):
+    owner.command("CREATE TABLE tokenprobe.narrow (conn_id UInt64) ENGINE = MergeTree ORDER BY conn_id")
+    sink = RequestSink(owner, table="narrow", column_types={"conn_id": "UInt64", "extra": "String"},
+                       spool_dir=tmp_path / "spool", flush_interval=0.1)
+    for conn_id in range(4):
+        sink.put({"conn_id": conn_id, "extra": "x"})
+    wait_until(lambda: sink.stats().rows_rejected == 4)
+    stats = sink.close()
+    assert (stats.rows_written, stats.rows_spooled, stats.rows_lost) == (0, 0, 0)
+    assert "refused 4 rows" in stats.last_error
+    rejected = tmp_path / "spool" / "rejected"
+    assert len(list(rejected.glob("*.arrow"))) == 1
+    assert "extra" in next(rejected.glob("*.reason.txt")).read_text()
