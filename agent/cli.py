@@ -23,6 +23,45 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
                    help="chdb:///DIR for the embedded store (default %(default)s) or http://host:8123/")
     p.add_argument("--ringbuf-mb", type=int, default=16,
                    help="kernel ring buffer size in MiB, a power of two (default %(default)s)")
+    gpu = p.add_argument_group("GPU and engine state, joined to every request")
+    gpu.add_argument("--nvml-hz", type=float, default=10.0,
+                     help="NVML samples per second; 0 leaves NVML out (default %(default)s)")
+    gpu.add_argument("--dcgm", action="append", default=[], metavar="URL",
+                     help="a dcgm-exporter /metrics URL to scrape (repeatable)")
+    gpu.add_argument("--engine", action="append", default=[], metavar="[PORT=]URL",
+                     help="an inference server's /metrics (vLLM, SGLang, TGI, llama.cpp); PORT= names the "
+                          "port clients use when metrics are served elsewhere (repeatable)")
+    gpu.add_argument("--gpu", action="append", default=[], metavar="PORT=GPU[,GPU]",
+                     help="the GPUs (index, UUID or MIG device id) serving a port, where NVML cannot tell "
+                          "from process memory (repeatable)")
+    gpu.add_argument("--scrape-interval", type=float, default=1.0, metavar="S",
+                     help="seconds between dcgm and engine scrapes (default %(default)s)")
+
+
+def samplers_from_args(args: argparse.Namespace):
+    """SamplerConfig from the GPU options; ValueError says which one is wrong."""
+    from tokenprobe.agent.prom_text import check_scrape_url
+    from tokenprobe.agent.runner import SamplerConfig
+
+    for url in args.dcgm:
+        check_scrape_url(url)
+    engines: dict[str, int | None] = {}
+    for spec in args.engine:
+        port, sep, url = spec.partition("=")
+        if sep and port.isdigit():
+            engines[check_scrape_url(url)] = int(port)
+        else:
+            engines[check_scrape_url(spec)] = None
+    gpus: dict[int, list[str]] = {}
+    for spec in args.gpu:
+        port, sep, refs = spec.partition("=")
+        if not sep or not port.isdigit() or not refs:
+            raise ValueError(f"--gpu {spec!r}: expected PORT=GPU[,GPU], e.g. 8000=0")
+        gpus[int(port)] = refs.split(",")
+    if args.nvml_hz < 0 or args.scrape_interval <= 0:
+        raise ValueError("--nvml-hz must be ≥ 0 and --scrape-interval > 0")
+    return SamplerConfig(nvml_hz=args.nvml_hz, dcgm_urls=args.dcgm, engine_urls=engines,
+                         gpus_by_port=gpus, scrape_interval_s=args.scrape_interval)
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
@@ -32,6 +71,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     targets = Targets(ports=args.port, pids=args.pid, exes=args.exe, outbound=args.outbound)
     try:
         targets.validate()
+        samplers = samplers_from_args(args)
     except ValueError as exc:
         print(f"tokenprobe agent: {exc}", file=sys.stderr)
         return 2
@@ -40,7 +80,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         print("tokenprobe agent: --ringbuf-mb must be a power of two", file=sys.stderr)
         return 2
     config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
-                         ringbuf_pages=pages, status=not args.quiet)
+                         ringbuf_pages=pages, status=not args.quiet, samplers=samplers)
     try:
         summary = Agent(config).run()
     except ProbeError as exc:
@@ -109,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default="chdb:///var/lib/tokenprobe/demo-store", metavar="URL",
                    help="where to store the requests (default %(default)s)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load (default %(default)s)")
-    p.add_argument("--rate", type=float, default=6.0, help="requests per second (default %(default)s)")
+    p.add_argument("--rate", type=float, default=6.0, help="peak requests per second; the load sweeps 0.2×, 0.6×, 1.3× of it (default %(default)s)")
     p.add_argument("--slots", type=int, default=4, help="the server's concurrent slots (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="the server's port (default %(default)s)")
     p.add_argument("--tls", action="store_true", help="serve and load over HTTPS")

@@ -17,7 +17,10 @@ import time
 from pathlib import Path
 
 from tokenprobe.agent.probes import ProbeError, Targets
-from tokenprobe.agent.runner import Agent, AgentConfig
+from tokenprobe.agent.runner import Agent, AgentConfig, SamplerConfig
+
+
+LOAD_SHARES = (0.2, 0.6, 1.3)  # of --rate, a third of --duration each
 
 
 def _ms(later: int | None, earlier: int | None) -> str:
@@ -41,12 +44,14 @@ class Totals:
         self.rows: list[dict] = []
 
     def add(self, row: dict) -> None:
+        if not row["path"].startswith("/v1/"):
+            return  # the agent's own scrapes of /metrics
         with self.lock:
             self.rows.append(row)
         print(request_line(row), flush=True)
 
     def summary(self) -> str:
-        rows = [r for r in self.rows if r["path"].startswith("/v1/")]
+        rows = self.rows
         ttfts = sorted((r["first_token"] - r["req_end"]) / 1e6 for r in rows
                        if r["first_token"] is not None and r["req_end"] is not None)
         outcomes: dict[str, int] = {}
@@ -65,31 +70,44 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="tokenprobe-demo-"))
     server_cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(args.port),
                   "--slots", str(args.slots), "--truth-log", str(workdir / "truth.jsonl"),
-                  "--log-level", "WARNING"]
+                  "--simulated-metrics", "--log-level", "WARNING"]
     if args.tls:
         server_cmd.append("--tls-self-signed")
-    load_cmd = [sys.executable, "-m", "tokenprobe.refserver", "load", "--port", str(args.port),
-                "--rate", str(args.rate), "--duration", str(args.duration), "--quiet",
-                "--json", str(workdir / "load.json")]
-    if args.tls:
-        load_cmd.append("--tls")
+    # The load sweeps from light to past the server's capacity, so that the
+    # analytics have an idle regime to calibrate on and a knee to find.
+    phases = [(args.duration / 3, args.rate * share) for share in LOAD_SHARES]
 
-    print(f"demo: reference server on port {args.port} with {args.slots} slots, "
-          f"{args.rate:g} requests/s for {args.duration:g}s, store {args.store}", file=sys.stderr)
+    def load_cmd(seconds: float, rate: float, seed: int) -> list[str]:
+        cmd = [sys.executable, "-m", "tokenprobe.refserver", "load", "--port", str(args.port),
+               "--rate", f"{rate:.3f}", "--duration", f"{seconds:.3f}", "--seed", str(seed), "--quiet",
+               "--json", str(workdir / f"load-{seed}.json")]
+        return cmd + (["--tls"] if args.tls else [])
+
+    print(f"demo: reference server on port {args.port} with {args.slots} slots; load "
+          + ", then ".join(f"{rate:.1f} requests/s for {seconds:.0f}s" for seconds, rate in phases)
+          + f"; store {args.store}", file=sys.stderr)
     server = subprocess.Popen(server_cmd)
     totals = Totals()
     load: subprocess.Popen | None = None
 
     def start_load() -> None:
         nonlocal load
-        load = subprocess.Popen(load_cmd)
-        load.wait()
+        for seed, (seconds, rate) in enumerate(phases):
+            load = subprocess.Popen(load_cmd(seconds, rate, seed))
+            load.wait()
         time.sleep(0.5)  # let the last responses' closing bytes reach the agent
         agent.stop()
 
     driver = threading.Thread(target=start_load, daemon=True)
-    agent = Agent(AgentConfig(targets=Targets(ports=[args.port]), store_url=args.store,
-                              status=False, on_row=totals.add, on_ready=driver.start))
+    # No GPU here: the reference server's simulated dcgm and vLLM pages stand
+    # in, every row from them marked simulated, mapped to "GPU 0" by port.
+    # (Over TLS its certificate is self-signed, which the scrapers refuse.)
+    samplers = SamplerConfig() if args.tls else SamplerConfig(
+        dcgm_urls=[f"http://127.0.0.1:{args.port}/sim/dcgm"],
+        engine_urls={f"http://127.0.0.1:{args.port}/metrics": args.port},
+        gpus_by_port={args.port: ["0"]})
+    agent = Agent(AgentConfig(targets=Targets(ports=[args.port]), store_url=args.store, status=False,
+                              on_row=totals.add, on_ready=driver.start, samplers=samplers))
     try:
         summary = agent.run()
     except ProbeError as exc:

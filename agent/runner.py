@@ -16,13 +16,18 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from tokenprobe.agent.clock import MonotonicWallClock
+from tokenprobe.agent.dcgm import DcgmScraper
+from tokenprobe.agent.engine_metrics import EngineScraper
+from tokenprobe.agent.gpu import NvmlSampler, ServerGpuMap
+from tokenprobe.agent.gpu_join import create_request_gpu_state_view
 from tokenprobe.agent.probes import Probes, Targets
-from tokenprobe.agent.store import RequestSink, open_store
+from tokenprobe.agent.samples import SamplerSet
+from tokenprobe.agent.store import RequestSink, Store, open_store
 from tokenprobe.agent.tracker import ConnectionTracker
 
 log = logging.getLogger("tokenprobe.agent")
@@ -52,6 +57,27 @@ def load_fingerprint_key(path: Path = DEFAULT_KEY_FILE) -> bytes:
 
 
 @dataclass
+class SamplerConfig:
+    """GPU and engine sources joined to the requests (agent/samples.py)."""
+
+    nvml_hz: float = 10.0                 # 0: leave NVML out
+    dcgm_urls: list[str] = field(default_factory=list)
+    engine_urls: dict[str, int | None] = field(default_factory=dict)  # URL → server port (None: the URL's)
+    gpus_by_port: dict[int, list[str]] = field(default_factory=dict)  # configured server → GPU mapping
+    scrape_interval_s: float = 1.0
+
+    def build(self, store: Store, node: str, clock: MonotonicWallClock) -> SamplerSet:
+        return SamplerSet(
+            store, node, clock,
+            nvml=NvmlSampler() if self.nvml_hz > 0 else None,
+            nvml_hz=self.nvml_hz if self.nvml_hz > 0 else 1.0,
+            dcgm=[DcgmScraper(url) for url in self.dcgm_urls],
+            engines=[EngineScraper(url, server_port=port) for url, port in self.engine_urls.items()],
+            scrape_interval_s=self.scrape_interval_s,
+            gpu_map=ServerGpuMap(self.gpus_by_port))
+
+
+@dataclass
 class AgentConfig:
     targets: Targets
     store_url: str
@@ -60,6 +86,7 @@ class AgentConfig:
     status: bool = True
     on_row: Callable[[dict], None] | None = None   # e.g. the demo's live lines
     on_ready: Callable[[], None] | None = None     # called once the probes are attached
+    samplers: SamplerConfig = field(default_factory=SamplerConfig)
 
 
 @dataclass
@@ -108,10 +135,15 @@ class Agent:
         store = open_store(cfg.store_url)
         try:
             store.ensure_schema()
+            create_request_gpu_state_view(store)
+            clock = MonotonicWallClock()
+            samplers = cfg.samplers.build(store, socket.gethostname(), clock)
+            samplers.start()
             sink = RequestSink(store)
             try:
-                summary = self._run_probes(sink)
+                summary = self._run_probes(sink, clock)
             finally:
+                samplers.stop()
                 sink.close()
         finally:
             store.close()
@@ -119,10 +151,9 @@ class Agent:
         summary.rows_written, summary.rows_spooled = sink.rows_written, sink.rows_spooled
         return summary
 
-    def _run_probes(self, sink: RequestSink) -> AgentSummary:
+    def _run_probes(self, sink: RequestSink, clock: MonotonicWallClock) -> AgentSummary:
         cfg = self.config
         probes = Probes(cfg.targets, ringbuf_pages=cfg.ringbuf_pages)
-        clock = MonotonicWallClock()
 
         def emit(row: dict) -> None:
             sink.put(row)

@@ -37,6 +37,12 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--prefill-ms-per-token", type=float, default=timing.prefill_ms_per_token, help="prefill time per prompt token"
     )
     p.add_argument("--decode-ms", type=float, default=timing.decode_ms, help="time between generated tokens")
+    p.add_argument(
+        "--simulated-metrics",
+        action="store_true",
+        help="serve a simulated vLLM-style /metrics and dcgm-exporter page at /sim/dcgm (no GPU needed; "
+        'every series is labelled simulated="true")',
+    )
     p.add_argument("--slowdown", type=float, default=timing.slowdown, help="multiplier on prefill and decode times")
     p.add_argument(
         "--model", default=defaults.model, help="served model name (requests may name any model; it is echoed)"
@@ -148,6 +154,7 @@ def _serve(args: argparse.Namespace) -> int:
                 truth_log=args.truth_log,
                 tls_cert=cert,
                 tls_key=key,
+                simulated_metrics=args.simulated_metrics,
             )
         except ValueError as exc:
             raise SystemExit(f"invalid setting: {exc}") from None

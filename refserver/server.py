@@ -38,6 +38,7 @@ from tokenprobe.refserver.engine import (
     EngineTiming,
 )
 from tokenprobe.refserver.text import generated_tokens
+from tokenprobe.refserver.sim_metrics import PROMETHEUS_CONTENT_TYPE, SIMULATED_METRICS_PATHS, SimulatedMetrics
 from tokenprobe.refserver.tls import server_context
 from tokenprobe.refserver.truthlog import TruthLog
 from tokenprobe.refserver.wire import (
@@ -74,6 +75,9 @@ class ServerConfig:
     truth_log: str | Path | None = None
     tls_cert: str | Path | None = None
     tls_key: str | Path | None = None
+    # Serve a simulated vLLM-style /metrics and dcgm-exporter page (/sim/dcgm)
+    # derived from the engine's slots, so GPU joins can be shown without a GPU.
+    simulated_metrics: bool = False
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -95,6 +99,8 @@ class _ServingContext:
     truth_log: TruthLog | None
     stopping: threading.Event
     wall_offset_ns: int
+    simulated: SimulatedMetrics | None
+
 
 
 class ClientGone(Exception):
@@ -160,7 +166,10 @@ class ReferenceServer:
         if self.config.truth_log is not None:
             self._truth_log = TruthLog(self.config.truth_log)
         wall_offset_ns = time.time_ns() - time.monotonic_ns()
-        self._context = _ServingContext(self.config, self._engine, self._truth_log, self._stopping, wall_offset_ns)
+        simulated = (SimulatedMetrics(self._listener.getsockname()[1], self.config.model)
+                     if self.config.simulated_metrics else None)
+        self._context = _ServingContext(
+            self.config, self._engine, self._truth_log, self._stopping, wall_offset_ns, simulated)
         self._accept_thread = threading.Thread(target=self._accept_forever, name="refserver-accept", daemon=True)
         self._accept_thread.start()
         log.info("reference server listening on %s", self.url)
@@ -306,6 +315,7 @@ class _Connection:
         self._engine = context.engine
         self._truth_log = context.truth_log
         self._stopping = context.stopping
+        self._simulated = context.simulated
         self._sock = sock
         self._reader = RequestReader(sock)
         self._trace_base = {
@@ -377,6 +387,11 @@ class _Connection:
                 if request.method != "GET":
                     return self._send_error(trace, 405, "/v1/models accepts GET only", close, allow="GET")
                 return self._send_json(trace, 200, models_body(self._config.model), close)
+            if request.path in SIMULATED_METRICS_PATHS and self._simulated is not None:
+                if request.method != "GET":
+                    return self._send_error(trace, 405, f"{request.path} accepts GET only", close, allow="GET")
+                text = self._simulated.render(request.path, self._engine.snapshot())
+                return self._send_body(trace, 200, text.encode(), PROMETHEUS_CONTENT_TYPE, close)
             if request.path == "/health":
                 if request.method != "GET":
                     return self._send_error(trace, 405, "/health accepts GET only", close, allow="GET")
@@ -487,7 +502,12 @@ class _Connection:
             engine.count_finished(completed=finished)
 
     def _send_json(self, trace: RequestTrace, status: int, body: bytes, close: bool, allow: str | None = None) -> bool:
-        headers = [SERVER_HEADER, ("content-length", str(len(body))), ("content-type", "application/json")]
+        return self._send_body(trace, status, body, "application/json", close, allow)
+
+    def _send_body(
+        self, trace: RequestTrace, status: int, body: bytes, content_type: str, close: bool, allow: str | None = None
+    ) -> bool:
+        headers = [SERVER_HEADER, ("content-length", str(len(body))), ("content-type", content_type)]
         if allow:
             headers.append(("allow", allow))
         if close:

@@ -16,6 +16,7 @@ carries the flag on, so no chart can pass these numbers off as a real GPU's.
 
 from __future__ import annotations
 
+import socket
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
@@ -187,3 +188,23 @@ def _labels(**labels: str) -> str:
 def _dcgm_value(value: float) -> str:
     # dcgm-exporter prints integer fields bare and float fields with six decimals.
     return str(value) if isinstance(value, int) else f"{value:.6f}"
+
+
+VLLM_METRICS_PATH = "/metrics"
+DCGM_METRICS_PATH = "/sim/dcgm"
+SIMULATED_METRICS_PATHS = (VLLM_METRICS_PATH, DCGM_METRICS_PATH)
+
+
+class SimulatedMetrics:
+    """The reference server's simulated pages: vLLM-style at /metrics, a
+    dcgm-exporter page at /sim/dcgm, both following the live engine state."""
+
+    def __init__(self, port: int, model_name: str, hostname: str | None = None) -> None:
+        self.gpu = SimulatedGpu(hostname=hostname or socket.gethostname(), port=port)
+        self.kv_cache = SimulatedKvCache()
+        self.model_name = model_name
+
+    def render(self, path: str, snapshot: ServerSnapshot) -> str:
+        if path == DCGM_METRICS_PATH:
+            return render_dcgm_text(snapshot, self.gpu, self.kv_cache)
+        return render_vllm_text(snapshot, self.kv_cache, self.model_name)
