@@ -11,4 +11,4 @@ test: install
 	.venv/bin/python -m pytest -q -rs
 
 bench: install
-	.venv/bin/python benchmarks/bench_agent_overhead.py
+	.venv/bin/python -m benchmarks.bench_agent_overhead
