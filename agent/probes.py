@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from tokenprobe.agent.kernel_headers import HeaderChoice, choose_headers
+from tokenprobe.agent.procfs import target_port_sockets
 
 log = logging.getLogger("tokenprobe.probes")
 
@@ -35,7 +36,7 @@ HEADER_SIZE = _HEADER.size
 EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC = 1, 2, 3, 4, 5, 6
 DIR_READ, DIR_WRITE = 0, 1
 ROLE_SERVER, ROLE_CLIENT = 0, 1
-CFG_TRACK_OUTBOUND, CFG_EXE_PATHS = 0, 1
+CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
 
 # (symbol, entry handler, return handler). Both OpenSSL call families:
 # CPython calls the _ex forms, nginx and most C servers the classic ones.
@@ -178,52 +179,6 @@ def libssl_paths(pids: Iterable[int] | None = None) -> list[str]:
     return list(found.values())
 
 
-def listening_sockets(ports: set[int]) -> dict[tuple[int, int], int]:
-    """(pid, fd) → port for every socket listening on one of `ports`, in
-    every network namespace (each process's /proc/PID/net shows its own)."""
-    if not ports:
-        return {}
-    inode_port: dict[str, int] = {}
-    seen_netns: set[str] = set()
-    pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    for pid in pids:
-        try:
-            netns = os.readlink(f"/proc/{pid}/ns/net")
-        except OSError:
-            continue
-        if netns in seen_netns:
-            continue
-        seen_netns.add(netns)
-        for table in ("tcp", "tcp6"):
-            try:
-                with open(f"/proc/{pid}/net/{table}") as f:
-                    next(f)
-                    for line in f:
-                        cols = line.split()
-                        if len(cols) > 9 and cols[3] == "0A":  # TCP_LISTEN
-                            port = int(cols[1].rsplit(":", 1)[1], 16)
-                            if port in ports:
-                                inode_port[f"socket:[{cols[9]}]"] = port
-            except (OSError, StopIteration):
-                continue
-    found: dict[tuple[int, int], int] = {}
-    if not inode_port:
-        return found
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                port = inode_port.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            except OSError:
-                continue
-            if port is not None:
-                found[(int(pid), int(fd))] = port
-    return found
-
-
 def _bpf_class():
     try:
         from bcc import BPF  # Debian's python3-bpfcc, linked into the venv
@@ -269,6 +224,7 @@ class Probes:
             self.add_target_pid(pid)
         config = self.bpf["config"]
         config[ctypes.c_int(CFG_TRACK_OUTBOUND)] = ctypes.c_uint32(int(self.targets.outbound))
+        config[ctypes.c_int(CFG_SELF_TGID)] = ctypes.c_uint32(os.getpid())
         exe_table = self.bpf["exe_paths"]
         paths = self._exe_variants()
         for i, path in enumerate(paths):
@@ -278,6 +234,7 @@ class Probes:
             exe_table[ctypes.c_int(i)] = leaf
         config[ctypes.c_int(CFG_EXE_PATHS)] = ctypes.c_uint32(len(paths))
         self.rescan_processes()
+        self.adopt_established()
 
     def _exe_variants(self) -> list[str]:
         """The paths exec() may be called with for each target executable."""
@@ -295,12 +252,13 @@ class Probes:
         """Tells the kernel about listening sockets of target ports and
         running processes of target executables that it cannot have seen
         (started before us, forked workers, exec'd through another path)."""
+        listening, _ = target_port_sockets(set(self.targets.ports))
         listeners, listener_tgids = self.bpf["listeners"], self.bpf["listener_tgids"]
-        for (pid, fd), port in listening_sockets(set(self.targets.ports)).items():
+        for sock in listening:
             key = listeners.Key()
-            key.tgid, key.fd = pid, fd
-            listeners[key] = ctypes.c_uint16(port)
-            listener_tgids[ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+            key.tgid, key.fd = sock.pid, sock.fd
+            listeners[key] = ctypes.c_uint16(sock.local_port)
+            listener_tgids[ctypes.c_uint32(sock.pid)] = ctypes.c_uint8(1)
         if not self.targets.exes:
             return []
         wanted = set()
@@ -322,6 +280,24 @@ class Probes:
                 self.add_target_pid(int(entry))
                 added.append(int(entry))
         return added
+
+    def adopt_established(self) -> int:
+        """Tracks connections on target ports that were open before the
+        probes attached (keep-alive pools live long); their first bytes may
+        be mid-request, which the assembler resynchronises on."""
+        _, established = target_port_sockets(set(self.targets.ports))
+        conns = self.bpf["conns"]
+        for sock in established:
+            if sock.pid == os.getpid():
+                continue
+            key, info = conns.Key(), conns.Leaf()
+            key.tgid, key.fd = sock.pid, sock.fd
+            info.local_port, info.peer_port = sock.local_port, sock.peer_port
+            raw = ipaddress.IPv6Address(f"::ffff:{sock.peer_addr}" if "." in sock.peer_addr else sock.peer_addr).packed
+            ctypes.memmove(ctypes.addressof(info) + type(info).peer_addr.offset, raw, 16)
+            conns[key] = info
+            self.bpf["active_tgids"][ctypes.c_uint32(sock.pid)] = ctypes.c_uint8(1)
+        return len(established)
 
     def attach_ssl(self) -> list[str]:
         """Attaches the libssl uprobes to every libssl not yet attached."""

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import ipaddress
 import logging
-import os
 import socket
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,6 +20,7 @@ from tokenprobe.agent.clock import MonotonicWallClock
 from tokenprobe.agent.http_assembler import Exchange, HttpConnectionAssembler
 from tokenprobe.agent.probes import (DIR_READ, EV_ACCEPT, EV_CLOSE, EV_CONNECT, EV_DATA, EV_EXEC,
                                      EV_TLS_DONE, ROLE_CLIENT, KernelEvent)
+from tokenprobe.agent.procfs import comm_of, socket_endpoints
 
 log = logging.getLogger("tokenprobe.tracker")
 
@@ -109,7 +108,7 @@ class ConnectionTracker:
         conn = Connection(
             tgid=ev.tgid, fd=ev.fd, opened_ns=opened_ns, accept_seen=accept_seen, role=ev.role,
             local_port=ev.local_port, peer_addr=ev.peer_addr, peer_port=ev.peer_port,
-            comm=ev.comm or _comm_of(ev.tgid), assembler=assembler,
+            comm=ev.comm or comm_of(ev.tgid), assembler=assembler,
             conn_id=connection_id(ev.tgid, ev.fd, opened_ns))
         self.connections[(ev.tgid, ev.fd)] = conn
         self.stats.connections += 1
@@ -251,48 +250,3 @@ class ConnectionTracker:
             "outcome": ex.outcome,
             "error": ex.error or "",
         }
-
-
-def _comm_of(tgid: int) -> str:
-    try:
-        with open(f"/proc/{tgid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _proc_net_address(hex_addr: str) -> tuple[str, int]:
-    """'0100007F:1F40' (or the 32-digit IPv6 form) → ('127.0.0.1', 8000)."""
-    host, port = hex_addr.rsplit(":", 1)
-    raw = bytes.fromhex(host)
-    # /proc prints each 32-bit word in host (little-endian) order.
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    addr = ipaddress.ip_address(raw)
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
-        addr = addr.ipv4_mapped
-    return str(addr), int(port, 16)
-
-
-def socket_endpoints(tgid: int, fd: int) -> tuple[int, str, int] | None:
-    """(local port, peer address, peer port) of a process's TCP socket fd,
-    from /proc; None if the socket is gone or not TCP."""
-    try:
-        link = os.readlink(f"/proc/{tgid}/fd/{fd}")
-    except OSError:
-        return None
-    if not link.startswith("socket:["):
-        return None
-    inode = link[8:-1]
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{tgid}/net/{table}") as f:
-                next(f)
-                for line in f:
-                    cols = line.split()
-                    if len(cols) > 9 and cols[9] == inode:
-                        _, local_port = _proc_net_address(cols[1])
-                        peer_addr, peer_port = _proc_net_address(cols[2])
-                        return local_port, peer_addr, peer_port
-        except (OSError, StopIteration):
-            continue
-    return None

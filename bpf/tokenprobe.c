@@ -57,7 +57,7 @@ enum role { ROLE_SERVER = 0, ROLE_CLIENT = 1 };
 enum ssl_fn { SSL_FN_READ = 1, SSL_FN_READ_EX, SSL_FN_WRITE, SSL_FN_WRITE_EX, SSL_FN_HANDSHAKE };
 
 // Config array slots, written by the agent.
-enum config_slot { CFG_TRACK_OUTBOUND = 0, CFG_EXE_PATHS = 1, CFG_SLOTS = 2 };
+enum config_slot { CFG_TRACK_OUTBOUND = 0, CFG_EXE_PATHS = 1, CFG_SELF_TGID = 2, CFG_SLOTS = 3 };
 
 struct conn_key {
     u32 tgid;
@@ -163,7 +163,14 @@ BPF_HASH(ssl_pending, u64, struct ssl_args, 16384);
 // SSL* → fd, learnt from socket syscalls made inside libssl calls (socket
 // BIOs: nginx, CPython's ssl), or from the thread's last socket read
 // (memory BIOs: asyncio, uvicorn).
-BPF_TABLE("lru_hash", u64, u32, ssl_fd, MAX_CONNS);
+// Keyed by process too: forked workers (nginx) share an address layout, so
+// the same SSL* value names different objects in different processes.
+struct ssl_key {
+    u64 ssl;
+    u32 tgid;
+    u32 pad;
+};
+BPF_TABLE("lru_hash", struct ssl_key, u32, ssl_fd, MAX_CONNS);
 BPF_TABLE("lru_hash", u64, u32, thread_last_fd, 16384);
 
 static __always_inline void count_drop(void) {
@@ -322,6 +329,11 @@ static __always_inline int accept_exit(long ret) {
     if (ret < 0)
         return 0;
     u32 tgid = id >> 32;
+    // The agent never traces itself (its store serves readers over HTTP).
+    int self_slot = CFG_SELF_TGID;
+    u32 *self_tgid = config.lookup(&self_slot);
+    if (self_tgid && *self_tgid == tgid)
+        return 0;
     struct conn_info ci = {};
     ci.accept_ns = bpf_ktime_get_ns();
     ci.role = ROLE_SERVER;
@@ -485,8 +497,8 @@ static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *i
     // Inside a libssl call this is ciphertext: learn SSL* → fd, emit nothing.
     struct ssl_args *sa = ssl_pending.lookup(&id);
     if (sa) {
-        u64 ssl = (u64)sa->ssl;
-        ssl_fd.update(&ssl, &fd);
+        struct ssl_key sk = {.ssl = (u64)sa->ssl, .tgid = id >> 32};
+        ssl_fd.update(&sk, &fd);
         sa->bound_in_call = 1;
         if (!ci->tls)
             ci->tls = 1;
@@ -601,8 +613,8 @@ static __always_inline int ssl_enter(struct pt_regs *ctx, u8 fn) {
 // Finds the connection an SSL* belongs to; 0 if none is tracked.
 static __always_inline struct conn_info *ssl_conn(struct ssl_args *a, u64 id,
                                                   struct conn_key *k) {
-    u64 ssl = (u64)a->ssl;
-    u32 *fdp = ssl_fd.lookup(&ssl);
+    struct ssl_key sk = {.ssl = (u64)a->ssl, .tgid = id >> 32};
+    u32 *fdp = ssl_fd.lookup(&sk);
     u64 tid = (u32)id;
     // Memory BIOs: no socket call inside libssl; the ciphertext was read
     // just before on this thread. A handshake always rebinds (SSL* reuse).
@@ -611,8 +623,8 @@ static __always_inline struct conn_info *ssl_conn(struct ssl_args *a, u64 id,
         if (!last)
             return 0;
         u32 fd = *last;
-        ssl_fd.update(&ssl, &fd);
-        fdp = ssl_fd.lookup(&ssl);
+        ssl_fd.update(&sk, &fd);
+        fdp = ssl_fd.lookup(&sk);
     }
     if (!fdp)
         return 0;

@@ -1,0 +1,110 @@
+"""Target selection in the kernel: by PID, by executable (including processes
+started after the agent, and their forked workers), connections opened
+before the agent started, and the agent's exit paths."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.kernel_harness import (agent, free_port, nginx_tls_proxy, read_rows, reference_server,
+                                  require_kernel, wait_for_port)
+from tokenprobe.refserver.loadgen import LoadConfig, burst
+from tokenprobe.refserver.tls import make_self_signed_cert
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture(autouse=True)
+def _kernel():
+    require_kernel()
+
+
+def stream_once(conn: http.client.HTTPConnection, max_tokens: int = 4) -> str:
+    body = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": max_tokens, "stream": True})
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = response.read()
+    assert response.status == 200
+    return json.loads(data.split(b"data: ", 2)[1].split(b"\n", 1)[0])["id"]
+
+
+def small_load(port: int, tls: bool, n: int = 12) -> set[str]:
+    config = LoadConfig(port=port, tls=tls, requests=n, duration_s=None, max_tokens=(2, 6), seed=3)
+    result = burst(config, n=n, concurrency=3, per_connection=2)
+    assert not result.errors
+    return {r.response_id for r in result.records}
+
+
+def test_pid_target(tmp_path: Path):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(port),
+                               "--decode-ms", "2", "--log-level", "WARNING"])
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, "--pid", str(server.pid), ports=[]) as handle:
+            sent = small_load(port, tls=False)
+            assert handle.stop() == 0, handle.log()
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    rows = read_rows(handle.store_url)
+    assert {r["response_id"] for r in rows} == sent
+
+
+def test_exe_target_started_later_with_forked_workers(tmp_path: Path):
+    """nginx is started after the agent: its master is exec'd (matched in the
+    kernel by path) and its workers are forked (inherited as targets)."""
+    cert, key = make_self_signed_cert(tmp_path)
+    with reference_server(tmp_path, decode_ms=2.0) as (backend, _truth), \
+            agent(tmp_path, "--exe", "/usr/sbin/nginx", ports=[]) as handle:
+        with nginx_tls_proxy(tmp_path, backend, cert, key) as port:
+            sent = small_load(port, tls=True)
+        assert handle.stop() == 0, handle.log()
+    rows = read_rows(handle.store_url)
+    assert {r["response_id"] for r in rows} == sent
+    assert all(r["tls"] for r in rows)
+
+
+def test_connection_opened_before_the_agent(tmp_path: Path):
+    """A keep-alive connection from before the agent started is adopted from
+    /proc; requests on it afterwards are captured (accept time unknown)."""
+    with reference_server(tmp_path, decode_ms=2.0) as (port, _truth):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        before = stream_once(conn)
+        with agent(tmp_path, ports=[port]) as handle:
+            after = [stream_once(conn) for _ in range(3)]
+            conn.close()
+            assert handle.stop() == 0, handle.log()
+    rows = read_rows(handle.store_url)
+    ids = [r["response_id"] for r in rows]
+    assert before not in ids
+    assert sorted(ids) == sorted(after)
+    assert all(pd.isna(r["accept_ns"]) for r in rows)
+
+
+def test_sigint_mid_stream_writes_the_open_request(tmp_path: Path):
+    """Stopping the agent while a stream is open loses nothing: the request
+    is stored, marked truncated, with the tokens seen so far."""
+    with reference_server(tmp_path, decode_ms=50.0) as (port, _truth), \
+            agent(tmp_path, ports=[port]) as handle:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body = json.dumps({"prompt": "x", "max_tokens": 200, "stream": True})
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        response.read1(4096)
+        time.sleep(0.5)
+        handle.proc.send_signal(signal.SIGINT)
+        assert handle.proc.wait(timeout=120) == 0, handle.log()
+        conn.close()
+    rows = read_rows(handle.store_url)
+    assert len(rows) == 1
+    assert rows[0]["outcome"] == "truncated" and rows[0]["token_events"] >= 3
