@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 DEFAULT_STORE = "chdb:///var/lib/tokenprobe/store"
@@ -79,6 +80,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if pages & (pages - 1):
         print("tokenprobe agent: --ringbuf-mb must be a power of two", file=sys.stderr)
         return 2
+    os.nice(max(0, args.nice))
     config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
                          ringbuf_pages=pages, status=not args.quiet, samplers=samplers)
     try:
@@ -139,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "SIGINT/SIGTERM or after --duration, flushing everything.")
     _add_agent_args(p)
     p.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    p.add_argument("--nice", type=int, default=10,
+                   help="CPU niceness of the agent (default %(default)s): the served workload comes first; "
+                        "events are stamped in the kernel, so a late agent loses no accuracy")
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.set_defaults(func=_cmd_agent)
 

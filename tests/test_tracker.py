@@ -1,0 +1,192 @@
+"""The agent's user-space half without the kernel: decoding ring-buffer
+records (including garbage), and the tracker turning events into rows."""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenprobe.agent.clock import MonotonicWallClock, measure_offset
+from tokenprobe.agent.kernel_headers import choose_headers
+from tokenprobe.agent.probes import (DIR_READ, DIR_WRITE, EV_ACCEPT, EV_CLOSE, EV_DATA, EV_TLS_DONE,
+                                     HEADER_SIZE, EventDecodeError, KernelEvent, decode_event)
+from tokenprobe.agent.tracker import ConnectionTracker
+
+HEADER = struct.Struct("<QQIIBBBBiIHHHH16s16s")
+V4_MAPPED_LOOPBACK = bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1])
+
+
+def record(kind=EV_DATA, ts=1000, conn_ns=500, tgid=42, fd=7, direction=DIR_READ, tls=0, role=0, ret=None,
+           head=b"", tail=b"", total=None, lport=8000, pport=50000, comm=b"server") -> bytes:
+    total = len(head) + len(tail) if total is None else total
+    ret = total if ret is None else ret
+    return HEADER.pack(ts, conn_ns, tgid, fd, kind, direction, tls, role, ret, total, len(head), len(tail),
+                       lport, pport, V4_MAPPED_LOOPBACK, comm) + head + tail
+
+
+def test_decode_round_trip():
+    ev = decode_event(record(head=b"GET / HTTP/1.1\r\n", tail=b"", total=16))
+    assert (ev.kind, ev.tgid, ev.fd, ev.local_port, ev.peer_addr) == (EV_DATA, 42, 7, 8000, "127.0.0.1")
+    assert ev.head == b"GET / HTTP/1.1\r\n" and ev.total_len == 16 and ev.comm == "server"
+    big = decode_event(record(head=b"a" * 8192, tail=b"z" * 1024, total=100_000))
+    assert len(big.head) == 8192 and big.tail == b"z" * 1024 and big.total_len == 100_000
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"", "shorter"),
+    (b"\x00" * (HEADER_SIZE - 1), "shorter"),
+    (record(kind=99), "unknown event kind"),
+    (record(head=b"abc")[:-1], "inconsistent"),
+    (record(head=b"abc", total=2), "inconsistent"),
+])
+def test_decode_rejects_malformed_records(raw, message):
+    with pytest.raises(EventDecodeError, match=message):
+        decode_event(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=HEADER_SIZE + 64))
+def test_decode_never_fails_other_than_cleanly(raw):
+    try:
+        decode_event(raw)
+    except EventDecodeError:
+        pass
+
+
+class Collector:
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, row):
+        self.rows.append(row)
+
+
+def make_tracker(**kwargs):
+    rows = Collector()
+    tracker = ConnectionTracker(rows, clock=MonotonicWallClock(), fingerprint_key=b"k", node="n",
+                                target_ports={8000}, **kwargs)
+    return tracker, rows
+
+
+def ev(kind, ts, *, fd=7, conn_ns=500, direction=DIR_READ, data=b"", ret=None, tls=False, lport=8000) -> KernelEvent:
+    return KernelEvent(kind, ts, conn_ns, 42, fd, direction, tls, 0, len(data) if ret is None else ret,
+                       len(data), data, b"", lport, 50000, "127.0.0.1", "server")
+
+
+REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: 45\r\n\r\n" + b'{"model": "m", "prompt": "hi", "stream": true}'[:45])
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def sse_chunk(payload: bytes) -> bytes:
+    event = b"data: " + payload + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(event), event)
+
+
+def serve_one(tracker, fd=7, t0=1_000_000, conn_ns=500, tls=False):
+    """One streamed completion; with tls, as the libssl probes report it."""
+    tracker.handle(ev(EV_DATA, t0, fd=fd, conn_ns=conn_ns, data=REQUEST, tls=tls))
+    tracker.handle(ev(EV_DATA, t0 + 10_000, fd=fd, conn_ns=conn_ns, direction=DIR_WRITE, data=HEAD, tls=tls))
+    for i in range(3):
+        tok = b'{"id":"cmpl-1","model":"m","choices":[{"text":"w%d"}]}' % i
+        tracker.handle(ev(EV_DATA, t0 + 50_000_000 + i * 20_000_000, fd=fd, conn_ns=conn_ns,
+                          direction=DIR_WRITE, data=sse_chunk(tok), tls=tls))
+    tracker.handle(ev(EV_DATA, t0 + 120_000_000, fd=fd, conn_ns=conn_ns, direction=DIR_WRITE,
+                      data=sse_chunk(b"[DONE]") + b"0\r\n\r\n", tls=tls))
+
+
+def test_one_streamed_request_becomes_one_row():
+    tracker, rows = make_tracker()
+    tracker.handle(ev(EV_ACCEPT, 500))
+    tracker.handle(ev(EV_TLS_DONE, 900))
+    serve_one(tracker, tls=True)
+    assert len(rows.rows) == 1
+    row = rows.rows[0]
+    offset = tracker.clock.offset_ns
+    assert row["req_start"] == 1_000_000 + offset and row["accept_ts"] == 500 + offset
+    assert row["tls"] and row["tls_done_ts"] == 900 + offset
+    assert row["first_token"] - row["req_end"] == 50_000_000
+    assert row["token_events"] == 3 and row["token_offsets_us"] == [0, 20_000, 40_000]
+    assert (row["method"], row["path"], row["status"], row["model"], row["outcome"]) == (
+        "POST", "/v1/completions", 200, "m", "complete")
+    assert row["response_id"] == "cmpl-1" and row["server_port"] == 8000 and row["client_addr"] == "127.0.0.1"
+    assert row["body_fp"] != 0 and "hi" not in repr(row)  # the prompt never reaches the row
+
+
+def test_inflight_counts_other_requests_on_the_same_port():
+    tracker, rows = make_tracker()
+    for fd in (7, 8, 9):
+        tracker.handle(ev(EV_DATA, 1000 + fd, fd=fd, data=REQUEST))
+    serve_one(tracker, fd=10, t0=2000)
+    assert rows.rows[0]["inflight_at_arrival"] == 3
+
+
+def test_fd_reuse_without_a_seen_close_ends_the_old_connection():
+    tracker, rows = make_tracker()
+    tracker.handle(ev(EV_ACCEPT, 500, conn_ns=500))
+    tracker.handle(ev(EV_DATA, 1000, data=REQUEST))
+    tracker.handle(ev(EV_ACCEPT, 2000, conn_ns=2000))  # same fd, new connection
+    assert [r["outcome"] for r in rows.rows] == ["truncated"]
+    serve_one(tracker, t0=3000, conn_ns=2000)
+    assert [r["outcome"] for r in rows.rows] == ["truncated", "complete"]
+    assert rows.rows[0]["conn_id"] != rows.rows[1]["conn_id"]
+
+
+@pytest.mark.parametrize("error, outcome", [(-errno.ECONNRESET, "reset"), (-errno.EPIPE, "client_closed"),
+                                            (0, "client_closed")])
+def test_outcome_follows_how_the_connection_ended(error, outcome):
+    tracker, rows = make_tracker()
+    tracker.handle(ev(EV_DATA, 1000, data=REQUEST))
+    tracker.handle(ev(EV_DATA, 2000, direction=DIR_WRITE if error == -errno.EPIPE else DIR_READ, ret=error))
+    tracker.handle(ev(EV_CLOSE, 3000))
+    assert [r["outcome"] for r in rows.rows] == [outcome]
+
+
+def test_ciphertext_before_the_ssl_probes_is_ignored():
+    tracker, rows = make_tracker()
+    tracker.handle(ev(EV_DATA, 900, data=b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"))  # ClientHello
+    tracker.handle(ev(EV_DATA, 1000, data=REQUEST, tls=True))
+    tracker.handle(ev(EV_CLOSE, 3000))
+    assert len(rows.rows) == 1 and rows.rows[0]["error"] == "" and rows.rows[0]["tls"]
+
+
+def test_agent_stop_writes_open_requests_as_truncated():
+    tracker, rows = make_tracker()
+    tracker.handle(ev(EV_DATA, 1000, data=REQUEST))
+    tracker.close_all(5000)
+    assert [r["outcome"] for r in rows.rows] == ["truncated"] and not tracker.connections
+
+
+def test_clock_offset_maps_monotonic_to_wall():
+    import time
+    clock = MonotonicWallClock()
+    assert abs(clock.now_wall_ns() - time.time_ns()) < 50_000_000
+    assert abs(measure_offset() - clock.offset_ns) < 5_000_000
+
+
+def test_headers_fall_back_to_the_nearest_debian_pair(tmp_path: Path):
+    src = tmp_path / "src"
+    for version in ("6.12.10+deb12", "6.12.117+deb12", "6.1.0-9"):
+        for part, subdirs in (("amd64", ("include/generated", "arch/x86/include/generated")),
+                              ("common", ("include/linux", "arch/x86/include/asm"))):
+            for sub in subdirs:
+                (src / f"linux-headers-{version}-{part}" / sub).mkdir(parents=True)
+    (src / "linux-headers-6.12.117+deb12-cloud-amd64" / "include").mkdir(parents=True)
+    choice = choose_headers("6.18.44-custom", cache_dir=tmp_path / "cache", modules_dir=tmp_path / "none",
+                            src_dir=src)
+    assert not choice.exact and choice.version == "6.12.117+deb12" and "nearest" in choice.note
+    merged = choice.kernel_source
+    assert (merged / "include" / "linux").is_dir() and (merged / "include" / "generated").is_dir()
+    assert (merged / "arch" / "x86" / "include" / "generated").is_dir()
+    assert os.path.realpath(merged / "include" / "generated").endswith("6.12.117+deb12-amd64/include/generated")
+
+
+def test_headers_say_what_to_do_when_none_exist(tmp_path: Path):
+    choice = choose_headers("6.18.0", cache_dir=tmp_path, modules_dir=tmp_path, src_dir=tmp_path)
+    assert choice.kernel_source is None and "install" in choice.note
