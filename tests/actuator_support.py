@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import socket
 import time
 
 from tokenprobe.actuator import wire
@@ -11,7 +10,6 @@ from tokenprobe.actuator.decisions import BreakerAction, BreakerState, Decision,
 from tokenprobe.actuator.v1 import actuator_pb2 as pb
 
 TOKEN = "test-token-0123456789abcdef"
-WAIT_S = 30.0  # generous: other engineers run tests on the same 2-core machine
 RPC_TIMEOUT_S = 10.0
 _upstream_numbers = itertools.count()
 
@@ -21,18 +19,8 @@ def unique_upstream() -> str:
     return f"vllm-{next(_upstream_numbers)}"
 
 
-def wait_until(predicate, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(0.05)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def auth_metadata(token: str = TOKEN) -> tuple:

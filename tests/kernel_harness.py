@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from typing import Iterator
 
 import pytest
 
+from tests.support import free_port, wait_for_port
+
 REQUIRE_KERNEL = os.environ.get("TOKENPROBE_REQUIRE_KERNEL") == "1"
 
 
@@ -26,7 +27,7 @@ def kernel_unavailable() -> str | None:
     if os.geteuid() != 0:
         return "not root"
     try:
-        import bcc  # noqa: F401
+        import bcc  # noqa: F401  (importable is what is checked)
     except ImportError:
         return "BCC's python module is missing (apt-get install python3-bpfcc)"
     if not Path("/sys/kernel/btf").exists() and not Path("/sys/kernel/tracing").exists():
@@ -43,21 +44,8 @@ def require_kernel() -> None:
         pytest.skip(reason)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on port {port} after {timeout}s")
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from tokenprobe.actuator.gateway import GatewayGuard, estimate_request, rejectio
 from tokenprobe.actuator.server import ActuatorServer
 from tokenprobe.actuator.v1 import actuator_pb2 as pb
 from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
+from tests.support import free_port, wait_until
 from tests.actuator_support import (
     RPC_TIMEOUT_S,
     TOKEN,
@@ -29,9 +30,7 @@ from tests.actuator_support import (
     auth_metadata,
     breaker,
     budget,
-    free_port,
     unique_upstream,
-    wait_until,
 )
 
 # --------------------------------------------------------------------------- pure pieces

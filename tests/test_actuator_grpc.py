@@ -33,17 +33,15 @@ from tokenprobe.actuator.gateway import GatewayGuard
 from tokenprobe.actuator.server import ActuatorServer
 from tokenprobe.actuator.v1 import actuator_pb2 as pb
 from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
+from tests.support import WAIT_S, free_port, wait_until
 from tests.actuator_support import (
     RPC_TIMEOUT_S,
     TOKEN,
-    WAIT_S,
     apply,
     auth_metadata,
     breaker,
     budget,
-    free_port,
     unique_upstream,
-    wait_until,
 )
 
 

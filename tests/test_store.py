@@ -30,24 +30,13 @@ from tokenprobe.agent.store import (
     parse_store_url,
 )
 from tokenprobe.agent.store_server import StoreServer
+from tests.support import WAIT_S, free_port, wait_until
 
 ROW_SCHEMA_DOC = Path(__file__).resolve().parents[1] / "docs" / "ROW_SCHEMA.md"
-# Generous: other engineers run tests on the same 2-core machine.
-WAIT_S = 60.0
 
 
-def wait_until(predicate, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(0.05)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def make_row(**overrides) -> dict:
