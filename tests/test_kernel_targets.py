@@ -108,3 +108,47 @@ def test_sigint_mid_stream_writes_the_open_request(tmp_path: Path):
     rows = read_rows(handle.store_url)
     assert len(rows) == 1
     assert rows[0]["outcome"] == "truncated" and rows[0]["token_events"] >= 3
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls-memory-bio"])
+def test_asyncio_server(tmp_path: Path, tls: bool):
+    """uvicorn-style asyncio serving; over TLS, asyncio's ssl transport uses
+    memory BIOs, so the probes tie SSL* to the connection through the
+    thread's last socket read instead of a socket call inside libssl."""
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).parent / "servers" / "asyncio_sse.py"), str(port)]
+    if tls:
+        cmd += [str(p) for p in make_self_signed_cert(tmp_path)]
+    server = subprocess.Popen(cmd)
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, ports=[port]) as handle:
+            config = LoadConfig(port=port, tls=tls, requests=20, duration_s=None, seed=5)
+            result = burst(config, n=20, concurrency=4, per_connection=5)
+            assert not result.errors, result.errors[0].error
+            assert handle.stop() == 0, handle.log()
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    rows = read_rows(handle.store_url)
+    assert sorted(r["response_id"] for r in rows) == sorted(r.response_id for r in result.records)
+    assert all(r["token_events"] == 5 and r["outcome"] == "complete" and r["tls"] == tls for r in rows), rows
+    if tls:
+        assert all(r["tls_done_ns"] for r in rows if r["req_seq"] == 0)
+
+
+def test_outbound_connections_of_a_proxy(tmp_path: Path):
+    """--outbound: nginx's own keep-alive connections to its upstream are
+    traced from the client side (role 'client'), next to the inbound ones."""
+    cert, key = make_self_signed_cert(tmp_path)
+    with reference_server(tmp_path, decode_ms=2.0) as (backend, _truth), \
+            agent(tmp_path, "--exe", "/usr/sbin/nginx", "--outbound", ports=[]) as handle:
+        with nginx_tls_proxy(tmp_path, backend, cert, key) as port:
+            sent = small_load(port, tls=True)
+        assert handle.stop() == 0, handle.log()
+    rows = read_rows(handle.store_url)
+    inbound = {r["response_id"] for r in rows if r["server_port"] == port}
+    outbound = [r for r in rows if r["server_port"] == backend]
+    assert inbound == sent
+    assert {r["response_id"] for r in outbound} == sent
+    assert all(not r["tls"] and r["outcome"] == "complete" for r in outbound)
