@@ -27,7 +27,7 @@ from tokenprobe.agent.gpu import NvmlSampler, ServerGpuMap
 from tokenprobe.agent.gpu_join import create_request_gpu_state_view
 from tokenprobe.agent.probes import Probes, Targets
 from tokenprobe.agent.samples import SamplerSet
-from tokenprobe.agent.store import RequestSink, Store, open_store
+from tokenprobe.agent.store import RequestSink, Store, StoreUnavailable, open_store
 from tokenprobe.agent.tracker import ConnectionTracker
 
 log = logging.getLogger("tokenprobe.agent")
@@ -132,21 +132,32 @@ class Agent:
 
     def run(self) -> AgentSummary:
         cfg = self.config
-        store = open_store(cfg.store_url)
+        clock = MonotonicWallClock()
         try:
-            store.ensure_schema()
-            create_request_gpu_state_view(store)
-            clock = MonotonicWallClock()
-            samplers = cfg.samplers.build(store, socket.gethostname(), clock)
-            samplers.start()
-            sink = RequestSink(store)
+            store = open_store(cfg.store_url)
+        except StoreUnavailable as exc:
+            # Tracing must not wait for a database: rows go to the disk spool
+            # and the sink creates the tables once the store answers.
+            log.warning("%s; tracing anyway: requests are spooled to disk until it answers, "
+                        "GPU and engine samples are not taken", exc)
+            store = None
+        samplers = None
+        try:
+            if store is not None:
+                store.ensure_schema()
+                create_request_gpu_state_view(store)
+                samplers = cfg.samplers.build(store, socket.gethostname(), clock)
+                samplers.start()
+            sink = RequestSink(store or cfg.store_url)
             try:
                 summary = self._run_probes(sink, clock)
             finally:
-                samplers.stop()
+                if samplers is not None:
+                    samplers.stop()
                 sink.close()
         finally:
-            store.close()
+            if store is not None:
+                store.close()
         # Counted after close(): it flushes (or spools) the last batch.
         summary.rows_written, summary.rows_spooled = sink.rows_written, sink.rows_spooled
         return summary

@@ -838,7 +838,11 @@ class RequestSink:
 
     def _insert(self, table: pa.Table) -> None:
         if self._store is None:
-            self._store = open_store(self._store_url)
+            store = open_store(self._store_url)
+            # The store may have been down since before anything created the
+            # tables (an agent started during an outage): create them now.
+            store.ensure_schema()
+            self._store = store
         self._store.insert_arrow(self._table, table)
         with self._condition:
             self._rows_written += table.num_rows

@@ -93,7 +93,8 @@ def agent(tmp: Path, *extra: str, ports: list[int]) -> Iterator[AgentProcess]:
     cmd = [sys.executable, "-m", "tokenprobe", "agent", "--store", store_url, "--quiet", *extra]
     for port in ports:
         cmd += ["--port", str(port)]
-    env = dict(os.environ, TOKENPROBE_FINGERPRINT_KEY="kernel-test-key")
+    # HOME: a spool for server stores (~/.cache) stays inside the test.
+    env = dict(os.environ, TOKENPROBE_FINGERPRINT_KEY="kernel-test-key", HOME=str(tmp))
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     handle = AgentProcess(proc, log_path, store_url)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -152,3 +153,16 @@ def test_outbound_connections_of_a_proxy(tmp_path: Path):
     assert inbound == sent
     assert {r["response_id"] for r in outbound} == sent
     assert all(not r["tls"] and r["outcome"] == "complete" for r in outbound)
+
+
+def test_store_down_the_agent_traces_and_spools(tmp_path: Path):
+    """An unreachable store costs nothing but a warning: requests are traced,
+    spooled to disk, and the agent still exits 0 with the count."""
+    dead_store = f"http://127.0.0.1:{free_port()}/"
+    with reference_server(tmp_path, decode_ms=2.0) as (port, _truth), \
+            agent(tmp_path, "--store", dead_store, ports=[port]) as handle:
+        small_load(port, tls=False, n=6)
+        assert handle.stop() == 0, handle.log()
+    log = handle.log()
+    assert "tracing anyway" in log
+    assert re.search(r"done: 6 requests .* 6 spooled to disk", log), log
