@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-DEFAULT_STORE = "chdb:///var/lib/tokenprobe/store"
+import os
+
+# The store URL may carry a password: TOKENPROBE_STORE keeps it off command lines.
+DEFAULT_STORE = os.environ.get("TOKENPROBE_STORE", "chdb:///var/lib/tokenprobe/store")
 
 
 def _add_agent_args(p: argparse.ArgumentParser) -> None:
@@ -21,7 +23,14 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
     targets.add_argument("--outbound", action="store_true",
                          help="also track connections that --pid/--exe processes open (e.g. a proxy's upstreams)")
     p.add_argument("--store", default=DEFAULT_STORE, metavar="URL",
-                   help="chdb:///DIR for the embedded store (default %(default)s) or http://host:8123/")
+                   help="chdb:///DIR for the embedded store or http://host:8123/ "
+                        "(default: $TOKENPROBE_STORE, else chdb:///var/lib/tokenprobe/store)")
+    out = p.add_argument_group("exporters")
+    out.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                     help="serve Prometheus /metrics on PORT (default 0: off; the DaemonSet uses 9464)")
+    out.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default %(default)s)")
+    out.add_argument("--otlp-endpoint", metavar="URL",
+                     help="export a span per request and GenAI metrics over OTLP/gRPC, e.g. http://127.0.0.1:4317")
     p.add_argument("--ringbuf-mb", type=int, default=16,
                    help="kernel ring buffer size in MiB, a power of two (default %(default)s)")
     gpu = p.add_argument_group("GPU and engine state, joined to every request")
@@ -81,8 +90,20 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         print("tokenprobe agent: --ringbuf-mb must be a power of two", file=sys.stderr)
         return 2
     os.nice(max(0, args.nice))
+    if not 0 <= args.metrics_port < 65536:
+        print("tokenprobe agent: --metrics-port must be a TCP port (0: off)", file=sys.stderr)
+        return 2
     config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
-                         ringbuf_pages=pages, status=not args.quiet, samplers=samplers)
+                         ringbuf_pages=pages, status=not args.quiet, samplers=samplers,
+                         metrics_address=(args.metrics_host, args.metrics_port) if args.metrics_port else None,
+                         otlp_endpoint=args.otlp_endpoint)
+    try:
+        if args.otlp_endpoint:
+            from tokenprobe.agent.otel_export import check_endpoint
+            check_endpoint(args.otlp_endpoint)
+    except ValueError as exc:
+        print(f"tokenprobe agent: --otlp-endpoint: {exc}", file=sys.stderr)
+        return 2
     try:
         summary = Agent(config).run()
     except ProbeError as exc:
@@ -129,7 +150,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tokenprobe",
+        prog="tokenprobe", fromfile_prefix_chars="@",
         description="eBPF observability for LLM serving: every streamed request's network, queue, "
                     "prefill and decode time, from the kernel, with no change to the server.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details")

@@ -26,7 +26,8 @@ log = logging.getLogger("tokenprobe.probes")
 
 HEAD_CAP = 8192
 TAIL_CAP = 1024
-MAX_EXE_PATHS = 4
+MAX_EXE_PATHS = 8  # up to MAX_EXES executables, each as given and resolved
+MAX_EXES = 4
 EXE_PATH_LEN = 256
 
 # Must match struct event in bpf/tokenprobe.c, up to data[].
@@ -126,8 +127,8 @@ class Targets:
         for pid in self.pids:
             if not Path(f"/proc/{pid}").exists():
                 raise ValueError(f"no process with pid {pid}")
-        if len(self.exes) > MAX_EXE_PATHS:
-            raise ValueError(f"at most {MAX_EXE_PATHS} --exe paths")
+        if len(self.exes) > MAX_EXES:
+            raise ValueError(f"at most {MAX_EXES} --exe paths")
         if self.outbound and not (self.pids or self.exes):
             raise ValueError("--outbound tracks connect()s of target processes: give --pid or --exe")
 
@@ -261,22 +262,18 @@ class Probes:
             listener_tgids[ctypes.c_uint32(sock.pid)] = ctypes.c_uint8(1)
         if not self.targets.exes:
             return []
-        wanted = set()
-        for exe in self.targets.exes:
-            try:
-                st = os.stat(exe)
-                wanted.add((st.st_dev, st.st_ino))
-            except OSError:
-                continue
+        # Compared as paths, not inodes: /proc/PID/exe reads as the path in the
+        # process's own mount namespace, so container paths match as given.
+        wanted = set(self._exe_variants())
         added = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
             try:
-                st = os.stat(f"/proc/{entry}/exe")
+                exe = os.readlink(f"/proc/{entry}/exe")
             except OSError:
                 continue
-            if (st.st_dev, st.st_ino) in wanted:
+            if exe in wanted:
                 self.add_target_pid(int(entry))
                 added.append(int(entry))
         return added

@@ -25,6 +25,8 @@ from tokenprobe.agent.dcgm import DcgmScraper
 from tokenprobe.agent.engine_metrics import EngineScraper
 from tokenprobe.agent.gpu import NvmlSampler, ServerGpuMap
 from tokenprobe.agent.gpu_join import create_request_gpu_state_view
+from tokenprobe.agent.metrics_endpoint import AgentMetrics
+from tokenprobe.agent.otel_export import OtelExporter
 from tokenprobe.agent.probes import Probes, Targets
 from tokenprobe.agent.samples import SamplerSet
 from tokenprobe.agent.store import RequestSink, Store, StoreUnavailable, open_store
@@ -87,6 +89,8 @@ class AgentConfig:
     on_row: Callable[[dict], None] | None = None   # e.g. the demo's live lines
     on_ready: Callable[[], None] | None = None     # called once the probes are attached
     samplers: SamplerConfig = field(default_factory=SamplerConfig)
+    metrics_address: tuple[str, int] | None = None  # serve Prometheus /metrics here
+    otlp_endpoint: str | None = None                # export spans and GenAI metrics here
 
 
 @dataclass
@@ -98,6 +102,59 @@ class AgentSummary:
     rows_spooled: int
     parse_errors: int
     seconds: float
+
+
+def node_name() -> str:
+    """The node's name: TOKENPROBE_NODE in a pod (whose host name is the pod's), else the host name."""
+    return os.environ.get("TOKENPROBE_NODE") or socket.gethostname()
+
+
+class LagMeter:
+    """How far behind the kernel the agent is: now − the last event's kernel time."""
+
+    def __init__(self) -> None:
+        self.last_event_ns: int | None = None
+
+    def seconds(self) -> float:
+        if self.last_event_ns is None:
+            return 0.0
+        lag, self.last_event_ns = (time.monotonic_ns() - self.last_event_ns) / 1e9, None
+        return max(0.0, lag)
+
+
+class Exporters:
+    """The optional outlets besides the store: Prometheus /metrics and OTLP."""
+
+    def __init__(self, cfg: AgentConfig, node: str) -> None:
+        self.metrics_address = cfg.metrics_address
+        self.metrics = AgentMetrics() if cfg.metrics_address else None
+        self.otel = OtelExporter(cfg.otlp_endpoint, node=node) if cfg.otlp_endpoint else None
+
+    def export(self, row: dict) -> None:
+        if self.metrics:
+            self.metrics.observe_request(row)
+        if self.otel:
+            self.otel.export_request(row)
+
+    def serve_metrics(self) -> None:
+        if self.metrics and self.metrics_address:
+            host, port = self.metrics.serve(*self.metrics_address)
+            log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
+
+    def agent_stats(self, tracker: ConnectionTracker, drops: int, lag_s: float, rate: float,
+                    sink: RequestSink) -> None:
+        if self.metrics:
+            stats = tracker.stats
+            self.metrics.set_agent_stats(
+                events_total=stats.events, drops_total=drops, lag_s=lag_s, events_per_s=rate,
+                parse_errors_total=stats.parse_errors, open_connections=len(tracker.connections),
+                inflight_requests=sum(stats.inflight.values()), sink=sink.stats())
+
+    def close(self) -> None:
+        if self.otel:
+            self.otel.close()
+        if self.metrics:
+            self.metrics.close()
 
 
 class StatusLine:
@@ -133,6 +190,7 @@ class Agent:
     def run(self) -> AgentSummary:
         cfg = self.config
         clock = MonotonicWallClock()
+        node = node_name()
         try:
             store = open_store(cfg.store_url)
         except StoreUnavailable as exc:
@@ -146,12 +204,14 @@ class Agent:
             if store is not None:
                 store.ensure_schema()
                 create_request_gpu_state_view(store)
-                samplers = cfg.samplers.build(store, socket.gethostname(), clock)
+                samplers = cfg.samplers.build(store, node, clock)
                 samplers.start()
             sink = RequestSink(store or cfg.store_url)
+            exporters = Exporters(cfg, node)
             try:
-                summary = self._run_probes(sink, clock)
+                summary = self._run_probes(sink, clock, node, exporters)
             finally:
+                exporters.close()
                 if samplers is not None:
                     samplers.stop()
                 sink.close()
@@ -162,20 +222,30 @@ class Agent:
         summary.rows_written, summary.rows_spooled = sink.rows_written, sink.rows_spooled
         return summary
 
-    def _run_probes(self, sink: RequestSink, clock: MonotonicWallClock) -> AgentSummary:
+    def _run_probes(self, sink: RequestSink, clock: MonotonicWallClock, node: str,
+                    exporters: Exporters) -> AgentSummary:
         cfg = self.config
         probes = Probes(cfg.targets, ringbuf_pages=cfg.ringbuf_pages)
 
         def emit(row: dict) -> None:
             sink.put(row)
+            exporters.export(row)
             if cfg.on_row:
                 cfg.on_row(row)
 
         tracker = ConnectionTracker(
-            emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=socket.gethostname(),
+            emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
             forget_connection=probes.forget_connection)
-        probes.open(tracker.handle)
+        lag = LagMeter()
+
+        def handle(event) -> None:
+            lag.last_event_ns = event.ts_ns
+            tracker.handle(event)
+
+        probes.open(handle)
+        exporters.agent_stats(tracker, 0, 0.0, 0.0, sink)
+        exporters.serve_metrics()  # after the probes attach: readiness means tracing
         t = cfg.targets
         log.info("tracing ports %s pids %s exes %s; libssl probed: %s", t.ports or "-", t.pids or "-",
                  t.exes or "-", ", ".join(probes.attached_ssl) or "none")
@@ -199,10 +269,12 @@ class Agent:
                     for path in probes.attach_ssl():
                         log.info("probing libssl %s", path)
                     probes.rescan_processes()
-                if status and now - last_tick >= 1.0:
+                if now - last_tick >= 1.0:
                     rate = (tracker.stats.events - last_events) / (now - last_tick)
                     last_tick, last_events = now, tracker.stats.events
-                    status.show(self._status_text(tracker, probes, sink, rate, now - started))
+                    exporters.agent_stats(tracker, probes.drops(), lag.seconds(), rate, sink)
+                    if status:
+                        status.show(self._status_text(tracker, probes, sink, rate, now - started))
             # Drain what the kernel already produced before closing connections.
             for _ in range(50):
                 before = tracker.stats.events

@@ -30,7 +30,7 @@
 #define MAX_CONNS 65536
 #endif
 #define MAX_IOV 8
-#define MAX_EXE_PATHS 4
+#define MAX_EXE_PATHS 8 // up to 4 executables, each as given and resolved
 #define EXE_PATH_LEN 256
 
 // Hides a value from the compiler so that the bounds check the verifier

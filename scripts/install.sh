@@ -7,13 +7,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 log() { printf '[install] %s\n' "$*"; }
+# BCC for the probes; nginx, Prometheus and Alertmanager for the tests.
+APT_PACKAGES="bpfcc-tools python3-bpfcc nginx-light prometheus prometheus-alertmanager"
+# Remembers what apt installed, so a second run skips apt until the list changes.
 stamp=.venv/.apt-done
 
-if [ ! -f "$stamp" ]; then
+if [ "$(cat "$stamp" 2>/dev/null)" != "$APT_PACKAGES" ]; then
   export DEBIAN_FRONTEND=noninteractive
-  log "apt: bpfcc-tools python3-bpfcc nginx-light"
+  log "apt: $APT_PACKAGES"
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends bpfcc-tools python3-bpfcc nginx-light >/dev/null
+  # shellcheck disable=SC2086  # a list of package names
+  apt-get install -y -qq --no-install-recommends $APT_PACKAGES >/dev/null
   if [ ! -e "/lib/modules/$(uname -r)/build" ]; then
     # No headers package exists for this kernel; Debian's newest 6.12 headers
     # work (tracepoint layouts are read from tracefs at run time). The agent
@@ -38,7 +42,7 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $($PY --version)"
   "$PY" -m venv .venv
 fi
-mkdir -p .venv && touch "$stamp"
+echo "$APT_PACKAGES" > "$stamp"
 log "pip: tokenprobe and its dependencies"
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
 

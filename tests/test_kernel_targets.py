@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pandas as pd
@@ -166,3 +167,22 @@ def test_store_down_the_agent_traces_and_spools(tmp_path: Path):
     log = handle.log()
     assert "tracing anyway" in log
     assert re.search(r"done: 6 requests .* 6 spooled to disk", log), log
+
+
+def test_prometheus_endpoint_counts_what_was_traced(tmp_path: Path):
+    metrics_port = free_port()
+    with reference_server(tmp_path, decode_ms=2.0) as (port, _truth), \
+            agent(tmp_path, "--metrics-port", str(metrics_port), ports=[port]) as handle:
+        sent = small_load(port, tls=False, n=8)
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+                text = response.read().decode()
+            counts = re.findall(rf'tokenprobe_request_ttft_seconds_count{{[^}}]*server_port="{port}"[^}}]*}} (\S+)',
+                                text)
+            if sum(float(c) for c in counts) >= len(sent) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert handle.stop() == 0, handle.log()
+    assert sum(float(c) for c in counts) == len(sent), text
+    assert re.search(r"^tokenprobe_agent_events_total \d", text, re.M), text

@@ -1,0 +1,289 @@
+"""deploy/: Kubernetes manifests validated offline (kubernetes-validate, strict), the Operator resources
+checked against what they refer to, the generated files current, the cluster DDL complete and real
+ClickHouse SQL, the Dockerfile and the Alertmanager example sound."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import latest_version
+
+from tests.test_alert_rules import RULES, promtool, require_binary
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+KUBERNETES = DEPLOY / "kubernetes"
+# The oldest Kubernetes still widely run, and the newest kubernetes-validate knows.
+KUBERNETES_VERSIONS = ("1.29.0", latest_version())
+CRD_KINDS = {"PrometheusRule", "ServiceMonitor"}  # not in kubernetes-validate's schemas: checked below
+AGENT_CAPABILITIES = {"BPF", "PERFMON", "SYS_RESOURCE", "SYS_PTRACE", "DAC_READ_SEARCH"}
+
+
+def load_render():
+    spec = importlib.util.spec_from_file_location("deploy_render", DEPLOY / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render = load_render()
+
+
+def manifests() -> list[tuple[str, dict]]:
+    found = []
+    for path in sorted(KUBERNETES.glob("*.yaml")):
+        found += [(path.name, document) for document in yaml.safe_load_all(path.read_text()) if document]
+    return found
+
+
+def resource(kind: str) -> dict:
+    (document,) = [document for _, document in manifests() if document["kind"] == kind]
+    return document
+
+
+# --------------------------------------------------------------------------- Kubernetes schemas
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_core_manifest_validates_strictly(version):
+    validated = []
+    for name, document in manifests():
+        if document["kind"] in CRD_KINDS or document["apiVersion"].startswith("kustomize.config.k8s.io/"):
+            continue
+        try:
+            kubernetes_validate.validate(document, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            path = ".".join(str(part) for part in error.path)
+            pytest.fail(f"{name}: {document['kind']} is invalid for Kubernetes {version} at {path}: {error.message}")
+        validated.append(document["kind"])
+    assert sorted(validated) == ["ConfigMap", "DaemonSet", "Namespace", "Secret", "Service", "ServiceAccount"]
+
+
+def test_strict_validation_catches_a_misspelt_field():
+    daemonset = resource("DaemonSet")
+    daemonset["spec"]["template"]["spec"]["hostPid"] = True  # hostPID, misspelt: silently ignored by apply
+    with pytest.raises(kubernetes_validate.ValidationError, match="hostPid"):
+        kubernetes_validate.validate(daemonset, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def test_kustomization_lists_every_manifest():
+    (kustomization,) = [d for _, d in manifests() if d["kind"] == "Kustomization"]
+    listed = set(kustomization["resources"])
+    assert listed == {path.name for path in KUBERNETES.glob("*.yaml")} - {"kustomization.yaml"}
+    assert kustomization["resources"][0] == "namespace.yaml"  # created first
+    assert {image["name"] for image in kustomization["images"]} == {agent_container()["image"].split(":")[0]}
+
+
+# --------------------------------------------------------------------------- the agent DaemonSet
+
+
+def agent_container() -> dict:
+    (container,) = resource("DaemonSet")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_daemonset_runs_on_gpu_nodes_in_the_host_pid_namespace():
+    pod = resource("DaemonSet")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["hostPID"] is True
+    assert not pod.get("hostNetwork")
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_daemonset_holds_the_fewest_capabilities_and_is_not_privileged():
+    security = agent_container()["securityContext"]
+    assert security["privileged"] is False
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert set(security["capabilities"]["add"]) == AGENT_CAPABILITIES
+    # Every capability granted is justified in the README.
+    readme = (DEPLOY / "README.md").read_text()
+    for capability in AGENT_CAPABILITIES:
+        assert f"CAP_{capability}" in readme, capability
+
+
+def test_daemonset_mounts_what_bcc_needs_from_the_host():
+    pod = resource("DaemonSet")["spec"]["template"]["spec"]
+    host_paths = {volume["name"]: volume["hostPath"]["path"] for volume in pod["volumes"] if "hostPath" in volume}
+    mounts = {mount["name"]: mount for mount in agent_container()["volumeMounts"]}
+    for host_path in ("/sys/kernel/tracing", "/lib/modules", "/usr/src"):
+        (name,) = [name for name, path in host_paths.items() if path == host_path]
+        assert mounts[name]["mountPath"] == host_path and mounts[name]["readOnly"] is True
+    # Written by the agent: the fingerprint key and the spool, kept on the node.
+    (state,) = [name for name, path in host_paths.items() if path == "/var/lib/tokenprobe"]
+    assert not mounts[state].get("readOnly")
+    env = {variable["name"]: variable for variable in agent_container()["env"]}
+    assert env["HOME"]["value"] == mounts[state]["mountPath"]
+
+
+def test_daemonset_limits_resources_and_is_ready_when_it_serves_metrics():
+    container = agent_container()
+    assert {"cpu", "memory"} <= set(container["resources"]["limits"])
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+    probe = container["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/metrics"
+    (port,) = [port for port in container["ports"] if port["name"] == probe["port"]]
+    args = agent_args()
+    assert f"--metrics-port={port['containerPort']}" in args
+    assert "--metrics-host=0.0.0.0" in args  # reachable by the kubelet and Prometheus
+
+
+def test_store_url_comes_from_the_secret_not_the_command_line():
+    env = {variable["name"]: variable for variable in agent_container()["env"]}
+    secret = resource("Secret")
+    assert env["TOKENPROBE_STORE"]["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
+                                                                    "key": "url"}
+    assert set(secret["stringData"]) == {"url"}
+    assert env["TOKENPROBE_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert not any("store" in arg for arg in agent_args() + agent_container()["args"])
+
+
+def agent_args() -> list[str]:
+    return resource("ConfigMap")["data"]["agent.args"].split()
+
+
+def test_the_agent_command_line_accepts_the_configmap_arguments(tmp_path):
+    from tokenprobe.agent.cli import build_parser
+
+    args_file = tmp_path / "agent.args"
+    args_file.write_text(resource("ConfigMap")["data"]["agent.args"])
+    (argument,) = agent_container()["args"]
+    assert argument == "@/etc/tokenprobe/agent.args"
+    mounted = {m["name"]: m["mountPath"] for m in agent_container()["volumeMounts"]}
+    assert argument.removeprefix("@").startswith(mounted["config"] + "/")
+    parsed = build_parser().parse_args(["agent", f"@{args_file}"])
+    assert parsed.port == [8000]
+
+
+# --------------------------------------------------------------------------- Prometheus Operator resources
+
+
+def test_service_monitor_scrapes_the_agents_through_their_service():
+    service, monitor = resource("Service"), resource("ServiceMonitor")
+    pod_labels = resource("DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]}
+    # The Operator names the job after the Service: the name the rules select on.
+    assert service["metadata"]["name"] == "tokenprobe-agent"
+    assert 'job="tokenprobe-agent"' in RULES.read_text()
+
+
+def test_prometheus_rule_carries_exactly_the_plain_rules_and_passes_promtool(tmp_path):
+    rule = resource("PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["namespace"] == resource("Namespace")["metadata"]["name"]
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    spec_as_rule_file = tmp_path / "spec.yml"
+    spec_as_rule_file.write_text(yaml.safe_dump(rule["spec"]))
+    result = promtool("check", "rules", str(spec_as_rule_file))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_generated_files_are_current():
+    stale = [path.name for path, text in render.rendered().items() if path.read_text() != text]
+    assert not stale, f"{stale} are stale: run .venv/bin/python deploy/render.py"
+
+
+# --------------------------------------------------------------------------- ClickHouse cluster DDL
+
+
+def cluster_statements() -> list[str]:
+    body = "\n".join(line for line in render.CLUSTER_SQL_FILE.read_text().splitlines() if not line.startswith("--"))
+    return [statement.strip() for statement in body.split(";\n") if statement.strip()]
+
+
+def test_cluster_ddl_has_every_table_with_every_column():
+    text = render.CLUSTER_SQL_FILE.read_text()
+    tables = render.registered_tables()
+    assert {"requests", "gpu_samples", "engine_samples", "server_gpus"} <= set(tables)
+    for name, ddl in tables.items():
+        single_node = ddl.format(db="tokenprobe", ttl_days=30)
+        (local,) = [statement for statement in cluster_statements()
+                    if statement.startswith(f"CREATE TABLE IF NOT EXISTS tokenprobe.{name}_local ")]
+        columns = [line.strip().rstrip(",") for line in single_node.splitlines() if line.strip().startswith("`")]
+        assert columns, name
+        for column in columns:
+            assert column in local, f"{name}_local lacks {column}"
+        assert re.search(r"ENGINE = Replicated\w*MergeTree\('/clickhouse/tables/\{shard\}/\{database\}/\{table\}', "
+                         r"'\{replica\}'", local), name
+        for clause in ("PARTITION BY", "ORDER BY", "TTL"):
+            (single_clause,) = [line for line in single_node.splitlines() if line.startswith(clause)]
+            assert single_clause in local, f"{name}_local: {clause} differs"
+        assert re.search(rf"ENGINE = Distributed\('\{{cluster\}}', tokenprobe, {name}_local, \w+\(\w*\)\)", text), name
+
+
+def test_a_table_the_renderer_cannot_replicate_is_refused_clearly():
+    with pytest.raises(ValueError, match="expected 'CREATE TABLE IF NOT EXISTS db.scratch'"):
+        render.cluster_table_ddl("scratch", "CREATE TABLE IF NOT EXISTS db.scratch\n(a UInt8)\nENGINE = Memory")
+
+
+def test_every_module_that_registers_a_table_is_rendered():
+    registering = set()
+    for path in ROOT.glob("*/*.py"):
+        if path.parts[-2] in ("tests", "deploy", ".venv") or "schema.register_table(" not in path.read_text():
+            continue
+        registering.add(f"tokenprobe.{path.parent.name}.{path.stem}")
+    assert registering <= set(render.TABLE_MODULES), registering - set(render.TABLE_MODULES)
+
+
+def test_cluster_ddl_is_clickhouse_sql_that_creates_working_tables(tmp_path):
+    """Every statement parses in the real ClickHouse engine (chDB); the local tables and the shard-local
+    GPU join are created and queried there, replication and cluster aside (they need Keeper and peers)."""
+    from tokenprobe.agent.store import open_store
+
+    store = open_store(f"chdb://{tmp_path}/store", serve=False)
+    try:
+        for statement in cluster_statements():
+            store.command("SELECT formatQuery({sql:String})", {"sql": statement})
+        single_server = [
+            re.sub(r"ENGINE = Replicated(\w*MergeTree)\('[^']*', '\{replica\}'(?:, )?",
+                   r"ENGINE = \1(", statement.replace(" ON CLUSTER '{cluster}'", ""))
+            for statement in cluster_statements() if "Distributed(" not in statement
+        ]
+        for statement in single_server:
+            store.command(statement)
+        assert store.query_rows("SELECT count() FROM tokenprobe.request_gpu_state_local") == [(0,)]
+    finally:
+        store.close()
+
+
+# --------------------------------------------------------------------------- image and Alertmanager
+
+
+def test_dockerfile_builds_the_agent_image_from_debian_with_bcc():
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^FROM debian:bookworm(-slim)?$", dockerfile, re.MULTILINE)
+    assert "bpfcc-tools" in dockerfile and "python3-bpfcc" in dockerfile
+    assert "--system-site-packages" in dockerfile  # bcc is Debian's, for Debian's Python
+    assert re.search(r'^ENTRYPOINT \["tokenprobe", "agent"\]$', dockerfile, re.MULTILINE)
+    # Every folder the package is built from is copied into the build.
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    top_folders = {folder.split("/")[0] for folder in package_dirs.values()}
+    copied = set(re.findall(r"^COPY (\w+) /src/\1$", dockerfile, re.MULTILINE))
+    assert top_folders <= copied, top_folders - copied
+
+
+def test_alertmanager_example_is_a_valid_configuration():
+    amtool = require_binary("amtool", "prometheus-alertmanager")
+    result = subprocess.run([amtool, "check-config", str(DEPLOY / "alertmanager" / "alertmanager.yml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_render_check_mode_reports_stale_files(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(render, "CLUSTER_SQL_FILE", tmp_path / "cluster.sql")
+    (tmp_path / "cluster.sql").write_text("-- edited by hand\n")
+    assert render.main(["--check"]) == 1
+    assert "cluster.sql is stale" in capsys.readouterr().err
+    assert (tmp_path / "cluster.sql").read_text() == "-- edited by hand\n"
