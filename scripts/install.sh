@@ -45,6 +45,10 @@ fi
 echo "$APT_PACKAGES" > "$stamp"
 log "pip: tokenprobe and its dependencies"
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+# xds-protos (Envoy's published protos, for the rate-limit adapter) carries its
+# own older copy of the opentelemetry protos; whichever installs last wins.
+# Put opentelemetry-proto's own files back so the OTLP exporter imports.
+scripts/fix-otel-protos.sh .venv/bin/pip
 
 # python3-bpfcc installs for Debian's python only; expose just its bcc package.
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
