@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from tokenprobe.dashboard.cli import add_dashboard_parser
+
 import os
 
 # The store URL may carry a password: TOKENPROBE_STORE keeps it off command lines.
@@ -193,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("table", "csv"), default="table")
     p.add_argument("--max-rows", type=int, default=100)
     p.set_defaults(func=_cmd_query)
+
+    add_dashboard_parser(sub, DEFAULT_STORE)
     return parser
 
 

@@ -31,6 +31,7 @@ from tokenprobe.agent.probes import Probes, Targets
 from tokenprobe.agent.samples import SamplerSet
 from tokenprobe.agent.store import RequestSink, Store, StoreUnavailable, open_store
 from tokenprobe.agent.tracker import ConnectionTracker
+import tokenprobe.dashboard.rollup  # noqa: F401  (registers the heatmap rollup and its view)
 
 log = logging.getLogger("tokenprobe.agent")
 

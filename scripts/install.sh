@@ -7,8 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 log() { printf '[install] %s\n' "$*"; }
-# BCC for the probes; nginx, Prometheus and Alertmanager for the tests.
-APT_PACKAGES="bpfcc-tools python3-bpfcc nginx-light prometheus prometheus-alertmanager"
+# BCC for the probes; nginx, Prometheus, Alertmanager and chromium (driven by
+# Playwright against the dashboard) for the tests.
+APT_PACKAGES="bpfcc-tools python3-bpfcc nginx-light prometheus prometheus-alertmanager chromium"
 # Remembers what apt installed, so a second run skips apt until the list changes.
 stamp=.venv/.apt-done
 

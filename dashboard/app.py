@@ -1,0 +1,478 @@
+"""The tokenprobe dashboard, a Streamlit app; ``tokenprobe dashboard`` runs it.
+
+Panels, top to bottom, all on one UTC time axis over the chosen window:
+latency heatmaps (TTFT, TPOT, end-to-end: time × log-spaced latency band,
+colour = request count), the drill-down (a heatmap cell → its requests → one
+request's own timeline, every token included), the phase breakdown over time,
+GPU memory and utilization, the indicator matrix, and the actuator decisions.
+The sidebar filters by server, model and route; the panels refresh on their
+own every few seconds.
+
+Every figure is aggregated in ClickHouse by ``queries.DashboardQueries``; this
+script only lays the results out. Clicking a heatmap cell fills the drill-down
+selectors, which can also be set by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+from clickhouse_connect.driver.exceptions import DatabaseError
+
+from tokenprobe.actuator.controller import DECISIONS_TABLE
+from tokenprobe.agent.samples import GPU_SAMPLES_TABLE
+from tokenprobe.agent.store import Store, StoreUnavailable, open_store, parse_store_url
+from tokenprobe.analytics.indicators import CRIT, INDICATORS, OK, WARN
+from tokenprobe.analytics.tables import INDICATOR_MATRIX_TABLE
+from tokenprobe.dashboard.latency import METRICS, band_bounds_ms
+from tokenprobe.dashboard.queries import DashboardQueries, Filters, choose_bin_seconds
+from tokenprobe.dashboard.settings import DashboardSettings, from_environment
+
+WINDOWS_S = {"15 minutes": 900, "1 hour": 3600, "6 hours": 21600, "24 hours": 86400, "7 days": 604800}
+DEFAULT_WINDOW = "1 hour"
+ANCHORS = ("the latest request", "now")
+STATE_COLOURS = {OK: "#c8e6c9", WARN: "#ffe082", CRIT: "#ef9a9a"}
+NO_DATA_COLOUR = "#e0e0e0"  # n/a: the data for the indicator does not exist
+PHASE_ORDER = ["network in", "queue", "prefill", "server TTFT", "decode", "response tail"]
+EVENT_KINDS = ["connection", "request", "phase", "token", "response"]
+NO_INDICATORS = "No indicator data yet — run `tokenprobe analyze`."
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+@st.cache_resource(show_spinner="Opening the store…", on_release=Store.close)
+def connect(url: str) -> Store:
+    # serve=False: the dashboard only reads. An embedded store that an agent
+    # owns is reached through the agent; one nobody owns, this process opens.
+    return open_store(url, serve=False)
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def format_ms(milliseconds: float) -> str:
+    """Three significant digits: band edges like 39.8 and 50.1 ms stay tellable apart."""
+    if milliseconds < 1000:
+        return f"{milliseconds:.3g} ms"
+    return f"{milliseconds / 1000:.3g} s"
+
+
+def format_epoch_s(seconds: float) -> str:
+    return time.strftime(TIME_FORMAT, time.gmtime(seconds)) + " UTC"
+
+
+def band_label(band: int, requests: int) -> str:
+    low, high = band_bounds_ms(band)
+    return f"{format_ms(low)} – {format_ms(high)} ({requests} requests)"
+
+
+def vega_time(epoch_ns: int) -> alt.DateTime:
+    # Vega-Lite takes a temporal domain as date-time objects (plain epoch numbers break line charts).
+    moment = pd.Timestamp(epoch_ns, unit="ns", tz="UTC")
+    return alt.DateTime(year=moment.year, month=moment.month, date=moment.day, hours=moment.hour,
+                        minutes=moment.minute, seconds=moment.second,
+                        milliseconds=moment.microsecond // 1000, utc=True)
+
+
+def time_axis(filters: Filters, title: str = "time (UTC)") -> alt.X:
+    """The x axis every time-based panel shares: the window, in UTC."""
+    domain = [vega_time(filters.start_ns), vega_time(filters.end_ns)]
+    return alt.X("time_bin:T", title=title, scale=alt.Scale(type="utc", domain=domain),
+                 axis=alt.Axis(format="%H:%M", labelOverlap=True))
+
+
+@contextlib.contextmanager
+def panel_errors(panel: str) -> Iterator[None]:
+    """Show a failed query on its panel instead of failing the page (an unreachable store still stops it)."""
+    try:
+        yield
+    except DatabaseError as error:
+        st.error(f"The {panel} query failed: {error}")
+
+
+# --------------------------------------------------------------------------- window and filters
+
+
+def window_filters(queries: DashboardQueries, span_s: int, anchor: str, servers: tuple[str, ...] = (),
+                   models: tuple[str, ...] = (), routes: tuple[str, ...] = ()) -> Filters:
+    """The window of ``span_s`` ending at the latest request (or now), its end rounded up to a whole bin."""
+    latest_ns = queries.latest_request_ns() if anchor == ANCHORS[0] else None
+    end_ns = latest_ns + 1 if latest_ns is not None else time.time_ns()
+    bin_ns = choose_bin_seconds(span_s) * 1_000_000_000
+    end_ns = -(-end_ns // bin_ns) * bin_ns  # rounded up in integers: a float would lose the nanosecond
+    return Filters(end_ns - span_s * 1_000_000_000, end_ns, servers, models, routes)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the sidebar asks for: a window (its length and what it ends at) and the filters."""
+
+    span_s: int
+    anchor: str
+    servers: tuple[str, ...]
+    models: tuple[str, ...]
+    routes: tuple[str, ...]
+
+    def filters(self, queries: DashboardQueries) -> Filters:
+        return window_filters(queries, self.span_s, self.anchor, self.servers, self.models, self.routes)
+
+
+def sidebar(queries: DashboardQueries, settings: DashboardSettings) -> Selection:
+    st.sidebar.caption(f"Store: `{queries.store.url}` ({queries.store.mode})")
+    window = st.sidebar.selectbox("Window", list(WINDOWS_S), index=list(WINDOWS_S).index(DEFAULT_WINDOW),
+                                  key="window")
+    anchor = st.sidebar.radio("Window ends at", ANCHORS, key="anchor")
+    span_s = WINDOWS_S[window]
+    options = queries.filter_options(window_filters(queries, span_s, anchor))
+    servers = st.sidebar.multiselect("Servers", options["servers"], key="servers", placeholder="all servers")
+    models = st.sidebar.multiselect("Models", options["models"], key="models", placeholder="all models")
+    routes = st.sidebar.multiselect("Routes", options["routes"], key="routes", placeholder="all routes")
+    refresh = f"every {settings.refresh_s:g} s" if settings.refresh_s else "off"
+    st.sidebar.caption(f"Auto-refresh: {refresh}. Times are UTC.")
+    return Selection(span_s, anchor, tuple(servers), tuple(models), tuple(routes))
+
+
+# --------------------------------------------------------------------------- heatmaps and drill-down
+
+
+def heatmap_chart(cells: pd.DataFrame, metric_key: str, filters: Filters) -> alt.Chart:
+    metric = METRICS[metric_key]
+    cell = alt.selection_point(name="cell", fields=["bin_start_s", "band"])
+    return (
+        alt.Chart(cells)
+        .mark_rect()
+        .encode(
+            x=time_axis(filters),
+            x2="time_bin_end:T",
+            y=alt.Y("low_ms:Q", title=f"{metric.title} (ms, log scale)", scale=alt.Scale(type="log")),
+            y2="high_ms:Q",
+            color=alt.Color("requests:Q", title="requests", scale=alt.Scale(type="log", scheme="viridis")),
+            opacity=alt.condition(cell, alt.value(1.0), alt.value(0.4)),
+            tooltip=[
+                alt.Tooltip("time_bin:T", title="from (UTC)", format="%Y-%m-%d %H:%M:%S"),
+                alt.Tooltip("low_ms:Q", title="latency from (ms)", format=".3~g"),
+                alt.Tooltip("high_ms:Q", title="latency to (ms)", format=".3~g"),
+                alt.Tooltip("requests:Q", title="requests"),
+            ],
+        )
+        .add_params(cell)
+        .properties(height=280)
+    )
+
+
+def on_cell_clicked(metric_key: str) -> None:
+    """Point the drill-down at the heatmap cell just clicked."""
+    points = st.session_state[f"heatmap_{metric_key}"]["selection"].get("cell") or []
+    if points:
+        st.session_state["drill_metric"] = metric_key
+        st.session_state["drill_bin"] = int(points[0]["bin_start_s"])
+        st.session_state["drill_band"] = int(points[0]["band"])
+
+
+def heatmaps(queries: DashboardQueries, filters: Filters, bin_s: int) -> dict[str, pd.DataFrame]:
+    st.subheader("Latency heatmaps")
+    source = {"rollup": "the per-minute rollup", "requests": "the requests"}[queries.heatmap_source(filters, bin_s)]
+    st.caption(f"Requests per {bin_s} s bin and log-spaced latency band, counted from {source}; "
+               "click a cell to list its requests.")
+    cells_by_metric = {}
+    tabs = st.tabs([metric.title for metric in METRICS.values()])
+    for tab, (metric_key, metric) in zip(tabs, METRICS.items(), strict=True):
+        with tab, panel_errors(f"{metric.title} heatmap"):
+            cells = queries.latency_heatmap(metric_key, filters, bin_s)
+            cells_by_metric[metric_key] = cells
+            st.caption(f"{metric.description}; {int(cells['requests'].sum())} requests.")
+            if cells.empty:
+                st.info(f"No requests with a {metric.title} in this window.")
+                continue
+            st.altair_chart(heatmap_chart(cells, metric_key, filters), key=f"heatmap_{metric_key}",
+                            on_select=functools.partial(on_cell_clicked, metric_key),
+                            selection_mode="cell", width="stretch")
+    return cells_by_metric
+
+
+def keep_if_offered(key: str, options: Sequence) -> None:
+    """Forget a selector's remembered value once it is no longer among its options (the window moved)."""
+    if key in st.session_state and st.session_state[key] not in options:
+        del st.session_state[key]
+
+
+def drill_down(queries: DashboardQueries, filters: Filters, bin_s: int,
+               cells_by_metric: dict[str, pd.DataFrame]) -> None:
+    st.subheader("Drill-down")
+    available = [key for key, cells in cells_by_metric.items() if not cells.empty]
+    if not available:
+        st.info("Nothing to drill into: no requests in this window.")
+        return
+    keep_if_offered("drill_metric", available)
+    columns = st.columns(3)
+    metric_key = columns[0].selectbox("Latency", available, format_func=lambda key: METRICS[key].title,
+                                      key="drill_metric")
+    cells = cells_by_metric[metric_key]
+    bins = [int(value) for value in cells["bin_start_s"].unique()]
+    keep_if_offered("drill_bin", bins)
+    bin_start_s = columns[1].selectbox("Time bin", bins, index=None, format_func=format_epoch_s, key="drill_bin",
+                                       placeholder="click a heatmap cell, or pick a bin")
+    if bin_start_s is None:
+        return
+    in_bin = cells[cells["bin_start_s"] == bin_start_s]
+    counts = dict(zip(in_bin["band"].astype(int), in_bin["requests"].astype(int), strict=True))
+    keep_if_offered("drill_band", list(counts))
+    band = columns[2].selectbox("Latency band", list(counts), index=None, key="drill_band",
+                                format_func=lambda value: band_label(value, counts[value]),
+                                placeholder="pick a latency band")
+    if band is None:
+        return
+    with panel_errors("drill-down"):
+        requests = queries.cell_requests(metric_key, filters, bin_start_s, bin_s, band)
+        shown = f"the {len(requests)} slowest" if len(requests) < counts[band] else f"all {len(requests)}"
+        st.caption(f"{counts[band]} requests in this cell; {shown} below.")
+        st.dataframe(cell_table(requests, metric_key), hide_index=True, width="stretch")
+        request_drill_down(queries, requests, metric_key)
+
+
+def cell_table(requests: pd.DataFrame, metric_key: str) -> pd.DataFrame:
+    table = requests[["server", "model", "route", "status", "outcome", "token_events", "latency_ms",
+                      "response_id"]].copy()
+    table.insert(0, "started (UTC)", pd.to_datetime(requests["req_start_ms"], unit="ms", utc=True))
+    return table.rename(columns={"latency_ms": f"{METRICS[metric_key].title} (ms)"})
+
+
+def request_drill_down(queries: DashboardQueries, requests: pd.DataFrame, metric_key: str) -> None:
+    # A request is chosen by its identity, not its row: a refresh may reorder the rows.
+    keys = requests[["node", "server_port", "conn_id", "req_seq", "req_start_ns"]].itertuples(index=False)
+    identities = [(str(node), int(port), int(conn_id), int(seq), int(start))
+                  for node, port, conn_id, seq, start in keys]
+    rows = dict(zip(identities, range(len(requests)), strict=True))
+
+    def label(identity: tuple) -> str:
+        request = requests.iloc[rows[identity]]
+        started = pd.to_datetime(request["req_start_ms"], unit="ms", utc=True).strftime("%H:%M:%S.%f")[:-3]
+        return (f"{started} · {request['server']} · {METRICS[metric_key].title} "
+                f"{format_ms(request['latency_ms'])} · {request['response_id'] or 'no id'}")
+
+    keep_if_offered("drill_request", identities)
+    chosen = st.selectbox("Request", identities, index=None, format_func=label, key="drill_request",
+                          placeholder="pick a request to see its timeline")
+    if chosen is None:
+        return
+    events = queries.request_timeline(*chosen)
+    if events.empty:
+        st.warning("That request is no longer in the store (its data has expired).")
+        return
+    tokens = int((events["kind"] == "token").sum())
+    st.caption(f"Request timeline: {tokens} token events; times in ms after the request's first byte arrived.")
+    st.altair_chart(timeline_chart(events), width="stretch")
+    st.dataframe(events.rename(columns={"at_ms": "ms after first byte"}), hide_index=True, width="stretch")
+
+
+def timeline_chart(events: pd.DataFrame) -> alt.Chart:
+    return (
+        alt.Chart(events)
+        .mark_tick(thickness=2, size=22)
+        .encode(
+            x=alt.X("at_ms:Q", title="ms after the request's first byte"),
+            y=alt.Y("kind:N", title=None, sort=EVENT_KINDS),
+            color=alt.Color("kind:N", legend=None, sort=EVENT_KINDS),
+            tooltip=["event:N", alt.Tooltip("at_ms:Q", title="ms", format=".3f")],
+        )
+        .properties(height=200)
+    )
+
+
+# --------------------------------------------------------------------------- panels over time
+
+
+def phase_panel(queries: DashboardQueries, filters: Filters, bin_s: int) -> None:
+    st.subheader("Where the time goes")
+    with panel_errors("phase breakdown"):
+        phases, analysed = queries.phase_breakdown(filters, bin_s)
+        if analysed:
+            st.caption("Mean time per request in each phase, from `tokenprobe analyze` (inference requests it"
+                       " analysed; server TTFT where it could not split queue from prefill).")
+        else:
+            st.caption("Mean time per request in each phase. Queue and prefill show together as server TTFT"
+                       " until `tokenprobe analyze` splits them.")
+        if phases.empty:
+            st.info("No requests in this window.")
+            return
+        chart = (
+            alt.Chart(phases)
+            .mark_area()
+            .encode(
+                x=time_axis(filters),
+                y=alt.Y("mean_ms:Q", title="mean per request (ms)", stack=True),
+                color=alt.Color("phase:N", sort=PHASE_ORDER, scale=alt.Scale(domain=PHASE_ORDER)),
+                order=alt.Order("phase_rank:Q"),
+                tooltip=["phase:N", alt.Tooltip("mean_ms:Q", format=".1f"),
+                         alt.Tooltip("time_bin:T", format="%H:%M:%S")],
+            )
+            .transform_calculate(phase_rank=f"indexof({PHASE_ORDER!r}, datum.phase)")
+            .properties(height=220)
+        )
+        st.altair_chart(chart, width="stretch")
+
+
+def gpu_panel(queries: DashboardQueries, filters: Filters, bin_s: int) -> None:
+    st.subheader("GPUs")
+    with panel_errors("GPU"):
+        if not queries.has_table(GPU_SAMPLES_TABLE):
+            st.info("No GPU samples table in this store: the agent creates it when it samples GPUs.")
+            return
+        samples = queries.gpu_usage(filters, bin_s)
+        if samples.empty:
+            st.info("No GPU samples in this window.")
+            return
+        if samples["simulated"].any():
+            st.caption("Some samples are simulated (the reference server's feed): they describe no real GPU.")
+        memory, utilization = st.columns(2)
+        for column, field, title in ((memory, "mem_used_gib", "memory used (GiB)"),
+                                     (utilization, "gpu_util_pct", "utilization (%)")):
+            chart = (
+                alt.Chart(samples)
+                .mark_line()
+                .encode(x=time_axis(filters), y=alt.Y(f"{field}:Q", title=title), color=alt.Color("gpu:N"),
+                        tooltip=["gpu:N", alt.Tooltip(f"{field}:Q", format=".1f"),
+                                 alt.Tooltip("time_bin:T", format="%H:%M:%S")])
+                .properties(height=200)
+            )
+            column.altair_chart(chart, width="stretch")
+
+
+def indicator_panel(queries: DashboardQueries, filters: Filters) -> None:
+    st.subheader("Indicators")
+    with panel_errors("indicator matrix"):
+        matrix = queries.indicator_matrix(filters) if queries.has_table(INDICATOR_MATRIX_TABLE) else None
+        if matrix is None or matrix.empty:
+            st.info(NO_INDICATORS)
+            return
+        st.caption("Each server's (and GPU's) latest analysed window: state and value of every indicator.")
+        st.table(indicator_table(matrix))
+        attention = matrix[matrix["state"].isin([WARN, CRIT])]
+        if not attention.empty:
+            st.dataframe(attention[["server", "device_id", "indicator", "state", "explanation"]],
+                         hide_index=True, width="stretch")
+
+
+def format_indicator_value(value: float | None, unit: str) -> str:
+    if value is None or pd.isna(value):
+        return ""
+    if unit == "ratio":
+        return f"{value:.0%}"
+    if unit == "ms":
+        return format_ms(value)
+    return f"{value:.3g} {unit}".strip()
+
+
+def indicator_table(matrix: pd.DataFrame):
+    """Servers (and GPUs) × indicators, each cell its state and value, coloured by state."""
+    subjects = [server if not device else f"{server} · {device}"
+                for server, device in zip(matrix["server"], matrix["device_id"], strict=True)]
+    labels = {indicator.name: indicator.label for indicator in INDICATORS}
+    cells = matrix.assign(
+        subject=subjects,
+        heading=[labels.get(name, name) for name in matrix["indicator"]],
+        text=[f"{state} {format_indicator_value(value, unit)}".strip()
+              for state, value, unit in zip(matrix["state"], matrix["value"], matrix["unit"], strict=True)],
+    )
+    headings = [heading for heading in dict.fromkeys([*labels.values(), *cells["heading"]])
+                if heading in set(cells["heading"])]
+    texts = cells.pivot(index="subject", columns="heading", values="text").reindex(columns=headings)
+    states = cells.pivot(index="subject", columns="heading", values="state").reindex(columns=headings)
+
+    def colours(_: pd.DataFrame) -> pd.DataFrame:
+        return states.map(lambda state: f"background-color: {STATE_COLOURS.get(state, NO_DATA_COLOUR)}")
+
+    return texts.fillna("").style.apply(colours, axis=None)
+
+
+def decisions_panel(queries: DashboardQueries, filters: Filters) -> None:
+    st.subheader("Actuator decisions")
+    with panel_errors("decisions"):
+        if not queries.has_table(DECISIONS_TABLE):
+            st.info("No decisions table in this store: the controller creates it when it first acts.")
+            return
+        decisions = queries.decisions(filters)
+        if decisions.empty:
+            st.info("No actuator decisions were in force in this window.")
+            return
+        chart = (
+            alt.Chart(decisions.rename(columns={"issued_at": "time_bin"}))
+            .mark_bar(height=18)
+            .encode(
+                x=time_axis(filters),
+                x2="expires_at:T",
+                y=alt.Y("target:N", title=None, axis=alt.Axis(labelLimit=400)),
+                color=alt.Color("action:N"),
+                tooltip=["target:N", "action:N", "outcome:N", "reason:N",
+                         alt.Tooltip("time_bin:T", title="issued (UTC)", format="%H:%M:%S"),
+                         alt.Tooltip("expires_at:T", title="expires (UTC)", format="%H:%M:%S")],
+            )
+            .properties(height=alt.Step(36))  # a row per target, however many there are
+        )
+        st.altair_chart(chart, width="stretch")
+        st.dataframe(decisions[["issued_at", "expires_at", "target", "action", "outcome", "reason"]],
+                     hide_index=True, width="stretch")
+
+
+# --------------------------------------------------------------------------- the page
+
+
+def panels(store_url: str, selection: Selection | None) -> None:
+    """Everything below the sidebar; re-run on its own by the auto-refresh. ``selection`` is None when
+    the page was built without the sidebar (no store, or no requests yet): once there are requests to
+    show, the whole page is built again."""
+    try:
+        queries = DashboardQueries(connect(store_url))
+        if selection is None:
+            if queries.latest_request_ns() is not None:
+                st.rerun(scope="app")
+            st.info(f"No requests in {queries.store.url} yet: start `tokenprobe agent --store …` on a node.")
+            return
+        # Anchored at the latest request, the window follows new traffic on every refresh.
+        filters = selection.filters(queries)
+        bin_s = choose_bin_seconds(selection.span_s)
+        st.caption(f"{format_epoch_s(filters.start_ns / 1e9)} → {format_epoch_s(filters.end_ns / 1e9)}")
+        cells_by_metric = heatmaps(queries, filters, bin_s)
+        drill_down(queries, filters, bin_s, cells_by_metric)
+        phase_panel(queries, filters, bin_s)
+        gpu_panel(queries, filters, bin_s)
+        indicator_panel(queries, filters)
+        decisions_panel(queries, filters)
+    except StoreUnavailable as error:
+        store_lost(error)
+
+
+def store_lost(error: StoreUnavailable) -> None:
+    # The next run (the next refresh) opens the store afresh: an embedded owner may have restarted on a
+    # new port, or a server come back.
+    connect.clear()
+    st.error(f"The store cannot be reached: {error}")
+
+
+def main() -> None:
+    st.set_page_config(page_title="tokenprobe", page_icon="⏱", layout="wide")
+    st.title("tokenprobe")
+    try:
+        settings = from_environment()
+        parse_store_url(settings.store_url)
+    except ValueError as error:
+        st.error(f"Bad dashboard settings: {error}")
+        return
+    selection = None
+    try:
+        queries = DashboardQueries(connect(settings.store_url))
+        if queries.latest_request_ns() is not None:
+            selection = sidebar(queries, settings)
+    except StoreUnavailable:
+        connect.clear()  # the panels below try again, and say why it fails
+    refreshing = st.fragment(panels, run_every=settings.refresh_s or None)
+    refreshing(settings.store_url, selection)
+
+
+main()

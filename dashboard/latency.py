@@ -1,0 +1,73 @@
+"""The latencies the heatmaps show, as SQL over ``tokenprobe.requests``, and their log-spaced bands.
+
+A band is ``floor(log10(ms) * bands_per_decade)``: band ``b`` holds latencies
+in [10^(b/k), 10^((b+1)/k)) ms. The heatmap queries and the per-minute rollup
+(``rollup``) compute bands with these same expressions, so both count every
+request in the same cell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_BANDS_PER_DECADE = 10
+# Latencies below this (clock granularity, or a token before the request's
+# last byte was seen) land in the lowest band instead of log10 of zero.
+MIN_LATENCY_MS = 0.01
+
+
+def ns(column: str) -> str:
+    return f"toUnixTimestamp64Nano({column})"
+
+
+def ms_between(earlier: str, later: str) -> str:
+    """SQL for the milliseconds from one timestamp column to another (NULL if either is)."""
+    return f"(({ns(later)} - {ns(earlier)}) / 1e6)"
+
+
+def _ms_between_present(earlier: str, later: str) -> str:
+    """Like ms_between, for columns known not to be NULL: skipping the NULL checks halves the cost."""
+    return ms_between(f"assumeNotNull({earlier})", f"assumeNotNull({later})")
+
+
+def band_sql(latency_sql: str, bands_per_decade_sql: str) -> str:
+    """SQL for the band of a latency in ms, ``bands_per_decade_sql`` bands per decade (a literal or a
+    bound parameter)."""
+    return f"toInt32(floor(log10(greatest({latency_sql}, {MIN_LATENCY_MS})) * {bands_per_decade_sql}))"
+
+
+def band_bounds_ms(band, bands_per_decade: int = DEFAULT_BANDS_PER_DECADE):
+    """The latency range [low, high) in ms that a band (an int, or a Series of them) covers."""
+    return 10 ** (band / bands_per_decade), 10 ** ((band + 1) / bands_per_decade)
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    title: str
+    description: str
+    sql: str  # milliseconds, valid where `condition` holds
+    condition: str  # the requests that have this latency
+
+
+METRICS: dict[str, Metric] = {
+    metric.key: metric
+    for metric in (
+        Metric("ttft", "TTFT", "time to first token: first generated token − request's last byte",
+               _ms_between_present("req_end", "first_token"),
+               "req_end IS NOT NULL AND first_token IS NOT NULL"),
+        Metric("tpot", "TPOT", "time per output token: (last token − first token) / (token events − 1)",
+               f"{_ms_between_present('first_token', 'last_token')} / (token_events - 1)",
+               "token_events > 1 AND first_token IS NOT NULL AND last_token IS NOT NULL"),
+        Metric("e2e", "end-to-end", "end to end: response's last byte − request's first byte",
+               _ms_between_present("req_start", "resp_end"),
+               "resp_end IS NOT NULL"),
+    )
+}
+
+
+def metric(key: str) -> Metric:
+    try:
+        return METRICS[key]
+    except KeyError:
+        raise ValueError(f"unknown latency metric {key!r}; choose one of {sorted(METRICS)}") from None

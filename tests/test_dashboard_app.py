@@ -1,0 +1,411 @@
+"""The dashboard's queries and its Streamlit app (driven by AppTest) on stores of known rows.
+
+The main store is owned by a separate process that serves it, as an agent
+would: the tests and the app reach it over the owner's HTTP interface, so the
+embedded engine is never opened in the test process. One test opens a store
+that nobody owns, which the app then owns itself, and releases it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+from tokenprobe.agent import schema
+from tokenprobe.agent.store import open_store
+from tokenprobe.analytics.indicators import Cell
+from tokenprobe.dashboard import queries as dashboard_queries
+from tokenprobe.dashboard.cli import add_dashboard_parser
+from tokenprobe.dashboard.latency import METRICS, band_bounds_ms
+from tokenprobe.dashboard.queries import DashboardQueries, Filters, choose_bin_seconds
+from tokenprobe.dashboard.rollup import ROLLUP_TABLE
+from tokenprobe.dashboard.settings import REFRESH_ENV, STORE_ENV, parse_refresh
+
+APP = Path(dashboard_queries.__file__).with_name("app.py")
+MS = 1_000_000
+S = 1_000_000_000
+# Generous: other engineers run tests on the same 2-core machine.
+APP_TIMEOUT_S = 120
+OWNER_READY_S = 120
+
+# A whole hour, one to two hours ago: recent enough for the tables' TTL, and
+# aligned so that 30 s bins (those of the 1-hour window) start at T0.
+T0_S = (int(time.time()) // 3600 - 1) * 3600
+T0 = T0_S * S
+OLD = T0 - 3 * 86400 * S  # a day outside every window the app offers, for analysed data
+
+# The owner: creates every table the dashboard reads (the latency rollup and
+# its view included), serves the store, and keeps it until its stdin closes.
+OWNER_SCRIPT = """
+import sys
+import tokenprobe.actuator.controller, tokenprobe.agent.samples, tokenprobe.analytics.tables
+import tokenprobe.dashboard.rollup
+from tokenprobe.agent.store import open_store
+store = open_store(sys.argv[1])
+store.ensure_schema()
+print("ready", flush=True)
+sys.stdin.read()
+store.close()
+"""
+
+
+def request_row(conn_id: int, start_ns: int, *, ttft_ms: float | None, tpot_ms: float = 20.0, tokens: int = 4,
+                node: str = "node-a", port: int = 8000, model: str = "m1", path: str = "/v1/chat/completions",
+                tls: bool = False, outcome: str = "complete") -> dict:
+    """A request row whose TTFT, TPOT and end-to-end latency are exactly as asked."""
+    req_end = start_ns + 1 * MS
+    accept = start_ns - 2 * MS
+    if ttft_ms is None:  # the client gave up before the first token
+        first_token = last_token = None
+        offsets, tokens = [], 0
+        resp_end = req_end + 5 * MS
+    else:
+        first_token = req_end + int(ttft_ms * MS)
+        offsets = [int(index * tpot_ms * 1000) for index in range(tokens)]
+        last_token = first_token + offsets[-1] * 1000
+        resp_end = last_token + 1 * MS
+    return {
+        "node": node, "conn_id": conn_id, "req_seq": 0, "role": "server", "pid": 4242, "comm": "vllm",
+        "server_port": port, "client_addr": "127.0.0.1", "client_port": 40000 + conn_id, "tls": tls,
+        "accept_ts": accept, "tls_done_ts": accept + 1 * MS if tls else None, "req_start": start_ns,
+        "req_end": req_end, "resp_start": req_end + 1 * MS, "first_token": first_token, "last_token": last_token,
+        "resp_end": resp_end, "method": "POST", "path": path, "status": 200, "model": model,
+        "response_id": f"chatcmpl-{conn_id}", "streamed": True, "token_events": tokens, "sse_events": tokens + 2,
+        "token_offsets_us": offsets, "prompt_tokens": 10, "completion_tokens": tokens, "inflight_at_arrival": 0,
+        "bytes_in": 500, "bytes_out": 1000, "body_fp": conn_id, "outcome": outcome, "error": "",
+    }
+
+
+# Bands at 10 per decade: 50 ms -> 16, 500 ms -> 26, 2000 ms -> 33 (each well inside its band).
+FAST = [request_row(100 + i, T0 + (10 + i) * S, ttft_ms=50, tls=(i == 0)) for i in range(5)]
+SLOW_COMPLETIONS = [request_row(200 + i, T0 + (100 + i) * S, ttft_ms=500, path="/v1/completions")
+                    for i in range(3)]
+OTHER_SERVER = [request_row(300 + i, T0 + (10 + i) * S, ttft_ms=2000, node="node-b", port=8001, model="m2")
+                for i in range(2)]
+GAVE_UP = [request_row(400, T0 + 20 * S, ttft_ms=None, outcome="client_closed")]
+ANALYSED = request_row(500, OLD + 10 * S, ttft_ms=80)
+
+
+def phases_row(request: dict, *, queue_ms: float, prefill_ms: float) -> dict:
+    """A request_phases row for ``request``, as `tokenprobe analyze` writes one."""
+    ttft_ms = (request["first_token"] - request["req_end"]) / MS
+    return {
+        **{column: request[column] for column in (
+            "node", "server_port", "model", "conn_id", "req_seq", "req_start", "req_end", "first_token",
+            "last_token", "resp_end", "response_id", "client_addr", "path", "status", "outcome",
+            "inflight_at_arrival", "token_events")},
+        "network_in_ms": 1.0, "accept_wait_ms": 0.0, "tls_ms": 0.0, "queue_ms": queue_ms, "prefill_ms": prefill_ms,
+        "decode_ms": (request["last_token"] - request["first_token"]) / MS, "network_out_ms": 1.0,
+        "ttft_server_ms": ttft_ms, "ttft_client_ms": ttft_ms,
+        "e2e_ms": (request["resp_end"] - request["req_start"]) / MS,
+        "tpot_ms": 20.0, "itl_gaps": 3, "stalls": 0, "output_tokens": request["token_events"],
+        "output_tokens_source": "events", "prompt_size": 10, "prompt_size_source": "usage",
+        "calibration_id": "cal-1", "split_method": "calibration", "computed_at": OLD + 3600 * S,
+    }
+
+
+def indicator_cell(window_end_s: int, indicator: str, state: str, value: float, *, node: str = "node-a",
+                   port: int = 8000, device_id: str = "", explanation: str = "") -> dict:
+    return Cell(window_end_s * S - 300 * S, window_end_s * S, node, port, device_id, indicator, value, state,
+                None, None, explanation).row(computed_at_ns=window_end_s * S)
+
+
+INDICATOR_CELLS = [
+    indicator_cell(T0_S + 60, "queue_wait_p95", "ok", 20.0),  # superseded by the next window's
+    indicator_cell(T0_S + 120, "queue_wait_p95", "crit", 2500.0, explanation="p95 queue wait 2.5 s"),
+    indicator_cell(T0_S + 120, "batch_fill", "ok", 0.8),
+    indicator_cell(T0_S + 120, "gpu_memory_pressure", "warn", 0.91, device_id="GPU-0"),
+]
+DECISION = {
+    "issued_at": T0 + 30 * S, "recorded_at": T0 + 30 * S, "decision_id": "d-1", "kind": "breaker",
+    "upstream": "node-a:8000", "model": "", "tenant": "", "breaker_state": "OPEN", "admitted_share": 1.0,
+    "cooldown_s": 60.0, "tokens_per_second": 0.0, "burst_tokens": 0.0, "reason": "overloaded",
+    "evidence_name": [], "evidence_value": [], "evidence_threshold": [], "evidence_unit": [],
+    "expires_at": T0 + 90 * S, "issuer": "test", "outcome": "applied", "outcome_detail": "",
+}
+
+
+def gpu_samples() -> pa.Table:
+    """A minute of samples of one GPU on each node, 60 GiB used on node-a and 20 GiB on node-b (the table's
+    other columns keep their defaults; its Map column rules out insert_rows)."""
+    samples = [(T0 + second * S, node, used_gib * 2**30)
+               for second in range(0, 60, 5) for node, used_gib in (("node-a", 60), ("node-b", 20))]
+    return pa.table({
+        "ts": pa.array([ts for ts, _, _ in samples], pa.timestamp("ns", tz="UTC")),
+        "node": [node for _, node, _ in samples],
+        "source": ["nvml"] * len(samples),
+        "device_id": ["GPU-0"] * len(samples),
+        "gpu_index": pa.array([0] * len(samples), pa.uint16()),
+        "mem_total_bytes": pa.array([80 * 2**30] * len(samples), pa.uint64()),
+        "mem_used_bytes": pa.array([used for _, _, used in samples], pa.uint64()),
+        "gpu_util_pct": pa.array([50.0] * len(samples), pa.float32()),
+    })
+
+
+@pytest.fixture(scope="module")
+def store_url(tmp_path_factory):
+    url = f"chdb://{tmp_path_factory.mktemp('dashboard') / 'store'}"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT, url], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "ready", "the store's owner did not start"
+        with open_store(url, owner_wait_s=OWNER_READY_S) as store:
+            assert store.mode == "embedded-via-owner"
+            store.insert_rows("requests", FAST + SLOW_COMPLETIONS + OTHER_SERVER + GAVE_UP + [ANALYSED])
+            store.insert_rows("request_phases", [phases_row(ANALYSED, queue_ms=10.0, prefill_ms=40.0)])
+            store.insert_rows("indicator_matrix", INDICATOR_CELLS)
+            store.insert_rows("decisions", [DECISION])
+            store.insert_arrow("gpu_samples", gpu_samples())
+        yield url
+    finally:
+        owner.stdin.close()
+        owner.wait(timeout=60)
+
+
+@pytest.fixture
+def queries(store_url):
+    with open_store(store_url) as store:
+        yield DashboardQueries(store)
+
+
+def window(**filters) -> Filters:
+    """The 1-hour window the app shows for this data (it ends at the bin after the latest request)."""
+    return Filters(T0 + 120 * S - 3600 * S, T0 + 120 * S, **{k: tuple(v) for k, v in filters.items()})
+
+
+def cells(frame: pd.DataFrame) -> dict[tuple[int, int], int]:
+    return {(int(row.bin_start_s), int(row.band)): int(row.requests) for row in frame.itertuples()}
+
+
+# --------------------------------------------------------------------------- the queries
+
+
+def test_bins_and_bands():
+    assert choose_bin_seconds(3600) == 30
+    assert choose_bin_seconds(86400) == 900
+    assert choose_bin_seconds(10 * 365 * 86400) == 86400
+    low, high = band_bounds_ms(16)
+    assert low <= 50 < high
+    with pytest.raises(ValueError, match="empty"):
+        Filters(T0, T0)
+
+
+def test_heatmap_counts_each_cell_and_filters_narrow_them(queries):
+    expected = {(T0_S, 16): 5, (T0_S, 33): 2, (T0_S + 90, 26): 3}
+    assert cells(queries.latency_heatmap("ttft", window(), 30)) == expected
+    assert cells(queries.latency_heatmap("ttft", window(servers=["node-a:8000"]), 30)) == {
+        (T0_S, 16): 5, (T0_S + 90, 26): 3}
+    assert cells(queries.latency_heatmap("ttft", window(models=["m2"]), 30)) == {(T0_S, 33): 2}
+    assert cells(queries.latency_heatmap("ttft", window(routes=["/v1/completions"]), 30)) == {(T0_S + 90, 26): 3}
+    # TPOT is 20 ms for every streamed request; the one that gave up has none.
+    assert cells(queries.latency_heatmap("tpot", window(), 30)) == {(T0_S, 13): 7, (T0_S + 90, 13): 3}
+    # End to end counts the request that gave up too: 1 ms in + 5 ms = 6 ms, band 7.
+    assert cells(queries.latency_heatmap("e2e", window(), 30))[(T0_S, 7)] == 1
+    with pytest.raises(ValueError, match="unknown latency metric"):
+        queries.latency_heatmap("nope", window(), 30)
+
+
+def test_heatmaps_come_from_the_rollup_where_it_is_complete(queries):
+    six_hours = Filters(T0 + 120 * S - 6 * 3600 * S, T0 + 120 * S)  # whole minutes, as the app's windows
+    bin_s = choose_bin_seconds(6 * 3600)
+    for filters in (six_hours, replace(six_hours, servers=("node-a:8000",), routes=("/v1/completions",))):
+        assert queries.heatmap_source(filters, bin_s) == "rollup"
+        for key in METRICS:
+            assert cells(queries.latency_heatmap(key, filters, bin_s)) == cells(
+                queries.latency_heatmap(key, filters, bin_s, source="requests"))
+    assert cells(queries.latency_heatmap("ttft", six_hours, bin_s)) == {
+        (T0_S - T0_S % bin_s, 16): 5, (T0_S - T0_S % bin_s, 33): 2, (T0_S + 90 - (T0_S + 90) % bin_s, 26): 3}
+    assert queries.filter_options(six_hours) == queries.filter_options(window()) == {
+        "servers": ["node-a:8000", "node-b:8001"], "models": ["m1", "m2"],
+        "routes": ["/v1/chat/completions", "/v1/completions"]}
+    # Bins finer than the rollup's minutes, or bands it does not keep, are counted from the requests.
+    assert queries.heatmap_source(window(), 30) == "requests"
+    assert queries.heatmap_source(six_hours, bin_s, bands_per_decade=5) == "requests"
+    # So is a window the rollup does not fully count (rows stored before its view existed, say).
+    queries.store.command(
+        f"INSERT INTO {queries.store.table(ROLLUP_TABLE)} (minute, node, server_port, model, path, metric, requests)"
+        " VALUES (toDateTime({minute:Int64}, 'UTC'), 'node-a', 8000, 'm1', '/', 'all', 1)",
+        {"minute": OLD // S - 86400})
+    before_old = Filters(OLD - 2 * 86400 * S, OLD - 3600 * S)
+    assert queries.heatmap_source(before_old, bin_s) == "requests"
+
+
+def test_a_cell_lists_exactly_its_requests(queries):
+    listed = queries.cell_requests("ttft", window(), T0_S, 30, 16)
+    assert sorted(listed["response_id"]) == sorted(row["response_id"] for row in FAST)
+    assert listed["latency_ms"].round(6).eq(50.0).all()
+    assert len(queries.cell_requests("ttft", window(), T0_S, 30, 16, limit=2)) == 2
+    assert queries.cell_requests("ttft", window(models=["m2"]), T0_S, 30, 16).empty
+
+
+def test_request_timeline_has_every_event_and_token(queries):
+    tls_request = FAST[0]
+    timeline = queries.request_timeline("node-a", 8000, tls_request["conn_id"], 0, tls_request["req_start"])
+    at = dict(zip(timeline["event"], timeline["at_ms"], strict=True))
+    assert at["accept"] == pytest.approx(-2.0)
+    assert at["TLS handshake done"] == pytest.approx(-1.0)
+    assert at["request last byte in"] == pytest.approx(1.0)
+    tokens = timeline[timeline["kind"] == "token"]["at_ms"].tolist()
+    assert tokens == pytest.approx([51.0, 71.0, 91.0, 111.0])
+    assert at["response last byte out (complete)"] == pytest.approx(112.0)
+    assert timeline["at_ms"].is_monotonic_increasing
+    # Queue and prefill appear once analytics has split them.
+    analysed = queries.request_timeline("node-a", 8000, ANALYSED["conn_id"], 0, ANALYSED["req_start"])
+    at = dict(zip(analysed["event"], analysed["at_ms"], strict=True))
+    assert at["queue end (prefill starts)"] == pytest.approx(11.0)
+    assert at["prefill end"] == pytest.approx(51.0)
+    assert queries.request_timeline("node-a", 8000, 999, 0, T0).empty
+
+
+def test_phase_breakdown_splits_queue_and_prefill_once_analysed(queries):
+    raw, analysed = queries.phase_breakdown(window(servers=["node-a:8000"], routes=["/v1/completions"]), 30)
+    assert not analysed
+    by_phase = raw.groupby("phase")["mean_ms"].sum()
+    assert by_phase["server TTFT"] == pytest.approx(500.0)
+    assert by_phase["decode"] == pytest.approx(60.0)
+    split, analysed = queries.phase_breakdown(Filters(OLD, OLD + 3600 * S), 30)
+    assert analysed
+    by_phase = split.groupby("phase")["mean_ms"].sum()
+    assert (by_phase["queue"], by_phase["prefill"], by_phase["server TTFT"]) == pytest.approx((10.0, 40.0, 0.0))
+
+
+def test_indicator_matrix_keeps_the_latest_window(queries):
+    matrix = queries.indicator_matrix(window())
+    states = {(row.server, row.device_id, row.indicator): row.state for row in matrix.itertuples()}
+    assert states == {("node-a:8000", "", "queue_wait_p95"): "crit", ("node-a:8000", "", "batch_fill"): "ok",
+                      ("node-a:8000", "GPU-0", "gpu_memory_pressure"): "warn"}
+    assert queries.indicator_matrix(window(servers=["node-b:8001"])).empty
+
+
+def test_gpu_usage_and_decisions(queries):
+    gpus = queries.gpu_usage(window(), 30)
+    assert gpus.groupby("gpu")["mem_used_gib"].mean().round(6).to_dict() == {
+        "node-a GPU 0": 60.0, "node-b GPU 0": 20.0}
+    assert set(queries.gpu_usage(window(servers=["node-b:8001"]), 30)["gpu"]) == {"node-b GPU 0"}
+    decisions = queries.decisions(window())
+    assert decisions[["target", "action", "outcome"]].values.tolist() == [
+        ["upstream=node-a:8000", "breaker OPEN", "applied"]]
+    assert queries.decisions(Filters(T0 + 100 * S, T0 + 120 * S)).empty  # expired before this window
+
+
+# --------------------------------------------------------------------------- the app
+
+
+@pytest.fixture
+def app(store_url, monkeypatch) -> AppTest:
+    monkeypatch.setenv(STORE_ENV, store_url)
+    monkeypatch.setenv(REFRESH_ENV, "0")
+    return AppTest.from_file(str(APP), default_timeout=APP_TIMEOUT_S).run()
+
+
+def chart_data(element) -> pd.DataFrame:
+    """The rows a chart was drawn from (Streamlit ships them to the browser as Arrow)."""
+    return pa.ipc.open_stream(element.proto.datasets[0].data.data).read_all().to_pandas()
+
+
+def heatmap_cells(app: AppTest, tab: int) -> dict[tuple[int, int], int]:
+    (chart,) = [element for element in app.tabs[tab] if element.type == "vega_lite_chart"]
+    return cells(chart_data(chart))
+
+
+def test_app_draws_heatmaps_matrix_and_panels(app):
+    assert not app.exception
+    assert not app.error
+    assert [tab.label for tab in app.tabs] == ["TTFT", "TPOT", "end-to-end"]
+    assert heatmap_cells(app, 0) == {(T0_S, 16): 5, (T0_S, 33): 2, (T0_S + 90, 26): 3}
+    matrix = app.table[0].value
+    assert matrix.loc["node-a:8000", "queue p95"] == "crit 2.5 s"
+    assert matrix.loc["node-a:8000 · GPU-0", "GPU mem"] == "warn 91%"
+    assert any("embedded-via-owner" in caption.value for caption in app.sidebar.caption)
+    assert any("Queue and prefill show together" in caption.value for caption in app.caption)
+
+
+def test_app_filters_narrow_the_heatmap(app):
+    app.sidebar.multiselect(key="servers").set_value(["node-a:8000"]).run()
+    assert heatmap_cells(app, 0) == {(T0_S, 16): 5, (T0_S + 90, 26): 3}
+    app.sidebar.multiselect(key="routes").set_value(["/v1/completions"]).run()
+    assert heatmap_cells(app, 0) == {(T0_S + 90, 26): 3}
+
+
+def test_app_drills_from_a_cell_to_a_request_timeline(app):
+    app.selectbox(key="drill_metric").set_value("ttft").run()
+    app.selectbox(key="drill_bin").set_value(T0_S).run()
+    band = app.selectbox(key="drill_band")
+    assert band.options == [
+        f"{low} – {high} ({count} requests)" for low, high, count in (("39.8 ms", "50.1 ms", 5),
+                                                                      ("2 s", "2.51 s", 2))]
+    band.set_value(16).run()
+    listed = app.dataframe[0].value
+    assert sorted(listed["response_id"]) == sorted(row["response_id"] for row in FAST)
+    app.selectbox(key="drill_request").select_index(0).run()
+    timeline = app.dataframe[1].value
+    assert (timeline["kind"] == "token").sum() == 4
+    assert {"accept", "request first byte in", "response first byte out"} <= set(timeline["event"])
+    assert not app.exception
+
+
+def test_app_owns_a_store_nobody_serves_and_says_what_is_missing(tmp_path, monkeypatch):
+    url = f"chdb://{tmp_path / 'bare'}"
+    with open_store(url, serve=False) as store:  # only the requests table: no GPU samples, no analytics
+        store.command(f"CREATE DATABASE {store.database}")
+        store.command(schema.REQUESTS_DDL.format(db=store.database, ttl_days=schema.DEFAULT_TTL_DAYS))
+    monkeypatch.setenv(STORE_ENV, url)
+    monkeypatch.setenv(REFRESH_ENV, "0")
+    try:
+        app = AppTest.from_file(str(APP), default_timeout=APP_TIMEOUT_S).run()
+        assert not app.exception
+        assert "No requests in" in app.info[0].value
+        st.cache_resource.clear()  # the app owned the store: release it to add a request
+        with open_store(url, serve=False) as store:
+            store.insert_rows("requests", [request_row(1, T0, ttft_ms=50)])
+        app = AppTest.from_file(str(APP), default_timeout=APP_TIMEOUT_S).run()
+        assert not app.exception
+        assert any("(embedded-owner)" in caption.value for caption in app.sidebar.caption)
+        assert heatmap_cells(app, 0) == {(T0_S, 16): 1}
+        messages = [info.value for info in app.info]
+        assert "No indicator data yet — run `tokenprobe analyze`." in messages
+        assert any("No GPU samples table" in message for message in messages)
+        assert any("No decisions table" in message for message in messages)
+    finally:
+        st.cache_resource.clear()  # closes the store the app opened, releasing the directory
+
+
+def test_app_reports_an_unreachable_store(monkeypatch):
+    monkeypatch.setenv(STORE_ENV, "http://127.0.0.1:9/")
+    monkeypatch.setenv(REFRESH_ENV, "0")
+    app = AppTest.from_file(str(APP), default_timeout=APP_TIMEOUT_S).run()
+    assert not app.exception
+    assert any("cannot be reached" in error.value or "Cannot open" in error.value for error in app.error)
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    parser = argparse.ArgumentParser(prog="tokenprobe")
+    add_dashboard_parser(parser.add_subparsers(), default_store="chdb:///var/lib/tokenprobe/store")
+    args = parser.parse_args(["dashboard", "--store", "ftp://nowhere/"])
+    assert args.func(args) == 2
+    assert "unsupported store URL scheme" in capsys.readouterr().err
+    args = parser.parse_args(["dashboard", "--port", "70000"])
+    assert args.func(args) == 2
+    assert "--port must be within 1-65535" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["dashboard", "--refresh", "-5"])
+
+
+def test_bad_settings_are_explained(monkeypatch):
+    monkeypatch.setenv(STORE_ENV, "ftp://nowhere/")
+    app = AppTest.from_file(str(APP), default_timeout=APP_TIMEOUT_S).run()
+    assert "unsupported store URL scheme" in app.error[0].value
+    with pytest.raises(ValueError, match=">= 0"):
+        parse_refresh("-1")
+    with pytest.raises(ValueError, match="number of seconds"):
+        parse_refresh("soon")
