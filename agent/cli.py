@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from tokenprobe.analytics.cli import add_analyze_parser
 from tokenprobe.dashboard.cli import add_dashboard_parser
 
 import os
@@ -196,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rows", type=int, default=100)
     p.set_defaults(func=_cmd_query)
 
+    add_analyze_parser(sub, default_store=DEFAULT_STORE)
     add_dashboard_parser(sub, DEFAULT_STORE)
     return parser
 

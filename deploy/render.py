@@ -30,6 +30,7 @@ TABLE_MODULES = (
     "tokenprobe.agent.samples",
     "tokenprobe.analytics.tables",
     "tokenprobe.actuator.controller",
+    "tokenprobe.dashboard.rollup",
 )
 LOCAL_SUFFIX = "_local"
 # ClickHouse server macros (config.xml <macros>), expanded by each server.
@@ -37,6 +38,7 @@ CLUSTER_MACRO = "{cluster}"
 REPLICA_PATH = "/clickhouse/tables/{shard}/{database}/{table}"
 
 _CREATE = re.compile(r"^CREATE TABLE IF NOT EXISTS (\w+)\.(\w+)\n")
+_MATERIALIZED_VIEW = re.compile(r"^CREATE MATERIALIZED VIEW IF NOT EXISTS \w+\.\w+")
 _ENGINE = re.compile(r"^ENGINE = (\w*MergeTree)(?:\((.*)\))?$", re.MULTILINE)
 _NODE_COLUMN = re.compile(r"^\s*`node` ", re.MULTILINE)
 
@@ -97,8 +99,14 @@ def cluster_statements(database: str = "tokenprobe", ttl_days: int = 30) -> list
     """The statements that create tokenprobe's store on a ClickHouse cluster, in order."""
     from tokenprobe.agent.gpu_join import VIEW_NAME, request_gpu_state_sql
 
-    tables = {name: ddl.format(db=database, ttl_days=ttl_days) for name, ddl in registered_tables().items()}
+    statements = {name: ddl.format(db=database, ttl_days=ttl_days) for name, ddl in registered_tables().items()}
+    views = {name: ddl for name, ddl in statements.items() if _MATERIALIZED_VIEW.match(ddl)}
+    tables = {name: ddl for name, ddl in statements.items() if name not in views}
     pairs = [cluster_table_ddl(name, ddl) for name, ddl in tables.items()]
+    # A materialized view fires on inserts into the shard it lives on: it reads and writes local tables.
+    local_tables = rf"\b{database}\.({'|'.join(tables)})\b"
+    local_views = [_MATERIALIZED_VIEW.sub(rf"\g<0> ON CLUSTER '{CLUSTER_MACRO}'", re.sub(
+        local_tables, rf"{database}.\1{LOCAL_SUFFIX}", ddl), count=1) for ddl in views.values()]
     # The GPU join on each shard reads that shard's tables only: every join in it is on `node`, and a
     # node's rows all live on one shard. A Distributed table over these views unites the shards.
     # (The same view over the Distributed tables would need double-distributed JOINs, which
@@ -110,6 +118,7 @@ def cluster_statements(database: str = "tokenprobe", ttl_days: int = 30) -> list
         f"CREATE DATABASE IF NOT EXISTS {database} ON CLUSTER '{CLUSTER_MACRO}'",
         *(local for local, _ in pairs),
         *(distributed for _, distributed in pairs),
+        *local_views,
         f"CREATE VIEW IF NOT EXISTS {database}.{view_local} ON CLUSTER '{CLUSTER_MACRO}' AS\n{shard_local_join}",
         f"CREATE TABLE IF NOT EXISTS {database}.{VIEW_NAME} ON CLUSTER '{CLUSTER_MACRO}'\n"
         f"AS {database}.{view_local}\n"

@@ -65,9 +65,10 @@ class SimulatedKvCache:
 class SimulatedGpu:
     """One H100-sized GPU whose numbers follow the server's load.
 
-    Memory behaves like vLLM's: weights and the whole KV pool are reserved at
-    start, so usage barely moves; a small activation workspace per running
-    request comes on top. Utilization, clock, power and temperature rise with
+    Memory behaves like a server that grows its KV cache on demand: weights,
+    plus the used share of the KV pool, plus a small activation workspace per
+    running request. (vLLM reserves the whole pool at start instead, which
+    would pin the memory-pressure indicator at its warn level and hide load.) Utilization, clock, power and temperature rise with
     the share of busy slots.
     """
 
@@ -91,7 +92,8 @@ class SimulatedGpu:
         """dcgm-exporter field name -> value, in the exporter's units (MiB, %, MHz, W, C, ratios)."""
         busy = snapshot.running / snapshot.slots if snapshot.slots else 0.0
         util = 0.0 if snapshot.running == 0 else min(100.0, 35.0 + 65.0 * busy)
-        used_mib = self.weights_mib + self.kv_pool_mib + self.workspace_mib_per_request * snapshot.running
+        used_mib = round(self.weights_mib + self.kv_pool_mib * kv_usage
+                         + self.workspace_mib_per_request * snapshot.running)
         used_mib = min(used_mib, self.total_mib - self.reserved_mib)
         return {
             "DCGM_FI_DEV_SM_CLOCK": 1980 if snapshot.running else 345,

@@ -325,6 +325,22 @@ PARTITION BY toDate(issued_at)
 ORDER BY (upstream, issued_at)
 TTL toDateTime(issued_at) + INTERVAL 30 DAY;
 
+CREATE TABLE IF NOT EXISTS tokenprobe.request_latency_bands_local ON CLUSTER '{cluster}'
+(
+    `minute` DateTime('UTC') CODEC(Delta, ZSTD(1)),
+    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `server_port` UInt16 CODEC(T64, ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `path` LowCardinality(String) CODEC(ZSTD(1)),
+    `metric` LowCardinality(String) CODEC(ZSTD(1)),
+    `band` Int16 CODEC(T64, ZSTD(1)),
+    `requests` UInt64 CODEC(T64, ZSTD(1))
+)
+ENGINE = ReplicatedSummingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', requests)
+PARTITION BY toDate(minute)
+ORDER BY (metric, minute, node, server_port, model, path, band)
+TTL minute + INTERVAL 30 DAY;
+
 CREATE TABLE IF NOT EXISTS tokenprobe.requests ON CLUSTER '{cluster}'
 AS tokenprobe.requests_local
 ENGINE = Distributed('{cluster}', tokenprobe, requests_local, cityHash64(node));
@@ -364,6 +380,22 @@ ENGINE = Distributed('{cluster}', tokenprobe, slo_status_local, cityHash64(node)
 CREATE TABLE IF NOT EXISTS tokenprobe.decisions ON CLUSTER '{cluster}'
 AS tokenprobe.decisions_local
 ENGINE = Distributed('{cluster}', tokenprobe, decisions_local, rand());
+
+CREATE TABLE IF NOT EXISTS tokenprobe.request_latency_bands ON CLUSTER '{cluster}'
+AS tokenprobe.request_latency_bands_local
+ENGINE = Distributed('{cluster}', tokenprobe, request_latency_bands_local, cityHash64(node));
+
+CREATE MATERIALIZED VIEW IF NOT EXISTS tokenprobe.request_latency_bands_mv ON CLUSTER '{cluster}' TO tokenprobe.request_latency_bands_local AS
+SELECT
+    toStartOfMinute(toDateTime(req_start, 'UTC')) AS minute,
+    node, server_port, model, path,
+    metric_band.1 AS metric,
+    toInt16(assumeNotNull(metric_band.2)) AS band,
+    count() AS requests
+FROM tokenprobe.requests_local
+ARRAY JOIN arrayFilter(pair -> pair.2 IS NOT NULL, [('ttft', if(req_end IS NOT NULL AND first_token IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(first_token)) - toUnixTimestamp64Nano(assumeNotNull(req_end))) / 1e6), 0.01)) * 10)), NULL)), ('tpot', if(token_events > 1 AND first_token IS NOT NULL AND last_token IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(last_token)) - toUnixTimestamp64Nano(assumeNotNull(first_token))) / 1e6) / (token_events - 1), 0.01)) * 10)), NULL)), ('e2e', if(resp_end IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(resp_end)) - toUnixTimestamp64Nano(assumeNotNull(req_start))) / 1e6), 0.01)) * 10)), NULL)), ('all', 0)]) AS metric_band
+WHERE role = 'server'
+GROUP BY minute, node, server_port, model, path, metric, band;
 
 CREATE VIEW IF NOT EXISTS tokenprobe.request_gpu_state_local ON CLUSTER '{cluster}' AS
 WITH

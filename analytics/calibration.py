@@ -1,0 +1,276 @@
+"""Prefill time against prompt size, per server and model, from requests that arrived to an idle server.
+
+A request that arrives while nothing else is in flight on its server cannot
+queue, so its server TTFT is all prefill (DESIGN.md, "queue vs prefill").
+Those requests calibrate a line, prefill ≈ intercept + slope × prompt size,
+fitted robustly (Theil–Sen, ``robust.theil_sen``) so a few odd requests (a
+cold cache, a pause) do not bend it. Any other request's queue time is then
+its server TTFT minus the prefill the line predicts for its size.
+
+Prompt size is the prompt token count from the stream's ``usage`` where the
+client asked for it, else the request's bytes on the wire. Each gets its own
+line (``size_unit`` tokens or bytes): one calibration is the pair, under one
+``calibration_id``. The bytes line needs ``calibration_min_points`` idle
+arrivals; the tokens line as many among those that carried usage.
+
+Every analysis refits from the most recent idle arrivals before the end of
+its range (``calibration_lookback_s``), so the line follows the server as
+data arrives; a server with too few idle arrivals keeps its latest stored
+calibration. Where the engine exports its own mean prefill time (vLLM's
+``request_prefill_time_seconds``), the calibration is checked against it and
+scaled to agree (``engine_scale``): the engine sees batching effects that an
+idle-arrival fit cannot.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from tokenprobe.agent.samples import ENGINE_SAMPLES_TABLE
+from tokenprobe.agent.schema import REQUESTS_TABLE
+from tokenprobe.agent.store import Store
+from tokenprobe.analytics import measures
+from tokenprobe.analytics.config import AnalysisSpans
+from tokenprobe.analytics.robust import LineFit, theil_sen
+from tokenprobe.analytics.scope import Scope
+from tokenprobe.analytics.tables import PREFILL_CALIBRATION_TABLE
+from tokenprobe.analytics.timerange import TimeRange, range_condition
+
+METHOD = "theil-sen on idle arrivals"
+TOKENS, BYTES = "tokens", "bytes"
+# An engine figure this far from ours is taken as a sign of trouble on one
+# side, not a correction: the scale is held within these bounds.
+ENGINE_SCALE_BOUNDS = (0.2, 5.0)
+
+ServerModel = tuple[str, int, str]  # node, server_port, model
+
+
+@dataclass(frozen=True)
+class UnitFit:
+    unit: str  # tokens | bytes
+    fit: LineFit
+    size_min: int
+    size_max: int
+
+
+@dataclass(frozen=True)
+class Calibration:
+    calibration_id: str
+    node: str
+    server_port: int
+    model: str
+    fitted_at_ns: int
+    data_from_ns: int
+    data_to_ns: int
+    fits: dict[str, UnitFit]  # always "bytes"; "tokens" when enough idle arrivals carried usage
+    engine_scale: float = 1.0
+    engine_samples: int = 0
+    engine_prefill_ms: float | None = None
+    predicted_prefill_ms: float | None = None
+    fresh: bool = True  # fitted by this analysis, not read back from the table
+
+    @property
+    def uses_engine(self) -> bool:
+        return self.engine_samples > 0
+
+
+def calibrate(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSpans,
+              now_ns: int) -> dict[ServerModel, Calibration]:
+    """The calibration for every server and model with inference requests in ``analysed``.
+
+    Fresh fits are stored in ``prefill_calibration``. A server and model with
+    neither enough idle arrivals nor a stored calibration is left out: its
+    queue and prefill cannot be split.
+    """
+    lookback = analysed.ending_span(spans.calibration_lookback_s)
+    needed = _keys_with_requests(store, analysed, scope)
+    fresh = _fit_idle_arrivals(store, lookback, scope, spans, now_ns)
+    fresh = _check_against_engine(store, lookback, scope, spans, fresh)
+    if fresh:
+        store.insert_rows(PREFILL_CALIBRATION_TABLE, [row for c in fresh.values() for row in calibration_rows(c)])
+    missing = [key for key in needed if key not in fresh]
+    stored = latest_stored(store, missing) if missing else {}
+    return {key: fresh.get(key) or stored[key] for key in needed if key in fresh or key in stored}
+
+
+def _keys_with_requests(store: Store, analysed: TimeRange, scope: Scope) -> list[ServerModel]:
+    in_range, range_parameters = range_condition("req_start", "analysed", analysed)
+    in_scope, scope_parameters = scope.condition()
+    rows = store.query_rows(
+        f"SELECT DISTINCT node, server_port, model FROM {store.table(REQUESTS_TABLE)}"
+        f" WHERE {measures.IS_INFERENCE} AND {in_range} AND {in_scope}",
+        {**range_parameters, **scope_parameters},
+    )
+    return [(node, int(port), model) for node, port, model in rows]
+
+
+def _fit_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: AnalysisSpans,
+                       now_ns: int) -> dict[ServerModel, Calibration]:
+    in_range, range_parameters = range_condition("req_start", "lookback", lookback)
+    in_scope, scope_parameters = scope.condition()
+    frame = store.query_df(
+        f"""SELECT node, server_port, model, toUnixTimestamp64Nano(req_start) AS start_ns,
+                   {measures.TTFT_SERVER_MS} AS ttft_ms, prompt_tokens, bytes_in
+            FROM {store.table(REQUESTS_TABLE)}
+            WHERE {measures.IS_INFERENCE} AND inflight_at_arrival = 0 AND status BETWEEN 200 AND 299
+              AND req_end IS NOT NULL AND first_token IS NOT NULL AND first_token > req_end
+              AND {in_range} AND {in_scope}
+            ORDER BY req_start DESC
+            LIMIT {{max_points:UInt32}} BY node, server_port, model""",
+        {**range_parameters, **scope_parameters, "max_points": spans.calibration_max_points},
+    )
+    calibrations: dict[ServerModel, Calibration] = {}
+    if frame.empty:  # an empty result has no columns at all
+        return calibrations
+    for (node, port, model), points in frame.groupby(["node", "server_port", "model"], sort=True, observed=True):
+        if len(points) < spans.calibration_min_points:
+            continue
+        ttft = points["ttft_ms"].to_numpy(dtype=np.float64)
+        fits = {BYTES: _unit_fit(BYTES, points["bytes_in"].to_numpy(dtype=np.float64), ttft)}
+        with_usage = points["prompt_tokens"].notna().to_numpy()
+        if with_usage.sum() >= spans.calibration_min_points:
+            tokens = points["prompt_tokens"].to_numpy(dtype=np.float64, na_value=np.nan)[with_usage]
+            fits[TOKENS] = _unit_fit(TOKENS, tokens, ttft[with_usage])
+        calibrations[(node, int(port), model)] = Calibration(
+            calibration_id=uuid.uuid4().hex[:16], node=node, server_port=int(port), model=model,
+            fitted_at_ns=now_ns, data_from_ns=int(points["start_ns"].min()), data_to_ns=int(points["start_ns"].max()),
+            fits=fits,
+        )
+    return calibrations
+
+
+def _unit_fit(unit: str, size: np.ndarray, ttft_ms: np.ndarray) -> UnitFit:
+    return UnitFit(unit, theil_sen(size, ttft_ms), int(size.min()), int(size.max()))
+
+
+def _check_against_engine(store: Store, lookback: TimeRange, scope: Scope, spans: AnalysisSpans,
+                          calibrations: dict[ServerModel, Calibration]) -> dict[ServerModel, Calibration]:
+    """Scale each calibration so its mean predicted prefill matches the engine's own mean, where there is one."""
+    if not calibrations:
+        return calibrations
+    in_range, range_parameters = range_condition("ts", "lookback", lookback)
+    in_scope, scope_parameters = scope.condition(with_model=False)
+    engine = {
+        (node, int(port)): (float(mean_ms), int(samples))
+        for node, port, mean_ms, samples in store.query_rows(
+            f"""SELECT node, server_port, avg(prefill_mean_s) * 1000, count()
+                FROM {store.table(ENGINE_SAMPLES_TABLE)}
+                WHERE prefill_mean_s IS NOT NULL AND {in_range} AND {in_scope}
+                GROUP BY node, server_port HAVING count() >= {{min_samples:UInt32}}""",
+            {**range_parameters, **scope_parameters, "min_samples": spans.engine_check_min_samples},
+        )
+    }
+    if not engine:
+        return calibrations
+    in_range, range_parameters = range_condition("req_start", "lookback", lookback)
+    in_scope, scope_parameters = scope.condition()
+    # The model is linear, so the mean prediction needs only counts and sums of sizes.
+    sums = store.query_rows(
+        f"""SELECT node, server_port, model,
+                   countIf(prompt_tokens IS NOT NULL), sumIf(prompt_tokens, prompt_tokens IS NOT NULL),
+                   sumIf(bytes_in, prompt_tokens IS NOT NULL),
+                   countIf(prompt_tokens IS NULL), sumIf(bytes_in, prompt_tokens IS NULL)
+            FROM {store.table(REQUESTS_TABLE)}
+            WHERE {measures.IS_INFERENCE} AND first_token IS NOT NULL AND {in_range} AND {in_scope}
+            GROUP BY node, server_port, model""",
+        {**range_parameters, **scope_parameters},
+    )
+    checked = dict(calibrations)
+    for node, port, model, n_usage, usage_tokens, usage_bytes, n_bytes, other_bytes in sums:
+        key = (node, int(port), model)
+        if key not in calibrations or (node, int(port)) not in engine:
+            continue
+        calibration = calibrations[key]
+        engine_ms, samples = engine[(node, int(port))]
+        predicted_ms = _mean_prediction(calibration, int(n_usage), float(usage_tokens or 0),
+                                        float(usage_bytes or 0), int(n_bytes), float(other_bytes or 0))
+        if predicted_ms is None or predicted_ms <= 0:
+            continue
+        low, high = ENGINE_SCALE_BOUNDS
+        checked[key] = replace(calibration, engine_scale=min(high, max(low, engine_ms / predicted_ms)),
+                               engine_samples=samples, engine_prefill_ms=engine_ms, predicted_prefill_ms=predicted_ms)
+    return checked
+
+
+def _mean_prediction(calibration: Calibration, n_usage: int, usage_tokens: float, usage_bytes: float,
+                     n_bytes: int, other_bytes: float) -> float | None:
+    total = n_usage + n_bytes
+    if total == 0:
+        return None
+    bytes_fit = calibration.fits[BYTES].fit
+    if TOKENS in calibration.fits:
+        tokens_fit = calibration.fits[TOKENS].fit
+        usage_part = n_usage * tokens_fit.intercept + tokens_fit.slope * usage_tokens
+    else:
+        usage_part = n_usage * bytes_fit.intercept + bytes_fit.slope * usage_bytes
+    return (usage_part + n_bytes * bytes_fit.intercept + bytes_fit.slope * other_bytes) / total
+
+
+def calibration_rows(calibration: Calibration) -> list[dict]:
+    """The ``prefill_calibration`` rows of one calibration: one per size unit."""
+    return [
+        {
+            "calibration_id": calibration.calibration_id, "fitted_at": calibration.fitted_at_ns,
+            "node": calibration.node, "server_port": calibration.server_port, "model": calibration.model,
+            "size_unit": unit_fit.unit, "method": METHOD,
+            "intercept_ms": unit_fit.fit.intercept, "slope_ms": unit_fit.fit.slope, "r2": unit_fit.fit.r2,
+            "mad_ms": unit_fit.fit.mad, "n": unit_fit.fit.n, "n_outliers": unit_fit.fit.n_outliers,
+            "size_min": unit_fit.size_min, "size_max": unit_fit.size_max,
+            "data_from": calibration.data_from_ns, "data_to": calibration.data_to_ns,
+            "engine_scale": calibration.engine_scale, "engine_samples": calibration.engine_samples,
+            "engine_prefill_ms": calibration.engine_prefill_ms,
+            "predicted_prefill_ms": calibration.predicted_prefill_ms,
+        }
+        for unit_fit in calibration.fits.values()
+    ]
+
+
+def latest_stored(store: Store, keys: Iterable[ServerModel]) -> dict[ServerModel, Calibration]:
+    """The most recently fitted stored calibration of each server and model asked for."""
+    wanted = set(keys)
+    if not wanted:
+        return {}
+    table = store.table(PREFILL_CALIBRATION_TABLE)
+    frame = store.query_df(
+        f"""SELECT calibration_id, toUnixTimestamp64Nano(fitted_at) AS fitted_at_ns, node, server_port, model,
+                   size_unit, intercept_ms, slope_ms, r2, mad_ms, n, n_outliers, size_min, size_max,
+                   toUnixTimestamp64Nano(data_from) AS data_from_ns, toUnixTimestamp64Nano(data_to) AS data_to_ns,
+                   engine_scale, engine_samples, engine_prefill_ms, predicted_prefill_ms
+            FROM {table}
+            WHERE calibration_id IN (
+                SELECT argMax(calibration_id, fitted_at) FROM {table} GROUP BY node, server_port, model)"""
+    )
+    calibrations: dict[ServerModel, Calibration] = {}
+    if frame.empty:
+        return calibrations
+    for calibration_id, rows in frame.groupby("calibration_id", sort=False, observed=True):
+        first = rows.iloc[0]
+        key = (first["node"], int(first["server_port"]), first["model"])
+        if key not in wanted or BYTES not in set(rows["size_unit"]):
+            continue
+        fits = {
+            row["size_unit"]: UnitFit(row["size_unit"], LineFit(
+                float(row["intercept_ms"]), float(row["slope_ms"]), None if _is_missing(row["r2"]) else
+                float(row["r2"]), float(row["mad_ms"]), int(row["n"]), int(row["n_outliers"])),
+                int(row["size_min"]), int(row["size_max"]))
+            for _, row in rows.iterrows()
+        }
+        calibrations[key] = Calibration(
+            calibration_id=str(calibration_id), node=key[0], server_port=key[1], model=key[2],
+            fitted_at_ns=int(first["fitted_at_ns"]), data_from_ns=int(first["data_from_ns"]),
+            data_to_ns=int(first["data_to_ns"]), fits=fits, engine_scale=float(first["engine_scale"]),
+            engine_samples=int(first["engine_samples"]),
+            engine_prefill_ms=None if _is_missing(first["engine_prefill_ms"]) else float(first["engine_prefill_ms"]),
+            predicted_prefill_ms=None if _is_missing(first["predicted_prefill_ms"])
+            else float(first["predicted_prefill_ms"]),
+            fresh=False,
+        )
+    return calibrations
+
+
+def _is_missing(value) -> bool:
+    return value is None or (isinstance(value, float) and np.isnan(value))

@@ -1,0 +1,148 @@
+"""Per-request phases, computed in ClickHouse: ``INSERT INTO request_phases SELECT ... FROM requests``.
+
+For each inference request: network in (with accept wait and TLS for a
+connection's first request), queue, prefill, decode, network out; server and
+client TTFT, end to end, TPOT, inter-token gaps (p50, p90, p99, max) and
+stalls (gaps over ``stall_factor`` × the stream's median gap), and for long
+streams the decode-rate ratio of their last quarter to their first.
+
+Queue and prefill split the server TTFT: prefill is what the request's
+calibration (``calibration``) predicts for its prompt size, at most the TTFT;
+queue is the rest. Requests of a server and model with no calibration keep
+their TTFT with queue and prefill NULL. The whole computation stays in the
+store: nothing per request travels to Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pandas as pd
+
+from tokenprobe.agent.schema import REQUESTS_TABLE
+from tokenprobe.agent.store import Store
+from tokenprobe.analytics import measures
+from tokenprobe.analytics.calibration import Calibration, ServerModel
+from tokenprobe.analytics.config import Thresholds
+from tokenprobe.analytics.scope import Scope
+from tokenprobe.analytics.tables import PREFILL_CALIBRATION_TABLE, REQUEST_PHASES_COLUMNS, REQUEST_PHASES_TABLE
+from tokenprobe.analytics.timerange import TimeRange, range_condition
+
+# Per request: the phase columns, as expressions over the joined requests row
+# (``c_*`` are the calibration's coefficients, NULL when it has none).
+_PREDICTED_PREFILL_MS = (
+    "greatest(0, if(prompt_tokens IS NOT NULL AND c_has_tokens,"
+    " c_tokens_intercept + c_tokens_slope * prompt_tokens,"
+    " c_bytes_intercept + c_bytes_slope * bytes_in)) * c_scale"
+)
+_USES_USAGE = "prompt_tokens IS NOT NULL AND (c_calibration_id IS NULL OR c_has_tokens)"
+
+
+def _phase_expressions(thresholds: Thresholds) -> dict[str, str]:
+    ttft = measures.TTFT_SERVER_MS
+    splittable = f"c_calibration_id IS NOT NULL AND {ttft} >= 0"
+    return {
+        "node": "node", "server_port": "server_port", "model": "model", "conn_id": "conn_id",
+        "req_seq": "req_seq", "req_start": "req_start", "req_end": "req_end", "first_token": "first_token",
+        "last_token": "last_token", "resp_end": "resp_end", "response_id": "response_id",
+        "client_addr": "client_addr", "path": "path", "status": "status", "outcome": "outcome",
+        "inflight_at_arrival": "inflight_at_arrival",
+        "network_in_ms": measures.NETWORK_IN_MS,
+        "accept_wait_ms": measures.ACCEPT_WAIT_MS,
+        "tls_ms": measures.TLS_MS,
+        "prefill_ms": f"if({splittable}, least({_PREDICTED_PREFILL_MS}, {ttft}), NULL)",
+        "queue_ms": f"if({splittable}, {ttft} - least({_PREDICTED_PREFILL_MS}, {ttft}), NULL)",
+        "decode_ms": measures.DECODE_MS,
+        "network_out_ms": measures.NETWORK_OUT_MS,
+        "ttft_server_ms": ttft,
+        "ttft_client_ms": measures.TTFT_CLIENT_MS,
+        "e2e_ms": measures.E2E_MS,
+        "tpot_ms": measures.TPOT_MS,
+        "itl_p50_ms": "if(empty(itl), NULL, itl[1])",
+        "itl_p90_ms": "if(empty(itl), NULL, itl[2])",
+        "itl_p99_ms": "if(empty(itl), NULL, itl[3])",
+        "itl_max_ms": "if(empty(itl), NULL, itl[4])",
+        "itl_gaps": "length(gaps)",
+        "stalls": measures.stall_count("gaps", "sorted_gaps", factor=thresholds.stall_factor),
+        "decode_rate_ratio": measures.decode_rate_ratio(thresholds.long_stream_events),
+        "token_events": "token_events",
+        "output_tokens": measures.OUTPUT_TOKENS,
+        "output_tokens_source": measures.OUTPUT_TOKENS_SOURCE,
+        "prompt_size": f"if({_USES_USAGE}, toUInt64(prompt_tokens), bytes_in)",
+        "prompt_size_source": f"if({_USES_USAGE}, 'usage', 'bytes')",
+        "calibration_id": "ifNull(c_calibration_id, '')",
+        "split_method": "multiIf(c_calibration_id IS NULL, '', c_engine_used, 'calibration+engine', 'calibration')",
+        "computed_at": "fromUnixTimestamp64Nano({computed_at:Int64}, 'UTC')",
+    }
+
+
+def compute_phases(store: Store, requests: TimeRange, calibrations: Mapping[ServerModel, Calibration],
+                   scope: Scope, thresholds: Thresholds, now_ns: int) -> None:
+    """(Re)compute the phases of every inference request that started in ``requests``."""
+    expressions = _phase_expressions(thresholds)
+    in_range, range_parameters = range_condition("req_start", "requests", requests)
+    in_scope, scope_parameters = scope.condition()
+    names = [column.name for column in REQUEST_PHASES_COLUMNS]
+    select_list = ",\n    ".join(f"{expressions[name]} AS {name}" for name in names)
+    store.command(
+        f"""INSERT INTO {store.table(REQUEST_PHASES_TABLE)} ({", ".join(names)})
+WITH calibrations AS (
+    SELECT node, server_port, model,
+        any(calibration_id) AS c_calibration_id,
+        countIf(size_unit = 'tokens') > 0 AS c_has_tokens,
+        anyIf(intercept_ms, size_unit = 'tokens') AS c_tokens_intercept,
+        anyIf(slope_ms, size_unit = 'tokens') AS c_tokens_slope,
+        anyIf(intercept_ms, size_unit = 'bytes') AS c_bytes_intercept,
+        anyIf(slope_ms, size_unit = 'bytes') AS c_bytes_slope,
+        any(engine_scale) AS c_scale,
+        any(engine_samples) > 0 AS c_engine_used
+    FROM {store.table(PREFILL_CALIBRATION_TABLE)}
+    WHERE calibration_id IN {{calibration_ids:Array(String)}}
+    GROUP BY node, server_port, model
+)
+SELECT
+    {select_list}
+FROM (
+    SELECT *, {measures.ITL_GAPS_US} AS gaps, arraySort(gaps) AS sorted_gaps,
+        {measures.itl_quantiles_ms("sorted_gaps")} AS itl
+    FROM {store.table(REQUESTS_TABLE)}
+    WHERE {measures.IS_INFERENCE} AND {in_range} AND {in_scope}
+) AS r
+LEFT JOIN calibrations AS c USING (node, server_port, model)
+SETTINGS join_use_nulls = 1""",
+        {
+            **range_parameters, **scope_parameters, "computed_at": now_ns,
+            "calibration_ids": sorted(c.calibration_id for c in calibrations.values()),
+        },
+    )
+
+
+PHASE_SUMMARY_MEASURES = (
+    "network_in_ms", "queue_ms", "prefill_ms", "decode_ms", "network_out_ms",
+    "ttft_server_ms", "ttft_client_ms", "e2e_ms", "tpot_ms", "itl_p99_ms",
+)  # fmt: skip
+
+
+def phase_summary(store: Store, analysed: TimeRange, scope: Scope) -> pd.DataFrame:
+    """Per server and model: request count, p50 and p95 of every phase, stalls, prompt-size sources."""
+    in_range, range_parameters = range_condition("req_start", "analysed", analysed)
+    in_scope, scope_parameters = scope.condition()
+    quantiles = ",\n           ".join(
+        f"quantile(0.5)({name}) AS {name}_p50, quantile(0.95)({name}) AS {name}_p95"
+        for name in PHASE_SUMMARY_MEASURES
+    )
+    return store.query_df(
+        f"""SELECT node, server_port, model, count() AS requests,
+           countIf(outcome != 'complete' OR status >= 500) AS failed,
+           {quantiles},
+           sum(stalls) AS total_stalls, sum(itl_gaps) AS total_itl_gaps,
+           countIf(prompt_size_source = 'usage') AS prompt_size_from_usage,
+           countIf(prompt_size_source = 'bytes') AS prompt_size_from_bytes,
+           countIf(calibration_id = '') AS unsplit,
+           any(split_method) AS split_method
+    FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
+    WHERE {in_range} AND {in_scope}
+    GROUP BY node, server_port, model
+    ORDER BY node, server_port, model""",
+        {**range_parameters, **scope_parameters},
+    )

@@ -1,0 +1,118 @@
+"""One analysis run over a time range: calibrate, phases, knee, matrix, SLOs; every result stored.
+
+``analyze(store, time_range)`` is what ``tokenprobe analyze`` runs, and what a
+periodic job would run. The order matters: phases need the prefill
+calibration, the matrix needs the phases and the servers' capacity (engine
+slots or the knee), and each step writes its table before the next reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pandas as pd
+
+from tokenprobe.agent.schema import REQUESTS_TABLE
+from tokenprobe.agent.store import Store
+from tokenprobe.analytics import measures
+from tokenprobe.analytics.calibration import Calibration, ServerModel, calibrate
+from tokenprobe.analytics.config import DEFAULT_CONFIG, AnalyticsConfig
+from tokenprobe.analytics.indicators import OCCUPANCY_LOOKBACK_S, Capacity, Cell, Windows, compute_matrix, matrix_lead_s
+from tokenprobe.analytics.knee import Knee, fit_knees, latest_found_knees
+from tokenprobe.analytics.phases import compute_phases, phase_summary
+from tokenprobe.analytics.scope import EVERYTHING, Scope
+from tokenprobe.analytics.slo import SloStatus, evaluate_slos
+from tokenprobe.analytics.timerange import NS_PER_S, TimeRange, range_condition
+
+# Window lengths offered when none is asked for: the smallest giving at most MAX_AUTO_WINDOWS windows.
+NICE_WINDOWS_S = (5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
+MAX_AUTO_WINDOWS = 12
+DEFAULT_SPAN_S = 3600
+
+
+@dataclass(frozen=True)
+class AnalysisReport:
+    analysed: TimeRange
+    window_s: int
+    phases: pd.DataFrame  # phase_summary: per server and model
+    calibrations: dict[ServerModel, Calibration]
+    knees: dict[ServerModel, Knee]  # the knee in use: this run's fit, else the latest one found before
+    capacities: dict[tuple[str, int], Capacity]
+    cells: list[Cell]
+    slos: list[SloStatus]
+
+
+def auto_window_s(analysed: TimeRange) -> int:
+    for seconds in NICE_WINDOWS_S:
+        if analysed.seconds / seconds <= MAX_AUTO_WINDOWS:
+            return seconds
+    return NICE_WINDOWS_S[-1]
+
+
+def default_range(store: Store, scope: Scope) -> TimeRange | None:
+    """The traffic of the last hour that has any: from the newest request in scope back at most an hour,
+    and no further back than the first request (None if there is none). A live store and one left by a
+    finished run (the demo's) alike show their latest traffic, in windows that fit it."""
+    in_scope, parameters = scope.condition()
+    table = store.table(REQUESTS_TABLE)
+    newest, count = store.query_rows(
+        f"SELECT max(toUnixTimestamp64Nano(coalesce(resp_end, req_start))), count()"
+        f" FROM {table} WHERE {measures.IS_INFERENCE} AND {in_scope}",
+        parameters,
+    )[0]
+    if not count:
+        return None
+    end_ns = int(newest) + 1  # the range is half-open: include the newest request
+    recent, range_parameters = range_condition("req_start", "recent", TimeRange(end_ns - DEFAULT_SPAN_S * NS_PER_S,
+                                                                                end_ns))
+    earliest = store.query_rows(
+        f"SELECT min(toUnixTimestamp64Nano(req_start)) FROM {table}"
+        f" WHERE {measures.IS_INFERENCE} AND {in_scope} AND {recent}",
+        {**parameters, **range_parameters},
+    )[0][0]
+    return TimeRange(min(int(earliest), end_ns - 1), end_ns)
+
+
+def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, scope: Scope = EVERYTHING,
+            config: AnalyticsConfig = DEFAULT_CONFIG, now_ns: int | None = None) -> AnalysisReport:
+    """Run every analysis over ``analysed`` and store the results (see the module docstring)."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    window_s = window_s or auto_window_s(analysed)
+    store.ensure_schema()
+    # Phases reach back before the first window: the matrix looks back for
+    # fragmentation, and requests that started earlier may still be in flight.
+    lead_s = matrix_lead_s(window_s, config.thresholds)
+    first_window_ns = Windows(analysed, window_s, lead_s).base_ns
+    phases_range = TimeRange(first_window_ns, analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
+    calibrations = calibrate(store, phases_range, scope, config.spans, now_ns)
+    compute_phases(store, phases_range, calibrations, scope, config.thresholds, now_ns)
+    fitted = fit_knees(store, analysed, scope, config.spans, now_ns)
+    knees = latest_found_knees(store, scope)  # this run's, where it found one, are the latest
+    capacities = server_capacities(knees, fitted)
+    cells = compute_matrix(store, analysed, window_s, scope, config.thresholds, capacities, now_ns)
+    slos = evaluate_slos(store, analysed.end_ns, config.objectives, scope)
+    return AnalysisReport(analysed, window_s, phase_summary(store, analysed, scope), calibrations, knees,
+                          capacities, cells, slos)
+
+
+def server_capacities(knees: Mapping[ServerModel, Knee],
+                      fitted: Mapping[ServerModel, Knee]) -> dict[tuple[str, int], Capacity]:
+    """Per server: the knee of its busiest model, and the engine's slot count from this run's fits.
+
+    The matrix judges servers, but knees are per model; a server normally
+    serves one model, and otherwise its busiest model decides.
+    """
+    capacities: dict[tuple[str, int], Capacity] = {}
+    busiest: dict[tuple[str, int], int] = {}
+    for (node, port, _), knee in sorted(knees.items()):
+        server = (node, port)
+        if knee.n_requests > busiest.get(server, -1):
+            busiest[server] = knee.n_requests
+            capacities[server] = Capacity(knee.knee_concurrency, knee.engine_slots)
+    for (node, port, _), knee in fitted.items():
+        if knee.engine_slots is not None:
+            known = capacities.get((node, port), Capacity())
+            capacities[(node, port)] = Capacity(known.knee_concurrency, knee.engine_slots)
+    return capacities

@@ -1,0 +1,126 @@
+"""How fast the analytics run over a large store: phases and matrix over 10 million requests.
+
+Generates the requests inside ClickHouse itself (INSERT ... SELECT FROM
+numbers()) in a fresh embedded store: four servers over a day, load rising
+and falling so that some requests arrive to an idle server (the prefill
+calibration needs them) and some queue; streams of 8 to 32 token events.
+Then times each analysis step on the whole day and prints seconds and rows/s.
+
+    python benchmarks/bench_analytics.py                      # 10 million requests
+    python benchmarks/bench_analytics.py --requests 1000000   # a quicker look
+
+Not a test: nothing is asserted. On a 2-core machine the default run takes a
+few minutes, most of it generating the data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from tokenprobe.agent.store import open_store
+from tokenprobe.analytics.calibration import calibrate
+from tokenprobe.analytics.config import DEFAULT_CONFIG
+from tokenprobe.analytics.indicators import OCCUPANCY_LOOKBACK_S, Windows, compute_matrix, matrix_lead_s
+from tokenprobe.analytics.knee import fit_knees
+from tokenprobe.analytics.phases import compute_phases, phase_summary
+from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
+from tokenprobe.analytics.scope import EVERYTHING
+from tokenprobe.analytics.slo import evaluate_slos
+from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+
+SERVERS = 4
+DAY_S = 86_400
+
+# One request per number n; 'load' swings between 0 and 1 six times over the span.
+GENERATE = """
+INSERT INTO {db}.requests
+SELECT
+    'bench-node' AS node, n AS conn_id, 0 AS req_seq, 'server' AS role, 4242 AS pid, 'engine' AS comm,
+    8000 + n % {servers} AS server_port,
+    concat('10.0.', toString(intDiv(n % 200, 50)), '.', toString(n % 50)) AS client_addr,
+    toUInt16(30000 + n % 30000) AS client_port, false AS tls,
+    fromUnixTimestamp64Nano(toInt64(start_ns - 1000000)) AS accept_ts, NULL AS tls_done_ts,
+    fromUnixTimestamp64Nano(toInt64(start_ns)) AS req_start,
+    fromUnixTimestamp64Nano(toInt64(start_ns + 200000)) AS req_end,
+    fromUnixTimestamp64Nano(toInt64(start_ns + 250000)) AS resp_start,
+    fromUnixTimestamp64Nano(toInt64(first_ns)) AS first_token,
+    fromUnixTimestamp64Nano(toInt64(first_ns + offsets[-1] * 1000)) AS last_token,
+    fromUnixTimestamp64Nano(toInt64(first_ns + offsets[-1] * 1000 + 300000)) AS resp_end,
+    'POST' AS method, '/v1/chat/completions' AS path, 200 AS status, 'bench-model' AS model,
+    concat('chatcmpl-bench-', toString(n)) AS response_id, true AS streamed,
+    length(offsets) AS token_events, length(offsets) + 3 AS sse_events, offsets AS token_offsets_us,
+    if(n % 2 = 0, prompt, NULL) AS prompt_tokens, if(n % 2 = 0, length(offsets), NULL) AS completion_tokens,
+    inflight AS inflight_at_arrival, 300 + prompt * 4 AS bytes_in, 200 + 60 * length(offsets) AS bytes_out,
+    cityHash64(n) AS body_fp, 'complete' AS outcome, '' AS error
+FROM (
+    SELECT number AS n,
+        {start_ns} + toInt64(n * ({span_ns} / {requests})) AS start_ns,
+        (1 + sin(2 * pi() * 6 * n / {requests})) / 2 AS load,
+        toUInt32(floor(load * 10 * (cityHash64(n, 1) % 100) / 100)) AS inflight,
+        toUInt32(16 + cityHash64(n, 2) % 500) AS prompt,
+        arrayMap(k -> toUInt32(k * 10000 + cityHash64(n, k) % 800), range(8 + cityHash64(n, 3) % 25)) AS offsets,
+        start_ns + 200000 + if(inflight >= 4, (inflight - 3) * 60000000, 0) + (20 + prompt / 10) * 1000000
+            AS first_ns
+    FROM numbers({requests})
+)
+"""
+
+
+def timed(label: str, rows: int, step) -> object:
+    started = time.perf_counter()
+    result = step()
+    seconds = time.perf_counter() - started
+    print(f"  {label:<34} {seconds:8.1f} s  {rows / seconds:12,.0f} requests/s", flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=10_000_000)
+    parser.add_argument("--store", metavar="DIR", help="where to build the store (default: a temporary folder, "
+                                                      "removed afterwards)")
+    args = parser.parse_args()
+    if args.requests < 1000:
+        parser.error("--requests must be at least 1000")
+    directory = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="tokenprobe-bench-analytics-"))
+    config = DEFAULT_CONFIG
+    end_ns = time.time_ns() // NS_PER_S * NS_PER_S
+    analysed = TimeRange(end_ns - DAY_S * NS_PER_S, end_ns)
+    store = open_store(f"chdb://{directory}", serve=False)
+    try:
+        store.ensure_schema()
+        n = args.requests
+        print(f"{n:,} requests from {SERVERS} servers over {DAY_S // 3600} h, embedded store in {directory}")
+        timed("generate (INSERT ... SELECT)", n, lambda: store.command(GENERATE.format(
+            db=store.database, servers=SERVERS, start_ns=analysed.start_ns, span_ns=DAY_S * NS_PER_S, requests=n)))
+        window_s = auto_window_s(analysed)
+        lead_s = matrix_lead_s(window_s, config.thresholds)
+        phases_range = TimeRange(Windows(analysed, window_s, lead_s).base_ns,
+                                 analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
+        now_ns = time.time_ns()
+        print(f"analysis over the day, windows of {window_s} s:")
+        calibrations = timed("prefill calibration", n, lambda: calibrate(store, phases_range, EVERYTHING,
+                                                                         config.spans, now_ns))
+        timed("phases (INSERT ... SELECT)", n, lambda: compute_phases(store, phases_range, calibrations,
+                                                                      EVERYTHING, config.thresholds, now_ns))
+        timed("phase summary", n, lambda: phase_summary(store, analysed, EVERYTHING))
+        knees = timed("knee", n, lambda: fit_knees(store, analysed, EVERYTHING, config.spans, now_ns))
+        cells = timed("indicator matrix", n, lambda: compute_matrix(
+            store, analysed, window_s, EVERYTHING, config.thresholds, server_capacities(knees, knees), now_ns))
+        timed("SLO burn rates (last 6 h)", n, lambda: evaluate_slos(store, analysed.end_ns, config.objectives,
+                                                                   EVERYTHING))
+        found = ", ".join(f"{port}: {knee.knee_concurrency}" for (_, port, _), knee in sorted(knees.items()))
+        print(f"{len(calibrations)} calibrations, knees {{{found}}}, {len(cells)} matrix cells")
+    finally:
+        store.close()
+        if not args.store:
+            shutil.rmtree(directory, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
