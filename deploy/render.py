@@ -65,12 +65,16 @@ spec:
 
 
 def registered_tables() -> dict[str, str]:
-    """Every table's DDL template (``{db}``, ``{ttl_days}``), by name, in registration order."""
+    """Every table's DDL template (``{db}``, ``{ttl_days}``), by name.
+
+    Tables first, then materialized views (which need their tables), each by
+    name: registration order depends on what a process happened to import.
+    """
     for module in TABLE_MODULES:
         importlib.import_module(module)
     from tokenprobe.agent import schema
 
-    return dict(schema.TABLES)
+    return dict(sorted(schema.TABLES.items(), key=lambda item: (bool(_MATERIALIZED_VIEW.match(item[1])), item[0])))
 
 
 def cluster_table_ddl(name: str, ddl: str) -> tuple[str, str]:

@@ -15,48 +15,62 @@
 
 CREATE DATABASE IF NOT EXISTS tokenprobe ON CLUSTER '{cluster}';
 
-CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
+CREATE TABLE IF NOT EXISTS tokenprobe.decisions_local ON CLUSTER '{cluster}'
 (
-    `node` LowCardinality(String) CODEC(ZSTD(1)),
-    `conn_id` UInt64 CODEC(T64, ZSTD(1)),
-    `req_seq` UInt32 CODEC(T64, ZSTD(1)),
-    `role` LowCardinality(String) CODEC(ZSTD(1)),
-    `pid` UInt32 CODEC(T64, ZSTD(1)),
-    `comm` LowCardinality(String) CODEC(ZSTD(1)),
-    `server_port` UInt16 CODEC(T64, ZSTD(1)),
-    `client_addr` String CODEC(ZSTD(1)),
-    `client_port` UInt16 CODEC(T64, ZSTD(1)),
-    `tls` Bool CODEC(ZSTD(1)),
-    `accept_ts` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
-    `tls_done_ts` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
-    `req_start` DateTime64(9, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
-    `req_end` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
-    `resp_start` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
-    `first_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
-    `last_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
-    `resp_end` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
-    `method` LowCardinality(String) CODEC(ZSTD(1)),
-    `path` LowCardinality(String) CODEC(ZSTD(1)),
-    `status` UInt16 CODEC(T64, ZSTD(1)),
+    `issued_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `recorded_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `decision_id` String CODEC(ZSTD(1)),
+    `kind` LowCardinality(String) CODEC(ZSTD(1)),
+    `upstream` LowCardinality(String) CODEC(ZSTD(1)),
     `model` LowCardinality(String) CODEC(ZSTD(1)),
-    `response_id` String CODEC(ZSTD(1)),
-    `streamed` Bool CODEC(ZSTD(1)),
-    `token_events` UInt32 CODEC(T64, ZSTD(1)),
-    `sse_events` UInt32 CODEC(T64, ZSTD(1)),
-    `token_offsets_us` Array(UInt32) CODEC(ZSTD(1)),
-    `prompt_tokens` Nullable(UInt32) CODEC(T64, ZSTD(1)),
-    `completion_tokens` Nullable(UInt32) CODEC(T64, ZSTD(1)),
-    `inflight_at_arrival` UInt32 CODEC(T64, ZSTD(1)),
-    `bytes_in` UInt64 CODEC(T64, ZSTD(1)),
-    `bytes_out` UInt64 CODEC(T64, ZSTD(1)),
-    `body_fp` UInt64 CODEC(ZSTD(1)),
+    `tenant` LowCardinality(String) CODEC(ZSTD(1)),
+    `breaker_state` LowCardinality(String) CODEC(ZSTD(1)),
+    `admitted_share` Float64 CODEC(ZSTD(1)),
+    `cooldown_s` Float64 CODEC(ZSTD(1)),
+    `tokens_per_second` Float64 CODEC(ZSTD(1)),
+    `burst_tokens` Float64 CODEC(ZSTD(1)),
+    `reason` String CODEC(ZSTD(1)),
+    `evidence_name` Array(LowCardinality(String)) CODEC(ZSTD(1)),
+    `evidence_value` Array(Float64) CODEC(ZSTD(1)),
+    `evidence_threshold` Array(Float64) CODEC(ZSTD(1)),
+    `evidence_unit` Array(LowCardinality(String)) CODEC(ZSTD(1)),
+    `expires_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `issuer` LowCardinality(String) CODEC(ZSTD(1)),
     `outcome` LowCardinality(String) CODEC(ZSTD(1)),
-    `error` String CODEC(ZSTD(1))
+    `outcome_detail` String CODEC(ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
-PARTITION BY toDate(req_start)
-ORDER BY (server_port, req_start, conn_id)
-TTL toDateTime(req_start) + INTERVAL 30 DAY;
+PARTITION BY toDate(issued_at)
+ORDER BY (upstream, issued_at)
+TTL toDateTime(issued_at) + INTERVAL 30 DAY;
+
+CREATE TABLE IF NOT EXISTS tokenprobe.engine_samples_local ON CLUSTER '{cluster}'
+(
+    `ts` DateTime64(9, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
+    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `server_url` LowCardinality(String) CODEC(ZSTD(1)),
+    `server_port` UInt16 CODEC(T64, ZSTD(1)),
+    `engine` LowCardinality(String) CODEC(ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `simulated` Bool CODEC(ZSTD(1)),
+    `requests_running` Nullable(Float32) CODEC(Gorilla, ZSTD(1)),
+    `requests_waiting` Nullable(Float32) CODEC(Gorilla, ZSTD(1)),
+    `kv_cache_usage` Nullable(Float32) CODEC(Gorilla, ZSTD(1)),
+    `preemptions_total` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+    `prompt_tokens_total` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+    `generation_tokens_total` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+    `ttft_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+    `queue_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+    `prefill_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+    `decode_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+    `e2e_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+    `itl_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
+    `raw` Map(LowCardinality(String), Float64) CODEC(ZSTD(1))
+)
+ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+PARTITION BY toDate(ts)
+ORDER BY (node, server_port, ts)
+TTL toDateTime(ts) + INTERVAL 30 DAY;
 
 CREATE TABLE IF NOT EXISTS tokenprobe.gpu_samples_local ON CLUSTER '{cluster}'
 (
@@ -97,49 +111,97 @@ PARTITION BY toDate(ts)
 ORDER BY (node, device_id, ts)
 TTL toDateTime(ts) + INTERVAL 30 DAY;
 
-CREATE TABLE IF NOT EXISTS tokenprobe.engine_samples_local ON CLUSTER '{cluster}'
+CREATE TABLE IF NOT EXISTS tokenprobe.indicator_matrix_local ON CLUSTER '{cluster}'
 (
-    `ts` DateTime64(9, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
+    `window_start` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `window_end` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
     `node` LowCardinality(String) CODEC(ZSTD(1)),
-    `server_url` LowCardinality(String) CODEC(ZSTD(1)),
-    `server_port` UInt16 CODEC(T64, ZSTD(1)),
-    `engine` LowCardinality(String) CODEC(ZSTD(1)),
-    `model` LowCardinality(String) CODEC(ZSTD(1)),
-    `simulated` Bool CODEC(ZSTD(1)),
-    `requests_running` Nullable(Float32) CODEC(Gorilla, ZSTD(1)),
-    `requests_waiting` Nullable(Float32) CODEC(Gorilla, ZSTD(1)),
-    `kv_cache_usage` Nullable(Float32) CODEC(Gorilla, ZSTD(1)),
-    `preemptions_total` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
-    `prompt_tokens_total` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
-    `generation_tokens_total` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
-    `ttft_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
-    `queue_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
-    `prefill_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
-    `decode_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
-    `e2e_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
-    `itl_mean_s` Nullable(Float64) CODEC(Gorilla, ZSTD(1)),
-    `raw` Map(LowCardinality(String), Float64) CODEC(ZSTD(1))
-)
-ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
-PARTITION BY toDate(ts)
-ORDER BY (node, server_port, ts)
-TTL toDateTime(ts) + INTERVAL 30 DAY;
-
-CREATE TABLE IF NOT EXISTS tokenprobe.server_gpus_local ON CLUSTER '{cluster}'
-(
-    `ts` DateTime64(9, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
-    `node` LowCardinality(String) CODEC(ZSTD(1)),
-    `pid` UInt32 CODEC(T64, ZSTD(1)),
     `server_port` UInt16 CODEC(T64, ZSTD(1)),
     `device_id` LowCardinality(String) CODEC(ZSTD(1)),
-    `gpu_uuid` LowCardinality(String) CODEC(ZSTD(1)),
-    `source` LowCardinality(String) CODEC(ZSTD(1)),
-    `simulated` Bool CODEC(ZSTD(1))
+    `indicator` LowCardinality(String) CODEC(ZSTD(1)),
+    `value` Nullable(Float64) CODEC(ZSTD(1)),
+    `unit` LowCardinality(String) CODEC(ZSTD(1)),
+    `state` LowCardinality(String) CODEC(ZSTD(1)),
+    `warn` Nullable(Float64) CODEC(ZSTD(1)),
+    `crit` Nullable(Float64) CODEC(ZSTD(1)),
+    `comparison` LowCardinality(String) CODEC(ZSTD(1)),
+    `explanation` String CODEC(ZSTD(1)),
+    `computed_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1))
+)
+ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', computed_at)
+PARTITION BY toDate(window_start)
+ORDER BY (node, server_port, device_id, indicator, window_start)
+TTL toDateTime(window_start) + INTERVAL 30 DAY;
+
+CREATE TABLE IF NOT EXISTS tokenprobe.knee_local ON CLUSTER '{cluster}'
+(
+    `fitted_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `server_port` UInt16 CODEC(T64, ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `knee_concurrency` Nullable(Float64) CODEC(ZSTD(1)),
+    `knee_concurrency_p99` Nullable(Float64) CODEC(ZSTD(1)),
+    `confidence` Float64 CODEC(ZSTD(1)),
+    `method` LowCardinality(String) CODEC(ZSTD(1)),
+    `flat_ttft_ms` Nullable(Float64) CODEC(ZSTD(1)),
+    `slope_after_ms` Nullable(Float64) CODEC(ZSTD(1)),
+    `max_concurrency_seen` UInt32 CODEC(T64, ZSTD(1)),
+    `levels` UInt32 CODEC(T64, ZSTD(1)),
+    `n_requests` UInt64 CODEC(T64, ZSTD(1)),
+    `engine_slots` Nullable(Float64) CODEC(ZSTD(1)),
+    `data_from` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `data_to` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `explanation` String CODEC(ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
-PARTITION BY toDate(ts)
-ORDER BY (node, pid, server_port, device_id, ts)
-TTL toDateTime(ts) + INTERVAL 30 DAY;
+PARTITION BY toDate(fitted_at)
+ORDER BY (node, server_port, model, fitted_at)
+TTL toDateTime(fitted_at) + INTERVAL 30 DAY;
+
+CREATE TABLE IF NOT EXISTS tokenprobe.prefill_calibration_local ON CLUSTER '{cluster}'
+(
+    `calibration_id` LowCardinality(String) CODEC(ZSTD(1)),
+    `fitted_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `server_port` UInt16 CODEC(T64, ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `size_unit` LowCardinality(String) CODEC(ZSTD(1)),
+    `method` LowCardinality(String) CODEC(ZSTD(1)),
+    `intercept_ms` Float64 CODEC(ZSTD(1)),
+    `slope_ms` Float64 CODEC(ZSTD(1)),
+    `r2` Nullable(Float64) CODEC(ZSTD(1)),
+    `mad_ms` Float64 CODEC(ZSTD(1)),
+    `n` UInt32 CODEC(T64, ZSTD(1)),
+    `n_outliers` UInt32 CODEC(T64, ZSTD(1)),
+    `size_min` UInt64 CODEC(T64, ZSTD(1)),
+    `size_max` UInt64 CODEC(T64, ZSTD(1)),
+    `data_from` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `data_to` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `engine_scale` Float64 CODEC(ZSTD(1)),
+    `engine_samples` UInt32 CODEC(T64, ZSTD(1)),
+    `engine_prefill_ms` Nullable(Float64) CODEC(ZSTD(1)),
+    `predicted_prefill_ms` Nullable(Float64) CODEC(ZSTD(1))
+)
+ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+PARTITION BY toDate(fitted_at)
+ORDER BY (node, server_port, model, size_unit, fitted_at)
+TTL toDateTime(fitted_at) + INTERVAL 30 DAY;
+
+CREATE TABLE IF NOT EXISTS tokenprobe.request_latency_bands_local ON CLUSTER '{cluster}'
+(
+    `minute` DateTime('UTC') CODEC(Delta, ZSTD(1)),
+    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `server_port` UInt16 CODEC(T64, ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `path` LowCardinality(String) CODEC(ZSTD(1)),
+    `metric` LowCardinality(String) CODEC(ZSTD(1)),
+    `band` Int16 CODEC(T64, ZSTD(1)),
+    `requests` UInt64 CODEC(T64, ZSTD(1))
+)
+ENGINE = ReplicatedSummingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', requests)
+PARTITION BY toDate(minute)
+ORDER BY (metric, minute, node, server_port, model, path, band)
+TTL minute + INTERVAL 30 DAY;
 
 CREATE TABLE IF NOT EXISTS tokenprobe.request_phases_local ON CLUSTER '{cluster}'
 (
@@ -191,81 +253,64 @@ PARTITION BY toDate(req_start)
 ORDER BY (node, server_port, req_start, conn_id, req_seq)
 TTL toDateTime(req_start) + INTERVAL 30 DAY;
 
-CREATE TABLE IF NOT EXISTS tokenprobe.prefill_calibration_local ON CLUSTER '{cluster}'
+CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
 (
-    `calibration_id` LowCardinality(String) CODEC(ZSTD(1)),
-    `fitted_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
     `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `conn_id` UInt64 CODEC(T64, ZSTD(1)),
+    `req_seq` UInt32 CODEC(T64, ZSTD(1)),
+    `role` LowCardinality(String) CODEC(ZSTD(1)),
+    `pid` UInt32 CODEC(T64, ZSTD(1)),
+    `comm` LowCardinality(String) CODEC(ZSTD(1)),
     `server_port` UInt16 CODEC(T64, ZSTD(1)),
-    `model` LowCardinality(String) CODEC(ZSTD(1)),
-    `size_unit` LowCardinality(String) CODEC(ZSTD(1)),
+    `client_addr` String CODEC(ZSTD(1)),
+    `client_port` UInt16 CODEC(T64, ZSTD(1)),
+    `tls` Bool CODEC(ZSTD(1)),
+    `accept_ts` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `tls_done_ts` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `req_start` DateTime64(9, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
+    `req_end` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `resp_start` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `first_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `last_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `resp_end` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
     `method` LowCardinality(String) CODEC(ZSTD(1)),
-    `intercept_ms` Float64 CODEC(ZSTD(1)),
-    `slope_ms` Float64 CODEC(ZSTD(1)),
-    `r2` Nullable(Float64) CODEC(ZSTD(1)),
-    `mad_ms` Float64 CODEC(ZSTD(1)),
-    `n` UInt32 CODEC(T64, ZSTD(1)),
-    `n_outliers` UInt32 CODEC(T64, ZSTD(1)),
-    `size_min` UInt64 CODEC(T64, ZSTD(1)),
-    `size_max` UInt64 CODEC(T64, ZSTD(1)),
-    `data_from` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `data_to` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `engine_scale` Float64 CODEC(ZSTD(1)),
-    `engine_samples` UInt32 CODEC(T64, ZSTD(1)),
-    `engine_prefill_ms` Nullable(Float64) CODEC(ZSTD(1)),
-    `predicted_prefill_ms` Nullable(Float64) CODEC(ZSTD(1))
+    `path` LowCardinality(String) CODEC(ZSTD(1)),
+    `status` UInt16 CODEC(T64, ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `response_id` String CODEC(ZSTD(1)),
+    `streamed` Bool CODEC(ZSTD(1)),
+    `token_events` UInt32 CODEC(T64, ZSTD(1)),
+    `sse_events` UInt32 CODEC(T64, ZSTD(1)),
+    `token_offsets_us` Array(UInt32) CODEC(ZSTD(1)),
+    `prompt_tokens` Nullable(UInt32) CODEC(T64, ZSTD(1)),
+    `completion_tokens` Nullable(UInt32) CODEC(T64, ZSTD(1)),
+    `inflight_at_arrival` UInt32 CODEC(T64, ZSTD(1)),
+    `bytes_in` UInt64 CODEC(T64, ZSTD(1)),
+    `bytes_out` UInt64 CODEC(T64, ZSTD(1)),
+    `body_fp` UInt64 CODEC(ZSTD(1)),
+    `outcome` LowCardinality(String) CODEC(ZSTD(1)),
+    `error` String CODEC(ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
-PARTITION BY toDate(fitted_at)
-ORDER BY (node, server_port, model, size_unit, fitted_at)
-TTL toDateTime(fitted_at) + INTERVAL 30 DAY;
+PARTITION BY toDate(req_start)
+ORDER BY (server_port, req_start, conn_id)
+TTL toDateTime(req_start) + INTERVAL 30 DAY;
 
-CREATE TABLE IF NOT EXISTS tokenprobe.knee_local ON CLUSTER '{cluster}'
+CREATE TABLE IF NOT EXISTS tokenprobe.server_gpus_local ON CLUSTER '{cluster}'
 (
-    `fitted_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `ts` DateTime64(9, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
     `node` LowCardinality(String) CODEC(ZSTD(1)),
-    `server_port` UInt16 CODEC(T64, ZSTD(1)),
-    `model` LowCardinality(String) CODEC(ZSTD(1)),
-    `knee_concurrency` Nullable(Float64) CODEC(ZSTD(1)),
-    `knee_concurrency_p99` Nullable(Float64) CODEC(ZSTD(1)),
-    `confidence` Float64 CODEC(ZSTD(1)),
-    `method` LowCardinality(String) CODEC(ZSTD(1)),
-    `flat_ttft_ms` Nullable(Float64) CODEC(ZSTD(1)),
-    `slope_after_ms` Nullable(Float64) CODEC(ZSTD(1)),
-    `max_concurrency_seen` UInt32 CODEC(T64, ZSTD(1)),
-    `levels` UInt32 CODEC(T64, ZSTD(1)),
-    `n_requests` UInt64 CODEC(T64, ZSTD(1)),
-    `engine_slots` Nullable(Float64) CODEC(ZSTD(1)),
-    `data_from` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `data_to` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `explanation` String CODEC(ZSTD(1))
-)
-ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
-PARTITION BY toDate(fitted_at)
-ORDER BY (node, server_port, model, fitted_at)
-TTL toDateTime(fitted_at) + INTERVAL 30 DAY;
-
-CREATE TABLE IF NOT EXISTS tokenprobe.indicator_matrix_local ON CLUSTER '{cluster}'
-(
-    `window_start` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `window_end` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `pid` UInt32 CODEC(T64, ZSTD(1)),
     `server_port` UInt16 CODEC(T64, ZSTD(1)),
     `device_id` LowCardinality(String) CODEC(ZSTD(1)),
-    `indicator` LowCardinality(String) CODEC(ZSTD(1)),
-    `value` Nullable(Float64) CODEC(ZSTD(1)),
-    `unit` LowCardinality(String) CODEC(ZSTD(1)),
-    `state` LowCardinality(String) CODEC(ZSTD(1)),
-    `warn` Nullable(Float64) CODEC(ZSTD(1)),
-    `crit` Nullable(Float64) CODEC(ZSTD(1)),
-    `comparison` LowCardinality(String) CODEC(ZSTD(1)),
-    `explanation` String CODEC(ZSTD(1)),
-    `computed_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1))
+    `gpu_uuid` LowCardinality(String) CODEC(ZSTD(1)),
+    `source` LowCardinality(String) CODEC(ZSTD(1)),
+    `simulated` Bool CODEC(ZSTD(1))
 )
-ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', computed_at)
-PARTITION BY toDate(window_start)
-ORDER BY (node, server_port, device_id, indicator, window_start)
-TTL toDateTime(window_start) + INTERVAL 30 DAY;
+ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+PARTITION BY toDate(ts)
+ORDER BY (node, pid, server_port, device_id, ts)
+TTL toDateTime(ts) + INTERVAL 30 DAY;
 
 CREATE TABLE IF NOT EXISTS tokenprobe.slo_status_local ON CLUSTER '{cluster}'
 (
@@ -296,94 +341,49 @@ PARTITION BY toDate(evaluated_at)
 ORDER BY (node, server_port, model, objective, evaluated_at)
 TTL toDateTime(evaluated_at) + INTERVAL 30 DAY;
 
-CREATE TABLE IF NOT EXISTS tokenprobe.decisions_local ON CLUSTER '{cluster}'
-(
-    `issued_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `recorded_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `decision_id` String CODEC(ZSTD(1)),
-    `kind` LowCardinality(String) CODEC(ZSTD(1)),
-    `upstream` LowCardinality(String) CODEC(ZSTD(1)),
-    `model` LowCardinality(String) CODEC(ZSTD(1)),
-    `tenant` LowCardinality(String) CODEC(ZSTD(1)),
-    `breaker_state` LowCardinality(String) CODEC(ZSTD(1)),
-    `admitted_share` Float64 CODEC(ZSTD(1)),
-    `cooldown_s` Float64 CODEC(ZSTD(1)),
-    `tokens_per_second` Float64 CODEC(ZSTD(1)),
-    `burst_tokens` Float64 CODEC(ZSTD(1)),
-    `reason` String CODEC(ZSTD(1)),
-    `evidence_name` Array(LowCardinality(String)) CODEC(ZSTD(1)),
-    `evidence_value` Array(Float64) CODEC(ZSTD(1)),
-    `evidence_threshold` Array(Float64) CODEC(ZSTD(1)),
-    `evidence_unit` Array(LowCardinality(String)) CODEC(ZSTD(1)),
-    `expires_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `issuer` LowCardinality(String) CODEC(ZSTD(1)),
-    `outcome` LowCardinality(String) CODEC(ZSTD(1)),
-    `outcome_detail` String CODEC(ZSTD(1))
-)
-ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
-PARTITION BY toDate(issued_at)
-ORDER BY (upstream, issued_at)
-TTL toDateTime(issued_at) + INTERVAL 30 DAY;
-
-CREATE TABLE IF NOT EXISTS tokenprobe.request_latency_bands_local ON CLUSTER '{cluster}'
-(
-    `minute` DateTime('UTC') CODEC(Delta, ZSTD(1)),
-    `node` LowCardinality(String) CODEC(ZSTD(1)),
-    `server_port` UInt16 CODEC(T64, ZSTD(1)),
-    `model` LowCardinality(String) CODEC(ZSTD(1)),
-    `path` LowCardinality(String) CODEC(ZSTD(1)),
-    `metric` LowCardinality(String) CODEC(ZSTD(1)),
-    `band` Int16 CODEC(T64, ZSTD(1)),
-    `requests` UInt64 CODEC(T64, ZSTD(1))
-)
-ENGINE = ReplicatedSummingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', requests)
-PARTITION BY toDate(minute)
-ORDER BY (metric, minute, node, server_port, model, path, band)
-TTL minute + INTERVAL 30 DAY;
-
-CREATE TABLE IF NOT EXISTS tokenprobe.requests ON CLUSTER '{cluster}'
-AS tokenprobe.requests_local
-ENGINE = Distributed('{cluster}', tokenprobe, requests_local, cityHash64(node));
-
-CREATE TABLE IF NOT EXISTS tokenprobe.gpu_samples ON CLUSTER '{cluster}'
-AS tokenprobe.gpu_samples_local
-ENGINE = Distributed('{cluster}', tokenprobe, gpu_samples_local, cityHash64(node));
+CREATE TABLE IF NOT EXISTS tokenprobe.decisions ON CLUSTER '{cluster}'
+AS tokenprobe.decisions_local
+ENGINE = Distributed('{cluster}', tokenprobe, decisions_local, rand());
 
 CREATE TABLE IF NOT EXISTS tokenprobe.engine_samples ON CLUSTER '{cluster}'
 AS tokenprobe.engine_samples_local
 ENGINE = Distributed('{cluster}', tokenprobe, engine_samples_local, cityHash64(node));
 
-CREATE TABLE IF NOT EXISTS tokenprobe.server_gpus ON CLUSTER '{cluster}'
-AS tokenprobe.server_gpus_local
-ENGINE = Distributed('{cluster}', tokenprobe, server_gpus_local, cityHash64(node));
-
-CREATE TABLE IF NOT EXISTS tokenprobe.request_phases ON CLUSTER '{cluster}'
-AS tokenprobe.request_phases_local
-ENGINE = Distributed('{cluster}', tokenprobe, request_phases_local, cityHash64(node));
-
-CREATE TABLE IF NOT EXISTS tokenprobe.prefill_calibration ON CLUSTER '{cluster}'
-AS tokenprobe.prefill_calibration_local
-ENGINE = Distributed('{cluster}', tokenprobe, prefill_calibration_local, cityHash64(node));
-
-CREATE TABLE IF NOT EXISTS tokenprobe.knee ON CLUSTER '{cluster}'
-AS tokenprobe.knee_local
-ENGINE = Distributed('{cluster}', tokenprobe, knee_local, cityHash64(node));
+CREATE TABLE IF NOT EXISTS tokenprobe.gpu_samples ON CLUSTER '{cluster}'
+AS tokenprobe.gpu_samples_local
+ENGINE = Distributed('{cluster}', tokenprobe, gpu_samples_local, cityHash64(node));
 
 CREATE TABLE IF NOT EXISTS tokenprobe.indicator_matrix ON CLUSTER '{cluster}'
 AS tokenprobe.indicator_matrix_local
 ENGINE = Distributed('{cluster}', tokenprobe, indicator_matrix_local, cityHash64(node));
 
-CREATE TABLE IF NOT EXISTS tokenprobe.slo_status ON CLUSTER '{cluster}'
-AS tokenprobe.slo_status_local
-ENGINE = Distributed('{cluster}', tokenprobe, slo_status_local, cityHash64(node));
+CREATE TABLE IF NOT EXISTS tokenprobe.knee ON CLUSTER '{cluster}'
+AS tokenprobe.knee_local
+ENGINE = Distributed('{cluster}', tokenprobe, knee_local, cityHash64(node));
 
-CREATE TABLE IF NOT EXISTS tokenprobe.decisions ON CLUSTER '{cluster}'
-AS tokenprobe.decisions_local
-ENGINE = Distributed('{cluster}', tokenprobe, decisions_local, rand());
+CREATE TABLE IF NOT EXISTS tokenprobe.prefill_calibration ON CLUSTER '{cluster}'
+AS tokenprobe.prefill_calibration_local
+ENGINE = Distributed('{cluster}', tokenprobe, prefill_calibration_local, cityHash64(node));
 
 CREATE TABLE IF NOT EXISTS tokenprobe.request_latency_bands ON CLUSTER '{cluster}'
 AS tokenprobe.request_latency_bands_local
 ENGINE = Distributed('{cluster}', tokenprobe, request_latency_bands_local, cityHash64(node));
+
+CREATE TABLE IF NOT EXISTS tokenprobe.request_phases ON CLUSTER '{cluster}'
+AS tokenprobe.request_phases_local
+ENGINE = Distributed('{cluster}', tokenprobe, request_phases_local, cityHash64(node));
+
+CREATE TABLE IF NOT EXISTS tokenprobe.requests ON CLUSTER '{cluster}'
+AS tokenprobe.requests_local
+ENGINE = Distributed('{cluster}', tokenprobe, requests_local, cityHash64(node));
+
+CREATE TABLE IF NOT EXISTS tokenprobe.server_gpus ON CLUSTER '{cluster}'
+AS tokenprobe.server_gpus_local
+ENGINE = Distributed('{cluster}', tokenprobe, server_gpus_local, cityHash64(node));
+
+CREATE TABLE IF NOT EXISTS tokenprobe.slo_status ON CLUSTER '{cluster}'
+AS tokenprobe.slo_status_local
+ENGINE = Distributed('{cluster}', tokenprobe, slo_status_local, cityHash64(node));
 
 CREATE MATERIALIZED VIEW IF NOT EXISTS tokenprobe.request_latency_bands_mv ON CLUSTER '{cluster}' TO tokenprobe.request_latency_bands_local AS
 SELECT
