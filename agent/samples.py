@@ -31,7 +31,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import pyarrow as pa
@@ -41,7 +40,8 @@ from tokenprobe.agent.dcgm import DcgmScraper
 from tokenprobe.agent.engine_metrics import EngineReading, EngineScraper
 from tokenprobe.agent.gpu import GpuReading, NvmlSampler, SamplerProblem, ServerGpu, ServerGpuMap
 from tokenprobe.agent.prom_text import ScrapeError
-from tokenprobe.agent.schema import TIMESTAMP_TYPE, Column
+from tokenprobe.agent.schema import (GAUGE_CODEC, INTEGER_CODEC, OPAQUE_CODEC, SORTED_TIMESTAMP_CODEC,
+                                     TIMESTAMP_TYPE, Column)
 
 log = logging.getLogger(__name__)
 
@@ -49,81 +49,75 @@ GPU_SAMPLES_TABLE = "gpu_samples"
 ENGINE_SAMPLES_TABLE = "engine_samples"
 SERVER_GPUS_TABLE = "server_gpus"
 
-# Codecs: sample timestamps are the sort key's last column and near-regular,
-# which DoubleDelta reduces to almost nothing; integers that are small or slow
-# (indexes, MiB-rounded memory, clocks) lose their high bits to T64; gauges are
-# floats that change little between ticks, Gorilla's case.
-_SORTED_TIMESTAMP = "CODEC(DoubleDelta, ZSTD(1))"
-_INTEGER = "CODEC(T64, ZSTD(1))"
-_GAUGE = "CODEC(Gorilla, ZSTD(1))"
-_PLAIN = "CODEC(ZSTD(1))"
+# Codecs (agent/schema.py): sample timestamps are the sort key's last column
+# and near-regular, which DoubleDelta reduces to almost nothing.
 
 GPU_SAMPLES_COLUMNS: tuple[Column, ...] = (
-    Column("ts", TIMESTAMP_TYPE, _SORTED_TIMESTAMP),
-    Column("node", "LowCardinality(String)", _PLAIN),
-    Column("source", "LowCardinality(String)", _PLAIN),  # nvml | dcgm
-    Column("simulated", "Bool", _PLAIN),
-    Column("device_id", "LowCardinality(String)", _PLAIN),  # GPU UUID, or '<GPU UUID>/gi<N>' for MIG
-    Column("gpu_uuid", "LowCardinality(String)", _PLAIN),
-    Column("gpu_index", "Nullable(UInt16)", _INTEGER),
-    Column("gpu_name", "LowCardinality(String)", _PLAIN),
-    Column("mig_profile", "LowCardinality(String)", _PLAIN),
-    Column("mig_gi_id", "Nullable(UInt32)", _INTEGER),
-    Column("mig_ci_id", "Nullable(UInt32)", _INTEGER),
-    Column("mig_uuid", "LowCardinality(String)", _PLAIN),
-    Column("mem_total_bytes", "Nullable(UInt64)", _INTEGER),
-    Column("mem_used_bytes", "Nullable(UInt64)", _INTEGER),
-    Column("mem_free_bytes", "Nullable(UInt64)", _INTEGER),
-    Column("mem_reserved_bytes", "Nullable(UInt64)", _INTEGER),
-    Column("gpu_util_pct", "Nullable(Float32)", _GAUGE),
-    Column("mem_util_pct", "Nullable(Float32)", _GAUGE),
-    Column("sm_clock_mhz", "Nullable(UInt32)", _INTEGER),
-    Column("power_w", "Nullable(Float32)", _GAUGE),
-    Column("temp_c", "Nullable(Float32)", _GAUGE),
-    Column("sm_active", "Nullable(Float32)", _GAUGE),
-    Column("sm_occupancy", "Nullable(Float32)", _GAUGE),
-    Column("tensor_active", "Nullable(Float32)", _GAUGE),
-    Column("dram_active", "Nullable(Float32)", _GAUGE),
-    Column("process_pids", "Array(UInt32)", _PLAIN),
-    Column("process_mem_bytes", "Array(Nullable(UInt64))", _PLAIN),  # same order as process_pids
-    Column("pod", "LowCardinality(String)", _PLAIN),
-    Column("namespace", "LowCardinality(String)", _PLAIN),
-    Column("container", "LowCardinality(String)", _PLAIN),
-    Column("extra", "Map(LowCardinality(String), Float64)", _PLAIN),
+    Column("ts", TIMESTAMP_TYPE, SORTED_TIMESTAMP_CODEC),
+    Column("node", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("source", "LowCardinality(String)", OPAQUE_CODEC),  # nvml | dcgm
+    Column("simulated", "Bool", OPAQUE_CODEC),
+    Column("device_id", "LowCardinality(String)", OPAQUE_CODEC),  # GPU UUID, or '<GPU UUID>/gi<N>' for MIG
+    Column("gpu_uuid", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("gpu_index", "Nullable(UInt16)", INTEGER_CODEC),
+    Column("gpu_name", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("mig_profile", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("mig_gi_id", "Nullable(UInt32)", INTEGER_CODEC),
+    Column("mig_ci_id", "Nullable(UInt32)", INTEGER_CODEC),
+    Column("mig_uuid", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("mem_total_bytes", "Nullable(UInt64)", INTEGER_CODEC),
+    Column("mem_used_bytes", "Nullable(UInt64)", INTEGER_CODEC),
+    Column("mem_free_bytes", "Nullable(UInt64)", INTEGER_CODEC),
+    Column("mem_reserved_bytes", "Nullable(UInt64)", INTEGER_CODEC),
+    Column("gpu_util_pct", "Nullable(Float32)", GAUGE_CODEC),
+    Column("mem_util_pct", "Nullable(Float32)", GAUGE_CODEC),
+    Column("sm_clock_mhz", "Nullable(UInt32)", INTEGER_CODEC),
+    Column("power_w", "Nullable(Float32)", GAUGE_CODEC),
+    Column("temp_c", "Nullable(Float32)", GAUGE_CODEC),
+    Column("sm_active", "Nullable(Float32)", GAUGE_CODEC),
+    Column("sm_occupancy", "Nullable(Float32)", GAUGE_CODEC),
+    Column("tensor_active", "Nullable(Float32)", GAUGE_CODEC),
+    Column("dram_active", "Nullable(Float32)", GAUGE_CODEC),
+    Column("process_pids", "Array(UInt32)", OPAQUE_CODEC),
+    Column("process_mem_bytes", "Array(Nullable(UInt64))", OPAQUE_CODEC),  # same order as process_pids
+    Column("pod", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("namespace", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("container", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("extra", "Map(LowCardinality(String), Float64)", OPAQUE_CODEC),
 )
 
 ENGINE_SAMPLES_COLUMNS: tuple[Column, ...] = (
-    Column("ts", TIMESTAMP_TYPE, _SORTED_TIMESTAMP),
-    Column("node", "LowCardinality(String)", _PLAIN),
-    Column("server_url", "LowCardinality(String)", _PLAIN),
-    Column("server_port", "UInt16", _INTEGER),
-    Column("engine", "LowCardinality(String)", _PLAIN),  # vllm | sglang | tgi | llamacpp | unknown
-    Column("model", "LowCardinality(String)", _PLAIN),
-    Column("simulated", "Bool", _PLAIN),
-    Column("requests_running", "Nullable(Float32)", _GAUGE),
-    Column("requests_waiting", "Nullable(Float32)", _GAUGE),
-    Column("kv_cache_usage", "Nullable(Float32)", _GAUGE),
-    Column("preemptions_total", "Nullable(Float64)", _GAUGE),
-    Column("prompt_tokens_total", "Nullable(Float64)", _GAUGE),
-    Column("generation_tokens_total", "Nullable(Float64)", _GAUGE),
-    Column("ttft_mean_s", "Nullable(Float64)", _GAUGE),
-    Column("queue_mean_s", "Nullable(Float64)", _GAUGE),
-    Column("prefill_mean_s", "Nullable(Float64)", _GAUGE),
-    Column("decode_mean_s", "Nullable(Float64)", _GAUGE),
-    Column("e2e_mean_s", "Nullable(Float64)", _GAUGE),
-    Column("itl_mean_s", "Nullable(Float64)", _GAUGE),
-    Column("raw", "Map(LowCardinality(String), Float64)", _PLAIN),
+    Column("ts", TIMESTAMP_TYPE, SORTED_TIMESTAMP_CODEC),
+    Column("node", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("server_url", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("server_port", "UInt16", INTEGER_CODEC),
+    Column("engine", "LowCardinality(String)", OPAQUE_CODEC),  # vllm | sglang | tgi | llamacpp | unknown
+    Column("model", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("simulated", "Bool", OPAQUE_CODEC),
+    Column("requests_running", "Nullable(Float32)", GAUGE_CODEC),
+    Column("requests_waiting", "Nullable(Float32)", GAUGE_CODEC),
+    Column("kv_cache_usage", "Nullable(Float32)", GAUGE_CODEC),
+    Column("preemptions_total", "Nullable(Float64)", GAUGE_CODEC),
+    Column("prompt_tokens_total", "Nullable(Float64)", GAUGE_CODEC),
+    Column("generation_tokens_total", "Nullable(Float64)", GAUGE_CODEC),
+    Column("ttft_mean_s", "Nullable(Float64)", GAUGE_CODEC),
+    Column("queue_mean_s", "Nullable(Float64)", GAUGE_CODEC),
+    Column("prefill_mean_s", "Nullable(Float64)", GAUGE_CODEC),
+    Column("decode_mean_s", "Nullable(Float64)", GAUGE_CODEC),
+    Column("e2e_mean_s", "Nullable(Float64)", GAUGE_CODEC),
+    Column("itl_mean_s", "Nullable(Float64)", GAUGE_CODEC),
+    Column("raw", "Map(LowCardinality(String), Float64)", OPAQUE_CODEC),
 )
 
 SERVER_GPUS_COLUMNS: tuple[Column, ...] = (
-    Column("ts", TIMESTAMP_TYPE, _SORTED_TIMESTAMP),
-    Column("node", "LowCardinality(String)", _PLAIN),
-    Column("pid", "UInt32", _INTEGER),  # 0 for a configured port
-    Column("server_port", "UInt16", _INTEGER),  # 0 for an NVML-seen process
-    Column("device_id", "LowCardinality(String)", _PLAIN),
-    Column("gpu_uuid", "LowCardinality(String)", _PLAIN),
-    Column("source", "LowCardinality(String)", _PLAIN),  # nvml | config
-    Column("simulated", "Bool", _PLAIN),
+    Column("ts", TIMESTAMP_TYPE, SORTED_TIMESTAMP_CODEC),
+    Column("node", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("pid", "UInt32", INTEGER_CODEC),  # 0 for a configured port
+    Column("server_port", "UInt16", INTEGER_CODEC),  # 0 for an NVML-seen process
+    Column("device_id", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("gpu_uuid", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("source", "LowCardinality(String)", OPAQUE_CODEC),  # nvml | config
+    Column("simulated", "Bool", OPAQUE_CODEC),
 )
 
 

@@ -24,10 +24,12 @@ DEFAULT_TTL_DAYS = 30
 # the sort order only roughly. T64 strips the unused high bits of integers that
 # are small in practice (ports, counts, pids). Hashes and free text are
 # incompressible by transforms, so they get ZSTD alone.
-_SORTED_TIMESTAMP = "CODEC(DoubleDelta, ZSTD(1))"
-_TIMESTAMP = "CODEC(Delta, ZSTD(1))"
-_INTEGER = "CODEC(T64, ZSTD(1))"
-_OPAQUE = "CODEC(ZSTD(1))"
+SORTED_TIMESTAMP_CODEC = "CODEC(DoubleDelta, ZSTD(1))"
+TIMESTAMP_CODEC = "CODEC(Delta, ZSTD(1))"
+INTEGER_CODEC = "CODEC(T64, ZSTD(1))"
+OPAQUE_CODEC = "CODEC(ZSTD(1))"
+# Gauges sampled on a clock: floats that change little between ticks, Gorilla's case.
+GAUGE_CODEC = "CODEC(Gorilla, ZSTD(1))"
 
 TIMESTAMP_TYPE = "DateTime64(9, 'UTC')"
 NULLABLE_TIMESTAMP_TYPE = f"Nullable({TIMESTAMP_TYPE})"
@@ -47,41 +49,41 @@ class Column:
 # types, order). Timestamps carry an explicit UTC zone so every reader decodes
 # the same instant whatever the server's or the host's time zone.
 REQUEST_SCHEMA: tuple[Column, ...] = (
-    Column("node", "LowCardinality(String)", _OPAQUE),
-    Column("conn_id", "UInt64", _INTEGER),
-    Column("req_seq", "UInt32", _INTEGER),
-    Column("role", "LowCardinality(String)", _OPAQUE),
-    Column("pid", "UInt32", _INTEGER),
-    Column("comm", "LowCardinality(String)", _OPAQUE),
-    Column("server_port", "UInt16", _INTEGER),
-    Column("client_addr", "String", _OPAQUE),
-    Column("client_port", "UInt16", _INTEGER),
-    Column("tls", "Bool", _OPAQUE),
-    Column("accept_ts", NULLABLE_TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("tls_done_ts", NULLABLE_TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("req_start", TIMESTAMP_TYPE, _SORTED_TIMESTAMP),
-    Column("req_end", NULLABLE_TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("resp_start", NULLABLE_TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("first_token", NULLABLE_TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("last_token", NULLABLE_TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("resp_end", NULLABLE_TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("method", "LowCardinality(String)", _OPAQUE),
-    Column("path", "LowCardinality(String)", _OPAQUE),
-    Column("status", "UInt16", _INTEGER),
-    Column("model", "LowCardinality(String)", _OPAQUE),
-    Column("response_id", "String", _OPAQUE),
-    Column("streamed", "Bool", _OPAQUE),
-    Column("token_events", "UInt32", _INTEGER),
-    Column("sse_events", "UInt32", _INTEGER),
-    Column("token_offsets_us", "Array(UInt32)", _OPAQUE),
-    Column("prompt_tokens", "Nullable(UInt32)", _INTEGER),
-    Column("completion_tokens", "Nullable(UInt32)", _INTEGER),
-    Column("inflight_at_arrival", "UInt32", _INTEGER),
-    Column("bytes_in", "UInt64", _INTEGER),
-    Column("bytes_out", "UInt64", _INTEGER),
-    Column("body_fp", "UInt64", _OPAQUE),
-    Column("outcome", "LowCardinality(String)", _OPAQUE),
-    Column("error", "String", _OPAQUE),
+    Column("node", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("conn_id", "UInt64", INTEGER_CODEC),
+    Column("req_seq", "UInt32", INTEGER_CODEC),
+    Column("role", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("pid", "UInt32", INTEGER_CODEC),
+    Column("comm", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("server_port", "UInt16", INTEGER_CODEC),
+    Column("client_addr", "String", OPAQUE_CODEC),
+    Column("client_port", "UInt16", INTEGER_CODEC),
+    Column("tls", "Bool", OPAQUE_CODEC),
+    Column("accept_ts", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("tls_done_ts", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("req_start", TIMESTAMP_TYPE, SORTED_TIMESTAMP_CODEC),
+    Column("req_end", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("resp_start", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("first_token", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("last_token", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("resp_end", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("method", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("path", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("status", "UInt16", INTEGER_CODEC),
+    Column("model", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("response_id", "String", OPAQUE_CODEC),
+    Column("streamed", "Bool", OPAQUE_CODEC),
+    Column("token_events", "UInt32", INTEGER_CODEC),
+    Column("sse_events", "UInt32", INTEGER_CODEC),
+    Column("token_offsets_us", "Array(UInt32)", OPAQUE_CODEC),
+    Column("prompt_tokens", "Nullable(UInt32)", INTEGER_CODEC),
+    Column("completion_tokens", "Nullable(UInt32)", INTEGER_CODEC),
+    Column("inflight_at_arrival", "UInt32", INTEGER_CODEC),
+    Column("bytes_in", "UInt64", INTEGER_CODEC),
+    Column("bytes_out", "UInt64", INTEGER_CODEC),
+    Column("body_fp", "UInt64", OPAQUE_CODEC),
+    Column("outcome", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("error", "String", OPAQUE_CODEC),
 )
 
 REQUESTS_TABLE = "requests"

@@ -22,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenprobe.agent import schema
-from tokenprobe.agent.schema import NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_TYPE, Column
+from tokenprobe.agent.schema import (INTEGER_CODEC, NULLABLE_TIMESTAMP_TYPE, OPAQUE_CODEC, TIMESTAMP_CODEC,
+                                     TIMESTAMP_TYPE, Column)
 
 REQUEST_PHASES_TABLE = "request_phases"
 PREFILL_CALIBRATION_TABLE = "prefill_calibration"
@@ -30,141 +31,137 @@ KNEE_TABLE = "knee"
 INDICATOR_MATRIX_TABLE = "indicator_matrix"
 SLO_STATUS_TABLE = "slo_status"
 
-_TIMESTAMP = "CODEC(Delta, ZSTD(1))"
-_INTEGER = "CODEC(T64, ZSTD(1))"
-_FLOAT = "CODEC(ZSTD(1))"
-_PLAIN = "CODEC(ZSTD(1))"
 _LABEL = "LowCardinality(String)"
 _MS = "Nullable(Float32)"
 
 REQUEST_PHASES_COLUMNS: tuple[Column, ...] = (
-    Column("node", _LABEL, _PLAIN),
-    Column("server_port", "UInt16", _INTEGER),
-    Column("model", _LABEL, _PLAIN),
-    Column("conn_id", "UInt64", _INTEGER),
-    Column("req_seq", "UInt32", _INTEGER),
-    Column("req_start", TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("req_end", NULLABLE_TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("first_token", NULLABLE_TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("last_token", NULLABLE_TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("resp_end", NULLABLE_TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("response_id", "String", _PLAIN),
-    Column("client_addr", "String", _PLAIN),
-    Column("path", _LABEL, _PLAIN),
-    Column("status", "UInt16", _INTEGER),
-    Column("outcome", _LABEL, _PLAIN),
-    Column("inflight_at_arrival", "UInt32", _INTEGER),
+    Column("node", _LABEL, OPAQUE_CODEC),
+    Column("server_port", "UInt16", INTEGER_CODEC),
+    Column("model", _LABEL, OPAQUE_CODEC),
+    Column("conn_id", "UInt64", INTEGER_CODEC),
+    Column("req_seq", "UInt32", INTEGER_CODEC),
+    Column("req_start", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("req_end", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("first_token", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("last_token", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("resp_end", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("response_id", "String", OPAQUE_CODEC),
+    Column("client_addr", "String", OPAQUE_CODEC),
+    Column("path", _LABEL, OPAQUE_CODEC),
+    Column("status", "UInt16", INTEGER_CODEC),
+    Column("outcome", _LABEL, OPAQUE_CODEC),
+    Column("inflight_at_arrival", "UInt32", INTEGER_CODEC),
     # network in = request bytes, plus accept wait and TLS for a connection's first request
-    Column("network_in_ms", _MS, _FLOAT),
-    Column("accept_wait_ms", _MS, _FLOAT),
-    Column("tls_ms", _MS, _FLOAT),
-    Column("queue_ms", _MS, _FLOAT),
-    Column("prefill_ms", _MS, _FLOAT),
-    Column("decode_ms", _MS, _FLOAT),
-    Column("network_out_ms", _MS, _FLOAT),
-    Column("ttft_server_ms", _MS, _FLOAT),
-    Column("ttft_client_ms", _MS, _FLOAT),
-    Column("e2e_ms", _MS, _FLOAT),
-    Column("tpot_ms", _MS, _FLOAT),
-    Column("itl_p50_ms", _MS, _FLOAT),
-    Column("itl_p90_ms", _MS, _FLOAT),
-    Column("itl_p99_ms", _MS, _FLOAT),
-    Column("itl_max_ms", _MS, _FLOAT),
-    Column("itl_gaps", "UInt32", _INTEGER),
-    Column("stalls", "UInt32", _INTEGER),
+    Column("network_in_ms", _MS, OPAQUE_CODEC),
+    Column("accept_wait_ms", _MS, OPAQUE_CODEC),
+    Column("tls_ms", _MS, OPAQUE_CODEC),
+    Column("queue_ms", _MS, OPAQUE_CODEC),
+    Column("prefill_ms", _MS, OPAQUE_CODEC),
+    Column("decode_ms", _MS, OPAQUE_CODEC),
+    Column("network_out_ms", _MS, OPAQUE_CODEC),
+    Column("ttft_server_ms", _MS, OPAQUE_CODEC),
+    Column("ttft_client_ms", _MS, OPAQUE_CODEC),
+    Column("e2e_ms", _MS, OPAQUE_CODEC),
+    Column("tpot_ms", _MS, OPAQUE_CODEC),
+    Column("itl_p50_ms", _MS, OPAQUE_CODEC),
+    Column("itl_p90_ms", _MS, OPAQUE_CODEC),
+    Column("itl_p99_ms", _MS, OPAQUE_CODEC),
+    Column("itl_max_ms", _MS, OPAQUE_CODEC),
+    Column("itl_gaps", "UInt32", INTEGER_CODEC),
+    Column("stalls", "UInt32", INTEGER_CODEC),
     # long streams only: decode rate in the last quarter of events / in the first quarter
-    Column("decode_rate_ratio", _MS, _FLOAT),
-    Column("token_events", "UInt32", _INTEGER),
-    Column("output_tokens", "UInt32", _INTEGER),
-    Column("output_tokens_source", _LABEL, _PLAIN),  # usage | events
-    Column("prompt_size", "Nullable(UInt64)", _INTEGER),
-    Column("prompt_size_source", _LABEL, _PLAIN),  # usage (tokens) | bytes (request bytes)
-    Column("calibration_id", _LABEL, _PLAIN),  # '' when queue and prefill could not be split
-    Column("split_method", _LABEL, _PLAIN),  # calibration | calibration+engine | ''
-    Column("computed_at", TIMESTAMP_TYPE, _TIMESTAMP),
+    Column("decode_rate_ratio", _MS, OPAQUE_CODEC),
+    Column("token_events", "UInt32", INTEGER_CODEC),
+    Column("output_tokens", "UInt32", INTEGER_CODEC),
+    Column("output_tokens_source", _LABEL, OPAQUE_CODEC),  # usage | events
+    Column("prompt_size", "Nullable(UInt64)", INTEGER_CODEC),
+    Column("prompt_size_source", _LABEL, OPAQUE_CODEC),  # usage (tokens) | bytes (request bytes)
+    Column("calibration_id", _LABEL, OPAQUE_CODEC),  # '' when queue and prefill could not be split
+    Column("split_method", _LABEL, OPAQUE_CODEC),  # calibration | calibration+engine | ''
+    Column("computed_at", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
 )
 
 PREFILL_CALIBRATION_COLUMNS: tuple[Column, ...] = (
-    Column("calibration_id", _LABEL, _PLAIN),
-    Column("fitted_at", TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("node", _LABEL, _PLAIN),
-    Column("server_port", "UInt16", _INTEGER),
-    Column("model", _LABEL, _PLAIN),
-    Column("size_unit", _LABEL, _PLAIN),  # tokens | bytes
-    Column("method", _LABEL, _PLAIN),
-    Column("intercept_ms", "Float64", _FLOAT),
-    Column("slope_ms", "Float64", _FLOAT),  # per token or per byte
-    Column("r2", "Nullable(Float64)", _FLOAT),  # over the inliers
-    Column("mad_ms", "Float64", _FLOAT),  # median |residual|
-    Column("n", "UInt32", _INTEGER),
-    Column("n_outliers", "UInt32", _INTEGER),
-    Column("size_min", "UInt64", _INTEGER),
-    Column("size_max", "UInt64", _INTEGER),
-    Column("data_from", TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("data_to", TIMESTAMP_TYPE, _TIMESTAMP),
+    Column("calibration_id", _LABEL, OPAQUE_CODEC),
+    Column("fitted_at", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("node", _LABEL, OPAQUE_CODEC),
+    Column("server_port", "UInt16", INTEGER_CODEC),
+    Column("model", _LABEL, OPAQUE_CODEC),
+    Column("size_unit", _LABEL, OPAQUE_CODEC),  # tokens | bytes
+    Column("method", _LABEL, OPAQUE_CODEC),
+    Column("intercept_ms", "Float64", OPAQUE_CODEC),
+    Column("slope_ms", "Float64", OPAQUE_CODEC),  # per token or per byte
+    Column("r2", "Nullable(Float64)", OPAQUE_CODEC),  # over the inliers
+    Column("mad_ms", "Float64", OPAQUE_CODEC),  # median |residual|
+    Column("n", "UInt32", INTEGER_CODEC),
+    Column("n_outliers", "UInt32", INTEGER_CODEC),
+    Column("size_min", "UInt64", INTEGER_CODEC),
+    Column("size_max", "UInt64", INTEGER_CODEC),
+    Column("data_from", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("data_to", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
     # engine check: the engine's mean prefill over our predicted mean; applied as a factor
-    Column("engine_scale", "Float64", _FLOAT),
-    Column("engine_samples", "UInt32", _INTEGER),
-    Column("engine_prefill_ms", "Nullable(Float64)", _FLOAT),
-    Column("predicted_prefill_ms", "Nullable(Float64)", _FLOAT),
+    Column("engine_scale", "Float64", OPAQUE_CODEC),
+    Column("engine_samples", "UInt32", INTEGER_CODEC),
+    Column("engine_prefill_ms", "Nullable(Float64)", OPAQUE_CODEC),
+    Column("predicted_prefill_ms", "Nullable(Float64)", OPAQUE_CODEC),
 )
 
 KNEE_COLUMNS: tuple[Column, ...] = (
-    Column("fitted_at", TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("node", _LABEL, _PLAIN),
-    Column("server_port", "UInt16", _INTEGER),
-    Column("model", _LABEL, _PLAIN),
-    Column("knee_concurrency", "Nullable(Float64)", _FLOAT),  # from the TTFT p50 curve
-    Column("knee_concurrency_p99", "Nullable(Float64)", _FLOAT),  # from the TTFT p99 curve
-    Column("confidence", "Float64", _FLOAT),
-    Column("method", _LABEL, _PLAIN),
-    Column("flat_ttft_ms", "Nullable(Float64)", _FLOAT),
-    Column("slope_after_ms", "Nullable(Float64)", _FLOAT),  # TTFT added per extra request past the knee
-    Column("max_concurrency_seen", "UInt32", _INTEGER),
-    Column("levels", "UInt32", _INTEGER),
-    Column("n_requests", "UInt64", _INTEGER),
-    Column("engine_slots", "Nullable(Float64)", _FLOAT),
-    Column("data_from", TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("data_to", TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("explanation", "String", _PLAIN),
+    Column("fitted_at", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("node", _LABEL, OPAQUE_CODEC),
+    Column("server_port", "UInt16", INTEGER_CODEC),
+    Column("model", _LABEL, OPAQUE_CODEC),
+    Column("knee_concurrency", "Nullable(Float64)", OPAQUE_CODEC),  # from the TTFT p50 curve
+    Column("knee_concurrency_p99", "Nullable(Float64)", OPAQUE_CODEC),  # from the TTFT p99 curve
+    Column("confidence", "Float64", OPAQUE_CODEC),
+    Column("method", _LABEL, OPAQUE_CODEC),
+    Column("flat_ttft_ms", "Nullable(Float64)", OPAQUE_CODEC),
+    Column("slope_after_ms", "Nullable(Float64)", OPAQUE_CODEC),  # TTFT added per extra request past the knee
+    Column("max_concurrency_seen", "UInt32", INTEGER_CODEC),
+    Column("levels", "UInt32", INTEGER_CODEC),
+    Column("n_requests", "UInt64", INTEGER_CODEC),
+    Column("engine_slots", "Nullable(Float64)", OPAQUE_CODEC),
+    Column("data_from", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("data_to", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("explanation", "String", OPAQUE_CODEC),
 )
 
 INDICATOR_MATRIX_COLUMNS: tuple[Column, ...] = (
-    Column("window_start", TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("window_end", TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("node", _LABEL, _PLAIN),
-    Column("server_port", "UInt16", _INTEGER),
-    Column("device_id", _LABEL, _PLAIN),  # '' for a server-wide cell
-    Column("indicator", _LABEL, _PLAIN),
-    Column("value", "Nullable(Float64)", _FLOAT),
-    Column("unit", _LABEL, _PLAIN),
-    Column("state", _LABEL, _PLAIN),  # ok | warn | crit | n/a (no data)
-    Column("warn", "Nullable(Float64)", _FLOAT),
-    Column("crit", "Nullable(Float64)", _FLOAT),
-    Column("comparison", _LABEL, _PLAIN),  # above | below: which side of the thresholds is bad
-    Column("explanation", "String", _PLAIN),
-    Column("computed_at", TIMESTAMP_TYPE, _TIMESTAMP),
+    Column("window_start", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("window_end", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("node", _LABEL, OPAQUE_CODEC),
+    Column("server_port", "UInt16", INTEGER_CODEC),
+    Column("device_id", _LABEL, OPAQUE_CODEC),  # '' for a server-wide cell
+    Column("indicator", _LABEL, OPAQUE_CODEC),
+    Column("value", "Nullable(Float64)", OPAQUE_CODEC),
+    Column("unit", _LABEL, OPAQUE_CODEC),
+    Column("state", _LABEL, OPAQUE_CODEC),  # ok | warn | crit | n/a (no data)
+    Column("warn", "Nullable(Float64)", OPAQUE_CODEC),
+    Column("crit", "Nullable(Float64)", OPAQUE_CODEC),
+    Column("comparison", _LABEL, OPAQUE_CODEC),  # above | below: which side of the thresholds is bad
+    Column("explanation", "String", OPAQUE_CODEC),
+    Column("computed_at", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
 )
 
 SLO_STATUS_COLUMNS: tuple[Column, ...] = (
-    Column("evaluated_at", TIMESTAMP_TYPE, _TIMESTAMP),
-    Column("node", _LABEL, _PLAIN),
-    Column("server_port", "UInt16", _INTEGER),
-    Column("model", _LABEL, _PLAIN),
-    Column("objective", _LABEL, _PLAIN),  # ttft | tpot | e2e | goodput
-    Column("threshold_ms", "Nullable(Float64)", _FLOAT),
-    Column("target", "Nullable(Float64)", _FLOAT),
+    Column("evaluated_at", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("node", _LABEL, OPAQUE_CODEC),
+    Column("server_port", "UInt16", INTEGER_CODEC),
+    Column("model", _LABEL, OPAQUE_CODEC),
+    Column("objective", _LABEL, OPAQUE_CODEC),  # ttft | tpot | e2e | goodput
+    Column("threshold_ms", "Nullable(Float64)", OPAQUE_CODEC),
+    Column("target", "Nullable(Float64)", OPAQUE_CODEC),
     *(
         column
         for window in ("5m", "30m", "1h", "6h")
         for column in (
-            Column(f"requests_{window}", "UInt64", _INTEGER),
-            Column(f"good_{window}", "UInt64", _INTEGER),
-            Column(f"burn_{window}", "Nullable(Float64)", _FLOAT),
+            Column(f"requests_{window}", "UInt64", INTEGER_CODEC),
+            Column(f"good_{window}", "UInt64", INTEGER_CODEC),
+            Column(f"burn_{window}", "Nullable(Float64)", OPAQUE_CODEC),
         )
     ),
-    Column("alert", _LABEL, _PLAIN),  # page | ticket | ok | no data
-    Column("explanation", "String", _PLAIN),
+    Column("alert", _LABEL, OPAQUE_CODEC),  # page | ticket | ok | no data
+    Column("explanation", "String", OPAQUE_CODEC),
 )
 
 
