@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,7 +67,19 @@ class Totals:
                 f"{sum(r['token_events'] for r in rows)} token events")
 
 
+def port_in_use(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    if port_in_use(args.port):
+        print(f"demo: port {args.port} is in use; choose another with --port", file=sys.stderr)
+        return 2
     workdir = Path(tempfile.mkdtemp(prefix="tokenprobe-demo-"))
     server_cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(args.port),
                   "--slots", str(args.slots), "--truth-log", str(workdir / "truth.jsonl"),
