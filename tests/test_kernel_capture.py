@@ -5,6 +5,11 @@ Each scenario sends 200 streamed requests at mixed concurrency over
 keep-alive connections, stops the agent with SIGTERM, and checks that every
 request was stored exactly once and that TTFT, decode time and token-event
 counts agree with the server's log (median |error| ≤ 1 ms, p99 ≤ 5 ms).
+
+Behind a proxy the agent measures at the proxy, so its intervals include the
+proxy's relay time, which grows with machine load. There the p99 bound gives
+way to a per-request bracket that load cannot break: what the proxy saw lies
+between what the backend logged and what the client observed.
 """
 
 from __future__ import annotations
@@ -55,14 +60,33 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def check_against_truth(rows: list[dict], truth: list[dict], sent: list, *, tls: bool) -> dict:
+# timestamps are taken a few instructions away from the syscall they mark
+BRACKET_SLACK_NS = 100_000
+
+
+def check_bracketed(row: dict, backend: dict, client) -> None:
+    """backend interval ≤ proxy interval ≤ client interval, for request end to
+    first token and request end to last token."""
+    for name, measured, inner, outer in (
+        ("to first token", row["first_token_ns"] - row["req_end_ns"],
+         backend["token_ns"][0] - backend["arrival_ns"], client.first_token_ns - client.send_ns),
+        ("to last token", row["last_token_ns"] - row["req_end_ns"],
+         backend["token_ns"][-1] - backend["arrival_ns"], client.last_token_ns - client.send_ns),
+    ):
+        assert inner - BRACKET_SLACK_NS <= measured <= outer + BRACKET_SLACK_NS, (
+            f"{name}: proxy measured {measured} ns, outside backend {inner} ns .. client {outer} ns", row)
+
+
+def check_against_truth(rows: list[dict], truth: list[dict], sent: list, *, tls: bool,
+                        relayed: bool = False) -> dict:
     completions = [r for r in rows if r["path"].startswith("/v1/")]
     by_id: dict[str, dict] = {}
     for row in completions:
         assert row["response_id"], f"a row without response id: {row}"
         assert row["response_id"] not in by_id, f"duplicated request {row['response_id']}"
         by_id[row["response_id"]] = row
-    sent_ids = {r.response_id for r in sent}
+    sent_by_id = {r.response_id: r for r in sent}
+    sent_ids = set(sent_by_id)
     truth_ids = {t["id"] for t in truth if t["path"].startswith("/v1/")} & sent_ids
     assert sent_ids == truth_ids, "the server logged fewer requests than were sent"
     missing = truth_ids - by_id.keys()
@@ -87,13 +111,16 @@ def check_against_truth(rows: list[dict], truth: list[dict], sent: list, *, tls:
         measured_decode = row["last_token_ns"] - row["first_token_ns"]
         true_decode = t["token_ns"][-1] - t["token_ns"][0]
         decode_err.append(abs(measured_decode - true_decode) / 1e6)
+        if relayed:
+            check_bracketed(row, t, sent_by_id[t["id"]])
     figures = {
         "ttft_median_ms": statistics.median(ttft_err), "ttft_p99_ms": percentile(ttft_err, 0.99),
         "decode_median_ms": statistics.median(decode_err), "decode_p99_ms": percentile(decode_err, 0.99),
     }
     print("accuracy vs ground truth:", {k: round(v, 3) for k, v in figures.items()})
     assert figures["ttft_median_ms"] <= 1.0 and figures["decode_median_ms"] <= 1.0, figures
-    assert figures["ttft_p99_ms"] <= 5.0 and figures["decode_p99_ms"] <= 5.0, figures
+    if not relayed:
+        assert figures["ttft_p99_ms"] <= 5.0 and figures["decode_p99_ms"] <= 5.0, figures
 
     # keep-alive: connections carried several requests, numbered in order
     per_conn: dict[int, list[int]] = {}
@@ -140,4 +167,4 @@ def test_https_through_nginx(tmp_path: Path):
             assert handle.stop() == 0, handle.log()
     rows = read_rows(handle.store_url)
     assert all(r["tls"] for r in rows)
-    check_against_truth(rows, read_truth(truth_log), sent, tls=True)
+    check_against_truth(rows, read_truth(truth_log), sent, tls=True, relayed=True)
