@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER, tenant_id
 from tokenprobe.actuator.gateway import (
     DEFAULT_COMPLETION_TOKENS,
     GatewayGuard,
@@ -37,7 +38,7 @@ class ActuatorMiddleware:
         guard: GatewayGuard,
         *,
         upstream: str,
-        tenant_header: str = "x-tenant-id",
+        tenant_header: str = DEFAULT_TENANT_HEADER,
         default_tenant: str = "",
         paths: frozenset[str] = COMPLETION_PATHS,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -76,7 +77,7 @@ class ActuatorMiddleware:
     def _tenant(self, scope) -> str:
         for name, value in scope.get("headers", ()):
             if name.lower() == self._tenant_header:
-                return value.decode("latin-1").strip()[:MAX_LABEL_LENGTH]
+                return tenant_id(value.decode("latin-1"))
         return self._default_tenant
 
 

@@ -15,6 +15,13 @@ cool-down, then the breaker probes with a small share of traffic and raises
 it step by step (``recovery_shares``) while each probe window stays
 undamaged, closing after the last step; a damaged probe window re-opens it.
 
+A probe window is judged by the requests that *arrived* in it (those that
+ended by the time it is read), not by those that ended in it: requests
+queued before the breaker opened still drain through the first probe
+windows, and their waits say nothing of how the server treats what is
+admitted now. While that backlog drains, the probes themselves wait behind
+it and have not ended: no evidence, so the share is held.
+
 Legal transitions: CLOSED → OPEN → HALF_OPEN → (OPEN | CLOSED).
 """
 
@@ -71,6 +78,8 @@ class UpstreamWindow:
     p99_ttft_s: float | None  # None when no request completed its first token
     knee_capacity_rps: float | None  # None until a knee has been found
     baseline_p99_s: float | None
+    # The p99 TTFT of the requests that arrived in the window (and have ended): what probes are judged by.
+    arrived_p99_ttft_s: float | None = None
 
     def capacity_threshold(self, policy: BreakerPolicy) -> float | None:
         if self.knee_capacity_rps is None or not self.knee_capacity_rps > 0:
@@ -83,10 +92,16 @@ class UpstreamWindow:
         return policy.latency_factor * self.baseline_p99_s
 
     def latency_damaged(self, policy: BreakerPolicy) -> bool | None:
+        return self._over_latency_threshold(self.p99_ttft_s, policy)
+
+    def probe_damaged(self, policy: BreakerPolicy) -> bool | None:
+        return self._over_latency_threshold(self.arrived_p99_ttft_s, policy)
+
+    def _over_latency_threshold(self, p99_s: float | None, policy: BreakerPolicy) -> bool | None:
         threshold = self.latency_threshold(policy)
-        if threshold is None or self.p99_ttft_s is None or math.isnan(self.p99_ttft_s):
+        if threshold is None or p99_s is None or math.isnan(p99_s):
             return None
-        return self.p99_ttft_s > threshold
+        return p99_s > threshold
 
     def pressure(self, policy: BreakerPolicy) -> Pressure:
         capacity = self.capacity_threshold(policy)
@@ -155,7 +170,7 @@ class Breaker:
 
     def _observe_probe(self, window: UpstreamWindow, now: float) -> None:
         # While probing, the rate is held down on purpose: only latency counts.
-        damaged = window.latency_damaged(self.policy)
+        damaged = window.probe_damaged(self.policy)
         if damaged is None:
             return  # no evidence either way: hold the current share
         if damaged:

@@ -12,8 +12,18 @@ tenant really used as the agent saw them) and gets back the decisions to push
   token capacity is shared max-min fairly: every tenant using more than the
   fair level L gets a token budget of L tokens/s, so light tenants are not
   touched and heavy ones share what is left equally.
+- Over capacity AND latency damaged, with budgets already in force: those
+  budgets are cut by ``budget_decrease_factor`` each window (never below
+  ``min_budget_share`` of the fair level) until latency recovers; over
+  capacity with latency fine, they stay where they are. Holding a server at
+  0.8 × capacity is not always enough: the demand of tenants not yet
+  budgeted is measured by what the server finished for them, which a queue
+  understates, and with few slots bursty arrivals queue even there. So the
+  level is found by feedback: cut while damaged, held while healthy at
+  capacity, raised (below) once under capacity.
 - Back under capacity: budgets are raised by ``budget_recovery_factor`` each
-  window (no slamming) and left to lapse once they no longer bind.
+  window (no slamming) and left to lapse once they no longer bind. While
+  the breaker is open or probing, budgets are held as they are.
 - No figures (no knee or baseline yet, no traffic): nothing new is pushed and
   whatever is in force lapses at its expiry.
 
@@ -57,6 +67,8 @@ class ControllerPolicy:
     burst_seconds: float = 2.0  # a budget's bucket holds this many seconds of its rate
     max_delay_s: float = 0.5
     budget_recovery_factor: float = 1.5
+    budget_decrease_factor: float = 0.7
+    min_budget_share: float = 0.1  # of the fair level: a budget is never cut below this
     issuer: str = "tokenprobe-controller"
 
     def __post_init__(self) -> None:
@@ -64,6 +76,8 @@ class ControllerPolicy:
             raise ValueError("window_s must be > 0 and decision_ttl_windows >= 2 (renewal needs a window of slack)")
         if not self.burst_seconds > 0 or self.max_delay_s < 0 or not self.budget_recovery_factor > 1:
             raise ValueError("burst_seconds must be > 0, max_delay_s >= 0, budget_recovery_factor > 1")
+        if not 0 < self.budget_decrease_factor < 1 or not 0 < self.min_budget_share <= 1:
+            raise ValueError("budget_decrease_factor must be in (0, 1) and min_budget_share in (0, 1]")
 
     @property
     def ttl_s(self) -> float:
@@ -83,10 +97,12 @@ class WindowFigures:
     # prompt + completion tokens each tenant used in the window, server-side counts
     tenant_tokens: Mapping[str, int] = field(default_factory=dict)
     model: str = ""  # empty: the breaker covers every model on the upstream
+    arrived_p99_ttft_s: float | None = None  # of the requests that arrived in the window; judges probes
 
     @property
     def health(self) -> UpstreamWindow:
-        return UpstreamWindow(self.request_rate, self.p99_ttft_s, self.knee_capacity_rps, self.baseline_p99_s)
+        return UpstreamWindow(self.request_rate, self.p99_ttft_s, self.knee_capacity_rps, self.baseline_p99_s,
+                              self.arrived_p99_ttft_s)
 
 
 def fair_share_level(demands: Sequence[float], capacity: float) -> float:
@@ -122,12 +138,24 @@ class Controller:
         if window.window_end <= state.last_window_end:
             raise ValueError(f"window ending {window.window_end} for {window.upstream!r} was already decided")
         state.last_window_end = window.window_end
+        self._forget_lapsed(state, window.window_end)
         decisions = []
+        # The window's traffic was shaped by the breaker in force during it, not by the state it moves to now.
+        breaker_was_closed = state.breaker.state == BreakerState.CLOSED
         breaker_decision = self._decide_breaker(state, window)
         if breaker_decision is not None:
             decisions.append(breaker_decision)
-        decisions.extend(self._decide_budgets(state, window))
+        decisions.extend(self._decide_budgets(state, window, breaker_was_closed))
         return decisions
+
+    def _forget_lapsed(self, state: _UpstreamState, now: float) -> None:
+        """Decisions that expired (windows without traffic renew nothing) no longer bind the
+        gateways: the controller forgets them too, or it would resume a stale episode later."""
+        if state.breaker_decision is not None and state.breaker_decision.expires_at <= now:
+            state.breaker = Breaker(self.policy.breaker)
+            state.breaker_decision = None
+        for tenant in [t for t, d in state.budgets.items() if d.expires_at <= now]:
+            del state.budgets[tenant]
 
     # -- breaker -----------------------------------------------------------
 
@@ -172,10 +200,20 @@ class Controller:
 
     # -- token budgets -------------------------------------------------------
 
-    def _decide_budgets(self, state: _UpstreamState, window: WindowFigures) -> list[Decision]:
+    def _decide_budgets(self, state: _UpstreamState, window: WindowFigures,
+                        breaker_was_closed: bool) -> list[Decision]:
         pressure = window.health.pressure(self.policy.breaker)
-        if pressure in (Pressure.OVER_CAPACITY, Pressure.OVERLOADED):
-            wanted = self._throttle(state, window)
+        if not (breaker_was_closed and state.breaker.state == BreakerState.CLOSED) and state.budgets:
+            # What the breaker turns away is not missing demand: relaxing on it would slam the
+            # tenants back in the moment the breaker closes.
+            wanted = {tenant: d.action for tenant, d in state.budgets.items()}
+            reason = "breaker not closed: budgets held"
+        elif pressure == Pressure.OVERLOADED and state.budgets:
+            wanted = self._step_towards_fair(state, window, self.policy.budget_decrease_factor)
+            reason = "overloaded with budgets in force: budgets cut until latency recovers"
+        elif pressure in (Pressure.OVER_CAPACITY, Pressure.OVERLOADED):
+            # At capacity with latency fine is where the server should run: budgets in force stay put.
+            wanted = self._step_towards_fair(state, window, 1.0)
             reason = "over capacity: tenants above the fair share are held to it"
         elif pressure == Pressure.NORMAL:
             wanted = self._relax(state, window)
@@ -219,6 +257,18 @@ class Controller:
         level = fair_share_level(list(demand.values()), capacity_rps * tokens_per_request)
         throttled = {t for t, d in demand.items() if d > level} | set(state.budgets)
         return {tenant: self._budget(level) for tenant in throttled} if math.isfinite(level) else {}
+
+    def _step_towards_fair(self, state: _UpstreamState, window: WindowFigures,
+                           factor: float) -> dict[str, TokenBudgetAction]:
+        """Tenants newly over the fair level get it; budgets in force move by `factor` (a cut below 1,
+        a hold at 1), never above the fair level nor below min_budget_share of it."""
+        fair = self._throttle(state, window)
+        wanted = dict(fair)
+        for tenant, previous in state.budgets.items():
+            level = (fair[tenant] if tenant in fair else previous.action).tokens_per_second
+            stepped = min(level, previous.action.tokens_per_second * factor)
+            wanted[tenant] = self._budget(max(stepped, level * self.policy.min_budget_share))
+        return wanted
 
     def _relax(self, state: _UpstreamState, window: WindowFigures) -> dict[str, TokenBudgetAction]:
         relaxed = {}

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER, tenant_header_name
+from tokenprobe.actuator.control_cli import add_control_parser
 from tokenprobe.analytics.cli import add_analyze_parser
 from tokenprobe.dashboard.cli import add_dashboard_parser
 
@@ -28,6 +30,11 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=DEFAULT_STORE, metavar="URL",
                    help="chdb:///DIR for the embedded store or http://host:8123/ "
                         "(default: $TOKENPROBE_STORE, else chdb:///var/lib/tokenprobe/store)")
+    p.add_argument("--tenant-header", default=DEFAULT_TENANT_HEADER, metavar="NAME",
+                   help="request header whose value is stored as each request's tenant: an identifier, "
+                        "not content; no other header is kept. The actuator's gateway hook reads the same "
+                        "header by default, so its token budgets and the stored token counts name the "
+                        "same tenants (default %(default)s; '' turns it off)")
     out = p.add_argument_group("exporters")
     out.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                      help="serve Prometheus /metrics on PORT (default 0: off; the DaemonSet uses 9464)")
@@ -85,6 +92,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     try:
         targets.validate()
         samplers = samplers_from_args(args)
+        tenant_header = tenant_header_name(args.tenant_header)
     except ValueError as exc:
         print(f"tokenprobe agent: {exc}", file=sys.stderr)
         return 2
@@ -99,7 +107,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
                          ringbuf_pages=pages, status=not args.quiet, samplers=samplers,
                          metrics_address=(args.metrics_host, args.metrics_port) if args.metrics_port else None,
-                         otlp_endpoint=args.otlp_endpoint)
+                         otlp_endpoint=args.otlp_endpoint, tenant_header=tenant_header)
     try:
         if args.otlp_endpoint:
             from tokenprobe.agent.otel_export import check_endpoint
@@ -177,11 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "as it completes and totals at the end. The store stays for queries.")
     p.add_argument("--store", default="chdb:///var/lib/tokenprobe/demo-store", metavar="URL",
                    help="where to store the requests (default %(default)s)")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of load (default %(default)s)")
-    p.add_argument("--rate", type=float, default=6.0, help="peak requests per second; the load sweeps 0.2×, 0.6×, 1.3× of it (default %(default)s)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load (default %(default)s)")
+    p.add_argument("--rate", type=float, default=6.0,
+                   help="peak requests per second; the load sweeps 0.2×, 0.6×, 1.3× and 0.3× of it "
+                        "(default %(default)s)")
     p.add_argument("--slots", type=int, default=4, help="the server's concurrent slots (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="the server's port (default %(default)s)")
-    p.add_argument("--tls", action="store_true", help="serve and load over HTTPS")
+    p.add_argument("--tls", action="store_true", help="serve and load over HTTPS (without the gateway)")
+    p.add_argument("--no-actuator", action="store_true",
+                   help="load the server directly: no gateway, actuator or control loop "
+                        "(by default they run, the gateway on --port + 1)")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("doctor", help="say what works on this node and what to do about what doesn't")
@@ -199,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_analyze_parser(sub, default_store=DEFAULT_STORE)
     add_dashboard_parser(sub, DEFAULT_STORE)
+    add_control_parser(sub, DEFAULT_STORE)
     return parser
 
 

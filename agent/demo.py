@@ -3,11 +3,18 @@
 The reference server and the load generator run as child processes, so the
 agent in this process observes them from the kernel exactly as it would a
 real inference server: no hooks, no shared state.
+
+Unless ``--no-actuator``, the load goes through a gateway enforcing the
+actuator's decisions, and a control loop turns what the agent stores into
+those decisions (``actuator.stack``): the overload phase is detected and
+contained with nobody touching anything, and the decisions are listed at the
+end from ``tokenprobe.decisions``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import socket
 import subprocess
@@ -15,13 +22,25 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
+from datetime import datetime, timezone
 from pathlib import Path
 
+from tokenprobe.actuator.breaker import BreakerPolicy
+from tokenprobe.actuator.controller import ControllerPolicy
+from tokenprobe.actuator.stack import closed_loop
 from tokenprobe.agent.probes import ProbeError, Targets
 from tokenprobe.agent.runner import Agent, AgentConfig, SamplerConfig
+from tokenprobe.agent.store import StoreUnavailable, open_store
 
-
-LOAD_SHARES = (0.2, 0.6, 1.3)  # of --rate, a third of --duration each
+# Of --rate, an equal part of --duration each: idle enough to calibrate on,
+# busy, past the server's capacity, and back down to show the recovery.
+LOAD_SHARES = (0.2, 0.6, 1.3, 0.3)
+DEMO_TENANT = "demo"
+# The demo lasts a minute, so the loop decides on short windows; a real
+# deployment keeps ControllerPolicy's defaults.
+DEMO_POLICY = ControllerPolicy(window_s=2.0, breaker=BreakerPolicy(trip_windows=2, cooldown_s=5.0,
+                                                                   recovery_shares=(0.25, 0.5, 0.75)))
 
 
 def _ms(later: int | None, earlier: int | None) -> str:
@@ -76,10 +95,44 @@ def port_in_use(port: int) -> bool:
     return False
 
 
+def decisions_summary(store_url: str, upstream: str) -> list[str]:
+    """The control loop's decisions for `upstream`, one line each, from tokenprobe.decisions."""
+    with open_store(store_url, serve=False) as store:
+        rows = store.query_rows(
+            """SELECT toUnixTimestamp64Nano(issued_at), kind, tenant, breaker_state, admitted_share,
+                      tokens_per_second, reason, outcome
+               FROM tokenprobe.decisions WHERE upstream = {u:String} ORDER BY issued_at, recorded_at""",
+            {"u": upstream})
+    lines = []
+    for issued_ns, kind, tenant, state, share, tokens_per_s, reason, outcome in rows:
+        at = datetime.fromtimestamp(issued_ns / 1e9, timezone.utc).strftime("%H:%M:%S")
+        if kind == "breaker":
+            action = f"breaker {state}" + (f" admitting {share:.0%}" if state == "HALF_OPEN" else "")
+        else:
+            action = f"tenant {tenant!r} held to {tokens_per_s:.0f} tokens/s"
+        lines.append(f"{at}  {action}: {reason} [{outcome}]")
+    return lines
+
+
+def gateway_answers(workdir: Path) -> str:
+    """How the gateway answered the load, from the load generator's records."""
+    statuses: dict[int, int] = {}
+    for path in sorted(workdir.glob("load-*.json")):
+        for record in json.loads(path.read_text())["requests"]:
+            statuses[record["status"]] = statuses.get(record["status"], 0) + 1
+    return ", ".join(f"{count} × {status or 'no answer'}" for status, count in sorted(statuses.items()))
+
+
 def run_demo(args: argparse.Namespace) -> int:
-    if port_in_use(args.port):
-        print(f"demo: port {args.port} is in use; choose another with --port", file=sys.stderr)
-        return 2
+    with_actuator = not args.no_actuator and not args.tls
+    gateway_port = args.port + 1
+    for port, option in ((args.port, "--port"), *(((gateway_port, "--port"),) if with_actuator else ())):
+        if port_in_use(port):
+            print(f"demo: port {port} is in use; choose another with {option}", file=sys.stderr)
+            return 2
+    if args.tls and not args.no_actuator:
+        print("demo: over TLS the load goes straight to the server: the gateway proxies plain HTTP only",
+              file=sys.stderr)
     workdir = Path(tempfile.mkdtemp(prefix="tokenprobe-demo-"))
     server_cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(args.port),
                   "--slots", str(args.slots), "--truth-log", str(workdir / "truth.jsonl"),
@@ -88,28 +141,42 @@ def run_demo(args: argparse.Namespace) -> int:
         server_cmd.append("--tls-self-signed")
     # The load sweeps from light to past the server's capacity, so that the
     # analytics have an idle regime to calibrate on and a knee to find.
-    phases = [(args.duration / 3, args.rate * share) for share in LOAD_SHARES]
+    phases = [(args.duration / len(LOAD_SHARES), args.rate * share) for share in LOAD_SHARES]
+
+    load_port = gateway_port if with_actuator else args.port
 
     def load_cmd(seconds: float, rate: float, seed: int) -> list[str]:
-        cmd = [sys.executable, "-m", "tokenprobe.refserver", "load", "--port", str(args.port),
+        cmd = [sys.executable, "-m", "tokenprobe.refserver", "load", "--port", str(load_port),
                "--rate", f"{rate:.3f}", "--duration", f"{seconds:.3f}", "--seed", str(seed), "--quiet",
-               "--json", str(workdir / f"load-{seed}.json")]
+               "--tenant", DEMO_TENANT, "--json", str(workdir / f"load-{seed}.json")]
         return cmd + (["--tls"] if args.tls else [])
 
     print(f"demo: reference server on port {args.port} with {args.slots} slots; load "
           + ", then ".join(f"{rate:.1f} requests/s for {seconds:.0f}s" for seconds, rate in phases)
-          + f"; store {args.store}", file=sys.stderr)
+          + f"; store {args.store}"
+          + (f"; through the gateway on port {gateway_port}, control window {DEMO_POLICY.window_s:g}s"
+             if with_actuator else ""), file=sys.stderr)
     server = subprocess.Popen(server_cmd)
     totals = Totals()
     load: subprocess.Popen | None = None
+    upstream = None
 
     def start_load() -> None:
-        nonlocal load
-        for seed, (seconds, rate) in enumerate(phases):
-            load = subprocess.Popen(load_cmd(seconds, rate, seed))
-            load.wait()
-        time.sleep(0.5)  # let the last responses' closing bytes reach the agent
-        agent.stop()
+        nonlocal load, upstream
+        try:
+            with ExitStack() as loop_running:
+                if with_actuator:
+                    upstream = loop_running.enter_context(closed_loop(
+                        args.store, server_port=args.port, gateway_port=gateway_port, workdir=workdir,
+                        policy=DEMO_POLICY)).upstream
+                for seed, (seconds, rate) in enumerate(phases):
+                    load = subprocess.Popen(load_cmd(seconds, rate, seed))
+                    load.wait()
+                time.sleep(0.5)  # let the last responses' closing bytes reach the agent
+        except (OSError, StoreUnavailable) as error:
+            print(f"demo: cannot run the control loop: {error}", file=sys.stderr)
+        finally:
+            agent.stop()
 
     driver = threading.Thread(target=start_load, daemon=True)
     # No GPU here: the reference server's simulated dcgm and vLLM pages stand
@@ -134,6 +201,12 @@ def run_demo(args: argparse.Namespace) -> int:
         server.wait(timeout=10)
 
     print(f"\ndemo: {totals.summary()}", file=sys.stderr)
+    if upstream is not None:
+        print(f"demo: the gateway answered {gateway_answers(workdir)}", file=sys.stderr)
+        lines = decisions_summary(args.store, upstream)
+        print(f"demo: {len(lines)} decisions by the control loop (tokenprobe.decisions):", file=sys.stderr)
+        for line in lines:
+            print(f"  {line}", file=sys.stderr)
     print(f"demo: {summary.rows_written} rows in {args.store} "
           f"({summary.drops} kernel events dropped). Query it with:\n"
           f"  tokenprobe query --store {args.store} "

@@ -14,6 +14,8 @@ order (that is what HTTP/1.1 pipelining guarantees). Bodies go to small
 readers that keep bounded samples: the request body's head and tail (model,
 stream flag, keyed fingerprint), a JSON response's head and tail (id, model,
 usage), or an SSE parser that timestamps every event carrying generated text.
+Of the request's header fields only one value is kept: the tenant header's
+(`x-tenant-id` unless configured otherwise), an identifier the gateway also reads.
 
 When framing is lost (a gap in headers or chunk framing, garbage, oversized
 headers, or a connection picked up mid-message) the exchange at hand ends as
@@ -37,7 +39,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["CLOSE_REASONS", "Exchange", "HttpConnectionAssembler"]
+__all__ = ["CLOSE_REASONS", "DEFAULT_TENANT_HEADER", "Exchange", "HttpConnectionAssembler",
+           "tenant_header_name", "tenant_id"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,10 @@ MAX_OPEN_EXCHANGES = 1024
 MAX_SEGMENT_BYTES = 1 << 40
 _MAX_FIELD_CHARS = 256  # model names and response ids are cut to this length
 _MAX_COUNT = 0xFFFFFFFF  # token counts are UInt32 in the row
+# The request header that names the tenant: the actuator's gateway hook reads the same one by
+# default, so its token budgets and the agent's server-side token counts agree on who a tenant is.
+DEFAULT_TENANT_HEADER = "x-tenant-id"
+MAX_TENANT_CHARS = 128  # tenant ids are short; a longer value is cut, not refused
 
 # Framing states of one direction's byte stream.
 _RESYNC = 0  # framing unknown: wait for a segment that starts with a new message
@@ -152,6 +159,7 @@ class Exchange:
     outcome: str = "complete"  # complete | client_closed | reset | truncated
     error: str | None = None
     inflight_at_arrival: int = 0  # filled by the caller from on_request_start
+    tenant: str = ""  # the tenant header's value (an identifier, never content); "" if absent
 
 
 class _Txn:
@@ -177,12 +185,14 @@ class HttpConnectionAssembler:
     """
 
     def __init__(self, *, fingerprint_key: bytes, max_header_bytes: int = 65536,
-                 on_request_start: Callable[[Exchange], None] | None = None) -> None:
+                 on_request_start: Callable[[Exchange], None] | None = None,
+                 tenant_header: str | None = DEFAULT_TENANT_HEADER) -> None:
         if not isinstance(fingerprint_key, (bytes, bytearray)) or len(fingerprint_key) > 64:
             raise ValueError("fingerprint_key must be bytes of at most 64 bytes (a BLAKE2b key)")
         if not isinstance(max_header_bytes, int) or max_header_bytes < 64:
             raise ValueError("max_header_bytes must be an integer of at least 64")
         self._fingerprint_key = bytes(fingerprint_key)
+        self._tenant_header = tenant_header_name(tenant_header)
         self._on_request_start = on_request_start
         self._open: deque[_Txn] = deque()  # started and not yet returned, in request order
         self._awaiting_response: deque[_Txn] = deque()  # their responses have not started
@@ -318,6 +328,27 @@ class HttpConnectionAssembler:
         log.warning("HTTP assembler internal error %s at %s:%s; connection no longer parsed",
                     type(exc).__name__, frame.name, frame.lineno)
         self._stop(f"internal parser error ({type(exc).__name__}); connection no longer parsed")
+
+
+def tenant_id(header_value: str) -> str:
+    """The tenant id a header value names, as stored: printable ASCII, at most MAX_TENANT_CHARS.
+    Gateways normalise with this too, so both sides name a tenant alike."""
+    return _printable(header_value, MAX_TENANT_CHARS)
+
+
+def tenant_header_name(name: str | None) -> str | None:
+    """The lower-case header name that carries the tenant, or None when None or "" turns it off.
+
+    Raises ValueError for a name that is not an HTTP field name, or names a header
+    that frames the message (its value is read differently)."""
+    if name is None or name == "":
+        return None
+    if not isinstance(name, str) or not _TOKEN.fullmatch(name.encode("ascii", "replace")):
+        raise ValueError(f"tenant header {name!r} is not an HTTP header name")
+    name = name.lower()
+    if name in _USED_HEADERS:
+        raise ValueError(f"tenant header {name!r} is a header that frames the message, not a tenant")
+    return name
 
 
 def _normalise_segment(ts_ns, head, total_len, tail) -> tuple[int, bytes, int, bytes] | None:
@@ -700,10 +731,13 @@ class _RequestStream(_MessageStream):
         return True
 
     def _on_header_block(self, ts: int, block: bytes) -> tuple[int, int]:
-        start_line, headers = _parse_header_block(block)
+        tenant_header = self._conn._tenant_header
+        start_line, headers = _parse_header_block(block, first_only=tenant_header)
         if not self._record_request_line(start_line):
             raise _FramingError("invalid HTTP/1.x request line")
         exchange = self._txn.exchange if self._txn is not None else None
+        if exchange is not None and tenant_header in headers:
+            exchange.tenant = tenant_id(headers[tenant_header])
         mode, length = _body_framing(headers, is_request=True)
         if exchange is not None and mode != _NO_BODY:
             content_type = headers.get("content-type", "").lower()
@@ -827,9 +861,10 @@ class _ResponseStream(_MessageStream):
         self.stop()
 
 
-def _parse_header_block(block: bytes) -> tuple[bytes, dict[str, str]]:
+def _parse_header_block(block: bytes, first_only: str | None = None) -> tuple[bytes, dict[str, str]]:
     """The start line and the header fields that matter here (lower-case names;
-    repeated fields joined with commas). Raises _FramingError on malformed lines."""
+    repeated fields joined with commas), plus the field named `first_only`, whose
+    first occurrence alone is kept. Raises _FramingError on malformed lines."""
     lines = block.split(b"\n")
     headers: dict[str, str] = {}
     for raw in lines[1:]:
@@ -843,6 +878,8 @@ def _parse_header_block(block: bytes) -> tuple[bytes, dict[str, str]]:
         if key in _USED_HEADERS:
             text = value.strip(b" \t").decode("latin-1")
             headers[key] = f"{headers[key]},{text}" if key in headers else text
+        elif key == first_only and key not in headers:
+            headers[key] = value.strip(b" \t").decode("latin-1")
     return lines[0].removesuffix(b"\r"), headers
 
 
@@ -871,8 +908,9 @@ def _path_of(target: bytes) -> str:
     return target.split(b"?", 1)[0].split(b"#", 1)[0].decode("utf-8", "replace")
 
 
-def _printable(text: str) -> str:
-    return "".join(ch for ch in text if "!" <= ch <= "~" or ch == " ")[:40].strip()
+def _printable(text: str, max_chars: int = 40) -> str:
+    """text reduced to printable ASCII and cut to max_chars: safe in a row or a log line."""
+    return "".join(ch for ch in text if "!" <= ch <= "~" or ch == " ")[:max_chars].strip()
 
 
 # -- body readers -----------------------------------------------------------------

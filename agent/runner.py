@@ -25,6 +25,7 @@ from tokenprobe.agent.dcgm import DcgmScraper
 from tokenprobe.agent.engine_metrics import EngineScraper
 from tokenprobe.agent.gpu import NvmlSampler, ServerGpuMap
 from tokenprobe.agent.gpu_join import create_request_gpu_state_view
+from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
 from tokenprobe.agent.metrics_endpoint import AgentMetrics
 from tokenprobe.agent.otel_export import OtelExporter
 from tokenprobe.agent.probes import Probes, Targets
@@ -92,6 +93,7 @@ class AgentConfig:
     samplers: SamplerConfig = field(default_factory=SamplerConfig)
     metrics_address: tuple[str, int] | None = None  # serve Prometheus /metrics here
     otlp_endpoint: str | None = None                # export spans and GenAI metrics here
+    tenant_header: str | None = DEFAULT_TENANT_HEADER  # request header naming the tenant; None: off
 
 
 @dataclass
@@ -237,7 +239,7 @@ class Agent:
         tracker = ConnectionTracker(
             emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
-            forget_connection=probes.forget_connection)
+            forget_connection=probes.forget_connection, tenant_header=cfg.tenant_header)
         lag = LagMeter()
 
         def handle(event) -> None:

@@ -13,6 +13,7 @@ The same DDL serves embedded chDB and a ClickHouse server.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 DEFAULT_DATABASE = "tokenprobe"
@@ -58,6 +59,7 @@ REQUEST_SCHEMA: tuple[Column, ...] = (
     Column("server_port", "UInt16", INTEGER_CODEC),
     Column("client_addr", "String", OPAQUE_CODEC),
     Column("client_port", "UInt16", INTEGER_CODEC),
+    Column("tenant", "LowCardinality(String)", OPAQUE_CODEC),
     Column("tls", "Bool", OPAQUE_CODEC),
     Column("accept_ts", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
     Column("tls_done_ts", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
@@ -135,4 +137,19 @@ def create_statements(database: str = DEFAULT_DATABASE, ttl_days: int = DEFAULT_
         raise ValueError(f"ttl_days must be a positive integer, got {ttl_days!r}")
     statements = [f"CREATE DATABASE IF NOT EXISTS {database}"]
     statements += [template.format(db=database, ttl_days=ttl_days) for template in TABLES.values()]
+    return statements
+
+
+def add_missing_request_columns(database: str, existing_columns: Collection[str]) -> list[str]:
+    """The statements that give a requests table made by an older tokenprobe the
+    REQUEST_SCHEMA columns it lacks, each in its schema place (after the column
+    before it, which is either already there or added by an earlier statement)."""
+    statements = []
+    previous: str | None = None
+    for column in REQUEST_SCHEMA:
+        if column.name not in existing_columns:
+            place = f"AFTER `{previous}`" if previous else "FIRST"
+            statements.append(f"ALTER TABLE {database}.{REQUESTS_TABLE} "
+                              f"ADD COLUMN IF NOT EXISTS {column.ddl()} {place}")
+        previous = column.name
     return statements

@@ -374,10 +374,26 @@ class Store:
     def ensure_schema(self, ttl_days: int = schema.DEFAULT_TTL_DAYS) -> None:
         """Create the database and every registered table; safe to repeat.
 
-        ``ttl_days`` applies to tables this call creates; existing tables keep theirs.
+        A requests table made by an older tokenprobe gets the columns added since
+        (rows stored before read the column type's default). ``ttl_days`` applies to
+        tables this call creates; existing tables keep theirs.
         """
+        requests_ddl = schema.REQUESTS_DDL.format(db=self.database, ttl_days=ttl_days)
         for statement in schema.create_statements(self.database, ttl_days):
             self.command(statement)
+            if statement == requests_ddl:
+                # Before the views that read the table are created: one may read a new column.
+                self._add_missing_request_columns()
+
+    def _add_missing_request_columns(self) -> None:
+        existing = {name for (name,) in self.query_rows(
+            "SELECT name FROM system.columns WHERE database = {database:String} AND table = {table:String}",
+            {"database": self.database, "table": schema.REQUESTS_TABLE})}
+        statements = schema.add_missing_request_columns(self.database, existing)
+        for statement in statements:
+            self.command(statement)
+        if statements:
+            self._row_schemas.pop(self.table(schema.REQUESTS_TABLE), None)  # the cached one lacks them
 
     def close(self) -> None:
         """Stop serving (owner), close the client and release the directory. Idempotent."""

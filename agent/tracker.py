@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tokenprobe.agent.clock import MonotonicWallClock
-from tokenprobe.agent.http_assembler import Exchange, HttpConnectionAssembler
+from tokenprobe.agent.http_assembler import (DEFAULT_TENANT_HEADER, Exchange, HttpConnectionAssembler,
+                                             tenant_header_name)
 from tokenprobe.agent.probes import (DIR_READ, EV_ACCEPT, EV_CLOSE, EV_CONNECT, EV_DATA, EV_EXEC,
                                      EV_TLS_DONE, ROLE_CLIENT, KernelEvent)
 from tokenprobe.agent.procfs import comm_of, socket_endpoints
@@ -79,10 +80,13 @@ class ConnectionTracker:
     def __init__(self, emit_row: Callable[[dict], None], *, clock: MonotonicWallClock,
                  fingerprint_key: bytes, node: str | None = None,
                  target_ports: set[int] | None = None, target_pids: set[int] | None = None,
-                 forget_connection: Callable[[int, int], None] | None = None) -> None:
+                 forget_connection: Callable[[int, int], None] | None = None,
+                 tenant_header: str | None = DEFAULT_TENANT_HEADER) -> None:
         self.emit_row = emit_row
         self.clock = clock
         self.fingerprint_key = fingerprint_key
+        # Checked here, not at the first connection: a bad name must stop the agent at start.
+        self.tenant_header = tenant_header_name(tenant_header)
         self.node = node or socket.gethostname()
         self.target_ports = target_ports or set()
         self.target_pids = target_pids or set()
@@ -102,7 +106,7 @@ class ConnectionTracker:
     def _new_connection(self, ev: KernelEvent, accept_seen: bool) -> Connection:
         server_port = ev.peer_port if ev.role == ROLE_CLIENT else ev.local_port
         assembler = HttpConnectionAssembler(
-            fingerprint_key=self.fingerprint_key,
+            fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
             on_request_start=lambda exchange: self._request_started(server_port, exchange))
         opened_ns = ev.conn_ns if accept_seen else ev.ts_ns
         conn = Connection(
@@ -223,6 +227,7 @@ class ConnectionTracker:
             "server_port": conn.peer_port if conn.role == ROLE_CLIENT else conn.local_port,
             "client_addr": "" if conn.role == ROLE_CLIENT else conn.peer_addr,
             "client_port": conn.local_port if conn.role == ROLE_CLIENT else conn.peer_port,
+            "tenant": ex.tenant,
             "tls": conn.tls,
             "accept_ts": ts(conn.opened_ns) if conn.accept_seen else None,
             "tls_done_ts": ts(conn.tls_done_ns),

@@ -1,21 +1,39 @@
 """What the actuator's controller needs for one window, per upstream: ``window_figures``.
 
 For each server with inference requests in the window it returns a
-``actuator.controller.WindowFigures``:
+``actuator.controller.WindowFigures``.
 
-- ``request_rate``: requests that arrived per second of the window;
+A window holds the requests that *ended* in it. The agent writes a request's
+row when the request ends, so a window read a little after its end (the
+control loop's ``settle_s``) is complete, and every request is counted in
+exactly one window. Choosing by arrival instead would hide the queued
+requests of an overloaded server until they are served, long after the
+windows that should have seen them were decided. A request's TTFT is thus
+known one decode later than its first token; that delay is the price of
+never deciding on a partial window.
+
+- ``request_rate``: requests that ended per second of the window. A
+  saturated server cannot finish requests faster than its capacity, so past
+  the knee this sits at capacity, above the breaker's capacity × 0.8;
 - ``p99_ttft_s``: their server-side TTFT p99;
 - ``knee_capacity_rps``: the requests per second the server sustains before
   queueing, by Little's law: its slot count (the engine's, else the stored
   knee; ``analyze`` fits knees) over the mean time a request holds a slot
-  (the low-load TTFT median, which is all prefill, plus the window's mean
-  decode time);
-- ``baseline_p99_s``: the TTFT p99 of requests that arrived below the knee in
-  the last ``baseline_lookback_s`` (at an idle server when no knee is known);
-- ``tenant_tokens``: prompt + output tokens per client address (the agent
-  does not know tenants; the peer address stands in for one). Prompt tokens
-  come from usage, else from the request bytes at the server's bytes per
-  prompt token (learnt from requests with usage; 4 where none had it).
+  (the TTFT median of requests that found a free slot, which is all prefill,
+  plus the window's mean decode time);
+- ``baseline_p99_s``: the server's TTFT p99 at healthy load over the last
+  ``baseline_lookback_s``: the p99 of the requests in 10-second arrival
+  buckets whose rate stayed under 0.7 × capacity and where most arrivals
+  found a free slot. Normal queueing is in it; only when no
+  such bucket is known does it fall back to the p99 of requests that found
+  a free slot, a stricter bar;
+- ``arrived_p99_ttft_s``: the TTFT p99 of the requests that arrived in the
+  window and have ended: what the breaker judges recovery probes by;
+- ``tenant_tokens``: prompt + output tokens per tenant: the tenant header the
+  agent recorded (``tokenprobe agent --tenant-header``), else the client
+  address. Prompt tokens come from usage, else from the request bytes at the
+  server's bytes per prompt token (learnt from requests with usage; 4 where
+  none had it).
 """
 
 from __future__ import annotations
@@ -34,6 +52,17 @@ from tokenprobe.analytics.timerange import NS_PER_S, TimeRange, range_condition
 
 DEFAULT_BYTES_PER_TOKEN = 4.0  # a typical BPE token is about four characters of English
 MIN_BASELINE_REQUESTS = 20
+# When a request's row is complete: its last response byte, or the latest
+# moment it reached when it was cut off.
+ENDED_AT = "coalesce(resp_end, last_token, first_token, resp_start, req_end, req_start)"
+# Requests longer than this are left out of windows; the bound lets the
+# store skip old parts through the (server_port, req_start) sort key.
+MAX_REQUEST_S = 3600.0
+TENANT = "if(tenant != '', tenant, client_addr)"
+# The baseline p99 is the server's p99 at healthy load: arrival buckets of this
+# many seconds whose rate stayed under this share of the capacity.
+HEALTH_BUCKET_S = 10
+HEALTHY_LOAD_SHARE = 0.7
 
 
 def default_upstream(node: str, server_port: int) -> str:
@@ -53,33 +82,55 @@ def window_figures(store: Store, since: float, until: float, *, scope: Scope = E
     knees = latest_found_knees(store, scope)
     capacities = server_capacities(knees, {})
     slots_by_engine = engine_slots(store, lookback, scope)
-    in_window, window_parameters = range_condition("req_start", "window", window)
+    ended, ended_parameters = range_condition(ENDED_AT, "window", window)
+    arrived, arrived_parameters = range_condition("req_start", "arrived", window)
+    recent, recent_parameters = _recent_enough(window)
     in_scope, scope_parameters = scope.condition()
     traffic = store.query_rows(
-        f"""SELECT node, server_port, count(), quantile(0.99)({measures.TTFT_SERVER_MS}),
-                   avg({measures.DECODE_MS})
-            FROM {store.table(REQUESTS_TABLE)}
-            WHERE {measures.IS_INFERENCE} AND {in_window} AND {in_scope}
+        f"""SELECT node, server_port, countIf(ended), quantileIf(0.99)({measures.TTFT_SERVER_MS}, ended),
+                   avgIf({measures.DECODE_MS}, ended), quantileIf(0.99)({measures.TTFT_SERVER_MS}, arrived)
+            FROM (SELECT *, {ended} AS ended, {arrived} AS arrived FROM {store.table(REQUESTS_TABLE)}
+                  WHERE {measures.IS_INFERENCE} AND {recent} AND {in_scope})
+            WHERE ended OR arrived
             GROUP BY node, server_port ORDER BY node, server_port""",
-        {**window_parameters, **scope_parameters},
+        {**ended_parameters, **arrived_parameters, **recent_parameters, **scope_parameters},
     )
     figures = []
-    for node, port, requests, p99_ms, decode_ms in traffic:
+    for node, port, requests, p99_ms, decode_ms, arrived_p99_ms in traffic:
         server = (node, int(port))
         slots = slots_by_engine.get(server) or (capacities[server].knee_concurrency if server in capacities
                                                 else None)
-        baseline = _baseline(store, server, lookback, slots)
-        capacity_rps = None
-        if slots and baseline is not None and not _missing(decode_ms):
-            service_s = (baseline[0] + decode_ms) / 1000
+        unqueued = _unqueued_ttft(store, server, lookback, slots)
+        capacity_rps = baseline_p99_ms = None
+        if slots and unqueued is not None and not _missing(decode_ms):
+            service_s = (unqueued[0] + decode_ms) / 1000
             capacity_rps = slots / service_s if service_s > 0 else None
+        if capacity_rps is not None:
+            baseline_p99_ms = _healthy_p99(store, server, lookback, HEALTHY_LOAD_SHARE * capacity_rps, slots)
+        if baseline_p99_ms is None and unqueued is not None:
+            baseline_p99_ms = unqueued[1]
         figures.append(WindowFigures(
             upstream=upstream_of(*server), window_end=until, request_rate=requests / window.seconds,
-            p99_ttft_s=None if _missing(p99_ms) else p99_ms / 1000, knee_capacity_rps=capacity_rps,
-            baseline_p99_s=None if baseline is None else baseline[1] / 1000,
+            p99_ttft_s=_seconds(p99_ms), knee_capacity_rps=capacity_rps, baseline_p99_s=_seconds(baseline_p99_ms),
             tenant_tokens=_tenant_tokens(store, server, window, lookback, scope),
+            arrived_p99_ttft_s=_seconds(arrived_p99_ms),
         ))
     return figures
+
+
+def _recent_enough(window: TimeRange) -> tuple[str, dict[str, int]]:
+    return range_condition("req_start", "started", TimeRange(
+        window.start_ns - int(MAX_REQUEST_S * NS_PER_S), window.end_ns))
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if _missing(ms) else ms / 1000
+
+
+def _ended_in(window: TimeRange) -> tuple[str, dict[str, int]]:
+    ended, parameters = range_condition(ENDED_AT, "window", window)
+    recent, recent_parameters = _recent_enough(window)
+    return f"{ended} AND {recent}", {**parameters, **recent_parameters}
 
 
 def _missing(value) -> bool:
@@ -90,9 +141,10 @@ def _server_condition(server: tuple[str, int]) -> tuple[str, dict]:
     return "node = {node:String} AND server_port = {port:UInt16}", {"node": server[0], "port": server[1]}
 
 
-def _baseline(store: Store, server: tuple[str, int], lookback: TimeRange,
-              slots: float | None) -> tuple[float, float] | None:
-    """TTFT (p50, p99) in ms of requests that arrived below the knee (to an idle server if none is known)."""
+def _unqueued_ttft(store: Store, server: tuple[str, int], lookback: TimeRange,
+                   slots: float | None) -> tuple[float, float] | None:
+    """TTFT (p50, p99) in ms of requests that found a free slot (an idle server if the slots are unknown):
+    prefill alone, no queueing."""
     in_range, range_parameters = range_condition("req_start", "baseline", lookback)
     on_server, server_parameters = _server_condition(server)
     below = "inflight_at_arrival + 1 <= {slots:Float64}" if slots else "inflight_at_arrival = 0"
@@ -106,6 +158,29 @@ def _baseline(store: Store, server: tuple[str, int], lookback: TimeRange,
     return None if count < MIN_BASELINE_REQUESTS else (float(p50), float(p99))
 
 
+def _healthy_p99(store: Store, server: tuple[str, int], lookback: TimeRange, healthy_rps: float,
+                 slots: float) -> float | None:
+    """The TTFT p99 in ms at healthy load: over the requests of the lookback's arrival buckets whose
+    request rate was at most `healthy_rps` and where most arrivals found a free slot. The slot
+    condition leaves out buckets where a backlog was still draining (arrivals were few, but queued);
+    pooling the requests lets busy healthy buckets, with their normal queueing, outweigh near-idle ones."""
+    in_range, range_parameters = range_condition("req_start", "baseline", lookback)
+    on_server, server_parameters = _server_condition(server)
+    bucket = f"toStartOfInterval(req_start, INTERVAL {HEALTH_BUCKET_S} SECOND)"
+    measured = (f"{measures.IS_INFERENCE} AND first_token IS NOT NULL AND req_end IS NOT NULL "
+                f"AND {in_range} AND {on_server}")
+    requests, p99 = store.query_rows(
+        f"""SELECT count(), quantile(0.99)({measures.TTFT_SERVER_MS}) FROM {store.table(REQUESTS_TABLE)}
+            WHERE {measured} AND {bucket} IN (
+                SELECT {bucket} AS healthy_bucket FROM {store.table(REQUESTS_TABLE)} WHERE {measured}
+                GROUP BY healthy_bucket
+                HAVING count() / {HEALTH_BUCKET_S} <= {{healthy_rps:Float64}}
+                   AND quantile(0.5)(inflight_at_arrival) + 1 <= {{slots:Float64}})""",
+        {**range_parameters, **server_parameters, "healthy_rps": healthy_rps, "slots": float(slots)},
+    )[0]
+    return None if requests < MIN_BASELINE_REQUESTS else float(p99)
+
+
 def _tenant_tokens(store: Store, server: tuple[str, int], window: TimeRange, lookback: TimeRange,
                    scope: Scope) -> dict[str, int]:
     in_lookback, lookback_parameters = range_condition("req_start", "ratio", lookback)
@@ -116,14 +191,14 @@ def _tenant_tokens(store: Store, server: tuple[str, int], window: TimeRange, loo
         {**lookback_parameters, **server_parameters},
     )[0][0]
     bytes_per_token = DEFAULT_BYTES_PER_TOKEN if _missing(ratio) or not ratio else float(ratio)
-    in_window, window_parameters = range_condition("req_start", "window", window)
+    in_window, window_parameters = _ended_in(window)
     in_scope, scope_parameters = scope.condition()
     rows = store.query_rows(
-        f"""SELECT client_addr,
+        f"""SELECT {TENANT},
                    sum(ifNull(prompt_tokens, bytes_in / {{bytes_per_token:Float64}}) + {measures.OUTPUT_TOKENS})
             FROM {store.table(REQUESTS_TABLE)}
             WHERE {measures.IS_INFERENCE} AND {in_window} AND {on_server} AND {in_scope}
-            GROUP BY client_addr""",
+            GROUP BY 1""",
         {**window_parameters, **server_parameters, **scope_parameters, "bytes_per_token": bytes_per_token},
     )
     return {client: round(tokens) for client, tokens in rows}

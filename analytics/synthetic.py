@@ -96,7 +96,7 @@ def simulate(server: SlotServer, phases: Sequence[LoadPhase], *, start_ns: int, 
         usage = rng.random() < usage_fraction
         row = {
             "node": node, "conn_id": index + 1, "req_seq": 0, "role": "server", "pid": 4242, "comm": "sim",
-            "server_port": port, "client_addr": client, "client_port": 40000 + index % 20000, "tls": False,
+            "server_port": port, "client_addr": client, "client_port": 40000 + index % 20000, "tenant": "", "tls": False,
             "accept_ts": req_start - MS, "tls_done_ts": None, "req_start": req_start, "req_end": req_end,
             "resp_start": req_end + 50_000, "first_token": first_token, "last_token": last_token,
             "resp_end": last_token + int(server.network_out_ms * MS), "method": "POST",

@@ -42,7 +42,7 @@ SELECT
     'bench-node' AS node, n AS conn_id, 0 AS req_seq, 'server' AS role, 4242 AS pid, 'engine' AS comm,
     8000 + n % {servers} AS server_port,
     concat('10.0.', toString(intDiv(n % 200, 50)), '.', toString(n % 50)) AS client_addr,
-    toUInt16(30000 + n % 30000) AS client_port, false AS tls,
+    toUInt16(30000 + n % 30000) AS client_port, '' AS tenant, false AS tls,
     fromUnixTimestamp64Nano(toInt64(start_ns - 1000000)) AS accept_ts, NULL AS tls_done_ts,
     fromUnixTimestamp64Nano(toInt64(start_ns)) AS req_start,
     fromUnixTimestamp64Nano(toInt64(start_ns + 200000)) AS req_end,

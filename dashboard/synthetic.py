@@ -79,6 +79,7 @@ SELECT
     toUInt16([{ports}][{server_index}]) AS server_port,
     '127.0.0.1' AS client_addr,
     toUInt16(30000 + number % 30000) AS client_port,
+    '' AS tenant,
     false AS tls,
     req_start - toIntervalMicrosecond(200) AS accept_ts,
     NULL AS tls_done_ts,

@@ -111,6 +111,7 @@ def _load_parser(subparsers: argparse._SubParsersAction) -> None:
         help="share of streams asking for stream_options.include_usage",
     )
     p.add_argument("--model", default=defaults.model)
+    p.add_argument("--tenant", default=defaults.tenant, help="send this tenant id in the x-tenant-id header")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seeds the request mix and the arrival times")
     p.add_argument(
         "--max-connections",
@@ -179,6 +180,7 @@ def _load(args: argparse.Namespace) -> int:
             duration_s=None if args.closed_loop else args.duration,
             requests=args.requests,
             prompt_tokens=tuple(args.prompt_tokens),
+            tenant=args.tenant,
             max_tokens=tuple(args.max_tokens),
             chat_fraction=args.chat_fraction,
             stream_fraction=args.stream_fraction,

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
 from tokenprobe.refserver.api import CHAT_PATH, COMPLETIONS_PATH
 from tokenprobe.refserver.text import pseudo_prompt
 
@@ -46,6 +47,7 @@ class LoadConfig:
     stream_fraction: float = 1.0
     include_usage_fraction: float = 0.5  # of streamed requests
     model: str = "ref-model"
+    tenant: str = ""  # sent as the x-tenant-id header when set, as a gateway's tenants would
     seed: int = 0
     max_connections: int = 64  # also the bound on requests in flight
     timeout_s: float = 60.0  # per socket operation
@@ -266,6 +268,8 @@ class _Client:
             "Content-Type": "application/json",
             "Accept": "text/event-stream" if spec.stream else "application/json",
         }
+        if self._config.tenant:
+            headers[DEFAULT_TENANT_HEADER] = self._config.tenant
         if connection.sock is None:
             connection.connect()
         local = connection.sock.getsockname()

@@ -51,8 +51,12 @@ def require_kernel() -> None:
 @contextmanager
 def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, slots: int = 4,
                      decode_ms: float = 8.0, prefill_base_ms: float = 4.0,
-                     prefill_ms_per_token: float = 0.02) -> Iterator[tuple[int, Path]]:
-    """The reference server in a child process; yields (port, truth log)."""
+                     prefill_ms_per_token: float = 0.02,
+                     simulated_metrics: bool = False) -> Iterator[tuple[int, Path]]:
+    """The reference server in a child process; yields (port, truth log).
+
+    ``simulated_metrics``: it also serves simulated vLLM /metrics (the slot
+    count the controller reads) and dcgm-exporter text."""
     port = port or free_port()
     truth = tmp / f"truth-{port}.jsonl"
     cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(port),
@@ -61,6 +65,8 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
            "--log-level", "WARNING"]
     if tls:
         cmd.append("--tls-self-signed")
+    if simulated_metrics:
+        cmd.append("--simulated-metrics")
     proc = subprocess.Popen(cmd, cwd=tmp)
     try:
         wait_for_port(port)

@@ -39,10 +39,10 @@ class ManualClock:
 
 
 KNEE_RPS, BASELINE_S = 10.0, 0.4  # thresholds: 8 req/s and 1.0 s
-OVERLOADED = UpstreamWindow(12.0, 2.0, KNEE_RPS, BASELINE_S)
-OVER_CAPACITY = UpstreamWindow(12.0, 0.5, KNEE_RPS, BASELINE_S)
-HEALTHY = UpstreamWindow(3.0, 0.5, KNEE_RPS, BASELINE_S)
-DAMAGED_PROBE = UpstreamWindow(1.0, 2.0, KNEE_RPS, BASELINE_S)
+OVERLOADED = UpstreamWindow(12.0, 2.0, KNEE_RPS, BASELINE_S, 2.0)
+OVER_CAPACITY = UpstreamWindow(12.0, 0.5, KNEE_RPS, BASELINE_S, 0.5)
+HEALTHY = UpstreamWindow(3.0, 0.5, KNEE_RPS, BASELINE_S, 0.5)
+DAMAGED_PROBE = UpstreamWindow(1.0, 2.0, KNEE_RPS, BASELINE_S, 2.0)
 
 # Mostly typical windows, overload-heavy so that trips and recoveries happen, plus arbitrary ones.
 windows = st.one_of(
@@ -53,6 +53,7 @@ windows = st.one_of(
         p99_ttft_s=st.one_of(st.none(), st.floats(0, 5)),
         knee_capacity_rps=st.one_of(st.none(), st.just(KNEE_RPS)),
         baseline_p99_s=st.one_of(st.none(), st.just(BASELINE_S)),
+        arrived_p99_ttft_s=st.one_of(st.none(), st.floats(0, 5)),
     ),
 )
 
@@ -122,6 +123,19 @@ def test_damaged_probe_reopens():
     assert breaker.state == BreakerState.HALF_OPEN
     status = breaker.observe(DAMAGED_PROBE, T0 + 15)
     assert (status.state, status.opened_at) == (BreakerState.OPEN, T0 + 15)
+
+
+def test_probes_are_judged_by_what_arrived_in_the_window():
+    breaker = Breaker(BreakerPolicy(trip_windows=1, cooldown_s=10.0))
+    breaker.observe(OVERLOADED, T0)
+    breaker.observe(HEALTHY, T0 + 10)
+    assert breaker.admitted_share == 0.1
+    # The backlog queued before the trip drains with long waits; what was admitted since fares well.
+    draining = UpstreamWindow(4.0, 6.0, KNEE_RPS, BASELINE_S, 0.3)
+    assert breaker.observe(draining, T0 + 15).admitted_share == 0.25
+    # The probes themselves still wait behind the backlog: no evidence, the share is held.
+    assert breaker.observe(UpstreamWindow(4.0, 6.0, KNEE_RPS, BASELINE_S, None), T0 + 20).admitted_share == 0.25
+    assert breaker.state == BreakerState.HALF_OPEN
 
 
 def test_windows_out_of_order_are_refused():
@@ -411,7 +425,7 @@ def test_budget_never_admits_more_than_it_refills(rate, burst, max_delay, reques
 
 def figures(end: float, window: UpstreamWindow, tenant_tokens=None, upstream: str = "vllm-a") -> WindowFigures:
     return WindowFigures(upstream, end, window.request_rate, window.p99_ttft_s, window.knee_capacity_rps,
-                         window.baseline_p99_s, tenant_tokens or {})
+                         window.baseline_p99_s, tenant_tokens or {}, arrived_p99_ttft_s=window.arrived_p99_ttft_s)
 
 
 def test_fair_share_level_is_max_min_fair():
@@ -434,6 +448,18 @@ def test_controller_trips_recovers_and_closes_once():
     assert kinds[3:5] == [None, None]  # cooling down; the OPEN decision outlives the cool-down
     assert kinds[5:] == [("HALF_OPEN", 0.1), ("HALF_OPEN", 0.25), ("HALF_OPEN", 0.5), ("HALF_OPEN", 0.75),
                          ("CLOSED", 1.0), None]
+
+
+def test_controller_forgets_a_breaker_whose_decision_lapsed():
+    policy = ControllerPolicy(window_s=5.0, decision_ttl_windows=3, breaker=BreakerPolicy(trip_windows=1))
+    controller = Controller(policy)
+    [opened] = controller.decide(figures(T0, OVERLOADED))
+    assert opened.action.state == BreakerState.OPEN
+    # Traffic stops (no windows), the decision lapses at the gateways: fail-open.
+    later = opened.expires_at + 1
+    assert controller.decide(figures(later, HEALTHY)) == []  # closed, as the gateways already are
+    [reopened] = controller.decide(figures(later + 5, OVERLOADED))
+    assert reopened.action.state == BreakerState.OPEN and reopened.issued_at == later + 5
 
 
 def test_controller_evidence_and_expiry():
@@ -461,6 +487,37 @@ def test_controller_throttles_heavy_tenants_only_when_latency_is_fine():
     level = budgets["heavy"]
     assert budgets["medium"] == level
     assert sum(min(d, level) for d in demand.values()) == pytest.approx(capacity, rel=1e-3)
+
+
+def test_controller_cuts_budgets_while_overload_persists_then_floors_them():
+    # (a breaker slow to trip: while it is open, budgets are only held)
+    controller = Controller(ControllerPolicy(window_s=5.0, budget_decrease_factor=0.5, min_budget_share=0.2,
+                                             breaker=BreakerPolicy(trip_windows=10)))
+    usage = {"light": 500, "heavy": 5500}
+    [first] = [d for d in controller.decide(figures(T0 + 5, OVER_CAPACITY, usage)) if d.kind == "token_budget"]
+    level = first.action.tokens_per_second
+    rates = []
+    for step in range(2, 6):
+        budgets = [d for d in controller.decide(figures(T0 + 5 * step, OVERLOADED, usage)) if d.kind == "token_budget"]
+        rates.append(budgets[0].action.tokens_per_second if budgets else rates[-1])
+    assert rates == pytest.approx([level * 0.5, level * 0.25, level * 0.2, level * 0.2], rel=1e-3)
+    # Latency fine again while still at capacity: the budget stays where the cuts left it.
+    held = controller.decide(figures(T0 + 30, OVER_CAPACITY, usage))
+    assert all(d.action.tokens_per_second == pytest.approx(level * 0.2, rel=1e-3) for d in held)  # renewals
+    # Under capacity, with the tenant using all it may: raised step by step.
+    [raised] = controller.decide(figures(T0 + 35, HEALTHY, {"heavy": int(level * 0.2 * 5)}))
+    assert raised.action.tokens_per_second == pytest.approx(level * 0.2 * 1.5, rel=1e-3)
+
+
+def test_controller_holds_budgets_while_the_breaker_is_open():
+    controller = Controller(ControllerPolicy(window_s=5.0, decision_ttl_windows=3,
+                                             breaker=BreakerPolicy(trip_windows=1, cooldown_s=30.0)))
+    [budget] = controller.decide(figures(T0 + 5, OVER_CAPACITY, {"light": 500, "heavy": 5500}))
+    assert {d.kind for d in controller.decide(figures(T0 + 10, OVERLOADED, {"heavy": 5500}))} >= {"breaker"}
+    # The breaker turns the heavy tenant away, so its usage looks small: that is no reason to release it.
+    [renewed] = controller.decide(figures(T0 + 15, HEALTHY, {"heavy": 10}))
+    assert renewed.kind == "token_budget" and renewed.target.tenant == "heavy"
+    assert renewed.action == budget.action and "held" in renewed.reason
 
 
 def test_controller_relaxes_budgets_gradually_then_releases():

@@ -361,10 +361,14 @@ def test_window_figures_follow_the_load(analysed):
     overloaded = {f.upstream: f for f in window_figures(store, start_s + 450, start_s + 480)}
     quiet, busy = idle[f"{NODE}:8000"], overloaded[f"{NODE}:8000"]
     assert quiet.request_rate == pytest.approx(0.1 * CAPACITY_RPS, rel=0.5)
-    assert busy.request_rate == pytest.approx(1.4 * CAPACITY_RPS, rel=0.2)
+    # Windows hold the requests that ended in them: a saturated server ends them at its capacity,
+    # past the breaker's 0.8 × capacity, however many more arrive.
+    assert busy.request_rate == pytest.approx(CAPACITY_RPS, rel=0.2)
     assert busy.knee_capacity_rps == pytest.approx(CAPACITY_RPS, rel=0.2)
-    assert busy.baseline_p99_s < 0.1 < 1 < busy.p99_ttft_s
-    assert quiet.p99_ttft_s < 0.1
+    assert busy.request_rate > 0.8 * busy.knee_capacity_rps
+    # the p99 at healthy load: normal queueing in it, far from the overload's
+    assert quiet.p99_ttft_s <= busy.baseline_p99_s < 0.5 < 5 < busy.p99_ttft_s
+    assert quiet.p99_ttft_s < 0.1 and quiet.arrived_p99_ttft_s < 0.1 < 1 < busy.arrived_p99_ttft_s
     assert set(busy.tenant_tokens) == {"10.0.0.1", "10.0.0.2", "10.0.0.3"}
     assert all(tokens > 0 for tokens in busy.tenant_tokens.values())
     renamed = window_figures(store, start_s + 450, start_s + 480, scope=Scope((Server(8000),)),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,3 +55,42 @@ def test_query_reads_a_store(tmp_path):
     result = run("query", "--store", url, "SELECT count() AS n FROM tokenprobe.requests")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["n", "0"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "needs credentials"),
+    (["--token-file", "/nonexistent/token"], "No such file"),
+    (["--cert", "c.pem"], "--cert and --key go together"),
+    (["--token-file", __file__, "--upstream", "8000"], "PORT=NAME"),
+])
+def test_control_refuses_bad_options_in_plain_words(tmp_path, extra, message):
+    result = run("control", "--store", f"chdb://{tmp_path / 'store'}", "--actuator", "127.0.0.1:1", *extra)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+
+
+def test_control_runs_until_sigterm_and_says_what_it_did(tmp_path):
+    from tests.actuator_support import TOKEN
+    from tokenprobe.actuator.auth import ServerAuth
+    from tokenprobe.actuator.server import ActuatorServer
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    with ActuatorServer(ServerAuth(bearer_tokens=frozenset({TOKEN}))) as actuator:
+        control = subprocess.Popen(
+            [sys.executable, "-m", "tokenprobe", "control", "--store", f"chdb://{tmp_path / 'store'}",
+             "--actuator", f"127.0.0.1:{actuator.port}", "--token-file", str(token_file), "--window", "0.5",
+             "--settle", "0"], stderr=subprocess.PIPE, text=True)
+        try:
+            # The loop has started once it says so; a few windows pass (an empty store: nothing to decide).
+            for line in iter(control.stderr.readline, ""):
+                if "deciding every 0.5 s" in line:
+                    break
+            else:
+                pytest.fail("control exited before starting its loop")
+            time.sleep(2.0)
+        finally:
+            control.send_signal(signal.SIGTERM)
+            _, rest = control.communicate(timeout=60)
+    assert control.returncode == 0, rest
+    assert "stopped after" in rest and "0 decisions; failures: none" in rest, rest

@@ -76,7 +76,7 @@ def request_row(conn_id: int, start_ns: int, *, ttft_ms: float | None, tpot_ms: 
         resp_end = last_token + 1 * MS
     return {
         "node": node, "conn_id": conn_id, "req_seq": 0, "role": "server", "pid": 4242, "comm": "vllm",
-        "server_port": port, "client_addr": "127.0.0.1", "client_port": 40000 + conn_id, "tls": tls,
+        "server_port": port, "client_addr": "127.0.0.1", "client_port": 40000 + conn_id, "tenant": "", "tls": tls,
         "accept_ts": accept, "tls_done_ts": accept + 1 * MS if tls else None, "req_start": start_ns,
         "req_end": req_end, "resp_start": req_end + 1 * MS, "first_token": first_token, "last_token": last_token,
         "resp_end": resp_end, "method": "POST", "path": path, "status": 200, "model": model,

@@ -37,7 +37,7 @@ def request_row(conn_id: int, pid: int, server_port: int, req_start: int, first_
     row = {column.name: None for column in REQUEST_SCHEMA}
     row.update(
         node=node, conn_id=conn_id, req_seq=0, role="server", pid=pid, comm="engine", server_port=server_port,
-        client_addr="127.0.0.1", client_port=40000 + conn_id, tls=False, req_start=req_start,
+        client_addr="127.0.0.1", client_port=40000 + conn_id, tenant="", tls=False, req_start=req_start,
         first_token=first_token, method="POST", path="/v1/chat/completions", status=200, model="m",
         response_id="", streamed=True, token_events=0, sse_events=0, token_offsets_us=[],
         inflight_at_arrival=0, bytes_in=0, bytes_out=0, body_fp=0, outcome="complete", error="",

@@ -815,6 +815,93 @@ def test_memory_stays_bounded_on_endless_lines():
     assert ex.sse_events == 0 and ex.outcome == "complete"
 
 
+# -- the tenant header -------------------------------------------------------------------
+
+
+def tenant_of(header_lines: tuple, **kwargs) -> str:
+    """The tenant recorded for one request carrying header_lines."""
+    conn = Conn(**kwargs)
+    conn.request(1, http_request("POST", "/v1/chat/completions", chat_body(), header_lines))
+    conn.response(2, http_response(200, json_completion()))
+    return conn.only().tenant
+
+
+@pytest.mark.parametrize("header_lines, tenant", [
+    (("X-Tenant-Id: acme-42",), "acme-42"),
+    (("x-tenant-id: acme-42",), "acme-42"),
+    (("X-TENANT-ID:   acme 42 \t",), "acme 42"),  # optional whitespace around the value goes
+    (("Accept: */*",), ""),
+    (("X-Tenant-Id:",), ""),
+    (("X-Tenant-Id: first", "Accept: */*", "x-tenant-id: second"), "first"),
+    (("X-Tenant-Ids: not-this", "X-Tenant: nor-this"), ""),
+], ids=["canonical", "lower-case", "upper-case-padded", "absent", "empty", "repeated", "similar-names"])
+def test_tenant_comes_from_the_tenant_header(header_lines, tenant):
+    assert tenant_of(header_lines) == tenant
+
+
+def test_tenant_value_is_made_printable_and_capped():
+    garbage = b"X-Tenant-Id: ac\x00me\x1b\x7f-\xc3\xa9\xff1\r\n"
+    wire = http_request("GET", "/v1/models", headers=("Accept: */*",))
+    conn = Conn()
+    conn.request(1, wire.replace(b"Accept: */*\r\n", garbage))
+    assert conn.started[0].tenant == "acme-1"
+    assert tenant_of(("X-Tenant-Id: " + "t" * 127 + "0123456789",)) == "t" * 127 + "0"
+
+
+def test_tenant_header_name_is_configurable_or_off():
+    lines = ("X-Tenant-Id: acme", "X-Org: org-7")
+    assert tenant_of(lines, tenant_header="X-Org") == "org-7"
+    assert tenant_of(lines, tenant_header=None) == ""
+    assert tenant_of(lines, tenant_header="") == ""
+
+
+def test_only_the_tenant_header_value_is_kept():
+    lines = ("Authorization: Bearer sk-secret-key", "X-Tenant-Id: acme", "Cookie: session=hunter2")
+    conn = Conn()
+    conn.request(1, http_request("POST", "/v1/chat/completions", chat_body(prompt="my prompt"), lines))
+    conn.response(2, http_response(200, json_completion(content="my answer")))
+    exchange = repr(conn.only())
+    assert "acme" in exchange
+    for secret in ("sk-secret-key", "hunter2", "my prompt", "my answer"):
+        assert secret not in exchange
+
+
+def test_each_request_on_a_connection_has_its_own_tenant():
+    conn = Conn()
+    for tenant_lines in (("X-Tenant-Id: acme",), (), ("X-Tenant-Id: globex",)):
+        conn.request(1, http_request("GET", "/v1/models", headers=tenant_lines))
+        conn.response(2, http_response(200, b"{}"))
+    assert [ex.tenant for ex in conn.finished] == ["acme", "", "globex"]
+
+
+def test_tenant_does_not_depend_on_segmentation():
+    wire = http_request("POST", "/v1/completions", chat_body(), ("X-Tenant-Id: acme-42",))
+    conn = Conn()
+    feed_split(conn, "request", REQ_T0, wire, range(1, len(wire)))
+    assert conn.started[0].tenant == "acme-42"
+
+
+def test_tenant_cut_by_a_capture_gap_is_not_recorded_in_part():
+    wire = http_request("GET", "/v1/models", headers=("X-Tenant-Id: acme",))
+    head = wire[:wire.index(b"acme") + 2]
+    conn = Conn()
+    conn.request(1, head, len(wire), wire[-4:])
+    [ex] = conn.response(2, http_response(200, b"{}"))
+    assert ex.tenant == "" and ex.path == "/v1/models"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("x tenant", "not an HTTP header name"),
+    ("x-tenänt", "not an HTTP header name"),
+    (b"x-tenant-id", "not an HTTP header name"),
+    ("Content-Length", "frames the message"),
+])
+def test_bad_tenant_header_names_are_refused(name, message):
+    with pytest.raises(ValueError, match=message):
+        HttpConnectionAssembler(fingerprint_key=KEY, tenant_header=name)
+    assert http_assembler.tenant_header_name("X-Tenant-Id") == "x-tenant-id"
+
+
 # -- fuzzing ----------------------------------------------------------------------------
 
 def assert_invariants(conn: Conn) -> None:

@@ -44,7 +44,7 @@ def make_row(**overrides) -> dict:
     start = time.time_ns()
     row = {
         "node": "node-a", "conn_id": 1, "req_seq": 0, "role": "server", "pid": 4242, "comm": "vllm",
-        "server_port": 8000, "client_addr": "127.0.0.1", "client_port": 51234, "tls": False,
+        "server_port": 8000, "client_addr": "127.0.0.1", "client_port": 51234, "tenant": "acme", "tls": False,
         "accept_ts": start - 5_000_000, "tls_done_ts": None, "req_start": start, "req_end": start + 1_000,
         "resp_start": start + 2_000_001, "first_token": start + 30_000_007, "last_token": start + 90_000_011,
         "resp_end": start + 90_500_013, "method": "POST", "path": "/v1/chat/completions", "status": 200,
@@ -137,7 +137,7 @@ def test_unreachable_server_is_store_unavailable_naming_the_url():
 def test_requests_columns_match_row_schema_doc(owner):
     documented = re.findall(r"^\| (\w+) \| ([A-Za-z0-9()]+(?:\([^|]*\))?) \|", ROW_SCHEMA_DOC.read_text(), re.M)
     documented = [(name, ch_type.replace("DateTime64(9)", "DateTime64(9, 'UTC')")) for name, ch_type in documented]
-    assert len(documented) == 35
+    assert len(documented) == 36
     assert schema.REQUEST_COLUMNS == [name for name, _ in documented]
     described = owner.query_rows("SELECT name, type FROM system.columns"
                                  " WHERE database = 'tokenprobe' AND table = 'requests' ORDER BY position")
@@ -160,6 +160,52 @@ def test_ensure_schema_is_idempotent_and_keys_tables_as_designed(owner):
     assert codecs["req_start"] == "CODEC(DoubleDelta, ZSTD(1))"
     assert codecs["bytes_out"] == "CODEC(T64, ZSTD(1))"
     assert codecs["token_offsets_us"] == "CODEC(ZSTD(1))"
+
+
+def requests_columns(store) -> list[str]:
+    return [name for (name,) in store.query_rows(
+        "SELECT name FROM system.columns WHERE database = 'tokenprobe' AND table = 'requests' ORDER BY position")]
+
+
+def test_ensure_schema_adds_the_tenant_column_to_a_store_made_before_it(owner):
+    """A requests table exactly as the release before `tenant` created it, with a row in it."""
+    owner.command("DROP TABLE tokenprobe.requests")
+    tenant_line = next(column for column in schema.REQUEST_SCHEMA if column.name == "tenant").ddl() + ",\n    "
+    old_ddl = schema.REQUESTS_DDL.replace(tenant_line, "")
+    assert old_ddl != schema.REQUESTS_DDL
+    owner.command(old_ddl.format(db="tokenprobe", ttl_days=30))
+    old_row = make_row(conn_id=1)
+    del old_row["tenant"]
+    owner.insert_rows("requests", [old_row])  # also caches the old table's row schema
+
+    owner.ensure_schema()
+    assert requests_columns(owner) == schema.REQUEST_COLUMNS
+    (column_type, codec), = owner.query_rows(
+        "SELECT type, compression_codec FROM system.columns"
+        " WHERE database = 'tokenprobe' AND table = 'requests' AND name = 'tenant'")
+    assert (column_type, codec) == ("LowCardinality(String)", "CODEC(ZSTD(1))")
+    owner.insert_rows("requests", [make_row(conn_id=2, tenant="globex")])
+    assert owner.query_rows("SELECT conn_id, tenant, client_port, tls FROM tokenprobe.requests ORDER BY conn_id") == [
+        (1, "", 51234, False), (2, "globex", 51234, False)]
+    owner.ensure_schema()  # nothing left to add: a no-op
+    assert requests_columns(owner) == schema.REQUEST_COLUMNS
+
+
+def test_ensure_schema_adds_any_missing_request_columns_before_views_read_them(store_dir):
+    import tokenprobe.dashboard.rollup  # noqa: F401  (registers a materialized view that reads `node`)
+
+    with open_store(f"chdb://{store_dir}") as owner:
+        owner.command("CREATE DATABASE tokenprobe")
+        owner.command(schema.REQUESTS_DDL.format(db="tokenprobe", ttl_days=30))
+        owner.insert_rows("requests", [make_row(conn_id=1)])
+        for name in ("node", "tenant", "error"):  # the first column, one in the middle and the last
+            owner.command(f"ALTER TABLE tokenprobe.requests DROP COLUMN {name}")
+        with open_store(f"chdb://{store_dir}") as reader:  # through the owner, as a second agent would
+            reader.ensure_schema()
+        assert requests_columns(owner) == schema.REQUEST_COLUMNS
+        assert owner.query_rows("SELECT node, tenant, error, conn_id FROM tokenprobe.requests") == [("", "", "", 1)]
+        owner.insert_rows("requests", [make_row(conn_id=2)])
+        assert owner.command("SELECT sum(requests) FROM tokenprobe.request_latency_bands") > 0
 
 
 def test_ttl_days_is_configurable(tmp_path):

@@ -4,6 +4,7 @@ records (including garbage), and the tracker turning events into rows."""
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import struct
 from pathlib import Path
@@ -12,10 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenprobe.actuator.asgi import ActuatorMiddleware
 from tokenprobe.agent.clock import MonotonicWallClock, measure_offset
+from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
 from tokenprobe.agent.kernel_headers import choose_headers
 from tokenprobe.agent.probes import (DIR_READ, DIR_WRITE, EV_ACCEPT, EV_CLOSE, EV_DATA, EV_TLS_DONE,
                                      HEADER_SIZE, EventDecodeError, KernelEvent, decode_event)
+from tokenprobe.agent.schema import REQUEST_COLUMNS
 from tokenprobe.agent.tracker import ConnectionTracker
 
 HEADER = struct.Struct("<QQIIBBBBiIHHHH16s16s")
@@ -117,6 +121,38 @@ def test_one_streamed_request_becomes_one_row():
         "POST", "/v1/completions", 200, "m", "complete")
     assert row["response_id"] == "cmpl-1" and row["server_port"] == 8000 and row["client_addr"] == "127.0.0.1"
     assert row["body_fp"] != 0 and "hi" not in repr(row)  # the prompt never reaches the row
+
+
+def with_headers(request: bytes, *lines: bytes) -> bytes:
+    return request.replace(b"Host: x\r\n", b"Host: x\r\n" + b"".join(line + b"\r\n" for line in lines))
+
+
+def test_row_has_exactly_the_documented_columns_in_order():
+    tracker, rows = make_tracker()
+    serve_one(tracker)
+    assert list(rows.rows[0]) == REQUEST_COLUMNS
+
+
+@pytest.mark.parametrize("tenant_header, tenant", [
+    (None, ""), ("", ""), ("x-tenant-id", "acme"), ("X-Org", "org-7"),
+])
+def test_row_carries_the_tenant_from_the_configured_header(tenant_header, tenant):
+    tracker, rows = make_tracker(tenant_header=tenant_header)
+    tracker.handle(ev(EV_DATA, 1000, data=with_headers(REQUEST, b"X-Tenant-Id: acme", b"X-Org: org-7")))
+    tracker.close_all(5000)
+    assert [row["tenant"] for row in rows.rows] == [tenant]
+
+
+def test_tenant_header_defaults_to_the_gateway_hooks_and_a_bad_one_is_refused_at_start():
+    gateway_default = inspect.signature(ActuatorMiddleware).parameters["tenant_header"].default
+    assert gateway_default.lower() == DEFAULT_TENANT_HEADER  # both sides must name the same tenants
+    tracker, rows = make_tracker()
+    for fd, lines in ((7, (b"x-tenant-id: acme",)), (8, ())):
+        tracker.handle(ev(EV_DATA, 1000 + fd, fd=fd, data=with_headers(REQUEST, *lines)))
+    tracker.close_all(5000)
+    assert sorted(row["tenant"] for row in rows.rows) == ["", "acme"]
+    with pytest.raises(ValueError, match="not an HTTP header name"):
+        make_tracker(tenant_header="x tenant")
 
 
 def test_inflight_counts_other_requests_on_the_same_port():

@@ -264,6 +264,7 @@ CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
     `server_port` UInt16 CODEC(T64, ZSTD(1)),
     `client_addr` String CODEC(ZSTD(1)),
     `client_port` UInt16 CODEC(T64, ZSTD(1)),
+    `tenant` LowCardinality(String) CODEC(ZSTD(1)),
     `tls` Bool CODEC(ZSTD(1)),
     `accept_ts` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
     `tls_done_ts` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),

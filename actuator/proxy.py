@@ -1,0 +1,150 @@
+"""A small streaming reverse proxy: the gateway the demo and the tests put in front of a server.
+
+``ReverseProxy`` is an ASGI app that forwards every request to one upstream
+base URL and streams the response back chunk by chunk as it arrives, so
+server-sent events reach the client unbuffered. ``gateway_app`` wraps it in
+``ActuatorMiddleware``: that is a complete gateway enforcing the actuator's
+decisions, and ``python -m tokenprobe.actuator.proxy`` runs it.
+
+It is deliberately small: HTTP/1.1 to one upstream, request bodies read
+whole (completion requests are small; bigger ones get 413), hop-by-hop
+headers dropped, and 502 when the upstream cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from tokenprobe.actuator.asgi import DEFAULT_MAX_BODY_BYTES, ActuatorMiddleware
+from tokenprobe.actuator.auth import ClientAuth
+from tokenprobe.actuator.gateway import DEFAULT_DEADLINE_S, GatewayGuard
+from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
+
+# Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus
+# the ones the HTTP libraries set again on each side.
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class ReverseProxy:
+    def __init__(self, upstream_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_connections: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self._upstream_url = upstream_url.rstrip("/")
+        self._timeout = httpx.Timeout(timeout_s)
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._max_body_bytes = max_body_bytes
+        # Made on first use: an httpx client belongs to the event loop that first uses it.
+        self._client: httpx.AsyncClient | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return  # websockets are not proxied: uvicorn closes them
+        body = await _read_body(receive, self._max_body_bytes)
+        if body is None:
+            await _error(send, 413, "request body too large")
+            return
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
+        url = self._upstream_url + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() not in HOP_BY_HOP]
+        request = self._client.build_request(scope["method"], url, headers=headers, content=body)
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as error:
+            await _error(send, 502, f"upstream unreachable: {type(error).__name__}")
+            return
+        try:
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]})
+            # Raw bytes: the body goes out exactly as it came, content-encoding included.
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except httpx.HTTPError:
+            pass  # the upstream broke off mid-response: the server closes the client's connection too
+        finally:
+            await response.aclose()
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self._client is not None:
+                    await self._client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks)  # the client left; the upstream call fails or is ignored
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _error(send, status: int, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "gateway_error", "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def gateway_app(upstream_url: str, guard: GatewayGuard, *, upstream: str,
+                tenant_header: str = DEFAULT_TENANT_HEADER) -> ActuatorMiddleware:
+    """A gateway: the reverse proxy to `upstream_url` behind the actuator hook for `upstream`."""
+    return ActuatorMiddleware(ReverseProxy(upstream_url), guard, upstream=upstream, tenant_header=tenant_header)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tokenprobe.actuator.proxy`: a gateway in its own process."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tokenprobe.actuator.proxy",
+        description="A streaming reverse proxy to one inference server, enforcing the actuator's decisions "
+                    "(429/503 with Retry-After on reject; fails open when the actuator does not answer).")
+    parser.add_argument("--upstream-url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--upstream", required=True,
+                        help="the server's name in decisions: NODE:PORT as the agent names it")
+    parser.add_argument("--actuator", required=True, help="the actuator's host:port")
+    parser.add_argument("--token-file", type=Path, required=True, help="file holding a bearer token for the actuator")
+    parser.add_argument("--tenant-header", default=DEFAULT_TENANT_HEADER,
+                        help="request header naming the tenant (default %(default)s, as the agent reads it)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    parser.add_argument("--port", type=int, required=True, help="port to listen on")
+    parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
+                        help="seconds to wait for the actuator before admitting the request (default %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        token = args.token_file.read_text().strip()
+    except OSError as error:
+        print(f"gateway: cannot read the token file: {error}", file=sys.stderr)
+        return 2
+    guard = GatewayGuard(args.actuator, ClientAuth(bearer_token=token), deadline_s=args.deadline)
+    app = gateway_app(args.upstream_url, guard, upstream=args.upstream, tenant_header=args.tenant_header)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
