@@ -207,7 +207,7 @@ class Controller:
             # What the breaker turns away is not missing demand: relaxing on it would slam the
             # tenants back in the moment the breaker closes.
             wanted = {tenant: d.action for tenant, d in state.budgets.items()}
-            reason = "breaker not closed: budgets held"
+            reason = "the breaker was open or probing in this window: budgets held"
         elif pressure == Pressure.OVERLOADED and state.budgets:
             wanted = self._step_towards_fair(state, window, self.policy.budget_decrease_factor)
             reason = "overloaded with budgets in force: budgets cut until latency recovers"

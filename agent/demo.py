@@ -99,15 +99,15 @@ def decisions_summary(store_url: str, upstream: str) -> list[str]:
     """The control loop's decisions for `upstream`, one line each, from tokenprobe.decisions."""
     with open_store(store_url, serve=False) as store:
         rows = store.query_rows(
-            """SELECT toUnixTimestamp64Nano(issued_at), kind, tenant, breaker_state, admitted_share,
-                      tokens_per_second, reason, outcome
+            """SELECT toUnixTimestamp64Nano(issued_at), kind, tenant, breaker_state, tokens_per_second,
+                      reason, outcome
                FROM tokenprobe.decisions WHERE upstream = {u:String} ORDER BY issued_at, recorded_at""",
             {"u": upstream})
     lines = []
-    for issued_ns, kind, tenant, state, share, tokens_per_s, reason, outcome in rows:
+    for issued_ns, kind, tenant, state, tokens_per_s, reason, outcome in rows:
         at = datetime.fromtimestamp(issued_ns / 1e9, timezone.utc).strftime("%H:%M:%S")
         if kind == "breaker":
-            action = f"breaker {state}" + (f" admitting {share:.0%}" if state == "HALF_OPEN" else "")
+            action = f"breaker {state}"  # the reason gives a probing breaker's share
         else:
             action = f"tenant {tenant!r} held to {tokens_per_s:.0f} tokens/s"
         lines.append(f"{at}  {action}: {reason} [{outcome}]")
