@@ -376,6 +376,40 @@ def test_window_figures_follow_the_load(analysed):
     assert [f.upstream for f in renamed] == ["vllm-8000"]
 
 
+def test_control_loop_survives_an_unreachable_actuator_and_a_closed_store(analysed):
+    """Over the overload's windows the loop decides; the actuator is down, so every decision is
+    recorded as unreachable (gateways fail open) and the loop goes on; a store gone is a skipped window."""
+    from tests.support import free_port
+    from tokenprobe.actuator.auth import ClientAuth
+    from tokenprobe.actuator.breaker import BreakerPolicy
+    from tokenprobe.actuator.controller import Controller, ControllerPolicy, DecisionPublisher
+    from tokenprobe.actuator.loop import ControlLoop
+
+    store, _, _, url = analysed
+    policy = ControllerPolicy(window_s=30.0, breaker=BreakerPolicy(trip_windows=2))
+    publisher = DecisionPublisher(f"127.0.0.1:{free_port()}", ClientAuth(bearer_token="t" * 20))
+    loop = ControlLoop(store, publisher, Controller(policy), scope=Scope((Server(8000),)),
+                       upstream_of=lambda node, port: f"loop-test-{port}")
+    try:
+        start_s = START_NS / NS_PER_S
+        for end in range(420, 540, 30):
+            loop.step(start_s + end)
+    finally:
+        publisher.close()
+    assert loop.windows == 4 and loop.decisions
+    assert {o.outcome for o in loop.decisions} == {"unreachable"}
+    assert loop.errors["actuator"] == len(loop.decisions) and not loop.errors["figures"]
+    recorded = store.query_rows("SELECT kind, outcome FROM tokenprobe.decisions WHERE upstream = 'loop-test-8000'")
+    assert {kind for kind, _ in recorded} == {"breaker", "token_budget"}
+    assert len(recorded) == len(loop.decisions) and {outcome for _, outcome in recorded} == {"unreachable"}
+
+    gone = open_store(url, serve=False)  # through the owner, as the loop reads an agent's store
+    gone.close()
+    loop_on_nothing = ControlLoop(gone, DecisionPublisher("127.0.0.1:1", ClientAuth(bearer_token="t" * 20)),
+                                  Controller(policy))
+    assert loop_on_nothing.step(start_s + 600) == [] and loop_on_nothing.errors["figures"] == 1
+
+
 def test_analysing_again_replaces_results_instead_of_adding_to_them(analysed):
     store, report, _, _ = analysed
     scope = Scope((Server(8001),))
