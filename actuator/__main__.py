@@ -8,10 +8,10 @@ import signal
 import sys
 from pathlib import Path
 
-from tokenprobe.actuator.auth import ServerAuth, ServerTls
-from tokenprobe.actuator.engine import Enforcer
-from tokenprobe.actuator.envoy_rls import DEFAULT_DOMAIN
-from tokenprobe.actuator.server import ActuatorServer
+from .auth import ServerAuth, ServerTls
+from .engine import Enforcer
+from .envoy_rls import DEFAULT_DOMAIN
+from .server import ActuatorServer
 
 
 def _parser() -> argparse.ArgumentParser:

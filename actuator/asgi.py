@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER, tenant_id
-from tokenprobe.actuator.gateway import (
+from ..agent.http_assembler import DEFAULT_TENANT_HEADER, tenant_id
+from .gateway import (
     DEFAULT_COMPLETION_TOKENS,
     GatewayGuard,
     estimate_request,

@@ -31,7 +31,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from tokenprobe.actuator.decisions import BreakerState
+from ..contract.decisions import BreakerState
 
 LEGAL_TRANSITIONS: dict[BreakerState, frozenset[BreakerState]] = {
     BreakerState.CLOSED: frozenset({BreakerState.OPEN}),

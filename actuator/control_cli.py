@@ -8,11 +8,13 @@ import signal
 import sys
 from pathlib import Path
 
-from tokenprobe.actuator.auth import ClientAuth
-from tokenprobe.actuator.controller import Controller, ControllerPolicy, DecisionPublisher
-from tokenprobe.actuator.loop import DEFAULT_SETTLE_S, ControlLoop
-from tokenprobe.agent.store import StoreUnavailable, open_store
-from tokenprobe.analytics.figures import default_upstream
+from ..analytics.figures import default_upstream
+from ..store.client import StoreUnavailable
+from ..store.embedded import open_store
+from .auth import ClientAuth
+from .controller import Controller, ControllerPolicy
+from .loop import DEFAULT_SETTLE_S, ControlLoop
+from .publisher import DecisionPublisher
 
 log = logging.getLogger(__name__)
 

@@ -27,34 +27,27 @@ tenant really used as the agent saw them) and gets back the decisions to push
 - No figures (no knee or baseline yet, no traffic): nothing new is pushed and
   whatever is in force lapses at its expiry.
 
-``DecisionPublisher`` pushes decisions over gRPC and ``DecisionRecorder``
-writes every one, with its evidence and how the actuator took it, to
-``tokenprobe.decisions``.
+Pure: no I/O here. ``publisher`` pushes the decisions over gRPC and records
+them in ``tokenprobe.decisions``.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import grpc
-
-from tokenprobe.actuator import wire
-from tokenprobe.actuator.auth import ClientAuth
-from tokenprobe.actuator.breaker import Breaker, BreakerPolicy, BreakerStatus, Pressure, UpstreamWindow
-from tokenprobe.actuator.decisions import (
+from ..contract.decisions import (
     BreakerAction,
     BreakerState,
     Decision,
     Evidence,
     Target,
     TokenBudgetAction,
+    WindowFigures,
 )
-from tokenprobe.actuator.v1 import actuator_pb2 as pb
-from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
-from tokenprobe.agent import schema
+from .breaker import Breaker, BreakerPolicy, BreakerStatus, Pressure, UpstreamWindow
 
 
 @dataclass(frozen=True)
@@ -84,25 +77,10 @@ class ControllerPolicy:
         return self.window_s * self.decision_ttl_windows
 
 
-@dataclass(frozen=True)
-class WindowFigures:
-    """One upstream over one window, as the analytics measured it."""
-
-    upstream: str
-    window_end: float  # wall-clock seconds
-    request_rate: float  # requests/s
-    p99_ttft_s: float | None
-    knee_capacity_rps: float | None
-    baseline_p99_s: float | None
-    # prompt + completion tokens each tenant used in the window, server-side counts
-    tenant_tokens: Mapping[str, int] = field(default_factory=dict)
-    model: str = ""  # empty: the breaker covers every model on the upstream
-    arrived_p99_ttft_s: float | None = None  # of the requests that arrived in the window; judges probes
-
-    @property
-    def health(self) -> UpstreamWindow:
-        return UpstreamWindow(self.request_rate, self.p99_ttft_s, self.knee_capacity_rps, self.baseline_p99_s,
-                              self.arrived_p99_ttft_s)
+def _health(window: WindowFigures) -> UpstreamWindow:
+    """The breaker's view of one window's figures."""
+    return UpstreamWindow(window.request_rate, window.p99_ttft_s, window.knee_capacity_rps, window.baseline_p99_s,
+                          window.arrived_p99_ttft_s)
 
 
 def fair_share_level(demands: Sequence[float], capacity: float) -> float:
@@ -161,7 +139,7 @@ class Controller:
 
     def _decide_breaker(self, state: _UpstreamState, window: WindowFigures) -> Decision | None:
         before = state.breaker.status
-        status = state.breaker.observe(window.health, window.window_end)
+        status = state.breaker.observe(_health(window), window.window_end)
         previous = state.breaker_decision
         if status.state == BreakerState.CLOSED:
             if previous is None or previous.action.state == BreakerState.CLOSED:
@@ -202,7 +180,7 @@ class Controller:
 
     def _decide_budgets(self, state: _UpstreamState, window: WindowFigures,
                         breaker_was_closed: bool) -> list[Decision]:
-        pressure = window.health.pressure(self.policy.breaker)
+        pressure = _health(window).pressure(self.policy.breaker)
         if not (breaker_was_closed and state.breaker.state == BreakerState.CLOSED) and state.budgets:
             # What the breaker turns away is not missing demand: relaxing on it would slam the
             # tenants back in the moment the breaker closes.
@@ -250,7 +228,7 @@ class Controller:
         # Anonymous traffic ('' tenant) cannot be budgeted apart from the rest.
         demand = {t: tokens / self.policy.window_s for t, tokens in window.tenant_tokens.items() if t and tokens > 0}
         requests = window.request_rate * self.policy.window_s
-        capacity_rps = window.health.capacity_threshold(self.policy.breaker)
+        capacity_rps = _health(window).capacity_threshold(self.policy.breaker)
         if not demand or requests <= 0 or capacity_rps is None:
             return {tenant: d.action for tenant, d in state.budgets.items()}
         tokens_per_request = sum(window.tenant_tokens.values()) / requests
@@ -287,7 +265,7 @@ class Controller:
 
 
 def _health_evidence(window: WindowFigures, policy: BreakerPolicy) -> tuple[Evidence, ...]:
-    health = window.health
+    health = _health(window)
     evidence = [Evidence("request_rate", window.request_rate, health.capacity_threshold(policy) or 0.0, "req/s")]
     if window.p99_ttft_s is not None:
         evidence.append(Evidence("p99_ttft", window.p99_ttft_s, health.latency_threshold(policy) or 0.0, "s"))
@@ -310,119 +288,3 @@ def _breaker_reason(before: BreakerStatus, after: BreakerStatus, window: WindowF
     if after.state == BreakerState.CLOSED:
         return "recovered: breaker closed"
     return "breaker open: cooling down"
-
-
-# -- pushing and recording -------------------------------------------------------
-
-DECISIONS_TABLE = "decisions"
-DECISIONS_DDL = """CREATE TABLE IF NOT EXISTS {db}.decisions
-(
-    `issued_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `recorded_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `decision_id` String CODEC(ZSTD(1)),
-    `kind` LowCardinality(String) CODEC(ZSTD(1)),
-    `upstream` LowCardinality(String) CODEC(ZSTD(1)),
-    `model` LowCardinality(String) CODEC(ZSTD(1)),
-    `tenant` LowCardinality(String) CODEC(ZSTD(1)),
-    `breaker_state` LowCardinality(String) CODEC(ZSTD(1)),
-    `admitted_share` Float64 CODEC(ZSTD(1)),
-    `cooldown_s` Float64 CODEC(ZSTD(1)),
-    `tokens_per_second` Float64 CODEC(ZSTD(1)),
-    `burst_tokens` Float64 CODEC(ZSTD(1)),
-    `reason` String CODEC(ZSTD(1)),
-    `evidence_name` Array(LowCardinality(String)) CODEC(ZSTD(1)),
-    `evidence_value` Array(Float64) CODEC(ZSTD(1)),
-    `evidence_threshold` Array(Float64) CODEC(ZSTD(1)),
-    `evidence_unit` Array(LowCardinality(String)) CODEC(ZSTD(1)),
-    `expires_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `issuer` LowCardinality(String) CODEC(ZSTD(1)),
-    `outcome` LowCardinality(String) CODEC(ZSTD(1)),
-    `outcome_detail` String CODEC(ZSTD(1))
-)
-ENGINE = MergeTree
-PARTITION BY toDate(issued_at)
-ORDER BY (upstream, issued_at)
-TTL toDateTime(issued_at) + INTERVAL {ttl_days} DAY"""
-
-schema.register_table(DECISIONS_TABLE, DECISIONS_DDL)
-
-
-@dataclass(frozen=True)
-class PushOutcome:
-    decision: Decision
-    outcome: str  # applied / refused / unreachable
-    detail: str = ""
-
-
-class DecisionPublisher:
-    """Pushes decisions to the actuator with ApplyDecision."""
-
-    def __init__(self, target: str, auth: ClientAuth, deadline_s: float = 2.0):
-        self._channel = auth.channel(target)
-        self._stub = pb_grpc.ActuatorStub(self._channel)
-        self._metadata = auth.metadata()
-        self._deadline_s = deadline_s
-
-    def publish(self, decisions: Sequence[Decision]) -> list[PushOutcome]:
-        outcomes = []
-        for decision in decisions:
-            request = pb.ApplyDecisionRequest(decision=wire.decision_to_proto(decision))
-            try:
-                response = self._stub.ApplyDecision(request, timeout=self._deadline_s, metadata=self._metadata)
-            except grpc.RpcError as error:
-                code = error.code()
-                unreachable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                outcomes.append(PushOutcome(decision, "unreachable" if unreachable else "refused",
-                                            f"{code.name}: {error.details()}"))
-                continue
-            stored = wire.decision_from_proto(response.decision)
-            outcomes.append(PushOutcome(replace(decision, expires_at=stored.expires_at), "applied"))
-        return outcomes
-
-    def close(self) -> None:
-        self._channel.close()
-
-
-def decision_row(outcome: PushOutcome, recorded_at: float) -> dict:
-    """The tokenprobe.decisions row for one pushed decision (timestamps in ns)."""
-    decision = outcome.decision
-    action = decision.action
-    is_breaker = isinstance(action, BreakerAction)
-    return {
-        "issued_at": _ns(decision.issued_at),
-        "recorded_at": _ns(recorded_at),
-        "decision_id": decision.id,
-        "kind": decision.kind,
-        "upstream": decision.target.upstream,
-        "model": decision.target.model,
-        "tenant": decision.target.tenant,
-        "breaker_state": action.state.name if is_breaker else "",
-        "admitted_share": action.admitted_share if is_breaker else 1.0,
-        "cooldown_s": action.cooldown_s if is_breaker else 0.0,
-        "tokens_per_second": 0.0 if is_breaker else action.tokens_per_second,
-        "burst_tokens": 0.0 if is_breaker else action.burst_tokens,
-        "reason": decision.reason,
-        "evidence_name": [e.name for e in decision.evidence],
-        "evidence_value": [e.value for e in decision.evidence],
-        "evidence_threshold": [e.threshold for e in decision.evidence],
-        "evidence_unit": [e.unit for e in decision.evidence],
-        "expires_at": _ns(decision.expires_at),
-        "issuer": decision.issuer,
-        "outcome": outcome.outcome,
-        "outcome_detail": outcome.detail,
-    }
-
-
-def _ns(seconds: float) -> int:
-    return int(round(seconds * 1e9))
-
-
-class DecisionRecorder:
-    """Writes pushed decisions to tokenprobe.decisions through the store."""
-
-    def __init__(self, store):
-        self._store = store
-
-    def record(self, outcomes: Sequence[PushOutcome], recorded_at: float) -> None:
-        if outcomes:
-            self._store.insert_rows(DECISIONS_TABLE, [decision_row(o, recorded_at) for o in outcomes])

@@ -36,8 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from tokenprobe.actuator.buckets import TokenBucket
-from tokenprobe.actuator.decisions import (
+from ..contract.decisions import (
     BreakerAction,
     BreakerState,
     Decision,
@@ -45,6 +44,7 @@ from tokenprobe.actuator.decisions import (
     Target,
     TokenBudgetAction,
 )
+from .buckets import TokenBucket
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from tokenprobe.actuator.engine import Enforcer, VerdictKind, retry_after_header
-from tokenprobe.actuator.wire import seconds_to_duration
+from .engine import Enforcer, VerdictKind, retry_after_header
+from .wire import seconds_to_duration
 
 DEFAULT_DOMAIN = "tokenprobe"
 _OK = rls_pb2.RateLimitResponse.OK

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from tokenprobe.actuator import wire
-from tokenprobe.actuator.auth import ClientAuth
-from tokenprobe.actuator.decisions import InvalidDecision
-from tokenprobe.actuator.engine import Enforcer, Verdict, VerdictKind, retry_after_header
-from tokenprobe.actuator.v1 import actuator_pb2 as pb
-from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
+from ..contract.decisions import InvalidDecision
+from . import wire
+from .auth import ClientAuth
+from .engine import Enforcer, Verdict, VerdictKind, retry_after_header
+from .v1 import actuator_pb2 as pb
+from .v1 import actuator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from tokenprobe.actuator.controller import Controller, DecisionPublisher, DecisionRecorder, PushOutcome
-from tokenprobe.analytics.figures import default_upstream, window_figures
-from tokenprobe.analytics.scope import EVERYTHING, Scope
+from ..analytics.figures import default_upstream, window_figures
+from ..analytics.scope import EVERYTHING, Scope
+from .controller import Controller
+from .publisher import DecisionPublisher, DecisionRecorder, PushOutcome
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from tokenprobe.actuator.asgi import DEFAULT_MAX_BODY_BYTES, ActuatorMiddleware
-from tokenprobe.actuator.auth import ClientAuth
-from tokenprobe.actuator.gateway import DEFAULT_DEADLINE_S, GatewayGuard
-from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
+from ..agent.http_assembler import DEFAULT_TENANT_HEADER
+from .asgi import DEFAULT_MAX_BODY_BYTES, ActuatorMiddleware
+from .auth import ClientAuth
+from .gateway import DEFAULT_DEADLINE_S, GatewayGuard
 
 # Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus
 # the ones the HTTP libraries set again on each side.

@@ -20,13 +20,13 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokenprobe.actuator import wire
-from tokenprobe.actuator.auth import ServerAuth
-from tokenprobe.actuator.decisions import InvalidDecision
-from tokenprobe.actuator.engine import DwellViolation, Enforcer, SubscriptionOverflow
-from tokenprobe.actuator.envoy_rls import DEFAULT_DOMAIN, RateLimitAdapter
-from tokenprobe.actuator.v1 import actuator_pb2 as pb
-from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
+from ..contract.decisions import InvalidDecision
+from . import wire
+from .auth import ServerAuth
+from .engine import DwellViolation, Enforcer, SubscriptionOverflow
+from .envoy_rls import DEFAULT_DOMAIN, RateLimitAdapter
+from .v1 import actuator_pb2 as pb
+from .v1 import actuator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

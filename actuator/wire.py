@@ -7,7 +7,7 @@ import math
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from tokenprobe.actuator.decisions import (
+from ..contract.decisions import (
     BreakerAction,
     BreakerState,
     Decision,
@@ -16,8 +16,8 @@ from tokenprobe.actuator.decisions import (
     Target,
     TokenBudgetAction,
 )
-from tokenprobe.actuator.engine import TargetStatus, Verdict, VerdictKind
-from tokenprobe.actuator.v1 import actuator_pb2 as pb
+from .engine import TargetStatus, Verdict, VerdictKind
+from .v1 import actuator_pb2 as pb
 
 
 def seconds_to_timestamp(seconds: float) -> Timestamp:

@@ -1,1 +1,3 @@
-"""Kernel probes, event decoding, HTTP/SSE assembly, storage sink and the tokenprobe CLI."""
+"""The node agent's rooms: ``capture`` (kernel bytes → one record per request),
+``sampling`` (GPU and engine state) and ``export`` (Prometheus, OTLP), plus
+``doctor``. The process that wires them to the store is ``cli.agent``."""

@@ -8,8 +8,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenprobe.agent.kernel_headers import choose_headers
-from tokenprobe.agent.probes import ProbeError, Probes, Targets, libssl_paths
+from .capture.kernel_headers import choose_headers
+from .capture.probes import ProbeError, Probes, Targets, libssl_paths
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 

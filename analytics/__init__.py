@@ -7,14 +7,12 @@ embedded store and on a server. One analysis run (``pipeline.analyze``, the
 - ``calibration``: prefill time against prompt size per server and model,
   fitted robustly on requests that arrived to an idle server;
 - ``phases``: every request's network in, queue, prefill, decode, network
-  out, TTFT, TPOT, inter-token gaps and stalls (``measures`` holds the SQL
+  out, TTFT, TPOT, inter-token gaps and stalls (``contract.measures`` holds the SQL
   definition of each), into ``request_phases``;
 - ``knee``: where TTFT turns from flat to steep against concurrency;
 - ``indicators``: the indicator matrix per server (and GPU) per window;
 - ``slo``: compliance, multi-window burn rates and goodput.
 
-Results go to the tables in ``tables``, which the dashboard reads;
+Results go to the tables of ``contract.analysis``, which the dashboard reads;
 ``figures.window_figures`` gives the actuator's controller its inputs.
-``synthetic`` simulates a slot server's traffic and ``groundtruth`` checks
-the split against the reference server's truth log.
 """

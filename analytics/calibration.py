@@ -30,15 +30,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from tokenprobe.agent.samples import ENGINE_SAMPLES_TABLE
-from tokenprobe.agent.schema import REQUESTS_TABLE
-from tokenprobe.agent.store import Store
-from tokenprobe.analytics import measures
-from tokenprobe.analytics.config import AnalysisSpans
-from tokenprobe.analytics.robust import LineFit, theil_sen
-from tokenprobe.analytics.scope import Scope
-from tokenprobe.analytics.tables import PREFILL_CALIBRATION_TABLE
-from tokenprobe.analytics.timerange import TimeRange, range_condition
+from ..contract import measures
+from ..contract.analysis import PREFILL_CALIBRATION_TABLE
+from ..contract.requests import REQUESTS_TABLE
+from ..contract.samples import ENGINE_SAMPLES_TABLE
+from ..store.client import Store
+from .config import AnalysisSpans
+from .robust import LineFit, theil_sen
+from .scope import Scope
+from .timerange import TimeRange, range_condition
 
 METHOD = "theil-sen on idle arrivals"
 TOKENS, BYTES = "tokens", "bytes"

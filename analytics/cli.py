@@ -39,11 +39,12 @@ def add_analyze_parser(subparsers, default_store: str) -> argparse.ArgumentParse
 def run_analyze(args: argparse.Namespace) -> int:
     from clickhouse_connect.driver.exceptions import DatabaseError
 
-    from tokenprobe.agent.store import StoreUnavailable, open_store
-    from tokenprobe.analytics.config import AnalyticsConfig, load_config
-    from tokenprobe.analytics.pipeline import analyze, default_range
-    from tokenprobe.analytics.report import render_text, to_json
-    from tokenprobe.analytics.scope import Scope, Server
+    from ..store.client import StoreUnavailable
+    from ..store.embedded import open_store
+    from .config import AnalyticsConfig, load_config
+    from .pipeline import analyze, default_range
+    from .report import render_text, to_json
+    from .scope import Scope, Server
 
     try:
         scope = Scope(tuple(Server.parse(text) for text in args.server), tuple(args.model))
@@ -85,8 +86,8 @@ def run_analyze(args: argparse.Namespace) -> int:
 
 def _time_range(args: argparse.Namespace):
     """The range --since/--until name, or None when neither is given."""
-    from tokenprobe.analytics.pipeline import DEFAULT_SPAN_S
-    from tokenprobe.analytics.timerange import NS_PER_S, TimeRange, parse_time
+    from .pipeline import DEFAULT_SPAN_S
+    from .timerange import NS_PER_S, TimeRange, parse_time
 
     if args.since is None and args.until is None:
         return None

@@ -40,15 +40,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tokenprobe.actuator.controller import WindowFigures
-from tokenprobe.agent.schema import REQUESTS_TABLE
-from tokenprobe.agent.store import Store
-from tokenprobe.analytics import measures
-from tokenprobe.analytics.config import DEFAULT_CONFIG, AnalysisSpans
-from tokenprobe.analytics.knee import engine_slots, latest_found_knees
-from tokenprobe.analytics.pipeline import server_capacities
-from tokenprobe.analytics.scope import EVERYTHING, Scope
-from tokenprobe.analytics.timerange import NS_PER_S, TimeRange, range_condition
+from ..contract import measures
+from ..contract.decisions import WindowFigures
+from ..contract.requests import REQUESTS_TABLE
+from ..store.client import Store
+from .config import DEFAULT_CONFIG, AnalysisSpans
+from .knee import engine_slots, latest_found_knees
+from .pipeline import server_capacities
+from .scope import EVERYTHING, Scope
+from .timerange import NS_PER_S, TimeRange, range_condition
 
 DEFAULT_BYTES_PER_TOKEN = 4.0  # a typical BPE token is about four characters of English
 MIN_BASELINE_REQUESTS = 20

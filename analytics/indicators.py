@@ -40,15 +40,19 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from tokenprobe.agent.samples import ENGINE_SAMPLES_TABLE, GPU_SAMPLES_TABLE, SERVER_GPUS_TABLE
-from tokenprobe.agent.schema import REQUESTS_TABLE
-from tokenprobe.agent.store import Store
-from tokenprobe.analytics import measures
-from tokenprobe.analytics.config import Thresholds
-from tokenprobe.analytics.robust import theil_sen
-from tokenprobe.analytics.scope import Scope
-from tokenprobe.analytics.tables import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
-from tokenprobe.analytics.timerange import NS_PER_S, TimeRange, range_condition
+from ..contract import measures
+from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
+from ..contract.requests import REQUESTS_TABLE
+from ..contract.samples import (
+    ENGINE_SAMPLES_TABLE,
+    GPU_SAMPLES_TABLE,
+    SERVER_GPUS_TABLE,
+)
+from ..store.client import Store
+from .config import Thresholds
+from .robust import theil_sen
+from .scope import Scope
+from .timerange import NS_PER_S, TimeRange, range_condition
 
 ABOVE, BELOW = "above", "below"
 OK, WARN, CRIT, NO_DATA = "ok", "warn", "crit", "n/a"

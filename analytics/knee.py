@@ -24,16 +24,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenprobe.agent.samples import ENGINE_SAMPLES_TABLE
-from tokenprobe.agent.schema import REQUESTS_TABLE
-from tokenprobe.agent.store import Store
-from tokenprobe.analytics import measures
-from tokenprobe.analytics.calibration import ServerModel
-from tokenprobe.analytics.config import AnalysisSpans
-from tokenprobe.analytics.robust import fit_knee
-from tokenprobe.analytics.scope import Scope
-from tokenprobe.analytics.tables import KNEE_TABLE
-from tokenprobe.analytics.timerange import TimeRange, range_condition
+from ..contract import measures
+from ..contract.analysis import KNEE_TABLE
+from ..contract.requests import REQUESTS_TABLE
+from ..contract.samples import ENGINE_SAMPLES_TABLE
+from ..store.client import Store
+from .calibration import ServerModel
+from .config import AnalysisSpans
+from .robust import fit_knee
+from .scope import Scope
+from .timerange import TimeRange, range_condition
 
 METHOD = "flat line, then jump and steeper line: least squares on TTFT p50 vs concurrency at arrival"
 

@@ -19,14 +19,18 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-from tokenprobe.agent.schema import REQUESTS_TABLE
-from tokenprobe.agent.store import Store
-from tokenprobe.analytics import measures
-from tokenprobe.analytics.calibration import Calibration, ServerModel
-from tokenprobe.analytics.config import Thresholds
-from tokenprobe.analytics.scope import Scope
-from tokenprobe.analytics.tables import PREFILL_CALIBRATION_TABLE, REQUEST_PHASES_COLUMNS, REQUEST_PHASES_TABLE
-from tokenprobe.analytics.timerange import TimeRange, range_condition
+from ..contract import measures
+from ..contract.analysis import (
+    PREFILL_CALIBRATION_TABLE,
+    REQUEST_PHASES_COLUMNS,
+    REQUEST_PHASES_TABLE,
+)
+from ..contract.requests import REQUESTS_TABLE
+from ..store.client import Store
+from .calibration import Calibration, ServerModel
+from .config import Thresholds
+from .scope import Scope
+from .timerange import TimeRange, range_condition
 
 # Per request: the phase columns, as expressions over the joined requests row
 # (``c_*`` are the calibration's coefficients, NULL when it has none).

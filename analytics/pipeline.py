@@ -14,17 +14,24 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from tokenprobe.agent.schema import REQUESTS_TABLE
-from tokenprobe.agent.store import Store
-from tokenprobe.analytics import measures
-from tokenprobe.analytics.calibration import Calibration, ServerModel, calibrate
-from tokenprobe.analytics.config import DEFAULT_CONFIG, AnalyticsConfig
-from tokenprobe.analytics.indicators import OCCUPANCY_LOOKBACK_S, Capacity, Cell, Windows, compute_matrix, matrix_lead_s
-from tokenprobe.analytics.knee import Knee, fit_knees, latest_found_knees
-from tokenprobe.analytics.phases import compute_phases, phase_summary
-from tokenprobe.analytics.scope import EVERYTHING, Scope
-from tokenprobe.analytics.slo import SloStatus, evaluate_slos
-from tokenprobe.analytics.timerange import NS_PER_S, TimeRange, range_condition
+from ..contract import measures
+from ..contract.requests import REQUESTS_TABLE
+from ..store.client import Store
+from .calibration import Calibration, ServerModel, calibrate
+from .config import DEFAULT_CONFIG, AnalyticsConfig
+from .indicators import (
+    OCCUPANCY_LOOKBACK_S,
+    Capacity,
+    Cell,
+    Windows,
+    compute_matrix,
+    matrix_lead_s,
+)
+from .knee import Knee, fit_knees, latest_found_knees
+from .phases import compute_phases, phase_summary
+from .scope import EVERYTHING, Scope
+from .slo import SloStatus, evaluate_slos
+from .timerange import NS_PER_S, TimeRange, range_condition
 
 # Window lengths offered when none is asked for: the smallest giving at most MAX_AUTO_WINDOWS windows.
 NICE_WINDOWS_S = (5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)

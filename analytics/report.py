@@ -7,11 +7,11 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
-from tokenprobe.analytics.calibration import BYTES, TOKENS, Calibration
-from tokenprobe.analytics.indicators import CRIT, INDICATORS, NO_DATA, OK, WARN, Cell
-from tokenprobe.analytics.pipeline import AnalysisReport
-from tokenprobe.analytics.slo import WINDOWS_S
-from tokenprobe.analytics.timerange import NS_PER_S, format_ns
+from .calibration import BYTES, TOKENS, Calibration
+from .indicators import CRIT, INDICATORS, NO_DATA, OK, WARN, Cell
+from .pipeline import AnalysisReport
+from .slo import WINDOWS_S
+from .timerange import NS_PER_S, format_ns
 
 _SEVERITY = {NO_DATA: 0, OK: 1, WARN: 2, CRIT: 3}
 _PHASE_COLUMNS = (

@@ -23,13 +23,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from tokenprobe.agent.schema import REQUESTS_TABLE
-from tokenprobe.agent.store import Store
-from tokenprobe.analytics import measures
-from tokenprobe.analytics.config import Objective
-from tokenprobe.analytics.scope import Scope
-from tokenprobe.analytics.tables import SLO_STATUS_TABLE
-from tokenprobe.analytics.timerange import NS_PER_S, TimeRange, range_condition
+from ..contract import measures
+from ..contract.analysis import SLO_STATUS_TABLE
+from ..contract.requests import REQUESTS_TABLE
+from ..store.client import Store
+from .config import Objective
+from .scope import Scope
+from .timerange import NS_PER_S, TimeRange, range_condition
 
 WINDOWS_S = {"5m": 300, "30m": 1800, "1h": 3600, "6h": 21600}
 PAGE_BURN, PAGE_WINDOWS = 14.4, ("1h", "5m")

@@ -20,14 +20,19 @@ import time
 import grpc
 from envoy.extensions.common.ratelimit.v3 import ratelimit_pb2
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-
 from tokenprobe.actuator import wire
 from tokenprobe.actuator.auth import ClientAuth, ServerAuth
-from tokenprobe.actuator.decisions import BreakerAction, BreakerState, Decision, Target, TokenBudgetAction
 from tokenprobe.actuator.gateway import GatewayGuard
 from tokenprobe.actuator.server import ActuatorServer
 from tokenprobe.actuator.v1 import actuator_pb2 as pb
 from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
+from tokenprobe.contract.decisions import (
+    BreakerAction,
+    BreakerState,
+    Decision,
+    Target,
+    TokenBudgetAction,
+)
 
 TOKEN = "bench-token-0123456789abcdef"
 METADATA = (("authorization", f"Bearer {TOKEN}"),)

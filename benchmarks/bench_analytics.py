@@ -21,16 +21,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenprobe.agent.store import open_store
 from tokenprobe.analytics.calibration import calibrate
 from tokenprobe.analytics.config import DEFAULT_CONFIG
-from tokenprobe.analytics.indicators import OCCUPANCY_LOOKBACK_S, Windows, compute_matrix, matrix_lead_s
+from tokenprobe.analytics.indicators import (
+    OCCUPANCY_LOOKBACK_S,
+    Windows,
+    compute_matrix,
+    matrix_lead_s,
+)
 from tokenprobe.analytics.knee import fit_knees
 from tokenprobe.analytics.phases import compute_phases, phase_summary
 from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.slo import evaluate_slos
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+from tokenprobe.store.embedded import open_store
 
 SERVERS = 4
 DAY_S = 86_400

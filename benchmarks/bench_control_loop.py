@@ -21,10 +21,17 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from tests.actuator_loop_support import (DECODE_MS, OVERLOAD_POLICY, SLOTS, TTFT_OBJECTIVE_S, load_together,
-                                         percentile)
+from tokenprobe.cli.stack import closed_loop
+
+from tests.actuator_loop_support import (
+    DECODE_MS,
+    OVERLOAD_POLICY,
+    SLOTS,
+    TTFT_OBJECTIVE_S,
+    load_together,
+    percentile,
+)
 from tests.kernel_harness import agent, free_port, reference_server
-from tokenprobe.actuator.stack import closed_loop
 
 
 def phase_figures(results: dict, seconds: float) -> dict:

@@ -1,7 +1,7 @@
 """How fast the dashboard's heatmaps come out of ClickHouse: a day of 10 million requests.
 
 Generates the requests inside an embedded store (``INSERT ... SELECT FROM
-numbers()``, see ``dashboard.synthetic``); the store's materialized view fills
+numbers()``, see ``refserver.fleet``); the store's materialized view fills
 the per-minute latency rollup as they arrive. Then times each latency heatmap
 over the whole day at the bin width the dashboard uses for a 24-hour window,
 both as the dashboard serves it (from the rollup, its completeness check
@@ -19,10 +19,10 @@ import statistics
 import tempfile
 import time
 
-from tokenprobe.agent.store import open_store
-from tokenprobe.dashboard import synthetic
-from tokenprobe.dashboard.latency import METRICS
+from tokenprobe.contract.latency import METRICS
 from tokenprobe.dashboard.queries import DashboardQueries, Filters, choose_bin_seconds
+from tokenprobe.refserver import fleet as synthetic
+from tokenprobe.store.embedded import open_store
 
 DAY_S = 86400
 

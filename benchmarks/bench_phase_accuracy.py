@@ -24,12 +24,18 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pandas as pd
-
-from tests.kernel_harness import agent, kernel_unavailable, read_truth, reference_server
-from tokenprobe.agent.store import open_store
-from tokenprobe.analytics.groundtruth import LoadLevel, errors_by_level, phase_errors, run_levels, sweep_concurrency
 from tokenprobe.analytics.pipeline import analyze
 from tokenprobe.analytics.timerange import TimeRange
+from tokenprobe.refserver.groundtruth import (
+    LoadLevel,
+    errors_by_level,
+    phase_errors,
+    run_levels,
+    sweep_concurrency,
+)
+from tokenprobe.store.embedded import open_store
+
+from tests.kernel_harness import agent, kernel_unavailable, read_truth, reference_server
 
 TARGET = 0.10
 PROMPT_TOKENS = (16, 512)

@@ -8,7 +8,7 @@
 // A connection is tracked from accept (or connect, for outbound tracking)
 // when its local port is a target port or its process is a target process.
 // Only tracked connections emit events; everything else returns after one
-// hash lookup. The agent (agent/probes.py) sets the compile-time constants.
+// hash lookup. The agent (agent/capture/probes.py) sets the compile-time constants.
 
 #include <uapi/linux/ptrace.h>
 #include <linux/sched.h>

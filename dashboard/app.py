@@ -26,14 +26,16 @@ import pandas as pd
 import streamlit as st
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from tokenprobe.actuator.controller import DECISIONS_TABLE
-from tokenprobe.agent.samples import GPU_SAMPLES_TABLE
-from tokenprobe.agent.store import Store, StoreUnavailable, open_store, parse_store_url
-from tokenprobe.analytics.indicators import CRIT, INDICATORS, OK, WARN
-from tokenprobe.analytics.tables import INDICATOR_MATRIX_TABLE
-from tokenprobe.dashboard.latency import METRICS, band_bounds_ms
-from tokenprobe.dashboard.queries import DashboardQueries, Filters, choose_bin_seconds
-from tokenprobe.dashboard.settings import DashboardSettings, from_environment
+from ..analytics.indicators import CRIT, INDICATORS, OK, WARN
+from ..contract.analysis import INDICATOR_MATRIX_TABLE
+from ..contract.decisions import DECISIONS_TABLE
+from ..contract.latency import METRICS, band_bounds_ms
+from ..contract.samples import GPU_SAMPLES_TABLE
+from ..store.client import Store, StoreUnavailable
+from ..store.embedded import open_store
+from ..store.url import parse_store_url
+from .queries import DashboardQueries, Filters, choose_bin_seconds
+from .settings import DashboardSettings, from_environment
 
 WINDOWS_S = {"15 minutes": 900, "1 hour": 3600, "6 hours": 21600, "24 hours": 86400, "7 days": 604800}
 DEFAULT_WINDOW = "1 hour"
@@ -473,6 +475,3 @@ def main() -> None:
         connect.clear()  # the panels below try again, and say why it fails
     refreshing = st.fragment(panels, run_every=settings.refresh_s or None)
     refreshing(settings.store_url, selection)
-
-
-main()

@@ -1,6 +1,6 @@
 """``tokenprobe dashboard``: serve the Streamlit app on the given store.
 
-The subcommand replaces itself with ``streamlit run`` on ``app.py`` (so
+The subcommand replaces itself with ``streamlit run`` on ``streamlit_app.py`` (so
 signals and the exit status are Streamlit's own), handing the store URL and
 the refresh interval over in environment variables (``settings``).
 """
@@ -12,9 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from tokenprobe.dashboard.settings import DEFAULT_REFRESH_S, environment, parse_refresh
+from .settings import DEFAULT_REFRESH_S, environment, parse_refresh
 
-APP = Path(__file__).with_name("app.py")
+APP = Path(__file__).with_name("streamlit_app.py")
 DEFAULT_PORT = 8501
 
 
@@ -49,7 +49,7 @@ def streamlit_command(args: argparse.Namespace) -> list[str]:
 def run_dashboard(args: argparse.Namespace) -> int:
     """Check the arguments, then become ``streamlit run`` (returns only to report bad arguments, with 2)."""
     # Imported here, not at the top: building the parser must stay cheap for every subcommand.
-    from tokenprobe.agent.store import parse_store_url
+    from ..store.url import parse_store_url
 
     try:
         store = parse_store_url(args.store)

@@ -32,13 +32,26 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from tokenprobe.actuator.controller import DECISIONS_TABLE
-from tokenprobe.agent.samples import GPU_SAMPLES_TABLE
-from tokenprobe.agent.schema import REQUESTS_TABLE
-from tokenprobe.agent.store import Store
-from tokenprobe.analytics.tables import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
-from tokenprobe.dashboard.latency import DEFAULT_BANDS_PER_DECADE, band_bounds_ms, band_sql, metric, ms_between, ns
-from tokenprobe.dashboard.rollup import ALL_REQUESTS, ROLLUP_BANDS_PER_DECADE, ROLLUP_STEP_S, ROLLUP_TABLE
+from ..analytics.scope import Scope, Server
+from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
+from ..contract.decisions import DECISIONS_TABLE
+from ..contract.latency import (
+    DEFAULT_BANDS_PER_DECADE,
+    band_bounds_ms,
+    band_sql,
+    metric,
+    ms_between,
+    ns,
+)
+from ..contract.requests import REQUESTS_TABLE
+from ..contract.rollup import (
+    ALL_REQUESTS,
+    ROLLUP_BANDS_PER_DECADE,
+    ROLLUP_STEP_S,
+    ROLLUP_TABLE,
+)
+from ..contract.samples import GPU_SAMPLES_TABLE
+from ..store.client import Store
 
 # Bin widths the time axis snaps to, so bin edges fall on round times.
 NICE_BIN_SECONDS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
@@ -109,12 +122,13 @@ class Filters:
         conditions = [f"{time_column} >= {_timestamp('window_start_ns')}",
                       f"{time_column} < {_timestamp('window_end_ns')}"]
         parameters = self.window_parameters()
-        for name, values, column in (("servers", self.servers, SERVER_SQL),
-                                     ("models", self.models if models else (), "model"),
-                                     ("routes", self.routes if routes else (), "path")):
-            if values:
-                conditions.append(f"{column} IN {{{name}:Array(String)}}")
-                parameters[name] = list(values)
+        scope = Scope(tuple(Server.parse(server) for server in self.servers), self.models)
+        scope_condition, scope_parameters = scope.condition(with_model=models)
+        conditions.append(scope_condition)
+        parameters.update(scope_parameters)
+        if routes and self.routes:
+            conditions.append("path IN {routes:Array(String)}")
+            parameters["routes"] = list(self.routes)
         return " AND ".join(conditions), parameters
 
     def request_conditions(self) -> tuple[str, dict]:

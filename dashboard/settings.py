@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..store.url import DEFAULT_STORE
+
 STORE_ENV = "TOKENPROBE_DASHBOARD_STORE"
 REFRESH_ENV = "TOKENPROBE_DASHBOARD_REFRESH_S"
 DEFAULT_REFRESH_S = 10.0
@@ -38,9 +40,6 @@ def environment(store_url: str, refresh_s: float) -> dict[str, str]:
 
 def from_environment() -> DashboardSettings:
     """The settings the app was started with (the CLI's defaults where a variable is unset)."""
-    # Imported here: agent.cli registers the dashboard's subcommand, so it imports this package.
-    from tokenprobe.agent.cli import DEFAULT_STORE
-
     return DashboardSettings(
         store_url=os.environ.get(STORE_ENV, DEFAULT_STORE),
         refresh_s=parse_refresh(os.environ.get(REFRESH_ENV, str(DEFAULT_REFRESH_S))),

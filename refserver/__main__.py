@@ -10,10 +10,10 @@ import tempfile
 import threading
 from collections.abc import Sequence
 
-from tokenprobe.refserver.engine import EngineTiming
-from tokenprobe.refserver.loadgen import LoadConfig, burst, run_load
-from tokenprobe.refserver.server import ReferenceServer, ServerConfig
-from tokenprobe.refserver.tls import make_self_signed_cert
+from .engine import EngineTiming
+from .loadgen import LoadConfig, burst, run_load
+from .server import ReferenceServer, ServerConfig
+from .tls import make_self_signed_cert
 
 
 def _serve_parser(subparsers: argparse._SubParsersAction) -> None:

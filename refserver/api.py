@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tokenprobe.refserver.text import CHAT_TOKENS_PER_MESSAGE, estimate_tokens
+from .text import CHAT_TOKENS_PER_MESSAGE, estimate_tokens
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"

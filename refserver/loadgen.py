@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
-from tokenprobe.refserver.api import CHAT_PATH, COMPLETIONS_PATH
-from tokenprobe.refserver.text import pseudo_prompt
+from ..agent.http_assembler import DEFAULT_TENANT_HEADER
+from .api import CHAT_PATH, COMPLETIONS_PATH
+from .text import pseudo_prompt
 
 PROGRESS_INTERVAL_S = 2.0
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tokenprobe.refserver.api import (
+from .api import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     DONE_EVENT,
@@ -31,17 +31,16 @@ from tokenprobe.refserver.api import (
     new_response_id,
     parse_completion_request,
 )
-from tokenprobe.refserver.engine import (
-    Engine,
-    EngineSnapshot,
-    EngineStopped,
-    EngineTiming,
+from .engine import Engine, EngineSnapshot, EngineStopped, EngineTiming
+from .sim_metrics import (
+    PROMETHEUS_CONTENT_TYPE,
+    SIMULATED_METRICS_PATHS,
+    SimulatedMetrics,
 )
-from tokenprobe.refserver.text import generated_tokens
-from tokenprobe.refserver.sim_metrics import PROMETHEUS_CONTENT_TYPE, SIMULATED_METRICS_PATHS, SimulatedMetrics
-from tokenprobe.refserver.tls import server_context
-from tokenprobe.refserver.truthlog import TruthLog
-from tokenprobe.refserver.wire import (
+from .text import generated_tokens
+from .tls import server_context
+from .truthlog import TruthLog
+from .wire import (
     LAST_CHUNK,
     REASONS,
     BadRequest,

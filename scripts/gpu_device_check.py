@@ -5,7 +5,7 @@ Run on a machine with an NVIDIA GPU and driver (the test suite never needs it):
 
     python scripts/gpu_device_check.py [--seconds 20] [--hz 10] [--gib 2]
 
-For about 20 s it samples every GPU through ``tokenprobe.agent.gpu.NvmlSampler``
+For about 20 s it samples every GPU through ``tokenprobe.agent.sampling.gpu.NvmlSampler``
 at 10 Hz while, on the first GPU, it: waits (baseline), allocates ``--gib`` GiB,
 allocates as much again, then frees both. Memory is allocated with torch when
 torch can see a GPU, else through the CUDA driver API (libcuda.so.1) via
@@ -31,8 +31,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tokenprobe.agent.clock import MonotonicWallClock
-from tokenprobe.agent.gpu import GpuReading, NvmlSampler
+from tokenprobe.agent.capture.clock import MonotonicWallClock
+from tokenprobe.agent.sampling.gpu import GpuReading, NvmlSampler
 
 GIB = 1024**3
 MIB = 1024**2

@@ -6,8 +6,14 @@ import itertools
 import time
 
 from tokenprobe.actuator import wire
-from tokenprobe.actuator.decisions import BreakerAction, BreakerState, Decision, Target, TokenBudgetAction
 from tokenprobe.actuator.v1 import actuator_pb2 as pb
+from tokenprobe.contract.decisions import (
+    BreakerAction,
+    BreakerState,
+    Decision,
+    Target,
+    TokenBudgetAction,
+)
 
 TOKEN = "test-token-0123456789abcdef"
 RPC_TIMEOUT_S = 10.0

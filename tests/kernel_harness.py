@@ -178,7 +178,7 @@ def read_truth(path: Path) -> list[dict]:
 
 
 def read_rows(store_url: str) -> list[dict]:
-    from tokenprobe.agent.store import open_store
+    from tokenprobe.store.embedded import open_store
 
     store = open_store(store_url, serve=False)
     try:

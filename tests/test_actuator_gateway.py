@@ -13,16 +13,19 @@ import time
 
 import grpc
 import pytest
-
 from tokenprobe.actuator.asgi import ActuatorMiddleware, UsageScanner
 from tokenprobe.actuator.auth import ClientAuth, ServerAuth
-from tokenprobe.actuator.decisions import BreakerState
 from tokenprobe.actuator.engine import Enforcer, Verdict, VerdictKind
-from tokenprobe.actuator.gateway import GatewayGuard, estimate_request, rejection_response
+from tokenprobe.actuator.gateway import (
+    GatewayGuard,
+    estimate_request,
+    rejection_response,
+)
 from tokenprobe.actuator.server import ActuatorServer
 from tokenprobe.actuator.v1 import actuator_pb2 as pb
 from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
-from tests.support import free_port, wait_until
+from tokenprobe.contract.decisions import BreakerState
+
 from tests.actuator_support import (
     RPC_TIMEOUT_S,
     TOKEN,
@@ -32,6 +35,7 @@ from tests.actuator_support import (
     budget,
     unique_upstream,
 )
+from tests.support import free_port, wait_until
 
 # --------------------------------------------------------------------------- pure pieces
 

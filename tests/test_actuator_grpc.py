@@ -17,23 +17,17 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 from google.protobuf.wrappers_pb2 import UInt64Value
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
 from tokenprobe.actuator import wire
 from tokenprobe.actuator.auth import ClientAuth, ServerAuth, ServerTls
-from tokenprobe.actuator.controller import (
-    Controller,
-    ControllerPolicy,
-    DecisionPublisher,
-    DecisionRecorder,
-    WindowFigures,
-)
-from tokenprobe.actuator.decisions import BreakerState
+from tokenprobe.actuator.controller import Controller, ControllerPolicy
 from tokenprobe.actuator.engine import Enforcer, VerdictKind
 from tokenprobe.actuator.gateway import GatewayGuard
+from tokenprobe.actuator.publisher import DecisionPublisher, DecisionRecorder
 from tokenprobe.actuator.server import ActuatorServer
 from tokenprobe.actuator.v1 import actuator_pb2 as pb
 from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
-from tests.support import WAIT_S, free_port, wait_until
+from tokenprobe.contract.decisions import BreakerState, WindowFigures
+
 from tests.actuator_support import (
     RPC_TIMEOUT_S,
     TOKEN,
@@ -43,6 +37,7 @@ from tests.actuator_support import (
     budget,
     unique_upstream,
 )
+from tests.support import WAIT_S, free_port, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -360,7 +355,7 @@ def test_watching_gateway_with_no_actuator_allows_everything():
 
 
 def test_controller_decisions_are_pushed_and_recorded(server, tmp_path):
-    store_module = pytest.importorskip("tokenprobe.agent.store")
+    from tokenprobe.store import open_store
     upstream = unique_upstream()
     controller = Controller(ControllerPolicy(window_s=5.0))
     now = time.time()
@@ -379,7 +374,7 @@ def test_controller_decisions_are_pushed_and_recorded(server, tmp_path):
     unreachable.close()
     assert lost[0].outcome == "unreachable"
 
-    store = store_module.open_store(f"chdb://{tmp_path / 'store'}", serve=False)
+    store = open_store(f"chdb://{tmp_path / 'store'}", serve=False)
     try:
         store.ensure_schema()
         DecisionRecorder(store).record(outcomes + refused + lost, recorded_at=time.time())

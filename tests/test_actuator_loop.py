@@ -14,15 +14,21 @@ from __future__ import annotations
 import time
 
 import pytest
+from tokenprobe.actuator.server import ActuatorServer
+from tokenprobe.cli.stack import closed_loop
+from tokenprobe.contract.decisions import BreakerState
+from tokenprobe.store.embedded import open_store
 
-from tests.actuator_loop_support import (DECODE_MS, OVERLOAD_POLICY, SLOTS, TTFT_OBJECTIVE_S, load_together,
-                                         percentile)
+from tests.actuator_loop_support import (
+    DECODE_MS,
+    OVERLOAD_POLICY,
+    SLOTS,
+    TTFT_OBJECTIVE_S,
+    load_together,
+    percentile,
+)
 from tests.kernel_harness import agent, reference_server, require_kernel
 from tests.support import free_port
-from tokenprobe.actuator.decisions import BreakerState
-from tokenprobe.actuator.server import ActuatorServer
-from tokenprobe.actuator.stack import closed_loop
-from tokenprobe.agent.store import open_store
 
 pytestmark = pytest.mark.kernel
 

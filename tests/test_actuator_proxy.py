@@ -11,16 +11,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+from tokenprobe.actuator.auth import ServerAuth
+from tokenprobe.actuator.engine import Enforcer
+from tokenprobe.actuator.server import ActuatorServer
+from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
+from tokenprobe.contract.decisions import BreakerState
+from tokenprobe.refserver.loadgen import LoadConfig, burst
 
 from tests.actuator_support import TOKEN, apply, breaker, unique_upstream
 from tests.kernel_harness import reference_server
 from tests.support import free_port, wait_for_port
-from tokenprobe.actuator.auth import ServerAuth
-from tokenprobe.actuator.decisions import BreakerState
-from tokenprobe.actuator.engine import Enforcer
-from tokenprobe.actuator.server import ActuatorServer
-from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
-from tokenprobe.refserver.loadgen import LoadConfig, burst
 
 
 @contextmanager

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 from prometheus_client import generate_latest
-
-from tokenprobe.agent.metrics_endpoint import AgentMetrics
-from tokenprobe.agent.prom_text import parse_exposition
-from tokenprobe.agent.store import SinkStats
+from tokenprobe.agent.export.metrics_endpoint import AgentMetrics
+from tokenprobe.agent.sampling.prom_text import parse_exposition
+from tokenprobe.store.sink import SinkStats
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "tokenprobe-rules.yml"

@@ -20,11 +20,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tokenprobe.agent.export.metrics_endpoint import AgentMetrics
+from tokenprobe.analytics.alerting import (
+    Alert,
+    AlertmanagerClient,
+    AlertmanagerError,
+    finding,
+)
 
 from tests.support import free_port, wait_until
 from tests.test_alert_rules import RULES, require_binary
-from tokenprobe.agent.metrics_endpoint import AgentMetrics
-from tokenprobe.analytics.alerting import Alert, AlertmanagerClient, AlertmanagerError, finding
 
 # Generous: a loaded 2-core CI machine starts Prometheus slowly; the alert itself needs seconds.
 ALERT_TIMEOUT_S = 90

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from tokenprobe.analytics.config import AnalyticsConfig, Thresholds, load_config
 from tokenprobe.analytics.robust import fit_knee, theil_sen
 from tokenprobe.analytics.scope import Scope, Server

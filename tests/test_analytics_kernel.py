@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from tests.kernel_harness import agent, read_truth, reference_server, require_kernel
-from tokenprobe.agent.store import Store, open_store
-from tokenprobe.analytics.groundtruth import (
+from tokenprobe.analytics.indicators import CRIT, OK, WARN
+from tokenprobe.analytics.pipeline import AnalysisReport, analyze
+from tokenprobe.analytics.timerange import TimeRange
+from tokenprobe.refserver.groundtruth import (
     LevelRun,
     LoadLevel,
     errors_by_level,
@@ -32,9 +32,10 @@ from tokenprobe.analytics.groundtruth import (
     run_levels,
     sweep_concurrency,
 )
-from tokenprobe.analytics.indicators import CRIT, OK, WARN
-from tokenprobe.analytics.pipeline import AnalysisReport, analyze
-from tokenprobe.analytics.timerange import TimeRange
+from tokenprobe.store.client import Store
+from tokenprobe.store.embedded import open_store
+
+from tests.kernel_harness import agent, read_truth, reference_server, require_kernel
 
 pytestmark = pytest.mark.kernel
 

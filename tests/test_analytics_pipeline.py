@@ -1,6 +1,6 @@
 """The analytics end to end on known traffic, in a real embedded store.
 
-Simulated slot servers (``analytics.synthetic``) play one scenario per port,
+Simulated slot servers (``tests.support.slot_simulation``) play one scenario per port,
 with their ground truth; GPU and engine samples are inserted beside them.
 One analysis runs over all of it, and each test checks one finding against
 what the scenario was built to show.
@@ -26,11 +26,13 @@ import time
 
 import numpy as np
 import pytest
-
-from tokenprobe.agent.engine_metrics import EngineReading
-from tokenprobe.agent.gpu import GpuReading, ServerGpu
-from tokenprobe.agent.samples import engine_samples_arrow, gpu_samples_arrow, server_gpus_arrow
-from tokenprobe.agent.store import open_store
+from tokenprobe.agent.sampling.engine_metrics import EngineReading
+from tokenprobe.agent.sampling.gpu import GpuReading, ServerGpu
+from tokenprobe.agent.sampling.samplers import (
+    engine_samples_arrow,
+    gpu_samples_arrow,
+    server_gpus_arrow,
+)
 from tokenprobe.analytics.calibration import BYTES, TOKENS
 from tokenprobe.analytics.cli import add_analyze_parser
 from tokenprobe.analytics.config import AnalysisSpans, AnalyticsConfig
@@ -38,8 +40,10 @@ from tokenprobe.analytics.figures import window_figures
 from tokenprobe.analytics.indicators import CRIT, NO_DATA, OK, WARN
 from tokenprobe.analytics.pipeline import analyze
 from tokenprobe.analytics.scope import Scope, Server
-from tokenprobe.analytics.synthetic import MS, LoadPhase, SlotServer, simulate
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+from tokenprobe.store.embedded import open_store
+
+from tests.support.slot_simulation import MS, LoadPhase, SlotServer, simulate
 
 NODE = "sim-node"
 MINUTE = 60 * NS_PER_S
@@ -379,11 +383,13 @@ def test_window_figures_follow_the_load(analysed):
 def test_control_loop_survives_an_unreachable_actuator_and_a_closed_store(analysed):
     """Over the overload's windows the loop decides; the actuator is down, so every decision is
     recorded as unreachable (gateways fail open) and the loop goes on; a store gone is a skipped window."""
-    from tests.support import free_port
     from tokenprobe.actuator.auth import ClientAuth
     from tokenprobe.actuator.breaker import BreakerPolicy
-    from tokenprobe.actuator.controller import Controller, ControllerPolicy, DecisionPublisher
+    from tokenprobe.actuator.controller import Controller, ControllerPolicy
     from tokenprobe.actuator.loop import ControlLoop
+    from tokenprobe.actuator.publisher import DecisionPublisher
+
+    from tests.support import free_port
 
     store, _, _, url = analysed
     policy = ControllerPolicy(window_s=30.0, breaker=BreakerPolicy(trip_windows=2))

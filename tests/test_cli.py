@@ -47,7 +47,7 @@ def test_doctor_reports_this_node():
 
 
 def test_query_reads_a_store(tmp_path):
-    from tokenprobe.agent.store import open_store
+    from tokenprobe.store.embedded import open_store
 
     url = f"chdb://{tmp_path / 'store'}"
     with open_store(url, serve=False) as store:
@@ -70,9 +70,10 @@ def test_control_refuses_bad_options_in_plain_words(tmp_path, extra, message):
 
 
 def test_control_runs_until_sigterm_and_says_what_it_did(tmp_path):
-    from tests.actuator_support import TOKEN
     from tokenprobe.actuator.auth import ServerAuth
     from tokenprobe.actuator.server import ActuatorServer
+
+    from tests.actuator_support import TOKEN
 
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)

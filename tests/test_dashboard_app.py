@@ -20,18 +20,18 @@ import pyarrow as pa
 import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
-
-from tokenprobe.agent import schema
-from tokenprobe.agent.store import open_store
 from tokenprobe.analytics.indicators import Cell
+from tokenprobe.contract import requests as schema
+from tokenprobe.contract.latency import METRICS, band_bounds_ms
+from tokenprobe.contract.rollup import ROLLUP_TABLE
+from tokenprobe.contract.tables import DEFAULT_TTL_DAYS
 from tokenprobe.dashboard import queries as dashboard_queries
 from tokenprobe.dashboard.cli import add_dashboard_parser
-from tokenprobe.dashboard.latency import METRICS, band_bounds_ms
 from tokenprobe.dashboard.queries import DashboardQueries, Filters, choose_bin_seconds
-from tokenprobe.dashboard.rollup import ROLLUP_TABLE
 from tokenprobe.dashboard.settings import REFRESH_ENV, STORE_ENV, parse_refresh
+from tokenprobe.store.embedded import open_store
 
-APP = Path(dashboard_queries.__file__).with_name("app.py")
+APP = Path(dashboard_queries.__file__).with_name("streamlit_app.py")
 MS = 1_000_000
 S = 1_000_000_000
 # Generous: other engineers run tests on the same 2-core machine.
@@ -48,9 +48,7 @@ OLD = T0 - 3 * 86400 * S  # a day outside every window the app offers, for analy
 # its view included), serves the store, and keeps it until its stdin closes.
 OWNER_SCRIPT = """
 import sys
-import tokenprobe.actuator.controller, tokenprobe.agent.samples, tokenprobe.analytics.tables
-import tokenprobe.dashboard.rollup
-from tokenprobe.agent.store import open_store
+from tokenprobe.store import open_store
 store = open_store(sys.argv[1])
 store.ensure_schema()
 print("ready", flush=True)
@@ -358,7 +356,7 @@ def test_app_owns_a_store_nobody_serves_and_says_what_is_missing(tmp_path, monke
     url = f"chdb://{tmp_path / 'bare'}"
     with open_store(url, serve=False) as store:  # only the requests table: no GPU samples, no analytics
         store.command(f"CREATE DATABASE {store.database}")
-        store.command(schema.REQUESTS_DDL.format(db=store.database, ttl_days=schema.DEFAULT_TTL_DAYS))
+        store.command(schema.REQUESTS_DDL.format(db=store.database, ttl_days=DEFAULT_TTL_DAYS))
     monkeypatch.setenv(STORE_ENV, url)
     monkeypatch.setenv(REFRESH_ENV, "0")
     try:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,8 +21,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tokenprobe.store.embedded import open_store
 
-from tokenprobe.agent.store import open_store
+from tests.support import free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOT_COPY = Path("/tmp/tokenprobe-dashboard.png")
@@ -38,12 +38,10 @@ SPAN_S = 3600
 
 OWNER_SCRIPT = """
 import sys, time
-import tokenprobe.actuator.controller, tokenprobe.agent.samples, tokenprobe.analytics.tables
-import tokenprobe.dashboard.rollup
-from tokenprobe.agent.store import open_store
+from tokenprobe.store import open_store
 from tokenprobe.analytics.pipeline import analyze
 from tokenprobe.analytics.timerange import TimeRange
-from tokenprobe.dashboard import synthetic
+from tokenprobe.refserver import fleet as synthetic
 span_s = int(sys.argv[2])
 store = open_store(sys.argv[1])
 store.ensure_schema()
@@ -82,12 +80,6 @@ def require_browser():
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for_http(url: str, process: subprocess.Popen, timeout_s: float) -> None:

@@ -8,12 +8,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
-from tokenprobe.agent.clock import MonotonicWallClock
-from tokenprobe.agent.dcgm import MIB, DcgmScraper, parse_dcgm_text
-from tokenprobe.agent.prom_text import ScrapeError
-from tokenprobe.agent.samples import SamplerSet
-from tokenprobe.agent.store import open_store
+from tokenprobe.agent.capture.clock import MonotonicWallClock
+from tokenprobe.agent.sampling.dcgm import MIB, DcgmScraper, parse_dcgm_text
+from tokenprobe.agent.sampling.prom_text import ScrapeError
+from tokenprobe.agent.sampling.samplers import SamplerSet
+from tokenprobe.store.embedded import open_store
 
 DATA = Path(__file__).resolve().parent / "data"
 H100_0 = "GPU-5d3e5f8a-9c1b-7a42-e0f3-2b6c8d1e4a90"

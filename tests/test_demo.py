@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from tokenprobe.cli.demo import port_in_use
+from tokenprobe.store.embedded import open_store
 
 from tests.kernel_harness import require_kernel
 from tests.support import free_port
-from tokenprobe.agent.demo import port_in_use
-from tokenprobe.agent.store import open_store
 
 pytestmark = pytest.mark.kernel
 

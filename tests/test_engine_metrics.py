@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
-from tokenprobe.agent.engine_metrics import (
+from tokenprobe.agent.sampling.engine_metrics import (
     EngineScraper,
     HistogramTotals,
     detect_engine,
     reading_from_exposition,
     window_mean,
 )
-from tokenprobe.agent.prom_text import ScrapeError, parse_exposition
+from tokenprobe.agent.sampling.prom_text import ScrapeError, parse_exposition
 
-FIXTURES = Path(os.environ.get("TOKENPROBE_FIXTURES", "/work/shared/fixtures"))
+# Real captures from real inference servers (tests/data/fixtures/README.md says how each was taken).
+FIXTURES = Path(__file__).resolve().parent / "data" / "fixtures"
 DATA = Path(__file__).resolve().parent / "data"
 
 

@@ -9,15 +9,18 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
-from tokenprobe.agent.clock import MonotonicWallClock
-from tokenprobe.agent.dcgm import DcgmScraper
-from tokenprobe.agent.engine_metrics import EngineReading, EngineScraper
-from tokenprobe.agent.gpu import GpuReading, ServerGpu, ServerGpuMap
-from tokenprobe.agent.gpu_join import VIEW_NAME, create_request_gpu_state_view, request_gpu_state_sql
-from tokenprobe.agent.samples import SamplerSet, engine_samples_arrow, gpu_samples_arrow, server_gpus_arrow
-from tokenprobe.agent.schema import REQUEST_SCHEMA
-from tokenprobe.agent.store import open_store
+from tokenprobe.agent.capture.clock import MonotonicWallClock
+from tokenprobe.agent.sampling.dcgm import DcgmScraper
+from tokenprobe.agent.sampling.engine_metrics import EngineReading, EngineScraper
+from tokenprobe.agent.sampling.gpu import GpuReading, ServerGpu, ServerGpuMap
+from tokenprobe.agent.sampling.samplers import (
+    SamplerSet,
+    engine_samples_arrow,
+    gpu_samples_arrow,
+    server_gpus_arrow,
+)
+from tokenprobe.contract.requests import REQUEST_SCHEMA
+from tokenprobe.contract.views import VIEW_NAME, request_gpu_state_sql
 from tokenprobe.refserver.sim_metrics import (
     PROMETHEUS_CONTENT_TYPE,
     SimulatedGpu,
@@ -25,6 +28,8 @@ from tokenprobe.refserver.sim_metrics import (
     render_dcgm_text,
     render_vllm_text,
 )
+from tokenprobe.store.embedded import open_store
+from tokenprobe.store.schema import create_request_gpu_state_view
 
 MS = 1_000_000
 # Recent, so the tables' TTL keeps every row; whole seconds, so offsets read easily.

@@ -24,12 +24,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pynvml
 import pytest
-
-from tokenprobe.agent.clock import MonotonicWallClock
-from tokenprobe.agent.engine_metrics import EngineScraper
-from tokenprobe.agent.gpu import GpuProcess, GpuReading, NvmlSampler, ServerGpuMap, read_parent_pid
-from tokenprobe.agent.samples import SamplerSet
-from tokenprobe.agent.store import open_store
+from tokenprobe.agent.capture.clock import MonotonicWallClock
+from tokenprobe.agent.sampling.engine_metrics import EngineScraper
+from tokenprobe.agent.sampling.gpu import (
+    GpuProcess,
+    GpuReading,
+    NvmlSampler,
+    ServerGpuMap,
+    read_parent_pid,
+)
+from tokenprobe.agent.sampling.samplers import SamplerSet
+from tokenprobe.store.embedded import open_store
 
 GIB = 1024**3
 MIB = 1024**2
@@ -518,7 +523,7 @@ def test_sampler_set_writes_replayed_samples_and_mapping_and_survives_errors(
     NvmlReplay(recorded_run(server_process.pid), advance_each_read=True).install(monkeypatch)
     clock = MonotonicWallClock()
     samplers = SamplerSet(store, "node-a", clock, nvml=NvmlSampler(), nvml_hz=20, flush_interval_s=0.2)
-    with caplog.at_level(logging.WARNING, logger="tokenprobe.agent.samples"):
+    with caplog.at_level(logging.WARNING, logger="tokenprobe.agent.sampling.samplers"):
         started_mono = time.monotonic_ns()
         samplers.start()
         # The replay stays on its last tick: wait until the sampler has read well past it.
@@ -573,7 +578,7 @@ def test_sampler_set_without_nvml_says_so_once_and_runs_the_rest(store, caplog):
             scrape_interval_s=0.05,
             flush_interval_s=0.2,
         )
-        with caplog.at_level(logging.WARNING, logger="tokenprobe.agent.samples"):
+        with caplog.at_level(logging.WARNING, logger="tokenprobe.agent.sampling.samplers"):
             samplers.start()
             wait_for(lambda: samplers.stats()["rows_written"].get("engine_samples", 0) >= 3, "engine rows")
             wait_for(lambda: sum(samplers.stats()["errors"].values()) >= 3, "repeated scrape failures")

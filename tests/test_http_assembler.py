@@ -24,9 +24,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from tokenprobe.agent import http_assembler
-from tokenprobe.agent.http_assembler import CLOSE_REASONS, Exchange, HttpConnectionAssembler
+from tokenprobe.agent.http_assembler import (
+    CLOSE_REASONS,
+    Exchange,
+    HttpConnectionAssembler,
+)
 
 DATA = Path(__file__).parent / "data"
 KEY = b"assembler-test-key"

@@ -20,11 +20,17 @@ import statistics
 from pathlib import Path
 
 import pytest
-
-from tests.kernel_harness import (agent, nginx_tls_proxy, read_rows, read_truth, reference_server,
-                                  require_kernel)
 from tokenprobe.refserver.loadgen import LoadConfig, burst
 from tokenprobe.refserver.tls import make_self_signed_cert
+
+from tests.kernel_harness import (
+    agent,
+    nginx_tls_proxy,
+    read_rows,
+    read_truth,
+    reference_server,
+    require_kernel,
+)
 
 pytestmark = pytest.mark.kernel
 

@@ -16,11 +16,18 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
-from tests.kernel_harness import (agent, free_port, nginx_tls_proxy, read_rows, reference_server,
-                                  require_kernel, wait_for_port)
 from tokenprobe.refserver.loadgen import LoadConfig, burst
 from tokenprobe.refserver.tls import make_self_signed_cert
+
+from tests.kernel_harness import (
+    agent,
+    free_port,
+    nginx_tls_proxy,
+    read_rows,
+    reference_server,
+    require_kernel,
+    wait_for_port,
+)
 
 pytestmark = pytest.mark.kernel
 

@@ -8,10 +8,13 @@ import threading
 import time
 
 import pytest
-
-from tokenprobe.agent.metrics_endpoint import OVERFLOW_MODEL, AgentMetrics, RequestTimings
-from tokenprobe.agent.prom_text import Exposition, scrape
-from tokenprobe.agent.store import SinkStats
+from tokenprobe.agent.export.metrics_endpoint import (
+    OVERFLOW_MODEL,
+    AgentMetrics,
+    RequestTimings,
+)
+from tokenprobe.agent.sampling.prom_text import Exposition, scrape
+from tokenprobe.store.sink import SinkStats
 
 T0 = 1_760_000_000_000_000_000
 MS = 1_000_000

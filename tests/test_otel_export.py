@@ -8,12 +8,17 @@ from concurrent import futures
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.metrics.v1 import (
+    metrics_service_pb2,
+    metrics_service_pb2_grpc,
+)
+from opentelemetry.proto.collector.trace.v1 import (
+    trace_service_pb2,
+    trace_service_pb2_grpc,
+)
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
-
-from tokenprobe.agent.otel_export import OtelExporter, request_phases
+from tokenprobe.agent.export.otel_export import OtelExporter, request_phases
 
 T0 = 1_760_000_000_000_000_000  # a wall-clock instant, ns
 MS = 1_000_000

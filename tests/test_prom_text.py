@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
+from tokenprobe.agent.sampling.prom_text import parse_exposition
 
-from tokenprobe.agent.prom_text import parse_exposition
-
-FIXTURES = Path(os.environ.get("TOKENPROBE_FIXTURES", "/work/shared/fixtures"))
+# Real captures from real inference servers (tests/data/fixtures/README.md says how each was taken).
+FIXTURES = Path(__file__).resolve().parent / "data" / "fixtures"
 
 
 def fixture_text(name: str) -> str:
@@ -30,7 +29,7 @@ def family_types(text: str) -> dict[str, int]:
 @pytest.mark.parametrize(
     "name, families",
     [
-        # shared/fixtures/README.md: 22 counter, 12 gauge, 18 histogram, 2 summary families,
+        # tests/data/fixtures/README.md: 22 counter, 12 gauge, 18 histogram, 2 summary families,
         # plus one gauge family per _created series (34 idle, 38 busy/after).
         ("vllm_metrics_idle.txt", {"counter": 22, "gauge": 12 + 34, "histogram": 18, "summary": 2}),
         ("vllm_metrics_busy.txt", {"counter": 22, "gauge": 12 + 38, "histogram": 18, "summary": 2}),

@@ -1,6 +1,6 @@
 """The reference server and load generator, over real sockets on 127.0.0.1.
 
-Wire-format tests compare against the real vLLM captures in shared/fixtures;
+Wire-format tests compare against the real vLLM captures in tests/data/fixtures;
 timing tests read the server's own truth log (CLOCK_MONOTONIC ns) with
 generous bounds, since other test suites share this 2-core machine.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import signal
 import socket
@@ -32,7 +31,8 @@ from tokenprobe.refserver import (
     run_load,
 )
 
-FIXTURES = Path(os.environ.get("TOKENPROBE_FIXTURES", "/work/shared/fixtures"))
+# Real captures from real inference servers (tests/data/fixtures/README.md says how each was taken).
+FIXTURES = Path(__file__).resolve().parent / "data" / "fixtures"
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 TRUTH_KEYS = {
     "id",

@@ -19,17 +19,21 @@ from pathlib import Path
 import clickhouse_connect
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
-
-from tokenprobe.agent import schema
-from tokenprobe.agent.store import (
-    LOCK_FILE,
-    SERVE_FILE,
-    RequestSink,
-    StoreUnavailable,
-    open_store,
-    parse_store_url,
+from tokenprobe.contract import registry
+from tokenprobe.contract import requests as schema
+from tokenprobe.contract.tables import (
+    OPAQUE_CODEC,
+    TIMESTAMP_CODEC,
+    TIMESTAMP_TYPE,
+    Column,
+    Table,
 )
-from tokenprobe.agent.store_server import StoreServer
+from tokenprobe.store.client import StoreUnavailable
+from tokenprobe.store.embedded import LOCK_FILE, SERVE_FILE, open_store
+from tokenprobe.store.server import StoreServer
+from tokenprobe.store.sink import RequestSink
+from tokenprobe.store.url import parse_store_url
+
 from tests.support import WAIT_S, free_port, wait_until
 
 ROW_SCHEMA_DOC = Path(__file__).resolve().parents[1] / "docs" / "ROW_SCHEMA.md"
@@ -192,7 +196,6 @@ def test_ensure_schema_adds_the_tenant_column_to_a_store_made_before_it(owner):
 
 
 def test_ensure_schema_adds_any_missing_request_columns_before_views_read_them(store_dir):
-    import tokenprobe.dashboard.rollup  # noqa: F401  (registers a materialized view that reads `node`)
 
     with open_store(f"chdb://{store_dir}") as owner:
         owner.command("CREATE DATABASE tokenprobe")
@@ -216,23 +219,27 @@ def test_ttl_days_is_configurable(tmp_path):
     assert "toIntervalDay(3)" in engine_full
 
 
-def test_registered_tables_are_created_and_take_typed_rows(owner, monkeypatch):
-    monkeypatch.setattr(schema, "TABLES", dict(schema.TABLES))
-    ddl = """CREATE TABLE IF NOT EXISTS {db}.probe_samples
-    (ts DateTime64(9, 'UTC'), value Float64, note String DEFAULT 'none')
-    ENGINE = MergeTree ORDER BY ts TTL toDateTime(ts) + INTERVAL {ttl_days} DAY"""
-    schema.register_table("probe_samples", ddl)
-    schema.register_table("probe_samples", ddl)  # the same DDL again is fine
-    with pytest.raises(ValueError, match="already registered"):
-        schema.register_table("probe_samples", ddl.replace("Float64", "Float32"))
-    with pytest.raises(ValueError, match="placeholders"):
-        schema.register_table("other", "CREATE TABLE {database}.other (a UInt8) ENGINE = Memory")
+def test_every_registered_table_and_view_is_created_in_registry_order(owner):
+    """The registry is the one list: the store holds exactly its tables and views (and the GPU join
+    view), whatever this process imported."""
+    created = {name for (name,) in owner.query_rows("SELECT name FROM system.tables WHERE database = 'tokenprobe'")}
+    expected = {table.name for table in registry.TABLES} | {view.name for view in registry.MATERIALIZED_VIEWS}
+    assert expected <= created
+    assert created - expected <= {"request_gpu_state"}
+    created_in_order = [re.match(r"CREATE (?:TABLE|MATERIALIZED VIEW) IF NOT EXISTS tokenprobe\.(\w+)", statement)[1]
+                        for statement in registry.create_statements("tokenprobe", 30)[1:]]
+    assert created_in_order == [table.name for table in registry.TABLES] + [
+        view.name for view in registry.MATERIALIZED_VIEWS]
 
+
+def test_a_table_declared_in_the_contract_is_created_and_takes_typed_rows(owner, monkeypatch):
+    columns = (Column("ts", TIMESTAMP_TYPE, TIMESTAMP_CODEC), Column("value", "Float64", OPAQUE_CODEC))
+    probe = Table("probe_samples", columns, order_by="ts", partition_by="ts", ttl_column="ts")
+    monkeypatch.setattr(registry, "TABLES", registry.TABLES + (probe,))
     owner.ensure_schema()
     ts = time.time_ns() + 123
     assert owner.insert_rows("probe_samples", [{"ts": ts, "value": 0.5}]) == 1
-    assert owner.query_rows("SELECT toUnixTimestamp64Nano(ts), value, note FROM tokenprobe.probe_samples") == [
-        (ts, 0.5, "none")]
+    assert owner.query_rows("SELECT toUnixTimestamp64Nano(ts), value FROM tokenprobe.probe_samples") == [(ts, 0.5)]
 
 
 # --------------------------------------------------------------------------- rows in, rows out
@@ -311,7 +318,7 @@ def test_store_is_safe_to_share_between_threads(owner, store_dir):
 
 SECOND_PROCESS = """
 import json, sys
-from tokenprobe.agent.store import open_store
+from tokenprobe.store import open_store
 store = open_store(sys.argv[1])
 seen = store.query_rows(
     "SELECT conn_id, toUnixTimestamp64Nano(req_start), token_offsets_us FROM tokenprobe.requests ORDER BY conn_id")
@@ -338,7 +345,7 @@ def test_second_process_reads_and_writes_through_the_owner(owner, store_dir):
 
 HOLD_STORE = """
 import sys, time
-from tokenprobe.agent.store import open_store
+from tokenprobe.store import open_store
 store = open_store(sys.argv[1])
 print(store.mode, flush=True)
 time.sleep(120)

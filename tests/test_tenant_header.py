@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tokenprobe.store.embedded import open_store
 
 from tests.kernel_harness import agent, reference_server, require_kernel
-from tokenprobe.agent.store import open_store
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -12,15 +12,24 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tokenprobe.actuator.asgi import ActuatorMiddleware
-from tokenprobe.agent.clock import MonotonicWallClock, measure_offset
+from tokenprobe.agent.capture.clock import MonotonicWallClock, measure_offset
+from tokenprobe.agent.capture.kernel_headers import choose_headers
+from tokenprobe.agent.capture.probes import (
+    DIR_READ,
+    DIR_WRITE,
+    EV_ACCEPT,
+    EV_CLOSE,
+    EV_DATA,
+    EV_TLS_DONE,
+    HEADER_SIZE,
+    EventDecodeError,
+    KernelEvent,
+    decode_event,
+)
+from tokenprobe.agent.capture.tracker import ConnectionTracker
 from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
-from tokenprobe.agent.kernel_headers import choose_headers
-from tokenprobe.agent.probes import (DIR_READ, DIR_WRITE, EV_ACCEPT, EV_CLOSE, EV_DATA, EV_TLS_DONE,
-                                     HEADER_SIZE, EventDecodeError, KernelEvent, decode_event)
-from tokenprobe.agent.schema import REQUEST_COLUMNS
-from tokenprobe.agent.tracker import ConnectionTracker
+from tokenprobe.contract.requests import REQUEST_COLUMNS
 
 HEADER = struct.Struct("<QQIIBBBBiIHHHH16s16s")
 V4_MAPPED_LOOPBACK = bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1])

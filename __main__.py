@@ -1,0 +1,5 @@
+"""`python -m tokenprobe`: the tokenprobe command."""
+
+from .cli.main import main
+
+raise SystemExit(main())

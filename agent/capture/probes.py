@@ -1,0 +1,353 @@
+"""Load bpf/tokenprobe.c with BCC, choose targets, and deliver decoded events.
+
+Event records are decoded here with `struct` (not ctypes) because this is the
+agent's hottest path; every record is checked against its own length fields,
+so a corrupt record is counted and skipped, never trusted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.resources
+import ipaddress
+import logging
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .kernel_headers import HeaderChoice, choose_headers
+from .procfs import target_port_sockets
+
+log = logging.getLogger("tokenprobe.probes")
+
+HEAD_CAP = 8192
+TAIL_CAP = 1024
+MAX_EXE_PATHS = 8  # up to MAX_EXES executables, each as given and resolved
+MAX_EXES = 4
+EXE_PATH_LEN = 256
+
+# Must match struct event in bpf/tokenprobe.c, up to data[].
+_HEADER = struct.Struct("<QQIIBBBBiIHHHH16s16s")
+HEADER_SIZE = _HEADER.size
+
+EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC = 1, 2, 3, 4, 5, 6
+DIR_READ, DIR_WRITE = 0, 1
+ROLE_SERVER, ROLE_CLIENT = 0, 1
+CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
+
+# (symbol, entry handler, return handler). Both OpenSSL call families:
+# CPython calls the _ex forms, nginx and most C servers the classic ones.
+SSL_PROBES = (
+    ("SSL_read", "uprobe_ssl_read", "uretprobe_ssl_read"),
+    ("SSL_read_ex", "uprobe_ssl_read_ex", "uretprobe_ssl_read_ex"),
+    ("SSL_write", "uprobe_ssl_write", "uretprobe_ssl_write"),
+    ("SSL_write_ex", "uprobe_ssl_write_ex", "uretprobe_ssl_write_ex"),
+    ("SSL_do_handshake", "uprobe_ssl_handshake", "uretprobe_ssl_handshake"),
+)
+
+
+class ProbeError(RuntimeError):
+    """The probes cannot be loaded here; the message says why and what to do."""
+
+
+@dataclass(slots=True)
+class KernelEvent:
+    kind: int
+    ts_ns: int
+    conn_ns: int
+    tgid: int
+    fd: int
+    dir: int
+    tls: bool
+    role: int
+    ret: int
+    total_len: int
+    head: bytes
+    tail: bytes
+    local_port: int
+    peer_port: int
+    peer_addr: str
+    comm: str
+
+
+class EventDecodeError(ValueError):
+    pass
+
+
+_addr_cache: dict[bytes, str] = {}
+
+
+def _peer_text(raw: bytes) -> str:
+    text = _addr_cache.get(raw)
+    if text is None:
+        addr = ipaddress.IPv6Address(raw)
+        text = str(addr.ipv4_mapped or addr)
+        if len(_addr_cache) < 65536:
+            _addr_cache[raw] = text
+    return text
+
+
+def decode_event(buf: bytes) -> KernelEvent:
+    """One ring-buffer record → KernelEvent; EventDecodeError if malformed."""
+    if len(buf) < HEADER_SIZE:
+        raise EventDecodeError(f"record of {len(buf)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    (ts, conn_ns, tgid, fd, kind, direction, tls, role, ret, total, head_len, tail_len,
+     lport, pport, addr, comm) = _HEADER.unpack_from(buf)
+    if not EV_ACCEPT <= kind <= EV_EXEC:
+        raise EventDecodeError(f"unknown event kind {kind}")
+    end = HEADER_SIZE + head_len + tail_len
+    if end > len(buf) or head_len + tail_len > total or head_len > HEAD_CAP or tail_len > TAIL_CAP:
+        raise EventDecodeError(
+            f"inconsistent lengths: head {head_len} + tail {tail_len} of {total} in a {len(buf)}-byte record")
+    return KernelEvent(
+        kind, ts, conn_ns, tgid, fd, direction, bool(tls), role, ret, total,
+        buf[HEADER_SIZE:HEADER_SIZE + head_len], buf[HEADER_SIZE + head_len:end],
+        lport, pport, _peer_text(addr), comm.split(b"\0", 1)[0].decode("utf-8", "replace"))
+
+
+@dataclass
+class Targets:
+    """What to watch. A connection is tracked if any of these selects it."""
+
+    ports: list[int] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+    exes: list[str] = field(default_factory=list)
+    outbound: bool = False  # also track connect()s made by target processes
+
+    def validate(self) -> None:
+        if not (self.ports or self.pids or self.exes):
+            raise ValueError("no targets: give at least one --port, --pid or --exe")
+        for port in self.ports:
+            if not 0 < port < 65536:
+                raise ValueError(f"port {port} is not a TCP port")
+        for pid in self.pids:
+            if not Path(f"/proc/{pid}").exists():
+                raise ValueError(f"no process with pid {pid}")
+        if len(self.exes) > MAX_EXES:
+            raise ValueError(f"at most {MAX_EXES} --exe paths")
+        if self.outbound and not (self.pids or self.exes):
+            raise ValueError("--outbound tracks connect()s of target processes: give --pid or --exe")
+
+
+def ensure_tracefs() -> str:
+    """Mounts tracefs if needed (BCC reads tracepoint layouts from it)."""
+    for path in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
+        if os.path.exists(os.path.join(path, "events")):
+            return path
+    try:
+        os.makedirs("/sys/kernel/tracing", exist_ok=True)
+        rc = os.system("mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null")
+    except OSError as exc:
+        raise ProbeError(f"tracefs is not mounted and mounting it failed: {exc}") from exc
+    if rc != 0 or not os.path.exists("/sys/kernel/tracing/events"):
+        raise ProbeError("tracefs is not mounted and could not be mounted; run "
+                         "'mount -t tracefs nodev /sys/kernel/tracing' as root")
+    return "/sys/kernel/tracing"
+
+
+def libssl_paths(pids: Iterable[int] | None = None) -> list[str]:
+    """libssl files mapped by processes (through /proc/PID/root, so libraries
+    inside containers are found), plus the system's own; one path per file."""
+    found: dict[tuple[int, int], str] = {}
+
+    def add(path: str) -> None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        found.setdefault((st.st_dev, st.st_ino), path)
+
+    # The system's own first, so that its plain path names the common case.
+    for pattern in ("/usr/lib/*/libssl.so.3", "/usr/lib/libssl.so.3", "/lib/*/libssl.so.1.1",
+                    "/usr/lib/*/libssl.so.1.1"):
+        for path in glob.glob(pattern):
+            add(path)
+    proc_pids = pids if pids is not None else [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    for pid in proc_pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    if "libssl" in line:
+                        path = line.split(None, 5)[-1].strip()
+                        if re.search(r"/libssl\.so[.\d]*$", path):
+                            add(f"/proc/{pid}/root{path}")
+        except OSError:
+            continue
+    return list(found.values())
+
+
+def _bpf_class():
+    try:
+        from bcc import BPF  # Debian's python3-bpfcc, linked into the venv
+    except ImportError as exc:
+        raise ProbeError("BCC's Python module is missing: install Debian's python3-bpfcc "
+                         "(scripts/install.sh links it into the venv)") from exc
+    return BPF
+
+
+class Probes:
+    """The loaded BPF program: targets in, decoded events out."""
+
+    def __init__(self, targets: Targets, *, ringbuf_pages: int = 4096,
+                 headers: HeaderChoice | None = None) -> None:
+        targets.validate()
+        self.targets = targets
+        self.headers = headers or choose_headers()
+        self.attached_ssl: list[str] = []
+        self.decode_errors = 0
+        ensure_tracefs()
+        if self.headers.kernel_source is not None:
+            os.environ["BCC_KERNEL_SOURCE"] = str(self.headers.kernel_source)
+        log.info("%s", self.headers.note)
+        source = importlib.resources.files("tokenprobe.bpf").joinpath("tokenprobe.c").read_text()
+        if ringbuf_pages & (ringbuf_pages - 1):
+            raise ValueError("ring buffer pages must be a power of two")
+        cflags = [f"-DHEAD_CAP={HEAD_CAP}", f"-DTAIL_CAP={TAIL_CAP}", f"-DRINGBUF_PAGES={ringbuf_pages}",
+                  "-w"]
+        BPF = _bpf_class()
+        try:
+            self.bpf = BPF(text=source, cflags=cflags)
+        except Exception as exc:  # BCC raises bare Exceptions on compile/load failure
+            raise ProbeError(f"the BPF program did not load: {exc}. {self.headers.note}") from exc
+        self._configure()
+        self.attach_ssl()
+
+    # -- configuration -------------------------------------------------
+    def _configure(self) -> None:
+        ports = self.bpf["target_ports"]
+        for port in self.targets.ports:
+            ports[ctypes.c_uint16(port)] = ctypes.c_uint8(1)
+        for pid in self.targets.pids:
+            self.add_target_pid(pid)
+        config = self.bpf["config"]
+        config[ctypes.c_int(CFG_TRACK_OUTBOUND)] = ctypes.c_uint32(int(self.targets.outbound))
+        config[ctypes.c_int(CFG_SELF_TGID)] = ctypes.c_uint32(os.getpid())
+        exe_table = self.bpf["exe_paths"]
+        paths = self._exe_variants()
+        for i, path in enumerate(paths):
+            leaf = exe_table.Leaf()
+            raw = path.encode()[:EXE_PATH_LEN - 1]
+            ctypes.memmove(ctypes.addressof(leaf), raw, len(raw))
+            exe_table[ctypes.c_int(i)] = leaf
+        config[ctypes.c_int(CFG_EXE_PATHS)] = ctypes.c_uint32(len(paths))
+        self.rescan_processes()
+        self.adopt_established()
+
+    def _exe_variants(self) -> list[str]:
+        """The paths exec() may be called with for each target executable."""
+        paths: list[str] = []
+        for exe in self.targets.exes:
+            for variant in (exe, os.path.realpath(exe)):
+                if variant not in paths:
+                    paths.append(variant)
+        return paths[:MAX_EXE_PATHS]
+
+    def add_target_pid(self, pid: int) -> None:
+        self.bpf["target_tgids"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
+
+    def rescan_processes(self) -> list[int]:
+        """Tells the kernel about listening sockets of target ports and
+        running processes of target executables that it cannot have seen
+        (started before us, forked workers, exec'd through another path)."""
+        listening, _ = target_port_sockets(set(self.targets.ports))
+        listeners, listener_tgids = self.bpf["listeners"], self.bpf["listener_tgids"]
+        for sock in listening:
+            key = listeners.Key()
+            key.tgid, key.fd = sock.pid, sock.fd
+            listeners[key] = ctypes.c_uint16(sock.local_port)
+            listener_tgids[ctypes.c_uint32(sock.pid)] = ctypes.c_uint8(1)
+        if not self.targets.exes:
+            return []
+        # Compared as paths, not inodes: /proc/PID/exe reads as the path in the
+        # process's own mount namespace, so container paths match as given.
+        wanted = set(self._exe_variants())
+        added = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                exe = os.readlink(f"/proc/{entry}/exe")
+            except OSError:
+                continue
+            if exe in wanted:
+                self.add_target_pid(int(entry))
+                added.append(int(entry))
+        return added
+
+    def adopt_established(self) -> int:
+        """Tracks connections on target ports that were open before the
+        probes attached (keep-alive pools live long); their first bytes may
+        be mid-request, which the assembler resynchronises on."""
+        _, established = target_port_sockets(set(self.targets.ports))
+        conns = self.bpf["conns"]
+        for sock in established:
+            if sock.pid == os.getpid():
+                continue
+            key, info = conns.Key(), conns.Leaf()
+            key.tgid, key.fd = sock.pid, sock.fd
+            info.local_port, info.peer_port = sock.local_port, sock.peer_port
+            raw = ipaddress.IPv6Address(f"::ffff:{sock.peer_addr}" if "." in sock.peer_addr else sock.peer_addr).packed
+            ctypes.memmove(ctypes.addressof(info) + type(info).peer_addr.offset, raw, 16)
+            conns[key] = info
+            self.bpf["active_tgids"][ctypes.c_uint32(sock.pid)] = ctypes.c_uint8(1)
+        return len(established)
+
+    def attach_ssl(self) -> list[str]:
+        """Attaches the libssl uprobes to every libssl not yet attached."""
+        new = []
+        for path in libssl_paths():
+            real = os.path.realpath(path)
+            if real in self.attached_ssl:
+                continue
+            try:
+                for sym, entry, ret in SSL_PROBES:
+                    self.bpf.attach_uprobe(name=path, sym=sym, fn_name=entry)
+                    self.bpf.attach_uretprobe(name=path, sym=sym, fn_name=ret)
+            except Exception as exc:  # a libssl without one of the symbols
+                log.warning("libssl %s not probed: %s", path, exc)
+                continue
+            self.attached_ssl.append(real)
+            new.append(path)
+        return new
+
+    # -- events --------------------------------------------------------
+    def open(self, on_event: Callable[[KernelEvent], None]) -> None:
+        """Starts delivering events to on_event from poll()."""
+
+        def callback(_ctx, data, size):
+            raw = ctypes.string_at(data, size)
+            try:
+                event = decode_event(raw)
+            except EventDecodeError as exc:
+                self.decode_errors += 1
+                if self.decode_errors <= 5:
+                    log.warning("skipped a malformed kernel event: %s", exc)
+                return 0
+            on_event(event)
+            return 0
+
+        self._callback = callback  # keep a reference: BCC holds only a C pointer
+        self.bpf["events"].open_ring_buffer(callback)
+
+    def poll(self, timeout_ms: int = 100) -> None:
+        self.bpf.ring_buffer_poll(timeout_ms)
+
+    def drops(self) -> int:
+        return int(sum(self.bpf["drops"][ctypes.c_int(0)]))
+
+    def forget_connection(self, tgid: int, fd: int) -> None:
+        """Stops kernel-side tracking of a connection the agent does not want."""
+        table = self.bpf["conns"]
+        key = table.Key()
+        key.tgid, key.fd = tgid, fd
+        try:
+            del table[key]
+        except KeyError:
+            pass
+
+    def close(self) -> None:
+        self.bpf.cleanup()

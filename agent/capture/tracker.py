@@ -1,0 +1,270 @@
+"""Kernel events → connections → one row per request.
+
+The tracker keeps one HttpConnectionAssembler per tracked connection, feeds it
+the bytes in the right direction (a server reads requests and writes
+responses; an outbound client the reverse), counts requests in flight per
+server port, and turns each finished exchange into a `tokenprobe.requests`
+row (docs/ROW_SCHEMA.md) with wall-clock timestamps.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..http_assembler import (
+    DEFAULT_TENANT_HEADER,
+    Exchange,
+    HttpConnectionAssembler,
+    tenant_header_name,
+)
+from .clock import MonotonicWallClock
+from .probes import (
+    DIR_READ,
+    EV_ACCEPT,
+    EV_CLOSE,
+    EV_CONNECT,
+    EV_DATA,
+    EV_EXEC,
+    EV_TLS_DONE,
+    ROLE_CLIENT,
+    KernelEvent,
+)
+from .procfs import comm_of, socket_endpoints
+
+log = logging.getLogger("tokenprobe.tracker")
+
+TLS_RECORD_START = (b"\x16\x03", b"\x17\x03", b"\x15\x03")  # handshake, data, alert
+
+
+def _boot_id() -> bytes:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname().encode()
+
+
+_BOOT_ID = _boot_id()
+
+
+def connection_id(tgid: int, fd: int, opened_ns: int) -> int:
+    """A 63-bit id unique per node: boot, process, fd and open time."""
+    digest = hashlib.blake2b(b"%s:%d:%d:%d" % (_BOOT_ID, tgid, fd, opened_ns), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass
+class Connection:
+    tgid: int
+    fd: int
+    opened_ns: int          # kernel accept/connect time; first event time if unseen
+    accept_seen: bool
+    role: int
+    local_port: int
+    peer_addr: str
+    peer_port: int
+    comm: str
+    assembler: HttpConnectionAssembler
+    conn_id: int
+    tls: bool = False
+    tls_done_ns: int | None = None
+    ciphertext_only: bool = False   # raw TLS bytes seen and no plaintext probe yet
+    peer_eof: bool = False
+    reset: bool = False
+    client_gone: bool = False
+
+
+@dataclass
+class TrackerStats:
+    connections: int = 0
+    requests: int = 0
+    events: int = 0
+    parse_errors: int = 0
+    dropped_connections: int = 0   # tracked by the kernel but not a target after all
+    inflight: dict[int, int] = field(default_factory=dict)
+
+
+class ConnectionTracker:
+    def __init__(self, emit_row: Callable[[dict], None], *, clock: MonotonicWallClock,
+                 fingerprint_key: bytes, node: str | None = None,
+                 target_ports: set[int] | None = None, target_pids: set[int] | None = None,
+                 forget_connection: Callable[[int, int], None] | None = None,
+                 tenant_header: str | None = DEFAULT_TENANT_HEADER) -> None:
+        self.emit_row = emit_row
+        self.clock = clock
+        self.fingerprint_key = fingerprint_key
+        # Checked here, not at the first connection: a bad name must stop the agent at start.
+        self.tenant_header = tenant_header_name(tenant_header)
+        self.node = node or socket.gethostname()
+        self.target_ports = target_ports or set()
+        self.target_pids = target_pids or set()
+        self.forget_connection = forget_connection
+        self.connections: dict[tuple[int, int], Connection] = {}
+        self.stats = TrackerStats()
+        self._handlers = {
+            EV_ACCEPT: self._on_open, EV_CONNECT: self._on_open, EV_DATA: self._on_data,
+            EV_CLOSE: self._on_close, EV_TLS_DONE: self._on_tls_done, EV_EXEC: self._on_exec,
+        }
+
+    # -- event dispatch --------------------------------------------------
+    def handle(self, ev: KernelEvent) -> None:
+        self.stats.events += 1
+        self._handlers[ev.kind](ev)
+
+    def _new_connection(self, ev: KernelEvent, accept_seen: bool) -> Connection:
+        server_port = ev.peer_port if ev.role == ROLE_CLIENT else ev.local_port
+        assembler = HttpConnectionAssembler(
+            fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
+            on_request_start=lambda exchange: self._request_started(server_port, exchange))
+        opened_ns = ev.conn_ns if accept_seen else ev.ts_ns
+        conn = Connection(
+            tgid=ev.tgid, fd=ev.fd, opened_ns=opened_ns, accept_seen=accept_seen, role=ev.role,
+            local_port=ev.local_port, peer_addr=ev.peer_addr, peer_port=ev.peer_port,
+            comm=ev.comm or comm_of(ev.tgid), assembler=assembler,
+            conn_id=connection_id(ev.tgid, ev.fd, opened_ns))
+        self.connections[(ev.tgid, ev.fd)] = conn
+        self.stats.connections += 1
+        return conn
+
+    def _on_open(self, ev: KernelEvent) -> None:
+        old = self.connections.pop((ev.tgid, ev.fd), None)
+        if old is not None:  # the fd was reused and its close() was not seen
+            self._finish(old, old.assembler.close(ev.ts_ns, "server_closed"))
+        if ev.role != ROLE_CLIENT and ev.local_port == 0:
+            # The kernel could not name the port (see accept_exit in the BPF
+            # program): read it, and the peer, from /proc.
+            endpoints = socket_endpoints(ev.tgid, ev.fd)
+            if endpoints is None or (self.target_ports and endpoints[0] not in self.target_ports
+                                     and ev.tgid not in self.target_pids):
+                self.stats.dropped_connections += 1
+                if self.forget_connection:
+                    self.forget_connection(ev.tgid, ev.fd)
+                return
+            ev.local_port, ev.peer_addr, ev.peer_port = endpoints
+        self._new_connection(ev, accept_seen=True)
+
+    def _connection_for(self, ev: KernelEvent) -> Connection:
+        conn = self.connections.get((ev.tgid, ev.fd))
+        if conn is not None and conn.accept_seen and ev.conn_ns and conn.opened_ns != ev.conn_ns:
+            # A newer connection on the same fd whose accept event was lost.
+            self._finish(conn, conn.assembler.close(ev.ts_ns, "server_closed"))
+            conn = None
+        if conn is None:
+            # Opened before the agent started, or its accept event was lost.
+            conn = self._new_connection(ev, accept_seen=bool(ev.conn_ns))
+        return conn
+
+    def _on_data(self, ev: KernelEvent) -> None:
+        conn = self._connection_for(ev)
+        if ev.tls:
+            conn.tls = True
+            conn.ciphertext_only = False
+        elif conn.tls or ev.head.startswith(TLS_RECORD_START):
+            # Ciphertext read before libssl's probes named the connection.
+            conn.ciphertext_only = True
+            return
+        if ev.ret < 0:
+            if ev.ret in (-errno.ECONNRESET, -errno.ETIMEDOUT):
+                conn.reset = True
+            elif ev.ret == -errno.EPIPE:
+                conn.client_gone = True
+            return
+        if ev.ret == 0:
+            conn.peer_eof = True
+            return
+        is_request = (ev.dir == DIR_READ) != (conn.role == ROLE_CLIENT)
+        feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
+        self._finish(conn, feed(ev.ts_ns, ev.head, ev.total_len, ev.tail))
+
+    def _on_close(self, ev: KernelEvent) -> None:
+        conn = self.connections.pop((ev.tgid, ev.fd), None)
+        if conn is None:
+            return
+        if conn.reset:
+            reason = "reset"
+        elif conn.peer_eof or conn.client_gone:
+            reason = "client_closed"
+        else:
+            reason = "server_closed"
+        self._finish(conn, conn.assembler.close(ev.ts_ns, reason))
+
+    def _on_tls_done(self, ev: KernelEvent) -> None:
+        conn = self._connection_for(ev)
+        conn.tls = True
+        conn.tls_done_ns = ev.ts_ns
+
+    def _on_exec(self, ev: KernelEvent) -> None:
+        log.info("new target process %d (%s)", ev.tgid, ev.comm)
+
+    def close_all(self, ts_ns: int) -> None:
+        """Agent stop: every exchange still open is written, marked truncated."""
+        for conn in list(self.connections.values()):
+            self._finish(conn, conn.assembler.close(ts_ns, "agent_stop"))
+        self.connections.clear()
+
+    # -- requests --------------------------------------------------------
+    def _request_started(self, server_port: int, exchange: Exchange) -> None:
+        inflight = self.stats.inflight
+        exchange.inflight_at_arrival = inflight.get(server_port, 0)
+        inflight[server_port] = exchange.inflight_at_arrival + 1
+
+    def _finish(self, conn: Connection, exchanges: list[Exchange]) -> None:
+        server_port = conn.peer_port if conn.role == ROLE_CLIENT else conn.local_port
+        for exchange in exchanges:
+            inflight = self.stats.inflight
+            inflight[server_port] = max(0, inflight.get(server_port, 0) - 1)
+            self.stats.requests += 1
+            if exchange.error:
+                self.stats.parse_errors += 1
+            self.emit_row(self._row(conn, exchange))
+
+    def _row(self, conn: Connection, ex: Exchange) -> dict:
+        wall = self.clock.to_wall_ns
+
+        def ts(mono: int | None) -> int | None:
+            return None if mono is None else wall(mono)
+
+        first = ex.token_event_ns[0] if ex.token_event_ns else None
+        return {
+            "node": self.node,
+            "conn_id": conn.conn_id,
+            "req_seq": ex.seq,
+            "role": "client" if conn.role == ROLE_CLIENT else "server",
+            "pid": conn.tgid,
+            "comm": conn.comm,
+            "server_port": conn.peer_port if conn.role == ROLE_CLIENT else conn.local_port,
+            "client_addr": "" if conn.role == ROLE_CLIENT else conn.peer_addr,
+            "client_port": conn.local_port if conn.role == ROLE_CLIENT else conn.peer_port,
+            "tenant": ex.tenant,
+            "tls": conn.tls,
+            "accept_ts": ts(conn.opened_ns) if conn.accept_seen else None,
+            "tls_done_ts": ts(conn.tls_done_ns),
+            "req_start": wall(ex.req_start_ns),
+            "req_end": ts(ex.req_end_ns),
+            "resp_start": ts(ex.resp_start_ns),
+            "first_token": ts(first),
+            "last_token": ts(ex.token_event_ns[-1]) if ex.token_event_ns else None,
+            "resp_end": ts(ex.resp_end_ns),
+            "method": ex.method or "",
+            "path": ex.path or "",
+            "status": ex.status or 0,
+            "model": ex.resp_model or ex.req_model or "",
+            "response_id": ex.response_id or "",
+            "streamed": ex.streamed,
+            "token_events": len(ex.token_event_ns),
+            "sse_events": ex.sse_events,
+            "token_offsets_us": [min((t - first) // 1000, 0xFFFFFFFF) for t in ex.token_event_ns],
+            "prompt_tokens": ex.prompt_tokens,
+            "completion_tokens": ex.completion_tokens,
+            "inflight_at_arrival": ex.inflight_at_arrival,
+            "bytes_in": ex.req_bytes,
+            "bytes_out": ex.resp_bytes,
+            "body_fp": ex.body_fp,
+            "outcome": ex.outcome,
+            "error": ex.error or "",
+        }

@@ -1,0 +1,1 @@
+"""Exporters: the agent's Prometheus endpoint and OTLP traces."""

@@ -1,0 +1,384 @@
+"""The agent's Prometheus endpoint: ``/metrics`` for the latencies it measures and for its own health.
+
+What is exposed (every request metric is labelled ``server_port``, ``model`` and
+``role`` — ``server`` for an accepted connection, ``client`` for an outbound
+one followed with ``--outbound``):
+
+- ``tokenprobe_request_ttft_seconds`` — server TTFT, ``first_token − req_end``.
+- ``tokenprobe_request_tpot_seconds`` — time per output token,
+  ``(last_token − first_token) / (tokens − 1)``, tokens from ``usage`` when the
+  stream carried it, else the counted text events.
+- ``tokenprobe_request_duration_seconds`` — end to end, ``resp_end − req_start``.
+- ``tokenprobe_request_queue_seconds`` — time waiting for a slot. The agent
+  cannot tell queue from prefill when a row is made; the analytics estimate it
+  later and report it through ``AgentMetrics.observe_queue``.
+- ``tokenprobe_requests_total`` — every finished request, also by
+  ``status_class`` (``2xx`` … ``5xx``, ``none`` when no response was seen) and
+  ``outcome`` (``complete``, ``client_closed``, ``reset``, ``truncated``).
+- ``tokenprobe_indicator_value`` / ``tokenprobe_indicator_state`` — the
+  analytics' indicator matrix, one series per server port, model and
+  indicator (and ``node`` and GPU ``device`` where the analytics give them);
+  the state is -1 no data, 0 ok, 1 warn, 2 crit (``INDICATOR_STATES``). A cell the
+  analytics stop refreshing disappears after ``indicator_ttl_s``, so a stale
+  verdict never keeps an alert firing (or silent).
+- ``tokenprobe_agent_*`` — kernel events handled and dropped, processing lag,
+  events per second, parse errors, the store's health (rows written, rows
+  waiting in the disk spool, rows rejected or lost); plus the standard
+  ``process_*`` series (the agent's own CPU and memory).
+
+Only requests to an inference route (``operation_name``) or naming a model or
+streaming tokens feed the latency histograms; health checks and the engine's
+own /metrics on the same port are counted in ``tokenprobe_requests_total``
+only (with ``model=""``). The ``model`` label comes from traffic, so its
+cardinality is capped per server port (``max_models_per_server``): further
+names are counted under ``OVERFLOW_MODEL``.
+
+Nothing of a request's content is exposed: only timings, counts, the model
+name, the port and the status.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+DEFAULT_METRICS_PORT = 9464  # the port OpenTelemetry's Prometheus exporter also defaults to
+
+
+class SinkCounters(Protocol):
+    """The request sink's counters (``store.sink.SinkStats`` is one), for the store's health."""
+
+    rows_written: int
+    rows_rejected: int
+    rows_lost: int
+    rows_pending: int
+    rows_spooled: int
+
+
+# Bucket bounds in seconds, fitted to LLM serving: TTFT from tens of ms (a
+# short prompt on an idle GPU) to over a minute (a long queue); TPOT around
+# 10–100 ms; whole requests up to many minutes of decode. The alert rules'
+# SLO thresholds (deploy/prometheus/tokenprobe-rules.yml) must be bounds here:
+# a burn-rate rule reads the bucket at its threshold.
+TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+DURATION_BUCKETS_S = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# The analytics' verdicts (analytics/indicators.py) as numbers alert rules can compare.
+INDICATOR_STATES = {"n/a": -1, "ok": 0, "warn": 1, "crit": 2}
+OVERFLOW_MODEL = "(other)"
+MAX_MODEL_LABEL_CHARS = 128
+
+_REQUEST_LABELS = ("server_port", "model", "role")
+# An empty label is no label to Prometheus: node and device vanish where not given.
+_INDICATOR_LABELS = ("server_port", "model", "indicator", "node", "device")
+
+# OpenAI-compatible, TGI and llama.cpp routes -> OpenTelemetry GenAI operation names.
+_OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/completions": "text_completion",
+    "/completion": "text_completion",  # llama.cpp native
+    "/generate": "text_completion",  # TGI
+    "/generate_stream": "text_completion",  # TGI
+    "/v1/embeddings": "embeddings",
+    "/embeddings": "embeddings",
+}
+
+
+def operation_name(path: str) -> str | None:
+    """The GenAI operation (``chat``, ``text_completion``, ``embeddings``) a route serves, if it is one."""
+    return _OPERATIONS.get(path.rstrip("/") or "/")
+
+
+def is_inference_request(row: dict) -> bool:
+    """A request to a model, as opposed to a health check or a scrape of the server's own metrics."""
+    return bool(row.get("model") or row.get("token_events") or operation_name(row.get("path") or ""))
+
+
+def status_class(status: int) -> str:
+    return f"{status // 100}xx" if 100 <= status <= 599 else "none"
+
+
+def _seconds(start_ns: int | None, end_ns: int | None) -> float | None:
+    """end − start in seconds; None when either is unknown or the order is impossible (a clock step)."""
+    if start_ns is None or end_ns is None or end_ns < start_ns:
+        return None
+    return (end_ns - start_ns) / 1e9
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """The latencies one ``tokenprobe.requests`` row yields; None where the row cannot tell."""
+
+    ttft_s: float | None
+    tpot_s: float | None
+    duration_s: float | None
+
+    @classmethod
+    def from_row(cls, row: dict) -> RequestTimings:
+        # usage is exact; counted events undercount when an event carries several tokens.
+        tokens = row.get("completion_tokens")
+        if tokens is None:
+            tokens = row.get("token_events") or 0
+        decode_s = _seconds(row.get("first_token"), row.get("last_token"))
+        tpot_s = decode_s / (tokens - 1) if decode_s is not None and tokens and tokens > 1 else None
+        return cls(
+            ttft_s=_seconds(row.get("req_end"), row.get("first_token")),
+            tpot_s=tpot_s,
+            duration_s=_seconds(row.get("req_start"), row.get("resp_end")),
+        )
+
+
+class ModelLabelCap:
+    """Caps distinct ``model`` label values per server port: model names come from clients."""
+
+    def __init__(self, max_per_server: int) -> None:
+        self.max_per_server = max_per_server
+        self._seen: dict[int, set[str]] = {}
+        self._overflowed: set[int] = set()
+        self._lock = threading.Lock()
+
+    def label(self, server_port: int, model: str) -> str:
+        model = model[:MAX_MODEL_LABEL_CHARS]
+        with self._lock:
+            seen = self._seen.setdefault(server_port, set())
+            if model in seen:
+                return model
+            if len(seen) < self.max_per_server:
+                seen.add(model)
+                return model
+            first_overflow = server_port not in self._overflowed
+            self._overflowed.add(server_port)
+        if first_overflow:
+            log.warning("port %d: more than %d model names; further ones are counted as %r",
+                        server_port, self.max_per_server, OVERFLOW_MODEL)
+        return OVERFLOW_MODEL
+
+
+@dataclass(frozen=True)
+class _IndicatorCell:
+    value: float
+    state: int
+    updated_monotonic: float
+
+
+class _IndicatorCollector(Collector):
+    """The analytics' indicator matrix; cells not refreshed within the TTL are left out."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._cells: dict[tuple[str, ...], _IndicatorCell] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: tuple[str, ...], value: float, state: int) -> None:
+        with self._lock:
+            self._cells[key] = _IndicatorCell(value, state, time.monotonic())
+
+    def collect(self):
+        values = GaugeMetricFamily("tokenprobe_indicator_value", "Latest value of an analytics indicator",
+                                   labels=_INDICATOR_LABELS)
+        states = GaugeMetricFamily("tokenprobe_indicator_state",
+                                   "Indicator verdict: -1 no data, 0 ok, 1 warn, 2 crit", labels=_INDICATOR_LABELS)
+        oldest = time.monotonic() - self.ttl_s
+        with self._lock:
+            for key in [key for key, cell in self._cells.items() if cell.updated_monotonic < oldest]:
+                del self._cells[key]
+            cells = list(self._cells.items())
+        for key, cell in cells:
+            values.add_metric(list(key), cell.value)
+            states.add_metric(list(key), cell.state)
+        yield values
+        yield states
+
+
+# name -> (metric kind, help). The runner passes what it knows; None leaves a series out.
+_AGENT_STATS = {
+    "events_total": ("counter", "Kernel events the agent handled"),
+    "drops_total": ("counter", "Kernel events lost because the ring buffer was full"),
+    "parse_errors_total": ("counter", "Connections whose bytes could not be parsed as HTTP"),
+    "lag_seconds": ("gauge", "Kernel timestamp of the latest handled event to its handling, in seconds"),
+    "events_per_second": ("gauge", "Kernel events handled per second, over the last status interval"),
+    "open_connections": ("gauge", "Connections the agent is following"),
+    "inflight_requests": ("gauge", "Requests started and not yet finished, all ports"),
+    # From the request sink (SinkCounters).
+    "rows_written_total": ("counter", "Request rows written to the store"),
+    "rows_rejected_total": ("counter", "Request rows the store refused outright (kept in the spool's rejected/)"),
+    "rows_lost_total": ("counter", "Request rows lost: the store hung past the sink's close timeout"),
+    "pending_rows": ("gauge", "Request rows queued in memory for the next insert"),
+    "spooled_rows": ("gauge", "Request rows on disk waiting for the store to answer"),
+}
+
+
+class _AgentStatsCollector(Collector):
+    """Mirrors the runner's own counters: the runner keeps the totals, this only reports them."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def update(self, values: dict[str, float]) -> None:
+        with self._lock:
+            self._values.update(values)
+
+    def collect(self):
+        with self._lock:
+            values = dict(self._values)
+        for name, value in values.items():
+            kind, help_text = _AGENT_STATS[name]
+            if kind == "counter":
+                # CounterMetricFamily appends _total itself.
+                yield CounterMetricFamily(f"tokenprobe_agent_{name.removesuffix('_total')}", help_text,
+                                          value=value)
+            else:
+                yield GaugeMetricFamily(f"tokenprobe_agent_{name}", help_text, value=value)
+
+
+def _check_number(name: str, value: float, *, allow_nan: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) and not allow_nan:
+        raise ValueError(f"{name} must not be NaN")
+    return float(value)
+
+
+class AgentMetrics:
+    """The metrics the agent serves on ``/metrics``, in a registry of their own.
+
+    Thread-safe: the agent loop calls ``observe_request`` and
+    ``set_agent_stats``, the analytics ``observe_queue`` and ``set_indicator``,
+    and the HTTP server thread reads, all at once.
+    """
+
+    def __init__(self, *, max_models_per_server: int = 32, indicator_ttl_s: float = 300.0,
+                 registry: CollectorRegistry | None = None) -> None:
+        if max_models_per_server < 1:
+            raise ValueError("max_models_per_server must be at least 1")
+        if indicator_ttl_s <= 0:
+            raise ValueError("indicator_ttl_s must be positive")
+        self.registry = registry or CollectorRegistry()
+        self._models = ModelLabelCap(max_models_per_server)
+        self._ttft = Histogram("tokenprobe_request_ttft_seconds",
+                              "Server time to first token: first generated-text event − request last byte",
+                              _REQUEST_LABELS, buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self._tpot = Histogram("tokenprobe_request_tpot_seconds",
+                              "Time per output token after the first: decode time / (output tokens − 1)",
+                              _REQUEST_LABELS, buckets=TPOT_BUCKETS_S, registry=self.registry)
+        self._duration = Histogram("tokenprobe_request_duration_seconds",
+                                  "End to end: request first byte to response last byte",
+                                  _REQUEST_LABELS, buckets=DURATION_BUCKETS_S, registry=self.registry)
+        self._queue = Histogram("tokenprobe_request_queue_seconds",
+                               "Time waiting for a slot before prefill, as estimated by the analytics",
+                               ("server_port", "model"), buckets=QUEUE_BUCKETS_S, registry=self.registry)
+        self._requests = Counter("tokenprobe_requests", "Requests finished, by status class and outcome",
+                                (*_REQUEST_LABELS, "status_class", "outcome"), registry=self.registry)
+        self._indicators = _IndicatorCollector(indicator_ttl_s)
+        self._agent_stats = _AgentStatsCollector()
+        self.registry.register(self._indicators)
+        self.registry.register(self._agent_stats)
+        ProcessCollector(registry=self.registry)
+        self._server: WSGIServer | None = None
+        self._server_thread: threading.Thread | None = None
+
+    # -- fed by the agent ---------------------------------------------------------------------
+    def observe_request(self, row: dict) -> None:
+        """Count one finished ``tokenprobe.requests`` row and observe its latencies."""
+        model = self._models.label(row["server_port"], row.get("model") or "")
+        labels = (str(row["server_port"]), model, row.get("role") or "server")
+        self._requests.labels(*labels, status_class(row.get("status") or 0), row.get("outcome") or "").inc()
+        if not is_inference_request(row):
+            return
+        timings = RequestTimings.from_row(row)
+        for histogram, seconds in ((self._ttft, timings.ttft_s), (self._tpot, timings.tpot_s),
+                                   (self._duration, timings.duration_s)):
+            if seconds is not None:
+                histogram.labels(*labels).observe(seconds)
+
+    def set_agent_stats(self, *, events_total: int, drops_total: int, lag_s: float, events_per_s: float,
+                        parse_errors_total: int | None = None, open_connections: int | None = None,
+                        inflight_requests: int | None = None, sink: SinkCounters | None = None) -> None:
+        """Publish the runner's figures; totals are cumulative since the agent started.
+
+        ``lag_s``: for the latest event handled, the time it was handled minus
+        the kernel's timestamp on it (both CLOCK_MONOTONIC), 0 when no event
+        was waiting — how far behind the kernel the agent runs. ``sink``: the
+        request sink's ``stats()``, for the store's health.
+        """
+        given = {
+            "events_total": events_total, "drops_total": drops_total, "lag_seconds": lag_s,
+            "events_per_second": events_per_s, "parse_errors_total": parse_errors_total,
+            "open_connections": open_connections, "inflight_requests": inflight_requests,
+        }  # fmt: skip
+        if sink is not None:
+            given.update(rows_written_total=sink.rows_written, rows_rejected_total=sink.rows_rejected,
+                         rows_lost_total=sink.rows_lost, pending_rows=sink.rows_pending,
+                         spooled_rows=sink.rows_spooled)
+        self._agent_stats.update(
+            {name: _check_number(name, value) for name, value in given.items() if value is not None})
+
+    # -- fed by the analytics -----------------------------------------------------------------
+    def observe_queue(self, server_port: int, model: str, seconds: float) -> None:
+        """One request's estimated queue time. A negative estimate (the prefill model
+        predicted more than the whole TTFT) means no queue and counts as 0."""
+        seconds = _check_number("seconds", seconds)
+        self._queue.labels(str(server_port), self._models.label(server_port, model)).observe(max(seconds, 0.0))
+
+    def set_indicator(self, server_port: int, model: str, indicator: str, value: float | None, state: str, *,
+                      node: str = "", device: str = "") -> None:
+        """One cell of the indicator matrix: its latest value (None or NaN if unknown) and verdict.
+
+        ``node`` and ``device`` (a GPU) tell cells apart where the analytics
+        judge several nodes or GPUs from one process; leave them empty otherwise.
+        """
+        if state not in INDICATOR_STATES:
+            raise ValueError(f"indicator state must be one of {sorted(INDICATOR_STATES)}, got {state!r}")
+        if not indicator:
+            raise ValueError("indicator name must not be empty")
+        value = math.nan if value is None else _check_number("value", value, allow_nan=True)
+        key = (str(server_port), self._models.label(server_port, model), indicator, node, device)
+        self._indicators.set(key, value, INDICATOR_STATES[state])
+
+    # -- the HTTP endpoint --------------------------------------------------------------------
+    def serve(self, host: str = "127.0.0.1", port: int = DEFAULT_METRICS_PORT) -> tuple[str, int]:
+        """Serve ``/metrics`` from a daemon thread; returns the address bound (port 0 picks a free one)."""
+        if self._server is not None:
+            raise RuntimeError("the metrics endpoint is already serving")
+        try:
+            self._server, self._server_thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as error:
+            raise OSError(f"cannot serve metrics on {host}:{port}: {error.strerror or error}") from None
+        log.info("serving Prometheus metrics on http://%s:%d/metrics", *self.address)
+        return self.address
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The (host, port) being served, or None before ``serve``."""
+        return None if self._server is None else self._server.server_address[:2]
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint, if serving."""
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        self._server_thread.join(timeout=5)
+        self._server = self._server_thread = None

@@ -1,0 +1,1 @@
+"""Sampling: GPU state (NVML, dcgm-exporter) and inference engines' own /metrics."""

@@ -1,0 +1,314 @@
+"""The agent's main loop: probes → tracker → store, with a live status line.
+
+The kernel side never waits for us: if this loop falls behind, the ring
+buffer fills and the kernel counts drops, which the status line reports. On
+SIGINT/SIGTERM or at the end of --duration the loop drains the ring buffer,
+writes every request still open (outcome 'truncated'), flushes the store and
+returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..agent.capture.clock import MonotonicWallClock
+from ..agent.capture.probes import Probes, Targets
+from ..agent.capture.tracker import ConnectionTracker
+from ..agent.export.metrics_endpoint import AgentMetrics
+from ..agent.export.otel_export import OtelExporter
+from ..agent.http_assembler import DEFAULT_TENANT_HEADER
+from ..agent.sampling.dcgm import DcgmScraper
+from ..agent.sampling.engine_metrics import EngineScraper
+from ..agent.sampling.gpu import NvmlSampler, ServerGpuMap
+from ..agent.sampling.samplers import SamplerSet
+from ..store.client import Store, StoreUnavailable
+from ..store.embedded import open_store
+from ..store.schema import create_request_gpu_state_view
+from ..store.sink import RequestSink
+
+log = logging.getLogger("tokenprobe.agent")
+
+DEFAULT_KEY_FILE = Path("/var/lib/tokenprobe/fingerprint.key")
+RESCAN_INTERVAL_S = 5.0
+
+
+def load_fingerprint_key(path: Path = DEFAULT_KEY_FILE) -> bytes:
+    """The node's secret for request-body fingerprints, made on first use.
+
+    Fingerprints let the analytics spot retried requests without storing
+    bodies; a secret key keeps them from being reversed by guessing bodies.
+    """
+    env = os.environ.get("TOKENPROBE_FINGERPRINT_KEY")
+    if env:
+        return env.encode()
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_bytes(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        return key
+
+
+@dataclass
+class SamplerConfig:
+    """GPU and engine sources joined to the requests (agent/sampling/samplers.py)."""
+
+    nvml_hz: float = 10.0                 # 0: leave NVML out
+    dcgm_urls: list[str] = field(default_factory=list)
+    engine_urls: dict[str, int | None] = field(default_factory=dict)  # URL → server port (None: the URL's)
+    gpus_by_port: dict[int, list[str]] = field(default_factory=dict)  # configured server → GPU mapping
+    scrape_interval_s: float = 1.0
+
+    def build(self, store: Store, node: str, clock: MonotonicWallClock) -> SamplerSet:
+        return SamplerSet(
+            store, node, clock,
+            nvml=NvmlSampler() if self.nvml_hz > 0 else None,
+            nvml_hz=self.nvml_hz if self.nvml_hz > 0 else 1.0,
+            dcgm=[DcgmScraper(url) for url in self.dcgm_urls],
+            engines=[EngineScraper(url, server_port=port) for url, port in self.engine_urls.items()],
+            scrape_interval_s=self.scrape_interval_s,
+            gpu_map=ServerGpuMap(self.gpus_by_port))
+
+
+@dataclass
+class AgentConfig:
+    targets: Targets
+    store_url: str
+    duration_s: float | None = None
+    ringbuf_pages: int = 4096
+    status: bool = True
+    on_row: Callable[[dict], None] | None = None   # e.g. the demo's live lines
+    on_ready: Callable[[], None] | None = None     # called once the probes are attached
+    samplers: SamplerConfig = field(default_factory=SamplerConfig)
+    metrics_address: tuple[str, int] | None = None  # serve Prometheus /metrics here
+    otlp_endpoint: str | None = None                # export spans and GenAI metrics here
+    tenant_header: str | None = DEFAULT_TENANT_HEADER  # request header naming the tenant; None: off
+
+
+@dataclass
+class AgentSummary:
+    requests: int
+    events: int
+    drops: int
+    rows_written: int
+    rows_spooled: int
+    parse_errors: int
+    seconds: float
+
+
+def node_name() -> str:
+    """The node's name: TOKENPROBE_NODE in a pod (whose host name is the pod's), else the host name."""
+    return os.environ.get("TOKENPROBE_NODE") or socket.gethostname()
+
+
+class LagMeter:
+    """How far behind the kernel the agent is: now − the last event's kernel time."""
+
+    def __init__(self) -> None:
+        self.last_event_ns: int | None = None
+
+    def seconds(self) -> float:
+        if self.last_event_ns is None:
+            return 0.0
+        lag, self.last_event_ns = (time.monotonic_ns() - self.last_event_ns) / 1e9, None
+        return max(0.0, lag)
+
+
+class Exporters:
+    """The optional outlets besides the store: Prometheus /metrics and OTLP."""
+
+    def __init__(self, cfg: AgentConfig, node: str) -> None:
+        self.metrics_address = cfg.metrics_address
+        self.metrics = AgentMetrics() if cfg.metrics_address else None
+        self.otel = OtelExporter(cfg.otlp_endpoint, node=node) if cfg.otlp_endpoint else None
+
+    def export(self, row: dict) -> None:
+        if self.metrics:
+            self.metrics.observe_request(row)
+        if self.otel:
+            self.otel.export_request(row)
+
+    def serve_metrics(self) -> None:
+        if self.metrics and self.metrics_address:
+            host, port = self.metrics.serve(*self.metrics_address)
+            log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
+
+    def agent_stats(self, tracker: ConnectionTracker, drops: int, lag_s: float, rate: float,
+                    sink: RequestSink) -> None:
+        if self.metrics:
+            stats = tracker.stats
+            self.metrics.set_agent_stats(
+                events_total=stats.events, drops_total=drops, lag_s=lag_s, events_per_s=rate,
+                parse_errors_total=stats.parse_errors, open_connections=len(tracker.connections),
+                inflight_requests=sum(stats.inflight.values()), sink=sink.stats())
+
+    def close(self) -> None:
+        if self.otel:
+            self.otel.close()
+        if self.metrics:
+            self.metrics.close()
+
+
+class StatusLine:
+    """One refreshed line on a terminal; a plain line every 10 s otherwise."""
+
+    def __init__(self, stream=sys.stderr) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self._last_plain = 0.0
+
+    def show(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + text)
+            self.stream.flush()
+        elif time.monotonic() - self._last_plain >= 10:
+            self._last_plain = time.monotonic()
+            print(text, file=self.stream, flush=True)
+
+    def end(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self._stop = False
+
+    def stop(self, *_args) -> None:
+        self._stop = True
+
+    def run(self) -> AgentSummary:
+        cfg = self.config
+        clock = MonotonicWallClock()
+        node = node_name()
+        try:
+            store = open_store(cfg.store_url)
+        except StoreUnavailable as exc:
+            # Tracing must not wait for a database: rows go to the disk spool
+            # and the sink creates the tables once the store answers.
+            log.warning("%s; tracing anyway: requests are spooled to disk until it answers, "
+                        "GPU and engine samples are not taken", exc)
+            store = None
+        samplers = None
+        try:
+            if store is not None:
+                store.ensure_schema()
+                create_request_gpu_state_view(store)
+                samplers = cfg.samplers.build(store, node, clock)
+                samplers.start()
+            sink = RequestSink(store or cfg.store_url)
+            exporters = Exporters(cfg, node)
+            try:
+                summary = self._run_probes(sink, clock, node, exporters)
+            finally:
+                exporters.close()
+                if samplers is not None:
+                    samplers.stop()
+                sink.close()
+        finally:
+            if store is not None:
+                store.close()
+        # Counted after close(): it flushes (or spools) the last batch.
+        summary.rows_written, summary.rows_spooled = sink.rows_written, sink.rows_spooled
+        return summary
+
+    def _run_probes(self, sink: RequestSink, clock: MonotonicWallClock, node: str,
+                    exporters: Exporters) -> AgentSummary:
+        cfg = self.config
+        probes = Probes(cfg.targets, ringbuf_pages=cfg.ringbuf_pages)
+
+        def emit(row: dict) -> None:
+            sink.put(row)
+            exporters.export(row)
+            if cfg.on_row:
+                cfg.on_row(row)
+
+        tracker = ConnectionTracker(
+            emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
+            target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
+            forget_connection=probes.forget_connection, tenant_header=cfg.tenant_header)
+        lag = LagMeter()
+
+        def handle(event) -> None:
+            lag.last_event_ns = event.ts_ns
+            tracker.handle(event)
+
+        probes.open(handle)
+        exporters.agent_stats(tracker, 0, 0.0, 0.0, sink)
+        exporters.serve_metrics()  # after the probes attach: readiness means tracing
+        t = cfg.targets
+        log.info("tracing ports %s pids %s exes %s; libssl probed: %s", t.ports or "-", t.pids or "-",
+                 t.exes or "-", ", ".join(probes.attached_ssl) or "none")
+        if cfg.on_ready:
+            cfg.on_ready()
+        previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        status = StatusLine() if cfg.status else None
+        started = time.monotonic()
+        deadline = started + cfg.duration_s if cfg.duration_s else None
+        next_rescan = started + RESCAN_INTERVAL_S
+        last_tick, last_events = started, 0
+        try:
+            while not self._stop:
+                probes.poll(100)
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    break
+                if now >= next_rescan:
+                    next_rescan = now + RESCAN_INTERVAL_S
+                    clock.maybe_refresh()
+                    for path in probes.attach_ssl():
+                        log.info("probing libssl %s", path)
+                    probes.rescan_processes()
+                if now - last_tick >= 1.0:
+                    rate = (tracker.stats.events - last_events) / (now - last_tick)
+                    last_tick, last_events = now, tracker.stats.events
+                    exporters.agent_stats(tracker, probes.drops(), lag.seconds(), rate, sink)
+                    if status:
+                        status.show(self._status_text(tracker, probes, sink, rate, now - started))
+            # Drain what the kernel already produced before closing connections.
+            for _ in range(50):
+                before = tracker.stats.events
+                probes.poll(0)
+                if tracker.stats.events == before:
+                    break
+            tracker.close_all(time.monotonic_ns())
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            drops = probes.drops()
+            probes.close()
+            if status:
+                status.show(self._status_text(tracker, probes, sink, 0.0, time.monotonic() - started))
+                status.end()
+        return AgentSummary(
+            requests=tracker.stats.requests, events=tracker.stats.events, drops=drops,
+            rows_written=0, rows_spooled=0, parse_errors=tracker.stats.parse_errors,
+            seconds=time.monotonic() - started)
+
+    @staticmethod
+    def _status_text(tracker: ConnectionTracker, probes: Probes, sink: RequestSink,
+                     rate: float, elapsed: float) -> str:
+        stats = tracker.stats
+        inflight = sum(stats.inflight.values())
+        text = (f"tokenprobe agent {elapsed:6.0f}s | requests {stats.requests} | {rate:7.0f} ev/s | "
+                f"drops {probes.drops()} | conns {len(tracker.connections)} | in flight {inflight} | "
+                f"stored {sink.rows_written}")
+        if sink.rows_spooled:
+            text += f" (spooled {sink.rows_spooled})"
+        if stats.parse_errors:
+            text += f" | parse errors {stats.parse_errors}"
+        return text

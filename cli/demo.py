@@ -1,0 +1,216 @@
+"""`tokenprobe demo`: the whole pipeline on one machine.
+
+The reference server and the load generator run as child processes, so the
+agent in this process observes them from the kernel exactly as it would a
+real inference server: no hooks, no shared state.
+
+Unless ``--no-actuator``, the load goes through a gateway enforcing the
+actuator's decisions, and a control loop turns what the agent stores into
+those decisions (``actuator.stack``): the overload phase is detected and
+contained with nobody touching anything, and the decisions are listed at the
+end from ``tokenprobe.decisions``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..actuator.breaker import BreakerPolicy
+from ..actuator.controller import ControllerPolicy
+from ..agent.capture.probes import ProbeError, Targets
+from ..store.client import StoreUnavailable
+from ..store.embedded import open_store
+from .agent import Agent, AgentConfig, SamplerConfig
+from .stack import closed_loop
+
+# Of --rate, an equal part of --duration each: idle enough to calibrate on,
+# busy, past the server's capacity, and back down to show the recovery.
+LOAD_SHARES = (0.2, 0.6, 1.3, 0.3)
+DEMO_TENANT = "demo"
+# The demo lasts a minute, so the loop decides on short windows; a real
+# deployment keeps ControllerPolicy's defaults.
+DEMO_POLICY = ControllerPolicy(window_s=2.0, breaker=BreakerPolicy(trip_windows=2, cooldown_s=5.0,
+                                                                   recovery_shares=(0.25, 0.5, 0.75)))
+
+
+def _ms(later: int | None, earlier: int | None) -> str:
+    if later is None or earlier is None:
+        return "     -"
+    return f"{(later - earlier) / 1e6:6.1f}"
+
+
+def request_line(row: dict) -> str:
+    """One request as a person reads it."""
+    return (f"{row['method']:<4} {row['path']:<22} {row['status']:>3}  "
+            f"ttft {_ms(row['first_token'], row['req_end'])} ms  "
+            f"total {_ms(row['resp_end'], row['req_start'])} ms  "
+            f"{row['token_events']:>3} tok  in flight {row['inflight_at_arrival']:>2}  "
+            f"{'tls ' if row['tls'] else ''}{row['outcome']}")
+
+
+class Totals:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rows: list[dict] = []
+
+    def add(self, row: dict) -> None:
+        if not row["path"].startswith("/v1/"):
+            return  # the agent's own scrapes of /metrics
+        with self.lock:
+            self.rows.append(row)
+        print(request_line(row), flush=True)
+
+    def summary(self) -> str:
+        rows = self.rows
+        ttfts = sorted((r["first_token"] - r["req_end"]) / 1e6 for r in rows
+                       if r["first_token"] is not None and r["req_end"] is not None)
+        outcomes: dict[str, int] = {}
+        for r in rows:
+            outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+
+        def pct(q: float) -> str:
+            return f"{ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]:.1f}" if ttfts else "-"
+
+        return (f"{len(rows)} completions traced ({', '.join(f'{n} {o}' for o, n in sorted(outcomes.items()))}); "
+                f"server TTFT p50 {pct(0.5)} ms, p99 {pct(0.99)} ms; "
+                f"{sum(r['token_events'] for r in rows)} token events")
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def decisions_summary(store_url: str, upstream: str) -> list[str]:
+    """The control loop's decisions for `upstream`, one line each, from tokenprobe.decisions."""
+    with open_store(store_url, serve=False) as store:
+        rows = store.query_rows(
+            """SELECT toUnixTimestamp64Nano(issued_at), kind, tenant, breaker_state, tokens_per_second,
+                      reason, outcome
+               FROM tokenprobe.decisions WHERE upstream = {u:String} ORDER BY issued_at, recorded_at""",
+            {"u": upstream})
+    lines = []
+    for issued_ns, kind, tenant, state, tokens_per_s, reason, outcome in rows:
+        at = datetime.fromtimestamp(issued_ns / 1e9, timezone.utc).strftime("%H:%M:%S")
+        if kind == "breaker":
+            action = f"breaker {state}"  # the reason gives a probing breaker's share
+        else:
+            action = f"tenant {tenant!r} held to {tokens_per_s:.0f} tokens/s"
+        lines.append(f"{at}  {action}: {reason} [{outcome}]")
+    return lines
+
+
+def gateway_answers(workdir: Path) -> str:
+    """How the gateway answered the load, from the load generator's records."""
+    statuses: dict[int, int] = {}
+    for path in sorted(workdir.glob("load-*.json")):
+        for record in json.loads(path.read_text())["requests"]:
+            statuses[record["status"]] = statuses.get(record["status"], 0) + 1
+    return ", ".join(f"{count} × {status or 'no answer'}" for status, count in sorted(statuses.items()))
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    with_actuator = not args.no_actuator and not args.tls
+    gateway_port = args.port + 1
+    for port, option in ((args.port, "--port"), *(((gateway_port, "--port"),) if with_actuator else ())):
+        if port_in_use(port):
+            print(f"demo: port {port} is in use; choose another with {option}", file=sys.stderr)
+            return 2
+    if args.tls and not args.no_actuator:
+        print("demo: over TLS the load goes straight to the server: the gateway proxies plain HTTP only",
+              file=sys.stderr)
+    workdir = Path(tempfile.mkdtemp(prefix="tokenprobe-demo-"))
+    server_cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(args.port),
+                  "--slots", str(args.slots), "--truth-log", str(workdir / "truth.jsonl"),
+                  "--simulated-metrics", "--log-level", "WARNING"]
+    if args.tls:
+        server_cmd.append("--tls-self-signed")
+    # The load sweeps from light to past the server's capacity, so that the
+    # analytics have an idle regime to calibrate on and a knee to find.
+    phases = [(args.duration / len(LOAD_SHARES), args.rate * share) for share in LOAD_SHARES]
+
+    load_port = gateway_port if with_actuator else args.port
+
+    def load_cmd(seconds: float, rate: float, seed: int) -> list[str]:
+        cmd = [sys.executable, "-m", "tokenprobe.refserver", "load", "--port", str(load_port),
+               "--rate", f"{rate:.3f}", "--duration", f"{seconds:.3f}", "--seed", str(seed), "--quiet",
+               "--tenant", DEMO_TENANT, "--json", str(workdir / f"load-{seed}.json")]
+        return cmd + (["--tls"] if args.tls else [])
+
+    print(f"demo: reference server on port {args.port} with {args.slots} slots; load "
+          + ", then ".join(f"{rate:.1f} requests/s for {seconds:.0f}s" for seconds, rate in phases)
+          + f"; store {args.store}"
+          + (f"; through the gateway on port {gateway_port}, control window {DEMO_POLICY.window_s:g}s"
+             if with_actuator else ""), file=sys.stderr)
+    server = subprocess.Popen(server_cmd)
+    totals = Totals()
+    load: subprocess.Popen | None = None
+    upstream = None
+
+    def start_load() -> None:
+        nonlocal load, upstream
+        try:
+            with ExitStack() as loop_running:
+                if with_actuator:
+                    upstream = loop_running.enter_context(closed_loop(
+                        args.store, server_port=args.port, gateway_port=gateway_port, workdir=workdir,
+                        policy=DEMO_POLICY)).upstream
+                for seed, (seconds, rate) in enumerate(phases):
+                    load = subprocess.Popen(load_cmd(seconds, rate, seed))
+                    load.wait()
+                time.sleep(0.5)  # let the last responses' closing bytes reach the agent
+        except (OSError, StoreUnavailable) as error:
+            print(f"demo: cannot run the control loop: {error}", file=sys.stderr)
+        finally:
+            agent.stop()
+
+    driver = threading.Thread(target=start_load, daemon=True)
+    # No GPU here: the reference server's simulated dcgm and vLLM pages stand
+    # in, every row from them marked simulated, mapped to "GPU 0" by port.
+    # (Over TLS its certificate is self-signed, which the scrapers refuse.)
+    samplers = SamplerConfig() if args.tls else SamplerConfig(
+        dcgm_urls=[f"http://127.0.0.1:{args.port}/sim/dcgm"],
+        engine_urls={f"http://127.0.0.1:{args.port}/metrics": args.port},
+        gpus_by_port={args.port: ["0"]})
+    agent = Agent(AgentConfig(targets=Targets(ports=[args.port]), store_url=args.store, status=False,
+                              on_row=totals.add, on_ready=driver.start, samplers=samplers))
+    try:
+        summary = agent.run()
+    except ProbeError as exc:
+        print(f"demo: {exc}\nRun 'tokenprobe doctor' for what works on this node.", file=sys.stderr)
+        return 1
+    finally:
+        if load is not None and load.poll() is None:
+            load.send_signal(signal.SIGINT)
+            load.wait(timeout=10)
+        server.terminate()
+        server.wait(timeout=10)
+
+    print(f"\ndemo: {totals.summary()}", file=sys.stderr)
+    if upstream is not None:
+        print(f"demo: the gateway answered {gateway_answers(workdir)}", file=sys.stderr)
+        lines = decisions_summary(args.store, upstream)
+        print(f"demo: {len(lines)} decisions by the control loop (tokenprobe.decisions):", file=sys.stderr)
+        for line in lines:
+            print(f"  {line}", file=sys.stderr)
+    print(f"demo: {summary.rows_written} rows in {args.store} "
+          f"({summary.drops} kernel events dropped). Query it with:\n"
+          f"  tokenprobe query --store {args.store} "
+          f"\"SELECT path, count(), quantile(0.5)(dateDiff('millisecond', req_end, first_token)) "
+          f"AS ttft_p50_ms FROM tokenprobe.requests GROUP BY path\"", file=sys.stderr)
+    return 0

@@ -1,0 +1,220 @@
+"""The `tokenprobe` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ..actuator.control_cli import add_control_parser
+from ..agent.http_assembler import DEFAULT_TENANT_HEADER, tenant_header_name
+from ..analytics.cli import add_analyze_parser
+from ..dashboard.cli import add_dashboard_parser
+from ..store.url import DEFAULT_STORE
+
+
+def _add_agent_args(p: argparse.ArgumentParser) -> None:
+    targets = p.add_argument_group("targets (any combination; a connection is tracked if one selects it)")
+    targets.add_argument("--port", type=int, action="append", default=[], metavar="PORT",
+                         help="a listening TCP port of an inference server (repeatable)")
+    targets.add_argument("--pid", type=int, action="append", default=[], metavar="PID",
+                         help="a server process, and the processes it forks (repeatable)")
+    targets.add_argument("--exe", action="append", default=[], metavar="PATH",
+                         help="an executable: every process of it, including ones started later (repeatable)")
+    targets.add_argument("--outbound", action="store_true",
+                         help="also track connections that --pid/--exe processes open (e.g. a proxy's upstreams)")
+    p.add_argument("--store", default=DEFAULT_STORE, metavar="URL",
+                   help="chdb:///DIR for the embedded store or http://host:8123/ "
+                        "(default: $TOKENPROBE_STORE, else chdb:///var/lib/tokenprobe/store)")
+    p.add_argument("--tenant-header", default=DEFAULT_TENANT_HEADER, metavar="NAME",
+                   help="request header whose value is stored as each request's tenant: an identifier, "
+                        "not content; no other header is kept. The actuator's gateway hook reads the same "
+                        "header by default, so its token budgets and the stored token counts name the "
+                        "same tenants (default %(default)s; '' turns it off)")
+    out = p.add_argument_group("exporters")
+    out.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                     help="serve Prometheus /metrics on PORT (default 0: off; the DaemonSet uses 9464)")
+    out.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default %(default)s)")
+    out.add_argument("--otlp-endpoint", metavar="URL",
+                     help="export a span per request and GenAI metrics over OTLP/gRPC, e.g. http://127.0.0.1:4317")
+    p.add_argument("--ringbuf-mb", type=int, default=16,
+                   help="kernel ring buffer size in MiB, a power of two (default %(default)s)")
+    gpu = p.add_argument_group("GPU and engine state, joined to every request")
+    gpu.add_argument("--nvml-hz", type=float, default=10.0,
+                     help="NVML samples per second; 0 leaves NVML out (default %(default)s)")
+    gpu.add_argument("--dcgm", action="append", default=[], metavar="URL",
+                     help="a dcgm-exporter /metrics URL to scrape (repeatable)")
+    gpu.add_argument("--engine", action="append", default=[], metavar="[PORT=]URL",
+                     help="an inference server's /metrics (vLLM, SGLang, TGI, llama.cpp); PORT= names the "
+                          "port clients use when metrics are served elsewhere (repeatable)")
+    gpu.add_argument("--gpu", action="append", default=[], metavar="PORT=GPU[,GPU]",
+                     help="the GPUs (index, UUID or MIG device id) serving a port, where NVML cannot tell "
+                          "from process memory (repeatable)")
+    gpu.add_argument("--scrape-interval", type=float, default=1.0, metavar="S",
+                     help="seconds between dcgm and engine scrapes (default %(default)s)")
+
+
+def samplers_from_args(args: argparse.Namespace):
+    """SamplerConfig from the GPU options; ValueError says which one is wrong."""
+    from ..agent.sampling.prom_text import check_scrape_url
+    from .agent import SamplerConfig
+
+    for url in args.dcgm:
+        check_scrape_url(url)
+    engines: dict[str, int | None] = {}
+    for spec in args.engine:
+        port, sep, url = spec.partition("=")
+        if sep and port.isdigit():
+            engines[check_scrape_url(url)] = int(port)
+        else:
+            engines[check_scrape_url(spec)] = None
+    gpus: dict[int, list[str]] = {}
+    for spec in args.gpu:
+        port, sep, refs = spec.partition("=")
+        if not sep or not port.isdigit() or not refs:
+            raise ValueError(f"--gpu {spec!r}: expected PORT=GPU[,GPU], e.g. 8000=0")
+        gpus[int(port)] = refs.split(",")
+    if args.nvml_hz < 0 or args.scrape_interval <= 0:
+        raise ValueError("--nvml-hz must be ≥ 0 and --scrape-interval > 0")
+    return SamplerConfig(nvml_hz=args.nvml_hz, dcgm_urls=args.dcgm, engine_urls=engines,
+                         gpus_by_port=gpus, scrape_interval_s=args.scrape_interval)
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from ..agent.capture.probes import ProbeError, Targets
+    from .agent import Agent, AgentConfig
+
+    targets = Targets(ports=args.port, pids=args.pid, exes=args.exe, outbound=args.outbound)
+    try:
+        targets.validate()
+        samplers = samplers_from_args(args)
+        tenant_header = tenant_header_name(args.tenant_header)
+    except ValueError as exc:
+        print(f"tokenprobe agent: {exc}", file=sys.stderr)
+        return 2
+    pages = args.ringbuf_mb * 256
+    if pages & (pages - 1):
+        print("tokenprobe agent: --ringbuf-mb must be a power of two", file=sys.stderr)
+        return 2
+    os.nice(max(0, args.nice))
+    if not 0 <= args.metrics_port < 65536:
+        print("tokenprobe agent: --metrics-port must be a TCP port (0: off)", file=sys.stderr)
+        return 2
+    config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
+                         ringbuf_pages=pages, status=not args.quiet, samplers=samplers,
+                         metrics_address=(args.metrics_host, args.metrics_port) if args.metrics_port else None,
+                         otlp_endpoint=args.otlp_endpoint, tenant_header=tenant_header)
+    try:
+        if args.otlp_endpoint:
+            from ..agent.export.otel_export import check_endpoint
+            check_endpoint(args.otlp_endpoint)
+    except ValueError as exc:
+        print(f"tokenprobe agent: --otlp-endpoint: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = Agent(config).run()
+    except ProbeError as exc:
+        print(f"tokenprobe agent: {exc}\nRun 'tokenprobe doctor' for what works on this node.",
+              file=sys.stderr)
+        return 1
+    print(f"done: {summary.requests} requests from {summary.events} kernel events in "
+          f"{summary.seconds:.1f}s; {summary.rows_written} rows stored"
+          + (f", {summary.rows_spooled} spooled to disk for later" if summary.rows_spooled else "")
+          + f"; {summary.drops} events dropped by the kernel", file=sys.stderr)
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from ..agent.doctor import FAIL, render, run_checks
+
+    checks = run_checks(load=not args.no_load)
+    print(render(checks))
+    return 1 if any(c.state == FAIL for c in checks) else 0
+
+
+def _cmd_query(args: argparse.Namespace) -> int:
+    from ..store.embedded import open_store
+
+    store = open_store(args.store, serve=False)
+    try:
+        df = store.query_df(args.sql)
+    finally:
+        store.close()
+    if args.format == "csv":
+        df.to_csv(sys.stdout, index=False)
+    else:
+        with __import__("pandas").option_context("display.max_rows", args.max_rows,
+                                                 "display.width", 200):
+            print(df.to_string(index=False))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenprobe", fromfile_prefix_chars="@",
+        description="eBPF observability for LLM serving: every streamed request's network, queue, "
+                    "prefill and decode time, from the kernel, with no change to the server.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("agent", help="trace inference servers and store one row per request",
+                       description="Load the probes, follow the target servers' connections and "
+                                   "store one row per HTTP request in tokenprobe.requests. Stops on "
+                                   "SIGINT/SIGTERM or after --duration, flushing everything.")
+    _add_agent_args(p)
+    p.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    p.add_argument("--nice", type=int, default=10,
+                   help="CPU niceness of the agent (default %(default)s): the served workload comes first; "
+                        "events are stamped in the kernel, so a late agent loses no accuracy")
+    p.add_argument("--quiet", action="store_true", help="no live status line")
+    p.set_defaults(func=_cmd_agent)
+
+    p = sub.add_parser("demo", help="the reference server under load, traced, into an embedded store",
+                       description="Start the reference OpenAI-compatible server, a Poisson load "
+                                   "generator and the agent on an embedded store; print each request "
+                                   "as it completes and totals at the end. The store stays for queries.")
+    p.add_argument("--store", default="chdb:///var/lib/tokenprobe/demo-store", metavar="URL",
+                   help="where to store the requests (default %(default)s)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load (default %(default)s)")
+    p.add_argument("--rate", type=float, default=6.0,
+                   help="peak requests per second; the load sweeps 0.2×, 0.6×, 1.3× and 0.3× of it "
+                        "(default %(default)s)")
+    p.add_argument("--slots", type=int, default=4, help="the server's concurrent slots (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="the server's port (default %(default)s)")
+    p.add_argument("--tls", action="store_true", help="serve and load over HTTPS (without the gateway)")
+    p.add_argument("--no-actuator", action="store_true",
+                   help="load the server directly: no gateway, actuator or control loop "
+                        "(by default they run, the gateway on --port + 1)")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("doctor", help="say what works on this node and what to do about what doesn't")
+    p.add_argument("--no-load", action="store_true", help="skip compiling and loading the probes")
+    p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("query", help="run SQL on a store (also while an agent owns it)",
+                       description="Run one SQL query and print the result. On an embedded store that "
+                                   "an agent is writing, the query goes through the agent.")
+    p.add_argument("sql", help="e.g. \"SELECT count() FROM tokenprobe.requests\"")
+    p.add_argument("--store", default=DEFAULT_STORE, metavar="URL", help="default %(default)s")
+    p.add_argument("--format", choices=("table", "csv"), default="table")
+    p.add_argument("--max-rows", type=int, default=100)
+    p.set_defaults(func=_cmd_query)
+
+    add_analyze_parser(sub, default_store=DEFAULT_STORE)
+    add_dashboard_parser(sub, DEFAULT_STORE)
+    add_control_parser(sub, DEFAULT_STORE)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)

@@ -1,0 +1,50 @@
+"""The one list of tokenprobe's tables and views, in the order they are created.
+
+``Store.ensure_schema()``, ``deploy/render.py`` (the cluster DDL) and the tests
+all read this list, so which tables exist never depends on what a process
+happened to import. A new table is declared in its module of this room and
+added here.
+"""
+
+from __future__ import annotations
+
+from .analysis import (
+    INDICATOR_MATRIX,
+    KNEE,
+    PREFILL_CALIBRATION,
+    REQUEST_PHASES,
+    SLO_STATUS,
+)
+from .decisions import DECISIONS
+from .requests import REQUESTS
+from .rollup import ROLLUP, ROLLUP_MV
+from .samples import ENGINE_SAMPLES, GPU_SAMPLES, SERVER_GPUS
+from .tables import DEFAULT_DATABASE, DEFAULT_TTL_DAYS, Table, View
+
+TABLES: tuple[Table, ...] = (
+    REQUESTS,
+    GPU_SAMPLES,
+    ENGINE_SAMPLES,
+    SERVER_GPUS,
+    REQUEST_PHASES,
+    PREFILL_CALIBRATION,
+    KNEE,
+    INDICATOR_MATRIX,
+    SLO_STATUS,
+    DECISIONS,
+    ROLLUP,
+)
+# Created after every table: a materialized view needs the tables it reads and writes.
+MATERIALIZED_VIEWS: tuple[View, ...] = (ROLLUP_MV,)
+
+
+def create_statements(database: str = DEFAULT_DATABASE, ttl_days: int = DEFAULT_TTL_DAYS) -> list[str]:
+    """The statements that create the database, every table and every materialized view, in order."""
+    if not database.isidentifier():
+        raise ValueError(f"database name {database!r} is not a plain identifier")
+    if not isinstance(ttl_days, int) or isinstance(ttl_days, bool) or ttl_days < 1:
+        raise ValueError(f"ttl_days must be a positive integer, got {ttl_days!r}")
+    statements = [f"CREATE DATABASE IF NOT EXISTS {database}"]
+    statements += [table.ddl_template.format(db=database, ttl_days=ttl_days) for table in TABLES]
+    statements += [view.ddl_template.format(db=database) for view in MATERIALIZED_VIEWS]
+    return statements

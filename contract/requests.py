@@ -1,0 +1,85 @@
+"""The ``requests`` table: one row per HTTP request the agent saw, the row every figure starts from."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from .tables import (
+    INTEGER_CODEC,
+    NULLABLE_TIMESTAMP_TYPE,
+    OPAQUE_CODEC,
+    SORTED_TIMESTAMP_CODEC,
+    TIMESTAMP_CODEC,
+    TIMESTAMP_TYPE,
+    Column,
+    Table,
+)
+
+# One row per HTTP request, exactly as docs/ROW_SCHEMA.md lists it (names,
+# types, order). Timestamps carry an explicit UTC zone so every reader decodes
+# the same instant whatever the server's or the host's time zone.
+REQUEST_SCHEMA: tuple[Column, ...] = (
+    Column("node", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("conn_id", "UInt64", INTEGER_CODEC),
+    Column("req_seq", "UInt32", INTEGER_CODEC),
+    Column("role", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("pid", "UInt32", INTEGER_CODEC),
+    Column("comm", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("server_port", "UInt16", INTEGER_CODEC),
+    Column("client_addr", "String", OPAQUE_CODEC),
+    Column("client_port", "UInt16", INTEGER_CODEC),
+    Column("tenant", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("tls", "Bool", OPAQUE_CODEC),
+    Column("accept_ts", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("tls_done_ts", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("req_start", TIMESTAMP_TYPE, SORTED_TIMESTAMP_CODEC),
+    Column("req_end", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("resp_start", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("first_token", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("last_token", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("resp_end", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("method", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("path", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("status", "UInt16", INTEGER_CODEC),
+    Column("model", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("response_id", "String", OPAQUE_CODEC),
+    Column("streamed", "Bool", OPAQUE_CODEC),
+    Column("token_events", "UInt32", INTEGER_CODEC),
+    Column("sse_events", "UInt32", INTEGER_CODEC),
+    Column("token_offsets_us", "Array(UInt32)", OPAQUE_CODEC),
+    Column("prompt_tokens", "Nullable(UInt32)", INTEGER_CODEC),
+    Column("completion_tokens", "Nullable(UInt32)", INTEGER_CODEC),
+    Column("inflight_at_arrival", "UInt32", INTEGER_CODEC),
+    Column("bytes_in", "UInt64", INTEGER_CODEC),
+    Column("bytes_out", "UInt64", INTEGER_CODEC),
+    Column("body_fp", "UInt64", OPAQUE_CODEC),
+    Column("outcome", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("error", "String", OPAQUE_CODEC),
+)
+
+REQUESTS = Table(
+    "requests", REQUEST_SCHEMA,
+    order_by="server_port, req_start, conn_id", partition_by="req_start", ttl_column="req_start",
+)
+REQUESTS_TABLE = REQUESTS.name
+REQUEST_COLUMNS: list[str] = REQUESTS.column_names
+# name -> ClickHouse type, for writers that must build typed batches without
+# asking the store (the sink spools while the store is down).
+REQUEST_COLUMN_TYPES: dict[str, str] = {column.name: column.type for column in REQUEST_SCHEMA}
+
+REQUESTS_DDL = REQUESTS.ddl_template
+
+
+def add_missing_request_columns(database: str, existing_columns: Collection[str]) -> list[str]:
+    """The statements that give a requests table made by an older tokenprobe the
+    REQUEST_SCHEMA columns it lacks, each in its schema place (after the column
+    before it, which is either already there or added by an earlier statement)."""
+    statements = []
+    previous: str | None = None
+    for column in REQUEST_SCHEMA:
+        if column.name not in existing_columns:
+            place = f"AFTER `{previous}`" if previous else "FIRST"
+            statements.append(f"ALTER TABLE {database}.{REQUESTS_TABLE} "
+                              f"ADD COLUMN IF NOT EXISTS {column.ddl()} {place}")
+        previous = column.name
+    return statements

@@ -1,0 +1,117 @@
+"""How a table is declared: columns with their codecs, and the table around them.
+
+Every table of tokenprobe is one ``Table`` value in a module of this room and
+is listed once in ``registry``. ``Table.ddl_template`` renders it with two
+placeholders, ``{db}`` (the database, ``tokenprobe`` unless the store URL names
+another) and ``{ttl_days}`` (how long rows live); the same DDL serves embedded
+chDB and a ClickHouse server. ``arrow_type`` gives the Arrow type that inserts
+into a column, for writers that build typed batches themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+DEFAULT_DATABASE = "tokenprobe"
+DEFAULT_TTL_DAYS = 30
+
+# Codecs. Timestamps are nanoseconds: consecutive values in a part are close,
+# so delta coding leaves small numbers for ZSTD. DoubleDelta suits a column the
+# part is sorted by (near-constant steps); Delta suits timestamps that follow
+# the sort order only roughly. T64 strips the unused high bits of integers that
+# are small in practice (ports, counts, pids). Hashes and free text are
+# incompressible by transforms, so they get ZSTD alone.
+SORTED_TIMESTAMP_CODEC = "CODEC(DoubleDelta, ZSTD(1))"
+TIMESTAMP_CODEC = "CODEC(Delta, ZSTD(1))"
+INTEGER_CODEC = "CODEC(T64, ZSTD(1))"
+OPAQUE_CODEC = "CODEC(ZSTD(1))"
+# Gauges sampled on a clock: floats that change little between ticks, Gorilla's case.
+GAUGE_CODEC = "CODEC(Gorilla, ZSTD(1))"
+
+TIMESTAMP_TYPE = "DateTime64(9, 'UTC')"
+NULLABLE_TIMESTAMP_TYPE = f"Nullable({TIMESTAMP_TYPE})"
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str
+    codec: str
+
+    def ddl(self) -> str:
+        return f"`{self.name}` {self.type} {self.codec}"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A MergeTree-family table: its columns, engine, partitioning, sort key and TTL.
+
+    ``partition_by`` and ``ttl_column`` name a timestamp column: rows are
+    partitioned by its day and live ``{ttl_days}`` days after it.
+    """
+
+    name: str
+    columns: tuple[Column, ...]
+    order_by: str
+    partition_by: str
+    ttl_column: str
+    engine: str = "MergeTree"
+
+    @property
+    def column_names(self) -> list[str]:
+        return [column.name for column in self.columns]
+
+    @property
+    def ddl_template(self) -> str:
+        column_lines = ",\n    ".join(column.ddl() for column in self.columns)
+        return f"""CREATE TABLE IF NOT EXISTS {{db}}.{self.name}
+(
+    {column_lines}
+)
+ENGINE = {self.engine}
+PARTITION BY toDate({self.partition_by})
+ORDER BY ({self.order_by})
+TTL toDateTime({self.ttl_column}) + INTERVAL {{ttl_days}} DAY"""
+
+    def arrow(self, rows: Sequence[dict]) -> pa.Table:
+        """Row dicts (every column present) as an Arrow table typed for this table's columns."""
+        return pa.table({column.name: pa.array([row[column.name] for row in rows], arrow_type(column.type))
+                         for column in self.columns})
+
+
+@dataclass(frozen=True)
+class View:
+    """A view or materialized view: ``ddl_template`` is its whole CREATE statement ({db} placeholder)."""
+
+    name: str
+    ddl_template: str
+
+
+_SIMPLE_ARROW_TYPES = {
+    TIMESTAMP_TYPE: pa.timestamp("ns", tz="UTC"),
+    "String": pa.string(),
+    "Bool": pa.bool_(),
+    "UInt16": pa.uint16(),
+    "UInt32": pa.uint32(),
+    "UInt64": pa.uint64(),
+    "Float32": pa.float32(),
+    "Float64": pa.float64(),
+}
+
+
+def arrow_type(clickhouse_type: str) -> pa.DataType:
+    """The Arrow type that inserts into a column of ``clickhouse_type`` (the ones these tables use)."""
+    for wrapper in ("Nullable(", "LowCardinality("):
+        if clickhouse_type.startswith(wrapper):
+            return arrow_type(clickhouse_type[len(wrapper) : -1])
+    if clickhouse_type.startswith("Array("):
+        return pa.list_(arrow_type(clickhouse_type[len("Array(") : -1]))
+    if clickhouse_type.startswith("Map("):
+        key, value = clickhouse_type[len("Map(") : -1].split(", ", 1)
+        return pa.map_(arrow_type(key), arrow_type(value))
+    if clickhouse_type not in _SIMPLE_ARROW_TYPES:
+        raise ValueError(f"no Arrow type for ClickHouse type {clickhouse_type!r}")
+    return _SIMPLE_ARROW_TYPES[clickhouse_type]

@@ -1,0 +1,180 @@
+"""The ClickHouse store: embedded chDB or a server, one API for both.
+
+``open_store`` (``embedded``) gives a ``Store`` for a URL (``url``): the
+embedded engine's owner, a client of that owner, or a client of a server.
+Everything goes through clickhouse-connect, whose chDB and HTTP clients share
+one interface; batches travel as Arrow, which both accept with exact
+nanosecond timestamps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+from clickhouse_connect.driver.exceptions import OperationalError
+
+logger = logging.getLogger(__name__)
+
+from ..contract.registry import create_statements
+from ..contract.requests import (
+    REQUESTS_DDL,
+    REQUESTS_TABLE,
+    add_missing_request_columns,
+)
+from ..contract.tables import DEFAULT_TTL_DAYS
+from .rows import RowSchema
+from .url import StoreURL
+
+# ClickHouse error codes that mean "try again later", not "this batch is bad".
+TRANSIENT_ERROR_CODES = frozenset({
+    159,  # TIMEOUT_EXCEEDED
+    202,  # TOO_MANY_SIMULTANEOUS_QUERIES
+    209,  # SOCKET_TIMEOUT
+    210,  # NETWORK_ERROR
+    236,  # ABORTED (an embedded owner shutting down)
+    241,  # MEMORY_LIMIT_EXCEEDED
+    242,  # TABLE_IS_READ_ONLY
+    252,  # TOO_MANY_PARTS
+    425,  # SYSTEM_ERROR
+    516,  # AUTHENTICATION_FAILED (an embedded owner restarted with a new token on the old port)
+})
+
+
+class StoreUnavailable(RuntimeError):
+    """The store cannot be reached now (server down, owner gone, store closed); retrying may succeed."""
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class Store:
+    """One store, embedded or server, behind clickhouse-connect's client.
+
+    ``mode`` is "embedded-owner" (this process owns the chDB directory),
+    "embedded-via-owner" (another process owns it; this talks HTTP to it) or
+    "server". Every method is safe to call from several threads: calls are
+    serialized, because a chDB client must be used by one thread at a time.
+    Table names without a database are taken to be in ``database``.
+    ``ownership`` is what an embedded owner holds (``embedded``), released on close.
+    """
+
+    def __init__(self, target: StoreURL, client, mode: str, ownership=None):
+        self.target = target
+        self.url = target.display()
+        self.database = target.database
+        self.client = client
+        self.mode = mode
+        self._ownership = ownership
+        self._lock = threading.RLock()
+        self._closed = False
+        self._row_schemas: dict[str, RowSchema] = {}
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r}, mode={self.mode!r})"
+
+    def table(self, name: str) -> str:
+        """The qualified name of ``name`` (``database.name`` unless it names a database already)."""
+        return name if "." in name else f"{self.database}.{name}"
+
+    def _call(self, method: Callable, *args, **kwargs):
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailable(f"store {self.url} is closed")
+            try:
+                return method(*args, **kwargs)
+            except OperationalError as error:
+                raise StoreUnavailable(f"store {self.url} is unreachable: {error}") from error
+
+    def command(self, sql: str, parameters: Mapping[str, Any] | None = None):
+        """Run a statement; returns its (small) result as clickhouse-connect's command() does."""
+        return self._call(self.client.command, sql, parameters=parameters)
+
+    def query_df(self, sql: str, parameters: Mapping[str, Any] | None = None) -> pd.DataFrame:
+        return self._call(self.client.query_df, sql, parameters=parameters)
+
+    def query_rows(self, sql: str, parameters: Mapping[str, Any] | None = None) -> list[tuple]:
+        return self._call(self.client.query, sql, parameters=parameters).result_rows
+
+    def insert_arrow(self, table: str, arrow_table: pa.Table) -> int:
+        """Insert an Arrow table (columns by name); returns the number of rows sent."""
+        if arrow_table.num_rows == 0:
+            return 0
+        self._call(self.client.insert_arrow, self.table(table), arrow_table)
+        return arrow_table.num_rows
+
+    def insert_rows(self, table: str, rows: Sequence[Mapping[str, Any]]) -> int:
+        """Insert row dicts, converted per the table's column types (DateTime64 from int epoch units)."""
+        if not rows:
+            return 0
+        row_schema = self.row_schema(table)
+        for row in rows:
+            row_schema.check(row)
+        return self.insert_arrow(table, row_schema.to_arrow(rows))
+
+    def row_schema(self, table: str) -> RowSchema:
+        """The RowSchema of a table, read from the store once and cached."""
+        qualified = self.table(table)
+        if qualified not in self._row_schemas:
+            database, _, name = qualified.partition(".")
+            columns = self.query_rows(
+                "SELECT name, type, default_kind FROM system.columns"
+                " WHERE database = {database:String} AND table = {table:String}"
+                " AND default_kind NOT IN ('MATERIALIZED', 'ALIAS') ORDER BY position",
+                {"database": database, "table": name},
+            )
+            if not columns:
+                raise ValueError(f"table {qualified} does not exist in store {self.url}")
+            self._row_schemas[qualified] = RowSchema(
+                {column: ch_type for column, ch_type, _ in columns},
+                optional=[column for column, _, default_kind in columns if default_kind],
+            )
+        return self._row_schemas[qualified]
+
+    def ensure_schema(self, ttl_days: int = DEFAULT_TTL_DAYS) -> None:
+        """Create the database and every registered table; safe to repeat.
+
+        A requests table made by an older tokenprobe gets the columns added since
+        (rows stored before read the column type's default). ``ttl_days`` applies to
+        tables this call creates; existing tables keep theirs.
+        """
+        requests_ddl = REQUESTS_DDL.format(db=self.database, ttl_days=ttl_days)
+        for statement in create_statements(self.database, ttl_days):
+            self.command(statement)
+            if statement == requests_ddl:
+                # Before the views that read the table are created: one may read a new column.
+                self._add_missing_request_columns()
+
+    def _add_missing_request_columns(self) -> None:
+        existing = {name for (name,) in self.query_rows(
+            "SELECT name FROM system.columns WHERE database = {database:String} AND table = {table:String}",
+            {"database": self.database, "table": REQUESTS_TABLE})}
+        statements = add_missing_request_columns(self.database, existing)
+        for statement in statements:
+            self.command(statement)
+        if statements:
+            self._row_schemas.pop(self.table(REQUESTS_TABLE), None)  # the cached one lacks them
+
+    def close(self) -> None:
+        """Stop serving (owner), close the client and release the directory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._ownership is not None:
+                self._ownership.stop_serving()
+            self.client.close()
+            if self._ownership is not None:
+                self._ownership.release()
+
+

@@ -1,0 +1,189 @@
+"""The embedded store: one process owns a chDB directory and serves it to the others.
+
+One process owns the directory (an exclusive ``flock`` on
+``DIR/.tokenprobe.lock``) and serves it to every other process over the
+ClickHouse HTTP protocol (see ``server``); it publishes the port and a fresh
+token in ``DIR/.tokenprobe-serve.json``. ``open_store`` on a directory another
+live process owns returns a client of that owner, so readers work unchanged
+while the agent writes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+
+import clickhouse_connect
+from clickhouse_connect.driver.exceptions import Error as ClickHouseError
+from clickhouse_connect.driver.exceptions import OperationalError
+
+logger = logging.getLogger(__name__)
+
+from .client import Store, StoreUnavailable
+from .server import StoreServer
+from .url import StoreURL, parse_store_url
+
+LOCK_FILE = ".tokenprobe.lock"
+SERVE_FILE = ".tokenprobe-serve.json"
+# How long a reader waits for a starting owner to publish its serve file.
+DEFAULT_OWNER_WAIT_S = 15.0
+
+
+class _Ownership:
+    """What an embedded owner holds: the directory lock and, when serving, the read server."""
+
+    def __init__(self, directory: Path, lock_fd: int):
+        self.directory = directory
+        self.lock_fd = lock_fd
+        self.server: StoreServer | None = None
+
+    def publish(self, server: StoreServer, token: str) -> None:
+        """Start advertising ``server``: write the serve file atomically, readable by this user only."""
+        self.server = server
+        serve_file = self.directory / SERVE_FILE
+        temporary = serve_file.with_name(f"{SERVE_FILE}.{os.getpid()}.tmp")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump({"pid": os.getpid(), "port": server.port, "token": token}, handle)
+        os.replace(temporary, serve_file)
+
+    def stop_serving(self) -> None:
+        if self.server is None:
+            return
+        # Withdraw the advertisement first, so no new reader tries a closing server.
+        if _read_json(self.directory / SERVE_FILE).get("pid") == os.getpid():
+            (self.directory / SERVE_FILE).unlink(missing_ok=True)
+        self.server.close()
+        self.server = None
+
+    def release(self) -> None:
+        fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+        os.close(self.lock_fd)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return content if isinstance(content, dict) else {}
+
+
+def _read_lock_owner(lock_path: Path) -> int | None:
+    try:
+        return int(lock_path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def open_store(url: str, *, serve: bool = True, owner_wait_s: float = DEFAULT_OWNER_WAIT_S) -> Store:
+    """Open the store at ``url`` (see the module docstring).
+
+    Embedded: become the directory's owner if no live process is, serving it to
+    other processes when ``serve``; else connect to the owner, waiting up to
+    ``owner_wait_s`` for a starting owner to publish its serve file.
+    Raises StoreUnavailable when the store cannot be reached.
+    """
+    target = parse_store_url(url)
+    if target.kind == "server":
+        return _open_server(target)
+    return _open_embedded(target, serve=serve, owner_wait_s=owner_wait_s)
+
+
+def _open_server(target: StoreURL) -> Store:
+    try:
+        client = clickhouse_connect.get_client(
+            interface=target.scheme,
+            host=target.host,
+            port=target.port,
+            username=target.username,
+            password=target.password,
+            proxy_path=target.proxy_path,
+            # No server-side sessions: the store needs none, and they forbid concurrent queries.
+            autogenerate_session_id=False,
+        )
+    except OperationalError as error:
+        raise StoreUnavailable(f"cannot reach ClickHouse at {target.display()}: {error}") from error
+    return Store(target, client, "server")
+
+
+def _open_embedded(target: StoreURL, *, serve: bool, owner_wait_s: float) -> Store:
+    directory = Path(target.path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise StoreUnavailable(f"cannot create the embedded store directory {directory}: {error}") from error
+    lock_path = directory / LOCK_FILE
+    deadline = time.monotonic() + owner_wait_s
+    while True:
+        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+        else:
+            return _become_owner(target, directory, lock_fd, serve=serve)
+        # A live process holds the lock (the kernel drops a dead holder's lock).
+        # Its serve file counts only once it carries that holder's pid: an
+        # older file is a stale leftover of a previous owner.
+        owner_pid = _read_lock_owner(lock_path)
+        advert = _read_json(directory / SERVE_FILE)
+        if owner_pid is not None and advert.get("pid") == owner_pid:
+            return _open_via_owner(target, owner_pid, advert)
+        if time.monotonic() >= deadline:
+            raise StoreUnavailable(
+                f"embedded store {directory} is owned by pid {owner_pid or 'unknown'}, which does not serve it"
+                " to other processes (started with serving off, or still starting)"
+            )
+        time.sleep(0.1)
+
+
+def _become_owner(target: StoreURL, directory: Path, lock_fd: int, *, serve: bool) -> Store:
+    ownership = _Ownership(directory, lock_fd)
+    client = None
+    try:
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+        # Whatever serve file is here belongs to a dead owner.
+        (directory / SERVE_FILE).unlink(missing_ok=True)
+        try:
+            client = clickhouse_connect.get_client(interface="chdb", path=str(directory))
+        except ClickHouseError as error:
+            raise StoreUnavailable(f"chDB cannot open {directory}: {error}") from error
+        if serve:
+            token = secrets.token_urlsafe(32)
+            ownership.publish(StoreServer(str(directory), token), token)
+    except BaseException:
+        ownership.stop_serving()
+        if client is not None:
+            client.close()
+        ownership.release()
+        raise
+    return Store(target, client, "embedded-owner", ownership)
+
+
+def _open_via_owner(target: StoreURL, owner_pid: int, advert: dict) -> Store:
+    try:
+        client = clickhouse_connect.get_client(
+            host="127.0.0.1",
+            port=int(advert["port"]),
+            username="default",
+            password=str(advert["token"]),
+            # The owner is on this host: compression would only cost CPU on both ends.
+            compress=False,
+            autogenerate_session_id=False,
+        )
+    except (KeyError, ValueError) as error:
+        raise StoreUnavailable(f"the serve file of embedded store {target.path} is malformed: {error!r}") from None
+    except OperationalError as error:
+        raise StoreUnavailable(
+            f"embedded store {target.path} is owned by pid {owner_pid}, which does not answer: {error}"
+        ) from error
+    return Store(target, client, "embedded-via-owner")
+
+

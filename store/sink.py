@@ -1,0 +1,319 @@
+"""The agent's batched sink of request rows: never blocks the caller, spools through outages."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
+from clickhouse_connect.driver.exceptions import Error as ClickHouseError
+
+logger = logging.getLogger(__name__)
+
+from ..contract.requests import REQUEST_COLUMN_TYPES, REQUESTS_TABLE
+from .client import TRANSIENT_ERROR_CODES, Store
+from .embedded import open_store
+from .rows import RowSchema
+from .spool import Spool, UnreadableSpoolFile
+from .url import StoreURL, parse_store_url
+
+EMBEDDED_SPOOL_DIR = ".tokenprobe-spool"
+DEFAULT_SPOOL_DIR = Path("~/.cache/tokenprobe/spool")
+
+
+# --------------------------------------------------------------------------- the sink
+
+
+@dataclass(frozen=True)
+class SinkStats:
+    """The sink's counters. Every row put is in exactly one of: written, pending, spooled, rejected, lost."""
+
+    rows_written: int
+    rows_pending: int
+    rows_spooled: int
+    rows_rejected: int
+    rows_lost: int
+    inserts: int
+    last_error: str | None
+
+
+
+
+def _is_transient(error: Exception) -> bool:
+    """Whether a failed insert may succeed later, as opposed to the batch itself being refused."""
+    if isinstance(error, UnreadableSpoolFile):
+        return False
+    if isinstance(error, OperationalError):
+        return True
+    if isinstance(error, DatabaseError):
+        return error.code in TRANSIENT_ERROR_CODES
+    if isinstance(error, ClickHouseError):
+        return False  # the client judged the request itself wrong
+    # Outages (StoreUnavailable, OSError) and anything unexpected: keep the data and retry.
+    return True
+
+
+class RequestSink:
+    """The agent's batched, outage-proof writer of request rows.
+
+    ``put(row)`` checks the row (ValueError for a bad one) and queues it
+    without waiting on the store. A background thread inserts a batch every
+    ``flush_interval`` seconds, or as soon as ``batch_rows`` rows are queued.
+    Batches the store cannot take now go to an on-disk spool, replayed oldest
+    first once it answers again (retries back off from ``retry_min_s`` to
+    ``retry_max_s``); if the store stalls and ``max_pending_rows`` pile up in
+    memory, ``put`` spools them itself. Batches the store refuses outright are
+    kept in the spool's ``rejected/`` folder. Delivery is at-least-once: a
+    batch whose insert succeeded but whose answer was lost is sent again.
+
+    ``store`` is an open Store (the caller keeps ownership) or a URL the sink
+    opens itself, lazily and again after failures, and closes with the sink.
+    """
+
+    def __init__(
+        self,
+        store: Store | str,
+        *,
+        table: str = REQUESTS_TABLE,
+        column_types: Mapping[str, str] = REQUEST_COLUMN_TYPES,
+        spool_dir: str | Path | None = None,
+        flush_interval: float = 1.0,
+        batch_rows: int = 20_000,
+        max_pending_rows: int | None = None,
+        retry_min_s: float = 1.0,
+        retry_max_s: float = 30.0,
+    ):
+        if flush_interval <= 0 or batch_rows < 1:
+            raise ValueError("flush_interval must be > 0 and batch_rows >= 1")
+        self._store = store if isinstance(store, Store) else None
+        self._store_url = None if isinstance(store, Store) else store
+        target = store.target if isinstance(store, Store) else parse_store_url(store)
+        self._table = table
+        self._row_schema = RowSchema(column_types)
+        self._flush_interval = flush_interval
+        self._batch_rows = batch_rows
+        self._max_pending_rows = max_pending_rows or 5 * batch_rows
+        self._retry_min_s = retry_min_s
+        self._retry_max_s = retry_max_s
+        self._spool = Spool(Path(spool_dir).expanduser() if spool_dir else _default_spool_dir(target) / table)
+
+        # Guards the queue, the flags and the counters that both threads touch.
+        self._condition = threading.Condition()
+        self._queued: list[dict] = []
+        self._in_flight: list[dict] = []
+        self._closing = False
+        self._abandoned = False
+        self._retry_at = 0.0
+        self._retry_delay = retry_min_s
+        self._rows_written = 0
+        self._rows_rejected = 0
+        self._rows_lost = 0
+        self._inserts = 0
+        self._last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"tokenprobe-sink-{table}", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side ------------------------------------------------------
+
+    def put(self, row: dict) -> None:
+        """Queue one row; never waits for the store. ValueError if the row does not fit the table."""
+        self._row_schema.check(row)
+        overflow = None
+        with self._condition:
+            if self._closing:
+                raise RuntimeError("RequestSink is closed")
+            self._queued.append(row)
+            if len(self._queued) >= self._max_pending_rows:
+                overflow, self._queued = self._queued, []
+            elif len(self._queued) >= self._batch_rows:
+                self._condition.notify()
+        if overflow:
+            logger.warning("store is slow: spooling %d queued rows to %s", len(overflow), self._spool.directory)
+            self._spool_rows(overflow)
+
+    @property
+    def rows_written(self) -> int:
+        return self._rows_written
+
+    @property
+    def rows_spooled(self) -> int:
+        return self._spool.rows
+
+    @property
+    def rows_pending(self) -> int:
+        with self._condition:
+            return len(self._queued) + len(self._in_flight)
+
+    @property
+    def last_error(self) -> str | None:
+        return self._last_error
+
+    def stats(self) -> SinkStats:
+        with self._condition:
+            return SinkStats(
+                rows_written=self._rows_written,
+                rows_pending=len(self._queued) + len(self._in_flight),
+                rows_spooled=self._spool.rows,
+                rows_rejected=self._rows_rejected,
+                rows_lost=self._rows_lost,
+                inserts=self._inserts,
+                last_error=self._last_error,
+            )
+
+    def close(self, timeout: float = 30.0) -> SinkStats:
+        """Deliver or spool everything queued, stop, and return the final counts.
+
+        If the store hangs past ``timeout``, rows still in memory (including a
+        batch mid-insert, which may then also arrive) are spooled.
+        """
+        with self._condition:
+            if self._closing:
+                return self.stats()
+            self._closing = True
+            self._condition.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._condition:
+                self._abandoned = True
+                leftovers = self._in_flight + self._queued
+                self._queued, self._in_flight = [], []
+            logger.warning("store did not answer within %.0f s: spooling %d rows", timeout, len(leftovers))
+            if leftovers:
+                self._spool_rows(leftovers)
+        elif self._store_url is not None and self._store is not None:
+            self._store.close()
+        self._spool.close()
+        return self.stats()
+
+    # -- the writer thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                self._condition.wait_for(
+                    lambda: self._closing or len(self._queued) >= self._batch_rows, self._flush_interval
+                )
+                batch = self._queued[:self._batch_rows]
+                del self._queued[:self._batch_rows]
+                self._in_flight = batch
+                finished = self._closing and not self._queued
+            self._deliver(batch)
+            with self._condition:
+                self._in_flight = []
+            if finished:
+                return
+
+    def _deliver(self, batch: list[dict]) -> None:
+        table = self._to_arrow(batch) if batch else None
+        if time.monotonic() < self._retry_at:
+            if table is not None:
+                self._spool_table(table)  # the store is down: do not queue behind it
+            return
+        try:
+            self._replay_spool()
+            if table is not None:
+                self._insert(table)
+        except Exception as error:  # classified: an outage spools the batch, a refusal sets it aside
+            transient = _is_transient(error)
+            if table is not None and not self._abandoned:  # close() has already spooled an abandoned batch
+                self._spool_table(table, refused_because=None if transient else error)
+            if transient:
+                self._note_outage(error)
+            return
+        self._retry_delay = self._retry_min_s
+
+    def _insert(self, table: pa.Table) -> None:
+        if self._store is None:
+            store = open_store(self._store_url)
+            # The store may have been down since before anything created the
+            # tables (an agent started during an outage): create them now.
+            store.ensure_schema()
+            self._store = store
+        self._store.insert_arrow(self._table, table)
+        with self._condition:
+            self._rows_written += table.num_rows
+            self._inserts += 1
+
+    def _replay_spool(self) -> None:
+        """Insert spooled batches oldest first, in batches of up to batch_rows rows."""
+        while paths := self._spool.oldest(self._batch_rows):
+            try:
+                self._replay(paths)
+            except Exception as error:  # classified: an outage ends the replay
+                if _is_transient(error):
+                    raise
+                # One refused file must not condemn the others read with it.
+                for path in paths:
+                    self._replay_alone(path)
+
+    def _replay(self, paths: Sequence[Path]) -> None:
+        self._insert(self._spool.read(paths))
+        self._spool.remove(paths)
+
+    def _replay_alone(self, path: Path) -> None:
+        try:
+            self._replay([path])
+        except Exception as error:  # classified: an outage ends the replay, a refusal sets the file aside
+            if _is_transient(error):
+                raise
+            self._set_aside(path, error)
+
+    def _set_aside(self, path: Path, error: Exception) -> None:
+        rows = self._spool.rows_in(path)
+        self._spool.reject(path, str(error))
+        self._record_failure(
+            f"store refused {rows} rows (kept in {self._spool.rejected_directory}): {error}", rejected=rows
+        )
+
+    def _to_arrow(self, rows: list[dict]) -> pa.Table | None:
+        try:
+            return self._row_schema.to_arrow(rows)
+        except ValueError as error:  # put() checked every row, so this is a bug, reported loudly
+            self._record_failure(f"lost {len(rows)} rows that could not be converted to Arrow: {error}",
+                                 lost=len(rows))
+            return None
+
+    def _note_outage(self, error: Exception) -> None:
+        self._last_error = f"store unavailable, spooling to {self._spool.directory}: {error}"
+        logger.warning("%s; retrying in %.1f s", self._last_error, self._retry_delay)
+        self._retry_at = time.monotonic() + self._retry_delay
+        self._retry_delay = min(self._retry_delay * 2, self._retry_max_s)
+        if self._store_url is not None and self._store is not None:
+            # A store the sink opened is reopened from scratch next time (an embedded owner may have changed).
+            self._store.close()
+            self._store = None
+
+    def _spool_rows(self, rows: list[dict]) -> None:
+        table = self._to_arrow(rows)
+        if table is not None:
+            self._spool_table(table)
+
+    def _spool_table(self, table: pa.Table, refused_because: Exception | None = None) -> None:
+        try:
+            path = self._spool.append(table)
+        except OSError as error:
+            self._record_failure(
+                f"lost {table.num_rows} rows: the spool at {self._spool.directory} refused them: {error}",
+                lost=table.num_rows,
+            )
+            return
+        if refused_because is not None:
+            self._set_aside(path, refused_because)
+
+    def _record_failure(self, message: str, *, rejected: int = 0, lost: int = 0) -> None:
+        with self._condition:
+            self._rows_rejected += rejected
+            self._rows_lost += lost
+            self._last_error = message
+        logger.error("%s", message)
+
+
+def _default_spool_dir(target: StoreURL) -> Path:
+    if target.kind == "embedded":
+        return Path(target.path) / EMBEDDED_SPOOL_DIR
+    return DEFAULT_SPOOL_DIR.expanduser()

@@ -1,3 +1,0 @@
-from tokenprobe.agent.cli import main
-
-raise SystemExit(main())
