@@ -74,7 +74,7 @@ def closed_loop(store_url: str, *, server_port: int, gateway_port: int, workdir:
             sys.executable, "-m", "tokenprobe.actuator.proxy", "--upstream-url", f"http://127.0.0.1:{server_port}",
             "--upstream", upstream, "--actuator", f"127.0.0.1:{actuator_port}", "--token-file", str(token_file),
             "--port", str(gateway_port), "--deadline", str(gateway_deadline_s)])
-        cleanup.callback(_stop_process, gateway)
+        cleanup.callback(stop_process, gateway)
         _wait_listening(gateway, gateway_port)
 
         store = open_store(store_url, serve=False)
@@ -100,10 +100,11 @@ def _wait_listening(process: subprocess.Popen, port: int) -> None:
     raise OSError(f"the gateway did not listen on port {port} within {GATEWAY_START_S:.0f} s")
 
 
-def _stop_process(process: subprocess.Popen) -> None:
+def stop_process(process: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """Ask a child process to stop; kill it if it has not within ``timeout_s``."""
     process.terminate()
     try:
-        process.wait(timeout=20)
+        process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()

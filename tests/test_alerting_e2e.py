@@ -27,6 +27,7 @@ from tokenprobe.analytics.alerting import (
     AlertmanagerError,
     finding,
 )
+from tokenprobe.cli.stack import stop_process
 
 from tests.support import free_port, wait_until
 from tests.test_alert_rules import RULES, require_binary
@@ -44,12 +45,7 @@ def running(command: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
         try:
             yield process
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process, timeout_s=15)
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
