@@ -34,6 +34,7 @@ from ..store.client import Store, StoreUnavailable
 from ..store.embedded import open_store
 from ..store.schema import create_request_gpu_state_view
 from ..store.sink import RequestSink
+from ..store.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_MAX_BYTES
 
 log = logging.getLogger("tokenprobe.agent")
 
@@ -95,6 +96,7 @@ class AgentConfig:
     metrics_address: tuple[str, int] | None = None  # serve Prometheus /metrics here
     otlp_endpoint: str | None = None                # export spans and GenAI metrics here
     tenant_header: str | None = DEFAULT_TENANT_HEADER  # request header naming the tenant; None: off
+    spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES  # the disk spool's bound while the store is away
 
 
 @dataclass
@@ -210,7 +212,7 @@ class Agent:
                 create_request_gpu_state_view(store)
                 samplers = cfg.samplers.build(store, node, clock)
                 samplers.start()
-            sink = RequestSink(store or cfg.store_url)
+            sink = RequestSink(store or cfg.store_url, spool_max_bytes=cfg.spool_max_bytes)
             exporters = Exporters(cfg, node)
             try:
                 summary = self._run_probes(sink, clock, node, exporters)

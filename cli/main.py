@@ -11,7 +11,20 @@ from ..actuator.control_cli import add_control_parser
 from ..agent.http_assembler import DEFAULT_TENANT_HEADER, tenant_header_name
 from ..analytics.cli import add_analyze_parser
 from ..dashboard.cli import add_dashboard_parser
+from ..store.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_MAX_BYTES
 from ..store.url import DEFAULT_STORE
+
+
+def _positive_bytes(text: str) -> int:
+    """A size in bytes, with an optional K, M or G (powers of 1024) suffix."""
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    try:
+        value = int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 500M, 2G)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("the size must be positive")
+    return value
 
 
 def _add_agent_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +40,10 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=DEFAULT_STORE, metavar="URL",
                    help="chdb:///DIR for the embedded store or http://host:8123/ "
                         "(default: $TOKENPROBE_STORE, else chdb:///var/lib/tokenprobe/store)")
+    p.add_argument("--spool-max-bytes", type=_positive_bytes, default=DEFAULT_SPOOL_MAX_BYTES, metavar="BYTES",
+                   help="bound of the disk spool that holds request rows while the store is unreachable; past it "
+                        "the oldest are dropped and counted (tokenprobe_agent_spool_dropped_rows_total). "
+                        "Accepts K, M, G suffixes (default 1G)")
     p.add_argument("--tenant-header", default=DEFAULT_TENANT_HEADER, metavar="NAME",
                    help="request header whose value is stored as each request's tenant: an identifier, "
                         "not content; no other header is kept. The actuator's gateway hook reads the same "
@@ -104,7 +121,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
                          ringbuf_pages=pages, status=not args.quiet, samplers=samplers,
                          metrics_address=(args.metrics_host, args.metrics_port) if args.metrics_port else None,
-                         otlp_endpoint=args.otlp_endpoint, tenant_header=tenant_header)
+                         otlp_endpoint=args.otlp_endpoint, tenant_header=tenant_header,
+                         spool_max_bytes=args.spool_max_bytes)
     try:
         if args.otlp_endpoint:
             from ..agent.export.otel_export import check_endpoint

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from .tables import (
+    DEDUPLICATION_WINDOW_SETTING,
     INTEGER_CODEC,
     NULLABLE_TIMESTAMP_TYPE,
     OPAQUE_CODEC,
@@ -60,6 +61,7 @@ REQUEST_SCHEMA: tuple[Column, ...] = (
 REQUESTS = Table(
     "requests", REQUEST_SCHEMA,
     order_by="server_port, req_start, conn_id", partition_by="req_start", ttl_column="req_start",
+    settings=DEDUPLICATION_WINDOW_SETTING,
 )
 REQUESTS_TABLE = REQUESTS.name
 REQUEST_COLUMNS: list[str] = REQUESTS.column_names

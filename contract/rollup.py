@@ -18,7 +18,15 @@ from __future__ import annotations
 
 from .latency import DEFAULT_BANDS_PER_DECADE, METRICS, band_sql
 from .requests import REQUESTS_TABLE
-from .tables import INTEGER_CODEC, OPAQUE_CODEC, TIMESTAMP_CODEC, Column, Table, View
+from .tables import (
+    DEDUPLICATION_WINDOW_SETTING,
+    INTEGER_CODEC,
+    OPAQUE_CODEC,
+    TIMESTAMP_CODEC,
+    Column,
+    Table,
+    View,
+)
 
 ROLLUP_TABLE = "request_latency_bands"
 ROLLUP_VIEW = "request_latency_bands_mv"
@@ -41,6 +49,7 @@ ROLLUP = Table(
     ),
     engine="SummingMergeTree(requests)",
     partition_by="minute", order_by="metric, minute, node, server_port, model, path, band", ttl_column="minute",
+    settings=DEDUPLICATION_WINDOW_SETTING,  # a replayed batch must not count twice here either
 )
 
 # Each request yields one (metric, band) pair per latency it has, and ('all', 0).

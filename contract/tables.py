@@ -32,6 +32,12 @@ OPAQUE_CODEC = "CODEC(ZSTD(1))"
 GAUGE_CODEC = "CODEC(Gorilla, ZSTD(1))"
 
 TIMESTAMP_TYPE = "DateTime64(9, 'UTC')"
+
+# The sink gives every batch an insert_deduplication_token that a replay from
+# its spool reuses; a plain MergeTree honours it only within this window of
+# recent inserts (replicated tables deduplicate by default). Tables written by
+# the sink, and those its materialized views feed, carry it.
+DEDUPLICATION_WINDOW_SETTING = "non_replicated_deduplication_window = 1000"
 NULLABLE_TIMESTAMP_TYPE = f"Nullable({TIMESTAMP_TYPE})"
 
 
@@ -50,7 +56,8 @@ class Table:
     """A MergeTree-family table: its columns, engine, partitioning, sort key and TTL.
 
     ``partition_by`` and ``ttl_column`` name a timestamp column: rows are
-    partitioned by its day and live ``{ttl_days}`` days after it.
+    partitioned by its day and live ``{ttl_days}`` days after it. ``settings``
+    are the table's MergeTree settings, as ClickHouse writes them after SETTINGS.
     """
 
     name: str
@@ -59,6 +66,7 @@ class Table:
     partition_by: str
     ttl_column: str
     engine: str = "MergeTree"
+    settings: str = ""
 
     @property
     def column_names(self) -> list[str]:
@@ -74,7 +82,8 @@ class Table:
 ENGINE = {self.engine}
 PARTITION BY toDate({self.partition_by})
 ORDER BY ({self.order_by})
-TTL toDateTime({self.ttl_column}) + INTERVAL {{ttl_days}} DAY"""
+TTL toDateTime({self.ttl_column}) + INTERVAL {{ttl_days}} DAY""" + (
+            f"\nSETTINGS {self.settings}" if self.settings else "")
 
     def arrow(self, rows: Sequence[dict]) -> pa.Table:
         """Row dicts (every column present) as an Arrow table typed for this table's columns."""

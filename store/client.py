@@ -20,13 +20,13 @@ from clickhouse_connect.driver.exceptions import OperationalError
 
 logger = logging.getLogger(__name__)
 
-from ..contract.registry import create_statements
+from ..contract.registry import TABLES, create_statements
 from ..contract.requests import (
     REQUESTS_DDL,
     REQUESTS_TABLE,
     add_missing_request_columns,
 )
-from ..contract.tables import DEFAULT_TTL_DAYS
+from ..contract.tables import DEDUPLICATION_WINDOW_SETTING, DEFAULT_TTL_DAYS
 from .rows import RowSchema
 from .url import StoreURL
 
@@ -106,11 +106,18 @@ class Store:
     def query_rows(self, sql: str, parameters: Mapping[str, Any] | None = None) -> list[tuple]:
         return self._call(self.client.query, sql, parameters=parameters).result_rows
 
-    def insert_arrow(self, table: str, arrow_table: pa.Table) -> int:
-        """Insert an Arrow table (columns by name); returns the number of rows sent."""
+    def insert_arrow(self, table: str, arrow_table: pa.Table, *, deduplication_token: str | None = None) -> int:
+        """Insert an Arrow table (columns by name); returns the number of rows sent.
+
+        An insert with the ``deduplication_token`` of an earlier one into the same table (a replay of a
+        batch whose answer was lost) is dropped by ClickHouse instead of storing the rows twice.
+        """
         if arrow_table.num_rows == 0:
             return 0
-        self._call(self.client.insert_arrow, self.table(table), arrow_table)
+        # The materialized views an insert feeds deduplicate alongside it (the heatmap rollup).
+        settings = {"insert_deduplication_token": deduplication_token,
+                    "deduplicate_blocks_in_dependent_materialized_views": 1} if deduplication_token else None
+        self._call(self.client.insert_arrow, self.table(table), arrow_table, settings=settings)
         return arrow_table.num_rows
 
     def insert_rows(self, table: str, rows: Sequence[Mapping[str, Any]]) -> int:
@@ -154,6 +161,7 @@ class Store:
             if statement == requests_ddl:
                 # Before the views that read the table are created: one may read a new column.
                 self._add_missing_request_columns()
+        self._enable_insert_deduplication()
 
     def _add_missing_request_columns(self) -> None:
         existing = {name for (name,) in self.query_rows(
@@ -164,6 +172,19 @@ class Store:
             self.command(statement)
         if statements:
             self._row_schemas.pop(self.table(REQUESTS_TABLE), None)  # the cached one lacks them
+
+    def _enable_insert_deduplication(self) -> None:
+        """Give plain-MergeTree tables made before deduplication tokens the window they need."""
+        for table in TABLES:
+            if DEDUPLICATION_WINDOW_SETTING not in table.settings:
+                continue
+            rows = self.query_rows("SELECT engine, engine_full FROM system.tables"
+                                   " WHERE database = {database:String} AND name = {table:String}",
+                                   {"database": self.database, "table": table.name})
+            # A cluster's Replicated*/Distributed tables deduplicate by their own rules.
+            if rows and not rows[0][0].startswith(("Replicated", "Distributed")) \
+                    and "non_replicated_deduplication_window" not in rows[0][1]:
+                self.command(f"ALTER TABLE {self.table(table.name)} MODIFY SETTING {DEDUPLICATION_WINDOW_SETTING}")
 
     def close(self) -> None:
         """Stop serving (owner), close the client and release the directory. Idempotent."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,20 +13,26 @@ import pyarrow as pa
 from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 from clickhouse_connect.driver.exceptions import Error as ClickHouseError
 
-logger = logging.getLogger(__name__)
-
 from ..contract.requests import REQUEST_COLUMN_TYPES, REQUESTS_TABLE
 from .client import TRANSIENT_ERROR_CODES, Store
 from .embedded import open_store
 from .rows import RowSchema
-from .spool import Spool, UnreadableSpoolFile
+from .spool import DEFAULT_MAX_BYTES, Spool, UnreadableSpoolFile, new_batch_token
 from .url import StoreURL, parse_store_url
+
+logger = logging.getLogger(__name__)
 
 EMBEDDED_SPOOL_DIR = ".tokenprobe-spool"
 DEFAULT_SPOOL_DIR = Path("~/.cache/tokenprobe/spool")
+# Rows held in memory while the store is slow, by estimated size: past this they are spooled.
+DEFAULT_MAX_PENDING_BYTES = 64 << 20
+# What a request row costs in memory besides its token offsets (dict, strings, timestamps).
+_ROW_BYTES = 1200
+_OFFSET_BYTES = 32  # one token offset: an int object plus its list slot
 
 
-# --------------------------------------------------------------------------- the sink
+def _estimated_bytes(row: Mapping) -> int:
+    return _ROW_BYTES + _OFFSET_BYTES * len(row.get("token_offsets_us") or ())
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,9 @@ class SinkStats:
     rows_lost: int
     inserts: int
     last_error: str | None
-
-
+    # Rows the bounded spool dropped (oldest first) since it was created, across restarts.
+    spool_dropped_rows: int = 0
+    spool_bytes: int = 0
 
 
 def _is_transient(error: Exception) -> bool:
@@ -66,10 +73,14 @@ class RequestSink:
     ``flush_interval`` seconds, or as soon as ``batch_rows`` rows are queued.
     Batches the store cannot take now go to an on-disk spool, replayed oldest
     first once it answers again (retries back off from ``retry_min_s`` to
-    ``retry_max_s``); if the store stalls and ``max_pending_rows`` pile up in
-    memory, ``put`` spools them itself. Batches the store refuses outright are
-    kept in the spool's ``rejected/`` folder. Delivery is at-least-once: a
-    batch whose insert succeeded but whose answer was lost is sent again.
+    ``retry_max_s``); if the store stalls and ``max_pending_rows`` rows (or
+    about ``max_pending_bytes``) pile up in memory, ``put`` spools them itself.
+    Batches the store refuses outright are kept in the spool's ``rejected/``
+    folder. Every batch carries an insert deduplication token, kept in its
+    spool file's name: a batch whose insert succeeded but whose answer was
+    lost (or a replay interrupted by a crash) is sent again and dropped by the
+    store, so rows are stored once. The spool holds at most
+    ``spool_max_bytes``; past that its oldest batches are dropped and counted.
 
     ``store`` is an open Store (the caller keeps ownership) or a URL the sink
     opens itself, lazily and again after failures, and closes with the sink.
@@ -85,6 +96,8 @@ class RequestSink:
         flush_interval: float = 1.0,
         batch_rows: int = 20_000,
         max_pending_rows: int | None = None,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        spool_max_bytes: int = DEFAULT_MAX_BYTES,
         retry_min_s: float = 1.0,
         retry_max_s: float = 30.0,
     ):
@@ -98,14 +111,18 @@ class RequestSink:
         self._flush_interval = flush_interval
         self._batch_rows = batch_rows
         self._max_pending_rows = max_pending_rows or 5 * batch_rows
+        self._max_pending_bytes = max_pending_bytes
         self._retry_min_s = retry_min_s
         self._retry_max_s = retry_max_s
-        self._spool = Spool(Path(spool_dir).expanduser() if spool_dir else _default_spool_dir(target) / table)
+        self._spool = Spool(Path(spool_dir).expanduser() if spool_dir else _default_spool_dir(target) / table,
+                            max_bytes=spool_max_bytes)
 
         # Guards the queue, the flags and the counters that both threads touch.
         self._condition = threading.Condition()
         self._queued: list[dict] = []
+        self._queued_bytes = 0
         self._in_flight: list[dict] = []
+        self._in_flight_token = ""
         self._closing = False
         self._abandoned = False
         self._retry_at = 0.0
@@ -128,13 +145,14 @@ class RequestSink:
             if self._closing:
                 raise RuntimeError("RequestSink is closed")
             self._queued.append(row)
-            if len(self._queued) >= self._max_pending_rows:
-                overflow, self._queued = self._queued, []
+            self._queued_bytes += _estimated_bytes(row)
+            if len(self._queued) >= self._max_pending_rows or self._queued_bytes >= self._max_pending_bytes:
+                overflow, self._queued, self._queued_bytes = self._queued, [], 0
             elif len(self._queued) >= self._batch_rows:
                 self._condition.notify()
         if overflow:
             logger.warning("store is slow: spooling %d queued rows to %s", len(overflow), self._spool.directory)
-            self._spool_rows(overflow)
+            self._spool_rows(overflow, new_batch_token())
 
     @property
     def rows_written(self) -> int:
@@ -163,6 +181,8 @@ class RequestSink:
                 rows_lost=self._rows_lost,
                 inserts=self._inserts,
                 last_error=self._last_error,
+                spool_dropped_rows=self._spool.dropped_rows,
+                spool_bytes=self._spool.bytes,
             )
 
     def close(self, timeout: float = 30.0) -> SinkStats:
@@ -180,11 +200,14 @@ class RequestSink:
         if self._thread.is_alive():
             with self._condition:
                 self._abandoned = True
-                leftovers = self._in_flight + self._queued
-                self._queued, self._in_flight = [], []
-            logger.warning("store did not answer within %.0f s: spooling %d rows", timeout, len(leftovers))
-            if leftovers:
-                self._spool_rows(leftovers)
+                # The batch mid-insert keeps its token: if that insert lands after all, its replay is dropped.
+                leftovers = [(self._in_flight, self._in_flight_token), (self._queued, new_batch_token())]
+                self._queued, self._in_flight, self._queued_bytes = [], [], 0
+            logger.warning("store did not answer within %.0f s: spooling %d rows", timeout,
+                           sum(len(rows) for rows, _ in leftovers))
+            for rows, token in leftovers:
+                if rows:
+                    self._spool_rows(rows, token)
         elif self._store_url is not None and self._store is not None:
             self._store.close()
         self._spool.close()
@@ -200,68 +223,58 @@ class RequestSink:
                 )
                 batch = self._queued[:self._batch_rows]
                 del self._queued[:self._batch_rows]
-                self._in_flight = batch
+                self._queued_bytes = sum(map(_estimated_bytes, self._queued)) if self._queued else 0
+                self._in_flight, self._in_flight_token = batch, new_batch_token()
+                token = self._in_flight_token
                 finished = self._closing and not self._queued
-            self._deliver(batch)
+            self._deliver(batch, token)
             with self._condition:
                 self._in_flight = []
             if finished:
                 return
 
-    def _deliver(self, batch: list[dict]) -> None:
+    def _deliver(self, batch: list[dict], token: str) -> None:
         table = self._to_arrow(batch) if batch else None
         if time.monotonic() < self._retry_at:
             if table is not None:
-                self._spool_table(table)  # the store is down: do not queue behind it
+                self._spool_table(table, token)  # the store is down: do not queue behind it
             return
         try:
             self._replay_spool()
             if table is not None:
-                self._insert(table)
+                self._insert(table, token)
         except Exception as error:  # classified: an outage spools the batch, a refusal sets it aside
             transient = _is_transient(error)
             if table is not None and not self._abandoned:  # close() has already spooled an abandoned batch
-                self._spool_table(table, refused_because=None if transient else error)
+                self._spool_table(table, token, refused_because=None if transient else error)
             if transient:
                 self._note_outage(error)
             return
         self._retry_delay = self._retry_min_s
 
-    def _insert(self, table: pa.Table) -> None:
+    def _insert(self, table: pa.Table, token: str) -> None:
         if self._store is None:
             store = open_store(self._store_url)
             # The store may have been down since before anything created the
             # tables (an agent started during an outage): create them now.
             store.ensure_schema()
             self._store = store
-        self._store.insert_arrow(self._table, table)
+        self._store.insert_arrow(self._table, table, deduplication_token=token)
         with self._condition:
             self._rows_written += table.num_rows
             self._inserts += 1
 
     def _replay_spool(self) -> None:
-        """Insert spooled batches oldest first, in batches of up to batch_rows rows."""
-        while paths := self._spool.oldest(self._batch_rows):
+        """Insert spooled batches oldest first, one file per insert with the file's own token."""
+        while (path := self._spool.oldest()) is not None:
             try:
-                self._replay(paths)
-            except Exception as error:  # classified: an outage ends the replay
+                self._insert(self._spool.read(path), self._spool.token_of(path))
+            except Exception as error:  # classified: an outage ends the replay, a refusal sets the file aside
                 if _is_transient(error):
                     raise
-                # One refused file must not condemn the others read with it.
-                for path in paths:
-                    self._replay_alone(path)
-
-    def _replay(self, paths: Sequence[Path]) -> None:
-        self._insert(self._spool.read(paths))
-        self._spool.remove(paths)
-
-    def _replay_alone(self, path: Path) -> None:
-        try:
-            self._replay([path])
-        except Exception as error:  # classified: an outage ends the replay, a refusal sets the file aside
-            if _is_transient(error):
-                raise
-            self._set_aside(path, error)
+                self._set_aside(path, error)
+                continue
+            self._spool.remove(path)
 
     def _set_aside(self, path: Path, error: Exception) -> None:
         rows = self._spool.rows_in(path)
@@ -288,14 +301,14 @@ class RequestSink:
             self._store.close()
             self._store = None
 
-    def _spool_rows(self, rows: list[dict]) -> None:
+    def _spool_rows(self, rows: list[dict], token: str) -> None:
         table = self._to_arrow(rows)
         if table is not None:
-            self._spool_table(table)
+            self._spool_table(table, token)
 
-    def _spool_table(self, table: pa.Table, refused_because: Exception | None = None) -> None:
+    def _spool_table(self, table: pa.Table, token: str, refused_because: Exception | None = None) -> None:
         try:
-            path = self._spool.append(table)
+            path = self._spool.append(table, token)
         except OSError as error:
             self._record_failure(
                 f"lost {table.num_rows} rows: the spool at {self._spool.directory} refused them: {error}",

@@ -39,10 +39,6 @@ from tests.support import WAIT_S, free_port, wait_until
 ROW_SCHEMA_DOC = Path(__file__).resolve().parents[1] / "docs" / "ROW_SCHEMA.md"
 
 
-
-
-
-
 def make_row(**overrides) -> dict:
     """A complete request row; timestamps are recent so the table's TTL keeps them."""
     start = time.time_ns()

@@ -70,6 +70,8 @@ class SinkCounters(Protocol):
     rows_lost: int
     rows_pending: int
     rows_spooled: int
+    spool_bytes: int
+    spool_dropped_rows: int
 
 
 # Bucket bounds in seconds, fitted to LLM serving: TTFT from tens of ms (a
@@ -226,6 +228,8 @@ _AGENT_STATS = {
     "rows_lost_total": ("counter", "Request rows lost: the store hung past the sink's close timeout"),
     "pending_rows": ("gauge", "Request rows queued in memory for the next insert"),
     "spooled_rows": ("gauge", "Request rows on disk waiting for the store to answer"),
+    "spool_bytes": ("gauge", "Bytes the disk spool holds (bounded by --spool-max-bytes)"),
+    "spool_dropped_rows_total": ("counter", "Request rows the full spool dropped, oldest first, across restarts"),
 }
 
 
@@ -331,7 +335,8 @@ class AgentMetrics:
         if sink is not None:
             given.update(rows_written_total=sink.rows_written, rows_rejected_total=sink.rows_rejected,
                          rows_lost_total=sink.rows_lost, pending_rows=sink.rows_pending,
-                         spooled_rows=sink.rows_spooled)
+                         spooled_rows=sink.rows_spooled, spool_bytes=sink.spool_bytes,
+                         spool_dropped_rows_total=sink.spool_dropped_rows)
         self._agent_stats.update(
             {name: _check_number(name, value) for name, value in given.items() if value is not None})
 

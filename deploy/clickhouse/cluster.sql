@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(req_start)
 ORDER BY (server_port, req_start, conn_id)
-TTL toDateTime(req_start) + INTERVAL 30 DAY;
+TTL toDateTime(req_start) + INTERVAL 30 DAY
+SETTINGS non_replicated_deduplication_window = 1000;
 
 CREATE TABLE IF NOT EXISTS tokenprobe.gpu_samples_local ON CLUSTER '{cluster}'
 (
@@ -340,7 +341,8 @@ CREATE TABLE IF NOT EXISTS tokenprobe.request_latency_bands_local ON CLUSTER '{c
 ENGINE = ReplicatedSummingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', requests)
 PARTITION BY toDate(minute)
 ORDER BY (metric, minute, node, server_port, model, path, band)
-TTL toDateTime(minute) + INTERVAL 30 DAY;
+TTL toDateTime(minute) + INTERVAL 30 DAY
+SETTINGS non_replicated_deduplication_window = 1000;
 
 CREATE TABLE IF NOT EXISTS tokenprobe.requests ON CLUSTER '{cluster}'
 AS tokenprobe.requests_local
