@@ -49,10 +49,10 @@ TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 
 @st.cache_resource(show_spinner="Opening the store…", on_release=Store.close)
-def connect(url: str) -> Store:
-    # serve=False: the dashboard only reads. An embedded store that an agent
-    # owns is reached through the agent; one nobody owns, this process opens.
-    return open_store(url, serve=False)
+def connect(url: str, own_store: bool) -> Store:
+    # The dashboard only reads: an embedded store is reached through the agent that owns it. Only with
+    # --own-store does it open one nobody owns (never serving it on).
+    return open_store(url, serve=False, may_own=own_store)
 
 
 # --------------------------------------------------------------------------- formatting
@@ -425,12 +425,12 @@ def decisions_panel(queries: DashboardQueries, filters: Filters) -> None:
 # --------------------------------------------------------------------------- the page
 
 
-def panels(store_url: str, selection: Selection | None) -> None:
+def panels(settings: DashboardSettings, selection: Selection | None) -> None:
     """Everything below the sidebar; re-run on its own by the auto-refresh. ``selection`` is None when
     the page was built without the sidebar (no store, or no requests yet): once there are requests to
     show, the whole page is built again."""
     try:
-        queries = DashboardQueries(connect(store_url))
+        queries = DashboardQueries(connect(settings.store_url, settings.own_store))
         if selection is None:
             if queries.latest_request_ns() is not None:
                 st.rerun(scope="app")
@@ -468,10 +468,10 @@ def main() -> None:
         return
     selection = None
     try:
-        queries = DashboardQueries(connect(settings.store_url))
+        queries = DashboardQueries(connect(settings.store_url, settings.own_store))
         if queries.latest_request_ns() is not None:
             selection = sidebar(queries, settings)
     except StoreUnavailable:
         connect.clear()  # the panels below try again, and say why it fails
     refreshing = st.fragment(panels, run_every=settings.refresh_s or None)
-    refreshing(settings.store_url, selection)
+    refreshing(settings, selection)

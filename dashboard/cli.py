@@ -29,6 +29,10 @@ def add_dashboard_parser(subparsers, default_store: str) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default %(default)s)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default %(default)s; the dashboard has no login of its own)")
+    parser.add_argument("--own-store", action="store_true",
+                        help="open an embedded store that no agent is running on (a finished demo's, say) and hold "
+                             "it while serving; an agent started on it meanwhile can only spool. Without it the "
+                             "dashboard reads an embedded store only through the agent that owns it")
     parser.add_argument("--refresh", type=parse_refresh, default=DEFAULT_REFRESH_S, metavar="S",
                         help="seconds between automatic refreshes, 0 for none (default %(default)s)")
     parser.set_defaults(func=run_dashboard)
@@ -61,5 +65,5 @@ def run_dashboard(args: argparse.Namespace) -> int:
         return 2
     print(f"tokenprobe dashboard: serving http://{args.host}:{args.port}/ on {store.display()}", file=sys.stderr)
     command = streamlit_command(args)
-    os.execve(command[0], command, {**os.environ, **environment(args.store, args.refresh)})
+    os.execve(command[0], command, {**os.environ, **environment(args.store, args.refresh, args.own_store)})
     return 0  # not reached: execve replaces this process

@@ -13,6 +13,7 @@ from ..store.url import DEFAULT_STORE
 
 STORE_ENV = "TOKENPROBE_DASHBOARD_STORE"
 REFRESH_ENV = "TOKENPROBE_DASHBOARD_REFRESH_S"
+OWN_STORE_ENV = "TOKENPROBE_DASHBOARD_OWN_STORE"
 DEFAULT_REFRESH_S = 10.0
 
 
@@ -20,6 +21,7 @@ DEFAULT_REFRESH_S = 10.0
 class DashboardSettings:
     store_url: str
     refresh_s: float  # 0: no auto-refresh
+    own_store: bool = False  # open an embedded store nobody owns (and hold it), rather than refuse
 
 
 def parse_refresh(text: str) -> float:
@@ -33,9 +35,9 @@ def parse_refresh(text: str) -> float:
     return seconds
 
 
-def environment(store_url: str, refresh_s: float) -> dict[str, str]:
+def environment(store_url: str, refresh_s: float, own_store: bool = False) -> dict[str, str]:
     """The variables that carry these settings to the app."""
-    return {STORE_ENV: store_url, REFRESH_ENV: repr(refresh_s)}
+    return {STORE_ENV: store_url, REFRESH_ENV: repr(refresh_s), OWN_STORE_ENV: "1" if own_store else ""}
 
 
 def from_environment() -> DashboardSettings:
@@ -43,4 +45,5 @@ def from_environment() -> DashboardSettings:
     return DashboardSettings(
         store_url=os.environ.get(STORE_ENV, DEFAULT_STORE),
         refresh_s=parse_refresh(os.environ.get(REFRESH_ENV, str(DEFAULT_REFRESH_S))),
+        own_store=bool(os.environ.get(OWN_STORE_ENV)),
     )

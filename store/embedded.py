@@ -81,18 +81,22 @@ def _read_lock_owner(lock_path: Path) -> int | None:
         return None
 
 
-def open_store(url: str, *, serve: bool = True, owner_wait_s: float = DEFAULT_OWNER_WAIT_S) -> Store:
+def open_store(url: str, *, serve: bool = True, owner_wait_s: float = DEFAULT_OWNER_WAIT_S,
+               may_own: bool = True) -> Store:
     """Open the store at ``url`` (see the module docstring).
 
     Embedded: become the directory's owner if no live process is, serving it to
     other processes when ``serve``; else connect to the owner, waiting up to
-    ``owner_wait_s`` for a starting owner to publish its serve file.
-    Raises StoreUnavailable when the store cannot be reached.
+    ``owner_wait_s`` for a starting owner to publish its serve file. A
+    long-lived reader passes ``may_own=False``: it never takes the directory
+    (an agent started after it could then only spool), and is refused with
+    StoreUnavailable while no owner runs. Raises StoreUnavailable when the
+    store cannot be reached.
     """
     target = parse_store_url(url)
     if target.kind == "server":
         return _open_server(target)
-    return _open_embedded(target, serve=serve, owner_wait_s=owner_wait_s)
+    return _open_embedded(target, serve=serve, owner_wait_s=owner_wait_s, may_own=may_own)
 
 
 def _open_server(target: StoreURL) -> Store:
@@ -112,7 +116,7 @@ def _open_server(target: StoreURL) -> Store:
     return Store(target, client, "server")
 
 
-def _open_embedded(target: StoreURL, *, serve: bool, owner_wait_s: float) -> Store:
+def _open_embedded(target: StoreURL, *, serve: bool, owner_wait_s: float, may_own: bool) -> Store:
     directory = Path(target.path)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -127,6 +131,12 @@ def _open_embedded(target: StoreURL, *, serve: bool, owner_wait_s: float) -> Sto
         except BlockingIOError:
             os.close(lock_fd)
         else:
+            if not may_own:
+                fcntl.flock(lock_fd, fcntl.LOCK_UN)
+                os.close(lock_fd)
+                raise StoreUnavailable(
+                    f"no process owns the embedded store {directory}: it is read through its owner, a running"
+                    " `tokenprobe agent` (or demo) on it")
             return _become_owner(target, directory, lock_fd, serve=serve)
         # A live process holds the lock (the kernel drops a dead holder's lock).
         # Its serve file counts only once it carries that holder's pid: an

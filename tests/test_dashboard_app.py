@@ -28,7 +28,7 @@ from tokenprobe.contract.tables import DEFAULT_TTL_DAYS
 from tokenprobe.dashboard import queries as dashboard_queries
 from tokenprobe.dashboard.cli import add_dashboard_parser
 from tokenprobe.dashboard.queries import DashboardQueries, Filters, choose_bin_seconds
-from tokenprobe.dashboard.settings import REFRESH_ENV, STORE_ENV, parse_refresh
+from tokenprobe.dashboard.settings import OWN_STORE_ENV, REFRESH_ENV, STORE_ENV, parse_refresh
 from tokenprobe.store.embedded import open_store
 
 APP = Path(dashboard_queries.__file__).with_name("streamlit_app.py")
@@ -352,13 +352,29 @@ def test_app_drills_from_a_cell_to_a_request_timeline(app):
     assert not app.exception
 
 
-def test_app_owns_a_store_nobody_serves_and_says_what_is_missing(tmp_path, monkeypatch):
+def test_app_never_takes_a_store_nobody_owns_unless_told_to(tmp_path, monkeypatch):
+    """Started before the agent, the dashboard must not hold the directory the agent is to own."""
+    url = f"chdb://{tmp_path / 'bare'}"
+    monkeypatch.setenv(STORE_ENV, url)
+    monkeypatch.setenv(REFRESH_ENV, "0")
+    try:
+        app = AppTest.from_file(str(APP), default_timeout=APP_TIMEOUT_S).run()
+        assert not app.exception
+        assert any("no process owns the embedded store" in error.value for error in app.error)
+        with open_store(url, serve=False) as agent_side:  # the directory is free for its owner
+            assert agent_side.mode == "embedded-owner"
+    finally:
+        st.cache_resource.clear()
+
+
+def test_app_told_to_own_a_store_nobody_serves_says_what_is_missing(tmp_path, monkeypatch):
     url = f"chdb://{tmp_path / 'bare'}"
     with open_store(url, serve=False) as store:  # only the requests table: no GPU samples, no analytics
         store.command(f"CREATE DATABASE {store.database}")
         store.command(schema.REQUESTS_DDL.format(db=store.database, ttl_days=DEFAULT_TTL_DAYS))
     monkeypatch.setenv(STORE_ENV, url)
     monkeypatch.setenv(REFRESH_ENV, "0")
+    monkeypatch.setenv(OWN_STORE_ENV, "1")
     try:
         app = AppTest.from_file(str(APP), default_timeout=APP_TIMEOUT_S).run()
         assert not app.exception
