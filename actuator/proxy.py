@@ -24,7 +24,7 @@ import uvicorn
 from tokenprobe.actuator.asgi import DEFAULT_MAX_BODY_BYTES, ActuatorMiddleware
 from tokenprobe.actuator.auth import ClientAuth
 from tokenprobe.actuator.gateway import DEFAULT_DEADLINE_S, GatewayGuard
-from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
+from ..contract.tenant import DEFAULT_TENANT_HEADER
 
 # Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus
 # the ones the HTTP libraries set again on each side.

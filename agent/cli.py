@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER, tenant_header_name
+from ..contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from tokenprobe.actuator.control_cli import add_control_parser
 from tokenprobe.analytics.cli import add_analyze_parser
 from tokenprobe.dashboard.cli import add_dashboard_parser

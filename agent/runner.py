@@ -25,7 +25,7 @@ from tokenprobe.agent.dcgm import DcgmScraper
 from tokenprobe.agent.engine_metrics import EngineScraper
 from tokenprobe.agent.gpu import NvmlSampler, ServerGpuMap
 from tokenprobe.agent.gpu_join import create_request_gpu_state_view
-from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
+from ..contract.tenant import DEFAULT_TENANT_HEADER
 from tokenprobe.agent.metrics_endpoint import AgentMetrics
 from tokenprobe.agent.otel_export import OtelExporter
 from tokenprobe.agent.probes import Probes, Targets

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tokenprobe.agent.clock import MonotonicWallClock
-from tokenprobe.agent.http_assembler import (DEFAULT_TENANT_HEADER, Exchange, HttpConnectionAssembler,
-                                             tenant_header_name)
+from ..contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
+from .capture.assembler import Exchange, HttpConnectionAssembler
 from tokenprobe.agent.probes import (DIR_READ, EV_ACCEPT, EV_CLOSE, EV_CONNECT, EV_DATA, EV_EXEC,
                                      EV_TLS_DONE, ROLE_CLIENT, KernelEvent)
 from tokenprobe.agent.procfs import comm_of, socket_endpoints

@@ -1,4 +1,4 @@
-"""Tests for the HTTP/1.1 + SSE assembler (agent/http_assembler.py).
+"""Tests for the HTTP/1.1 + SSE assembler (agent/capture/).
 
 Byte streams are built by hand and from two real vLLM captures
 (tests/data/assembler_vllm_sse_*: byte-identical copies of shared/fixtures,
@@ -25,8 +25,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenprobe.agent import http_assembler
-from tokenprobe.agent.http_assembler import CLOSE_REASONS, Exchange, HttpConnectionAssembler
+from tokenprobe.agent.capture import exchange as exchange_module
+from tokenprobe.agent.capture.assembler import CLOSE_REASONS, Exchange, HttpConnectionAssembler
+from tokenprobe.contract import tenant
 
 DATA = Path(__file__).parent / "data"
 KEY = b"assembler-test-key"
@@ -554,7 +555,7 @@ def test_compressed_event_stream_is_not_read():
 
 
 def test_token_events_kept_are_capped(monkeypatch):
-    monkeypatch.setattr(http_assembler, "MAX_TOKEN_EVENTS", 3)
+    monkeypatch.setattr(exchange_module, "MAX_TOKEN_EVENTS", 3)
     ex = run_capture(CHAT)
     assert (len(ex.token_event_ns), ex.sse_events, ex.completion_tokens) == (3, 15, 12)
     assert "more than 3 token events" in ex.error
@@ -899,7 +900,7 @@ def test_tenant_cut_by_a_capture_gap_is_not_recorded_in_part():
 def test_bad_tenant_header_names_are_refused(name, message):
     with pytest.raises(ValueError, match=message):
         HttpConnectionAssembler(fingerprint_key=KEY, tenant_header=name)
-    assert http_assembler.tenant_header_name("X-Tenant-Id") == "x-tenant-id"
+    assert tenant.tenant_header_name("X-Tenant-Id") == "x-tenant-id"
 
 
 # -- fuzzing ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tokenprobe.actuator.asgi import ActuatorMiddleware
 from tokenprobe.agent.clock import MonotonicWallClock, measure_offset
-from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
+from tokenprobe.contract.tenant import DEFAULT_TENANT_HEADER
 from tokenprobe.agent.kernel_headers import choose_headers
 from tokenprobe.agent.probes import (DIR_READ, DIR_WRITE, EV_ACCEPT, EV_CLOSE, EV_DATA, EV_TLS_DONE,
                                      HEADER_SIZE, EventDecodeError, KernelEvent, decode_event)
