@@ -73,6 +73,7 @@ class TrackerStats:
     events: int = 0
     parse_errors: int = 0
     dropped_connections: int = 0   # tracked by the kernel but not a target after all
+    unknown_api_streams: int = 0   # event streams in no known API shape (rows with api 'unknown')
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -208,6 +209,8 @@ class ConnectionTracker:
             self.stats.requests += 1
             if exchange.error:
                 self.stats.parse_errors += 1
+            if exchange.api == "unknown":
+                self.stats.unknown_api_streams += 1
             self.emit_row(self._row(conn, exchange))
 
     def _row(self, conn: Connection, ex: Exchange) -> dict:
@@ -254,4 +257,11 @@ class ConnectionTracker:
             "body_fp": ex.body_fp,
             "outcome": ex.outcome,
             "error": ex.error or "",
+            "api": ex.api,
+            "first_content_token": (None if ex.first_content_index is None
+                                    else ts(ex.token_event_ns[ex.first_content_index])),
+            "choices": ex.choices,
+            "choice_events": ex.choice_events,
+            "engine_prompt_ms": ex.engine_prompt_ms,
+            "engine_decode_ms": ex.engine_decode_ms,
         }

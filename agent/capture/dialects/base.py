@@ -12,10 +12,17 @@ import re
 from ..exchange import Exchange
 from ..json_scan import count, field_text, first_json_string, last_count, string_key
 
-__all__ = ["Dialect", "set_engine_ms", "set_id_model", "set_usage"]
+__all__ = ["Dialect", "choice_index", "set_engine_ms", "set_id_model", "set_usage"]
 
+# Choice indexes are read up to this (the row's `choices` is UInt16; OpenAI allows n <= 128).
+_MAX_CHOICE = 0xFFFE
 _ID_KEY = string_key(b"id")
 _MODEL_KEY = string_key(b"model")
+
+
+def choice_index(value) -> int:
+    """The choice a JSON `index` names; 0 for a missing or unusable one."""
+    return value if type(value) is int and 0 < value <= _MAX_CHOICE else 0
 
 
 def set_id_model(exchange: Exchange, response_id, model) -> None:

@@ -15,13 +15,11 @@ import re
 from ..exchange import Exchange
 from ..json_scan import count_key
 from . import llamacpp, tgi
-from .base import Dialect, set_id_model, set_usage
+from .base import Dialect, choice_index, set_id_model, set_usage
 
 __all__ = ["CHAT", "COMPLETIONS", "ChoicesDialect"]
 
 _NONE, _HIDDEN, _VISIBLE = 0, 1, 2
-# A choice index above this is not one a server sends (OpenAI allows n <= 128); it is read as 0.
-_MAX_CHOICE = 0xFFFF
 
 
 def _text(value) -> bool:
@@ -73,8 +71,8 @@ class ChoicesDialect(Dialect):
                     continue
                 output = _choice_output(choice)
                 if output:
-                    index = choice.get("index", 0)
-                    if type(index) is int and 0 < index <= _MAX_CHOICE:
+                    index = choice_index(choice.get("index"))
+                    if index:
                         exchange.record_output(ts, index)
                         others = True
                     elif output > first:

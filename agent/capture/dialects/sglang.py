@@ -13,11 +13,9 @@ import re
 
 from ..exchange import Exchange
 from ..json_scan import count, count_key
-from .base import Dialect, set_id_model, set_usage
+from .base import Dialect, choice_index, set_id_model, set_usage
 
 __all__ = ["SGLANG"]
-
-_MAX_CHOICE = 0xFFFF
 
 
 class _SGLang(Dialect):
@@ -36,8 +34,7 @@ class _SGLang(Dialect):
         meta = obj.get("meta_info")
         if not isinstance(meta, dict):
             return
-        index = obj.get("index", 0)
-        choice = index if type(index) is int and 0 < index <= _MAX_CHOICE else 0
+        choice = choice_index(obj.get("index"))
         if choice:  # the counts in the row are choice 0's: each choice counts its own
             exchange.record_output(ts, choice)
             return
