@@ -18,6 +18,11 @@ import pytest
 
 from tokenprobe.agent.capture import dialects
 from tokenprobe.agent.capture.assembler import Exchange, HttpConnectionAssembler
+from tokenprobe.agent.clock import MonotonicWallClock
+from tokenprobe.agent.probes import DIR_READ, DIR_WRITE, EV_DATA, KernelEvent
+from tokenprobe.agent.schema import REQUEST_COLUMN_TYPES
+from tokenprobe.agent.store import RowSchema
+from tokenprobe.agent.tracker import ConnectionTracker
 
 DATA = Path(__file__).parent / "data"
 KEY = b"dialect-test-key"
@@ -414,3 +419,109 @@ def test_the_dialect_is_chosen_once_per_response(monkeypatch, path, events, api)
     ex = run(path, events)
     assert ex.api == api
     assert len(calls) == (0 if dialects.for_path(path) else 1)
+
+
+# -- the row ------------------------------------------------------------------------------
+
+
+def tracked_rows(streams) -> tuple[ConnectionTracker, list[dict]]:
+    """The rows a tracker writes for (path, events, content type) exchanges, one connection each."""
+    rows: list[dict] = []
+    tracker = ConnectionTracker(rows.append, clock=MonotonicWallClock(), fingerprint_key=KEY, node="n",
+                                target_ports={8000})
+    for fd, (path, events, content_type) in enumerate(streams, start=10):
+        segments = [(1, DIR_READ, request(path)), (RESP_T0, DIR_WRITE, response_head(content_type))]
+        segments += [(EVENT_T0 + i, DIR_WRITE, chunk(event)) for i, event in enumerate(events)]
+        segments.append((EVENT_T0 + len(events), DIR_WRITE, b"0\r\n\r\n"))
+        for ts, direction, data in segments:
+            tracker.handle(KernelEvent(EV_DATA, ts, 500, 42, fd, direction, False, 0, len(data), len(data),
+                                       data, b"", 8000, 50000, "127.0.0.1", "server"))
+    return tracker, rows
+
+
+def test_rows_carry_the_dialect_columns():
+    ollama = [ndjson({"model": "qwen3", "created_at": "2025-10-26T17:15:24Z", "response": "Hi", "done": False}),
+              ndjson({"model": "qwen3", "created_at": "2025-10-26T17:15:25Z", "response": "", "done": True,
+                      **OLLAMA_FINAL})]
+    tracker, rows = tracked_rows([("/v1/chat/completions", N2_REASONING_TOOLS, "text/event-stream"),
+                                  ("/api/generate", ollama, "application/x-ndjson"),
+                                  ("/stream", [sse({"step": 1})], "text/event-stream")])
+    chat, generate, unknown = rows
+    wall = tracker.clock.to_wall_ns
+    assert (chat["api"], chat["first_token"], chat["first_content_token"]) == (
+        "openai.chat", wall(EVENT_T0 + 1), wall(EVENT_T0 + 3))
+    assert (chat["choices"], chat["choice_events"], chat["token_events"]) == (2, 6, 4)
+    assert (chat["engine_prompt_ms"], chat["engine_decode_ms"]) == (None, None)
+    assert (generate["api"], generate["streamed"], generate["completion_tokens"]) == ("ollama.generate", True, 259)
+    assert generate["engine_prompt_ms"] == pytest.approx(130.079)
+    assert generate["engine_decode_ms"] == pytest.approx(4232.71)
+    assert (unknown["api"], unknown["first_content_token"]) == ("unknown", None) and unknown["error"]
+    assert tracker.stats.unknown_api_streams == 1
+    schema = RowSchema(REQUEST_COLUMN_TYPES)
+    for row in rows:
+        schema.check(row)
+
+
+# -- hostile input ------------------------------------------------------------------------
+
+def payloads(events: list[bytes]) -> list[dict]:
+    return [json.loads(event.split(b"data:", 1)[1]) for event in events if not event.endswith(b"[DONE]\n\n")]
+
+
+# Sample events of each dialect, by a path that names it.
+SAMPLE_STREAMS = {
+    "/v1/chat/completions": payloads(N2_REASONING_TOOLS + vllm_events("chat")),
+    "/v1/completions": payloads(vllm_events("completions")),
+    "/v1/responses": payloads(RESPONSES_STREAM),
+    "/v1/messages": payloads(ANTHROPIC_STREAM),
+    "/api/generate": [{"model": "m", "response": "x", "thinking": "y", "done": False},
+                      {"model": "m", "response": "", "done": True, **OLLAMA_FINAL}],
+    "/api/chat": [{"model": "m", "message": {"content": "x", "thinking": "y", "tool_calls": [{}]}, "done": False},
+                  {"model": "m", "message": {"content": ""}, "done": True, **OLLAMA_FINAL}],
+    "/generate_stream": payloads([tgi_token(1, "x"), tgi_token(2, "y", details={"generated_tokens": 2,
+                                                                                 "input_length": 1})]),
+    "/generate": payloads([sglang_event("x", 1), sglang_event("xy", 2)]),
+    "/completion": payloads([llamacpp_final("p"), sse({"content": "x", "stop": False})]),
+}
+
+
+# A value of each JSON type, and numbers no count may take.
+ODD_VALUES = [None, True, -1, 2**70, 1.5, 1e308, "", "x", [], [1], {}, {"a": 1}]
+
+
+def value_paths(node, prefix=()):
+    """Every path (keys, list index 0) to a value in a JSON event."""
+    items = node.items() if isinstance(node, dict) else [(0, node[0])] if node else []
+    for key, child in items:
+        yield (*prefix, key)
+        if isinstance(child, (dict, list)):
+            yield from value_paths(child, (*prefix, key))
+
+
+def with_value(event: dict, path: tuple, value) -> dict:
+    event = json.loads(json.dumps(event))
+    node = event
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return event
+
+
+@pytest.mark.parametrize("path", sorted(SAMPLE_STREAMS))
+def test_any_value_anywhere_never_breaks_a_dialect(path):
+    """Each sample event with each of its values, one at a time, replaced by each odd value,
+    after the dialect's first sample event (so that "/other" sniffs the same dialect)."""
+    first = SAMPLE_STREAMS[path][0]
+    for event in SAMPLE_STREAMS[path]:
+        for where in value_paths(event):
+            for value in ODD_VALUES:
+                wire = [first, with_value(event, where, value)]
+                for on_path, content_type, frame in ((path, "text/event-stream", sse),
+                                                     ("/other", "application/x-ndjson", ndjson)):
+                    ex = run(on_path, [frame(item) for item in wire], content_type)
+                    assert "internal" not in (ex.error or ""), (where, value)
+                    assert len(ex.token_event_ns) <= ex.choice_events <= 2 * max(1, ex.choices)
+                    assert ex.first_content_index is None or ex.first_content_index < len(ex.token_event_ns)
+                    assert ex.api and ex.choices <= 0xFFFF
+                    assert all(v is None or 0 <= v <= 0xFFFFFFFF for v in (ex.prompt_tokens, ex.completion_tokens))
+                    assert all(v is None or 0 <= v < float("inf") for v in (ex.engine_prompt_ms, ex.engine_decode_ms))

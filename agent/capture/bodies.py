@@ -21,22 +21,31 @@ _MODEL_KEY = string_key(b"model")
 _STREAM_KEY = re.compile(rb'[{,]\s*"stream"\s*:\s*(true|false)\b')
 
 
-class RequestBody:
-    """Request body reader: keyed fingerprint, and `model` / `stream` from its head and tail."""
+class _SampledBody:
+    """A body reader that keeps its body's head and tail, and reads them at the end."""
 
-    __slots__ = ("_exchange", "_key", "_read_fields", "_sample")
+    __slots__ = ("_exchange", "_sample")
 
-    def __init__(self, exchange: Exchange, key: bytes, *, read_fields: bool) -> None:
+    def __init__(self, exchange: Exchange, head_cap: int, tail_cap: int) -> None:
         self._exchange = exchange
-        self._key = key
-        self._read_fields = read_fields
-        self._sample = HeadTailSample(REQUEST_BODY_HEAD, REQUEST_BODY_TAIL)
+        self._sample = HeadTailSample(head_cap, tail_cap)
 
     def data(self, ts: int, chunk) -> None:
         self._sample.add(chunk)
 
     def gap(self, ts: int, nbytes: int) -> None:
         self._sample.add_gap(nbytes)
+
+
+class RequestBody(_SampledBody):
+    """Request body reader: keyed fingerprint, and `model` / `stream` from its head and tail."""
+
+    __slots__ = ("_key", "_read_fields")
+
+    def __init__(self, exchange: Exchange, key: bytes, *, read_fields: bool) -> None:
+        super().__init__(exchange, REQUEST_BODY_HEAD, REQUEST_BODY_TAIL)
+        self._key = key
+        self._read_fields = read_fields
 
     def finish(self) -> None:
         exchange = self._exchange
@@ -59,22 +68,15 @@ def _request_fields(sample: HeadTailSample) -> tuple[str | None, bool | None]:
     return model, stream
 
 
-class JsonBody:
+class JsonBody(_SampledBody):
     """Non-streamed JSON response: id, model and usage from its first and last 4 KiB,
     read by the response's dialect (chosen from the body when the path named none)."""
 
-    __slots__ = ("_dialect", "_exchange", "_sample")
+    __slots__ = ("_dialect",)
 
     def __init__(self, exchange: Exchange, dialect: dialects.Dialect | None) -> None:
-        self._exchange = exchange
+        super().__init__(exchange, RESPONSE_BODY_HEAD, RESPONSE_BODY_TAIL)
         self._dialect = dialect
-        self._sample = HeadTailSample(RESPONSE_BODY_HEAD, RESPONSE_BODY_TAIL)
-
-    def data(self, ts: int, chunk) -> None:
-        self._sample.add(chunk)
-
-    def gap(self, ts: int, nbytes: int) -> None:
-        self._sample.add_gap(nbytes)
 
     def finish(self) -> None:
         exchange = self._exchange

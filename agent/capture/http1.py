@@ -265,13 +265,9 @@ class MessageStream:
         return pos
 
     def _read_header_block(self, ts: int, data: bytes, pos: int) -> int:
-        block, pos = self._take_block(data, pos)
+        block, pos = self._take_capped_block(ts, data, pos, f"{self.noun} header block")
         if block is None:
             return pos
-        if block is _TOO_LONG:
-            self.lose_framing(ts, f"{self.noun} header block larger than "
-                                  f"{self._max_header_bytes} bytes")
-            return len(data)
         try:
             mode, length = self._on_header_block(ts, block)
         except FramingError as exc:
@@ -321,15 +317,18 @@ class MessageStream:
         return pos
 
     def _read_trailers(self, ts: int, data: bytes, pos: int) -> int:
-        block, pos = self._take_block(data, pos)
-        if block is None:
-            return pos
-        if block is _TOO_LONG:
-            self.lose_framing(ts, f"chunked trailer section larger than "
-                                  f"{self._max_header_bytes} bytes")
-            return len(data)
-        self._finish_message(ts)
+        block, pos = self._take_capped_block(ts, data, pos, "chunked trailer section")
+        if block is not None:
+            self._finish_message(ts)
         return pos
+
+    def _take_capped_block(self, ts: int, data: bytes, pos: int, what: str):
+        """_take_block, where a block over the cap loses the framing: (block or None, new pos)."""
+        block, pos = self._take_block(data, pos)
+        if block is _TOO_LONG:
+            self.lose_framing(ts, f"{what} larger than {self._max_header_bytes} bytes")
+            return None, len(data)
+        return block, pos
 
     def _take_block(self, data: bytes, pos: int):
         """Collect bytes up to and including a blank line (`\\n\\r?\\n`).

@@ -15,7 +15,7 @@ import re
 
 from ..exchange import Exchange
 from ..json_scan import count, count_key
-from .base import Dialect, set_id_model, set_usage
+from .base import Dialect, set_id_model, set_usage, usage_object
 
 __all__ = ["ANTHROPIC"]
 
@@ -41,9 +41,8 @@ class _Anthropic(Dialect):
     hidden_output = re.compile(rb'[{,]\s*"type"\s*:\s*"(?:thinking|input_json)_delta"')
 
     def usage(self, obj: dict) -> tuple[int | None, int | None]:
-        message = obj.get("message")  # message_start; message_delta and bodies carry their own
-        usage = (message if isinstance(message, dict) else obj).get("usage")
-        if not isinstance(usage, dict):
+        usage = usage_object(obj, "message")  # message_start wraps the message; the others do not
+        if usage is None:
             return None, None
         # message_delta's input_tokens (when sent) omits the cache counts: its prompt is not taken.
         prompt = None if obj.get("type") == "message_delta" else _prompt_tokens(usage)

@@ -12,7 +12,7 @@ import re
 from ..exchange import Exchange
 from ..json_scan import count, field_text, first_json_string, last_count, string_key
 
-__all__ = ["Dialect", "choice_index", "set_engine_ms", "set_id_model", "set_usage"]
+__all__ = ["Dialect", "choice_index", "set_engine_ms", "set_id_model", "set_usage", "usage_object"]
 
 # Choice indexes are read up to this (the row's `choices` is UInt16; OpenAI allows n <= 128).
 _MAX_CHOICE = 0xFFFE
@@ -23,6 +23,13 @@ _MODEL_KEY = string_key(b"model")
 def choice_index(value) -> int:
     """The choice a JSON `index` names; 0 for a missing or unusable one."""
     return value if type(value) is int and 0 < value <= _MAX_CHOICE else 0
+
+
+def usage_object(obj: dict, wrapper: str) -> dict | None:
+    """The `usage` object of obj[wrapper] when an event wraps the response in it, else obj's own."""
+    inner = obj.get(wrapper)
+    usage = (inner if isinstance(inner, dict) else obj).get("usage")
+    return usage if isinstance(usage, dict) else None
 
 
 def set_id_model(exchange: Exchange, response_id, model) -> None:

@@ -15,7 +15,7 @@ import re
 
 from ..exchange import Exchange
 from ..json_scan import count_key
-from .base import Dialect, set_id_model, set_usage
+from .base import Dialect, usage_object
 
 __all__ = ["RESPONSES"]
 
@@ -33,11 +33,10 @@ class _Responses(Dialect):
     hidden_output = re.compile(rb'[{,]\s*"type"\s*:\s*"response\.[a-z_.]+\.delta"')
 
     def usage(self, obj: dict) -> tuple[int | None, int | None]:
-        response = obj.get("response")
-        usage = (response if isinstance(response, dict) else obj).get("usage")
-        if isinstance(usage, dict):
-            return usage.get("input_tokens"), usage.get("output_tokens")
-        return None, None
+        usage = usage_object(obj, "response")
+        if usage is None:
+            return None, None
+        return usage.get("input_tokens"), usage.get("output_tokens")
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         kind = obj.get("type")
