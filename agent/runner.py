@@ -310,4 +310,6 @@ class Agent:
             text += f" (spooled {sink.rows_spooled})"
         if stats.parse_errors:
             text += f" | parse errors {stats.parse_errors}"
+        if stats.unknown_api_streams:
+            text += f" | unknown API streams {stats.unknown_api_streams}"
         return text

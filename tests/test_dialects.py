@@ -18,6 +18,7 @@ import pytest
 
 from tokenprobe.agent.capture import dialects
 from tokenprobe.agent.capture.assembler import Exchange, HttpConnectionAssembler
+from tokenprobe.agent.capture.dialects.base import MAX_ENGINE_MS
 from tokenprobe.agent.clock import MonotonicWallClock
 from tokenprobe.agent.probes import DIR_READ, DIR_WRITE, EV_DATA, KernelEvent
 from tokenprobe.agent.schema import REQUEST_COLUMN_TYPES
@@ -524,4 +525,4 @@ def test_any_value_anywhere_never_breaks_a_dialect(path):
                     assert ex.first_content_index is None or ex.first_content_index < len(ex.token_event_ns)
                     assert ex.api and ex.choices <= 0xFFFF
                     assert all(v is None or 0 <= v <= 0xFFFFFFFF for v in (ex.prompt_tokens, ex.completion_tokens))
-                    assert all(v is None or 0 <= v < float("inf") for v in (ex.engine_prompt_ms, ex.engine_decode_ms))
+                    assert all(v is None or 0 <= v <= MAX_ENGINE_MS for v in (ex.engine_prompt_ms, ex.engine_decode_ms))

@@ -12,10 +12,13 @@ import re
 from ..exchange import Exchange
 from ..json_scan import count, field_text, first_json_string, last_count, string_key
 
-__all__ = ["Dialect", "choice_index", "set_engine_ms", "set_id_model", "set_usage", "usage_object"]
+__all__ = ["Dialect", "MAX_ENGINE_MS", "choice_index", "set_engine_ms", "set_id_model", "set_usage", "usage_object"]
 
 # Choice indexes are read up to this (the row's `choices` is UInt16; OpenAI allows n <= 128).
 _MAX_CHOICE = 0xFFFE
+# An engine time above this (11.6 days) is not one request's: it is not stored (the row's Float32
+# would also turn the largest JSON numbers into inf).
+MAX_ENGINE_MS = 1e9
 _ID_KEY = string_key(b"id")
 _MODEL_KEY = string_key(b"model")
 
@@ -51,8 +54,10 @@ def set_usage(exchange: Exchange, prompt_tokens, completion_tokens) -> None:
 
 
 def _duration_ms(value, scale: float) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf"):
-        return value * scale
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        ms = value * scale
+        if ms <= MAX_ENGINE_MS:
+            return ms
     return None
 
 
@@ -86,9 +91,6 @@ class Dialect:
 
     def __init__(self, name: str) -> None:
         self.name = name  # the row's `api`
-
-    def __repr__(self) -> str:
-        return f"<dialect {self.name}>"
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         """One streamed event (an SSE event's data, an NDJSON line), parsed, at ts."""

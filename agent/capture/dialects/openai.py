@@ -58,9 +58,8 @@ class ChoicesDialect(Dialect):
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         set_id_model(exchange, obj.get("id"), obj.get("model"))
-        usage = obj.get("usage")
-        if isinstance(usage, dict):  # the last chunk or two: the rest of the time, one lookup
-            set_usage(exchange, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+        if isinstance(obj.get("usage"), dict):  # the last chunk or two: the rest of the time, one lookup
+            set_usage(exchange, *self.usage(obj))
             llamacpp.set_timings(exchange, obj.get("timings"))
         first = _NONE  # choice 0's output in this chunk: recorded once, however many entries
         others = False
