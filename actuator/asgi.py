@@ -14,9 +14,10 @@ with it, so the tenant pays what the server counted, not what was guessed.
 from __future__ import annotations
 
 import asyncio
-import json
 
-from ..agent.http_assembler import DEFAULT_TENANT_HEADER, tenant_id
+from ..agent.capture.dialects import OPENAI_CHAT
+from ..agent.capture.json_scan import count, json_object
+from ..contract.tenant import DEFAULT_TENANT_HEADER, tenant_id
 from .gateway import (
     DEFAULT_COMPLETION_TOKENS,
     GatewayGuard,
@@ -140,7 +141,7 @@ class UsageScanner:
         self._partial = b""
         self._json_body: list[bytes] | None = []
         self._json_size = 0
-        self._usage: dict | None = None
+        self._usage: tuple[int, int] | None = None  # (prompt, completion) tokens
 
     def start(self, content_type: bytes) -> None:
         self._sse = content_type.split(b";")[0].strip().lower() == b"text/event-stream"
@@ -164,27 +165,15 @@ class UsageScanner:
         self._take_usage(line[5:])
 
     def _take_usage(self, document: bytes) -> None:
-        try:
-            parsed = json.loads(document)
-        except (ValueError, UnicodeDecodeError):
-            return
-        if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
-            self._usage = parsed["usage"]
+        parsed = json_object(document)
+        if parsed is not None:
+            # The agent's reading of the same object: both sides count tokens alike.
+            prompt, completion = (count(value) for value in OPENAI_CHAT.usage(parsed))
+            if prompt is not None and completion is not None:
+                self._usage = (prompt, completion)
 
     def total_tokens(self) -> int | None:
         """prompt + completion tokens as the server reported them, None if it did not."""
         if not self._sse and self._json_body:
             self._take_usage(b"".join(self._json_body))
-        if self._usage is None:
-            return None
-        total = self._usage.get("total_tokens")
-        if _is_count(total):
-            return total
-        prompt, completion = self._usage.get("prompt_tokens"), self._usage.get("completion_tokens")
-        if _is_count(prompt) and _is_count(completion):
-            return prompt + completion
-        return None
-
-
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return None if self._usage is None else sum(self._usage)

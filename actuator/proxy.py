@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from ..agent.http_assembler import DEFAULT_TENANT_HEADER
+from ..contract.tenant import DEFAULT_TENANT_HEADER
 from .asgi import DEFAULT_MAX_BODY_BYTES, ActuatorMiddleware
 from .auth import ClientAuth
 from .gateway import DEFAULT_DEADLINE_S, GatewayGuard

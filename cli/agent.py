@@ -25,11 +25,11 @@ from ..agent.capture.probes import Probes, Targets
 from ..agent.capture.tracker import ConnectionTracker
 from ..agent.export.metrics_endpoint import AgentMetrics
 from ..agent.export.otel_export import OtelExporter
-from ..agent.http_assembler import DEFAULT_TENANT_HEADER
 from ..agent.sampling.dcgm import DcgmScraper
 from ..agent.sampling.engine_metrics import EngineScraper
 from ..agent.sampling.gpu import NvmlSampler, ServerGpuMap
 from ..agent.sampling.samplers import SamplerSet
+from ..contract.tenant import DEFAULT_TENANT_HEADER
 from ..store.client import Store, StoreUnavailable
 from ..store.embedded import open_store
 from ..store.schema import create_request_gpu_state_view
@@ -313,4 +313,6 @@ class Agent:
             text += f" (spooled {sink.rows_spooled})"
         if stats.parse_errors:
             text += f" | parse errors {stats.parse_errors}"
+        if stats.unknown_api_streams:
+            text += f" | unknown API streams {stats.unknown_api_streams}"
         return text

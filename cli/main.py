@@ -8,8 +8,8 @@ import os
 import sys
 
 from ..actuator.control_cli import add_control_parser
-from ..agent.http_assembler import DEFAULT_TENANT_HEADER, tenant_header_name
 from ..analytics.cli import add_analyze_parser
+from ..contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from ..dashboard.cli import add_dashboard_parser
 from ..store.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_MAX_BYTES
 from ..store.url import DEFAULT_STORE

@@ -7,4 +7,5 @@
 - ``measures``: the SQL definition of every figure (TTFT, TPOT, ITL, e2e, …);
   ``latency``: the latencies the heatmaps band.
 - ``decisions``: what the controller decides and the gateways enforce.
+- ``tenant``: the tenant rule (which header names a request's tenant, and how its value is kept).
 """

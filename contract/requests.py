@@ -56,6 +56,14 @@ REQUEST_SCHEMA: tuple[Column, ...] = (
     Column("body_fp", "UInt64", OPAQUE_CODEC),
     Column("outcome", "LowCardinality(String)", OPAQUE_CODEC),
     Column("error", "String", OPAQUE_CODEC),
+    # Added with the API dialects (agent/capture/dialects/); older tables gain them on open,
+    # and rows from writers that predate them (spooled batches, synthetic data) get the defaults.
+    Column("api", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
+    Column("first_content_token", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
+    Column("choices", "UInt16", INTEGER_CODEC, default="0"),
+    Column("choice_events", "UInt32", INTEGER_CODEC, default="0"),
+    Column("engine_prompt_ms", "Nullable(Float32)", OPAQUE_CODEC),
+    Column("engine_decode_ms", "Nullable(Float32)", OPAQUE_CODEC),
 )
 
 REQUESTS = Table(

@@ -46,9 +46,11 @@ class Column:
     name: str
     type: str
     codec: str
+    default: str | None = None  # a DEFAULT expression: writers may leave the column out
 
     def ddl(self) -> str:
-        return f"`{self.name}` {self.type} {self.codec}"
+        default = "" if self.default is None else f" DEFAULT {self.default}"
+        return f"`{self.name}` {self.type}{default} {self.codec}"
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,13 @@ SELECT
     toUInt64(200 + token_events * 140) AS bytes_out,
     cityHash64(number, {seed}, 8) AS body_fp,
     'complete' AS outcome,
-    '' AS error
+    '' AS error,
+    'openai.chat' AS api,
+    first_token AS first_content_token,
+    toUInt16(1) AS choices,
+    token_events AS choice_events,
+    NULL AS engine_prompt_ms,
+    NULL AS engine_decode_ms
 FROM (
     SELECT
         number,

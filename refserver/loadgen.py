@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..agent.http_assembler import DEFAULT_TENANT_HEADER
+from ..contract.tenant import DEFAULT_TENANT_HEADER
 from .api import CHAT_PATH, COMPLETIONS_PATH
 from .text import pseudo_prompt
 

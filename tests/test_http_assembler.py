@@ -1,7 +1,7 @@
-"""Tests for the HTTP/1.1 + SSE assembler (agent/http_assembler.py).
+"""Tests for the HTTP/1.1 + SSE assembler (agent/capture/).
 
 Byte streams are built by hand and from two real vLLM captures
-(tests/data/assembler_vllm_sse_*: byte-identical copies of shared/fixtures,
+(tests/data/fixtures/vllm_sse_*: real vLLM captures, see tests/data/fixtures/README.md,
 with the request headers given in the fixtures' README).
 
 Segmentation oracle: feeding a capture one byte per segment, each stamped with
@@ -24,12 +24,13 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenprobe.agent import http_assembler
-from tokenprobe.agent.http_assembler import (
+from tokenprobe.agent.capture import exchange as exchange_module
+from tokenprobe.agent.capture.assembler import (
     CLOSE_REASONS,
     Exchange,
     HttpConnectionAssembler,
 )
+from tokenprobe.contract import tenant
 
 DATA = Path(__file__).parent / "data"
 KEY = b"assembler-test-key"
@@ -61,11 +62,11 @@ class Capture:
 
 def load_capture(name: str, path: str, response_id: str, prompt_tokens: int,
                  sse_events: int) -> Capture:
-    body = (DATA / f"assembler_vllm_sse_{name}.request.json").read_bytes()
+    body = (DATA / "fixtures" / f"vllm_sse_{name}.request.json").read_bytes()
     head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:8300\r\nUser-Agent: fixture-capture/1.0\r\n"
             "Accept: text/event-stream\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-    response = (DATA / f"assembler_vllm_sse_{name}.bin").read_bytes()
+    response = (DATA / "fixtures" / f"vllm_sse_{name}.bin").read_bytes()
     return Capture(name, path, body, head + body, response, response_id, prompt_tokens, sse_events)
 
 
@@ -557,7 +558,7 @@ def test_compressed_event_stream_is_not_read():
 
 
 def test_token_events_kept_are_capped(monkeypatch):
-    monkeypatch.setattr(http_assembler, "MAX_TOKEN_EVENTS", 3)
+    monkeypatch.setattr(exchange_module, "MAX_TOKEN_EVENTS", 3)
     ex = run_capture(CHAT)
     assert (len(ex.token_event_ns), ex.sse_events, ex.completion_tokens) == (3, 15, 12)
     assert "more than 3 token events" in ex.error
@@ -902,7 +903,7 @@ def test_tenant_cut_by_a_capture_gap_is_not_recorded_in_part():
 def test_bad_tenant_header_names_are_refused(name, message):
     with pytest.raises(ValueError, match=message):
         HttpConnectionAssembler(fingerprint_key=KEY, tenant_header=name)
-    assert http_assembler.tenant_header_name("X-Tenant-Id") == "x-tenant-id"
+    assert tenant.tenant_header_name("X-Tenant-Id") == "x-tenant-id"
 
 
 # -- fuzzing ----------------------------------------------------------------------------

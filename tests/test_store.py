@@ -51,7 +51,8 @@ def make_row(**overrides) -> dict:
         "model": "small", "response_id": "chatcmpl-90137e70dd9c3d12", "streamed": True, "token_events": 3,
         "sse_events": 5, "token_offsets_us": [0, 30_000, 60_000], "prompt_tokens": 12, "completion_tokens": 3,
         "inflight_at_arrival": 1, "bytes_in": 512, "bytes_out": 3419, "body_fp": 2**64 - 1,
-        "outcome": "complete", "error": "",
+        "outcome": "complete", "error": "", "api": "openai.chat", "first_content_token": start + 30_000_007,
+        "choices": 1, "choice_events": 3, "engine_prompt_ms": None, "engine_decode_ms": None,
     }
     row.update(overrides)
     return row
@@ -63,19 +64,6 @@ def stored_conn_ids(store) -> list[int]:
 
 def run_python(code: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
-
-
-@pytest.fixture
-def store_dir(tmp_path) -> Path:
-    return tmp_path / "store"
-
-
-@pytest.fixture
-def owner(store_dir):
-    store = open_store(f"chdb://{store_dir}")
-    store.ensure_schema()
-    yield store
-    store.close()
 
 
 def serve_advert(store_dir: Path) -> dict:
@@ -137,7 +125,7 @@ def test_unreachable_server_is_store_unavailable_naming_the_url():
 def test_requests_columns_match_row_schema_doc(owner):
     documented = re.findall(r"^\| (\w+) \| ([A-Za-z0-9()]+(?:\([^|]*\))?) \|", ROW_SCHEMA_DOC.read_text(), re.M)
     documented = [(name, ch_type.replace("DateTime64(9)", "DateTime64(9, 'UTC')")) for name, ch_type in documented]
-    assert len(documented) == 36
+    assert len(documented) == 42
     assert schema.REQUEST_COLUMNS == [name for name, _ in documented]
     described = owner.query_rows("SELECT name, type FROM system.columns"
                                  " WHERE database = 'tokenprobe' AND table = 'requests' ORDER BY position")

@@ -14,13 +14,12 @@ import sys
 import time
 
 import pyarrow as pa
-import pytest
-
-from tests.support import WAIT_S, free_port, wait_until
-from tests.test_store import make_row, owner, store_dir, stored_conn_ids  # noqa: F401  (fixtures)
 from tokenprobe.store.server import StoreServer
 from tokenprobe.store.sink import RequestSink
 from tokenprobe.store.spool import Spool, new_batch_token
+
+from tests.support import WAIT_S, free_port, wait_until
+from tests.test_store import make_row, stored_conn_ids
 
 
 def spooled_while_down(spool_dir, rows: int) -> None:

@@ -28,8 +28,8 @@ from tokenprobe.agent.capture.probes import (
     decode_event,
 )
 from tokenprobe.agent.capture.tracker import ConnectionTracker
-from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
 from tokenprobe.contract.requests import REQUEST_COLUMNS
+from tokenprobe.contract.tenant import DEFAULT_TENANT_HEADER
 
 HEADER = struct.Struct("<QQIIBBBBiIHHHH16s16s")
 V4_MAPPED_LOOPBACK = bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1])

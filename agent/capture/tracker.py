@@ -16,12 +16,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..http_assembler import (
-    DEFAULT_TENANT_HEADER,
-    Exchange,
-    HttpConnectionAssembler,
-    tenant_header_name,
-)
+from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
+from .assembler import Exchange, HttpConnectionAssembler
 from .clock import MonotonicWallClock
 from .probes import (
     DIR_READ,
@@ -86,6 +82,7 @@ class TrackerStats:
     events: int = 0
     parse_errors: int = 0
     dropped_connections: int = 0   # tracked by the kernel but not a target after all
+    unknown_api_streams: int = 0   # event streams in no known API shape (rows with api 'unknown')
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -221,6 +218,8 @@ class ConnectionTracker:
             self.stats.requests += 1
             if exchange.error:
                 self.stats.parse_errors += 1
+            if exchange.api == "unknown":
+                self.stats.unknown_api_streams += 1
             self.emit_row(self._row(conn, exchange))
 
     def _row(self, conn: Connection, ex: Exchange) -> dict:
@@ -267,4 +266,11 @@ class ConnectionTracker:
             "body_fp": ex.body_fp,
             "outcome": ex.outcome,
             "error": ex.error or "",
+            "api": ex.api,
+            "first_content_token": (None if ex.first_content_index is None
+                                    else ts(ex.token_event_ns[ex.first_content_index])),
+            "choices": ex.choices,
+            "choice_events": ex.choice_events,
+            "engine_prompt_ms": ex.engine_prompt_ms,
+            "engine_decode_ms": ex.engine_decode_ms,
         }

@@ -52,7 +52,13 @@ CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
     `bytes_out` UInt64 CODEC(T64, ZSTD(1)),
     `body_fp` UInt64 CODEC(ZSTD(1)),
     `outcome` LowCardinality(String) CODEC(ZSTD(1)),
-    `error` String CODEC(ZSTD(1))
+    `error` String CODEC(ZSTD(1)),
+    `api` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1)),
+    `first_content_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `choices` UInt16 DEFAULT 0 CODEC(T64, ZSTD(1)),
+    `choice_events` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1)),
+    `engine_prompt_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `engine_decode_ms` Nullable(Float32) CODEC(ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(req_start)

@@ -1,0 +1,227 @@
+"""HTTP/1.1 + SSE assembler: the two byte streams of one connection → one record per exchange.
+
+The kernel probes report every read()/write() (or SSL_read/SSL_write) on a
+connection as a *segment*: a timestamp, the first bytes of the call (`head`),
+the call's full length and, for large calls, its last bytes (`tail`). The
+bytes between head and tail were never captured: a *gap* of known size.
+
+`HttpConnectionAssembler` is role-agnostic: the caller feeds the bytes that
+travel towards the server as "request bytes" and the others as "response
+bytes". Each direction is a message stream (http1.py) that finds HTTP/1.x
+message boundaries across segments and gaps; responses are paired with requests
+in FIFO order (that is what HTTP/1.1 pipelining guarantees). Bodies go to small
+readers that keep bounded samples (bodies.py, sse.py), and what a response body
+means is read by its API's dialect (dialects/). Of the request's header fields
+only one value is kept: the tenant header's (contract/tenant.py). No prompt or
+completion text is ever kept beyond these bounded samples, and none of it
+appears in error strings.
+
+Invariant the caller relies on: every exchange passed to `on_request_start`
+is returned exactly once, by a feed method or by `close()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections import deque
+from collections.abc import Callable
+
+from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
+from .exchange import CLOSE_REASONS, OUTCOME_BY_CLOSE_REASON, Exchange
+from .http1 import MessageStream, RequestStream, ResponseStream
+
+__all__ = ["CLOSE_REASONS", "Exchange", "HttpConnectionAssembler", "MAX_OPEN_EXCHANGES", "Txn"]
+
+log = logging.getLogger(__name__)
+
+# More requests than this without a finished response (hostile pipelining)
+# stops parsing the connection rather than growing the queue without bound.
+MAX_OPEN_EXCHANGES = 1024
+# No read()/write() is this large; bigger lengths are malformed input.
+MAX_SEGMENT_BYTES = 1 << 40
+
+
+class Txn:
+    """An exchange being assembled, with the progress of its two halves."""
+
+    __slots__ = ("exchange", "request_done", "response_done")
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self.request_done = False
+        self.response_done = False
+
+
+
+class HttpConnectionAssembler:
+    """Assembles the exchanges of ONE HTTP/1.1 connection from its two byte streams.
+
+    Feed methods and close() never raise on any input; they return the exchanges
+    that became complete (response finished, or cut off by close), in order.
+    """
+
+    def __init__(self, *, fingerprint_key: bytes, max_header_bytes: int = 65536,
+                 on_request_start: Callable[[Exchange], None] | None = None,
+                 tenant_header: str | None = DEFAULT_TENANT_HEADER) -> None:
+        if not isinstance(fingerprint_key, (bytes, bytearray)) or len(fingerprint_key) > 64:
+            raise ValueError("fingerprint_key must be bytes of at most 64 bytes (a BLAKE2b key)")
+        if not isinstance(max_header_bytes, int) or max_header_bytes < 64:
+            raise ValueError("max_header_bytes must be an integer of at least 64")
+        self._fingerprint_key = bytes(fingerprint_key)
+        self._tenant_header = tenant_header_name(tenant_header)
+        self._on_request_start = on_request_start
+        self._open: deque[Txn] = deque()  # started and not yet returned, in request order
+        self._awaiting_response: deque[Txn] = deque()  # their responses have not started
+        self._ready: list[Exchange] = []
+        self._next_seq = 0
+        self._error: str | None = None
+        self._closed = False
+        self._request = RequestStream(self, max_header_bytes)
+        self._response = ResponseStream(self, max_header_bytes)
+
+    @property
+    def error(self) -> str | None:
+        """The last per-connection error, in plain words; None if there was none."""
+        return self._error
+
+    def feed_request_bytes(self, ts_ns: int, head: bytes, total_len: int,
+                           tail: bytes = b"") -> list[Exchange]:
+        """One segment travelling towards the server."""
+        return self._feed(self._request, ts_ns, head, total_len, tail)
+
+    def feed_response_bytes(self, ts_ns: int, head: bytes, total_len: int,
+                            tail: bytes = b"") -> list[Exchange]:
+        """One segment travelling towards the client."""
+        return self._feed(self._response, ts_ns, head, total_len, tail)
+
+    def close(self, ts_ns: int, reason: str) -> list[Exchange]:
+        """The connection closed: every exchange still open is returned.
+
+        reason is one of CLOSE_REASONS. Exchange timestamps come from segments,
+        so ts_ns only marks the call; a close-delimited body ends at its last
+        segment. Later feeds are ignored."""
+        if self._closed:
+            return []
+        self._closed = True
+        try:
+            outcome = OUTCOME_BY_CLOSE_REASON.get(reason) if isinstance(reason, str) else None
+            if outcome is None:
+                self._set_error("unknown close reason; open exchanges recorded as truncated")
+                outcome = "truncated"
+            self._response.end_of_stream(server_closed=reason == "server_closed")
+            self._request.stop()
+            self._awaiting_response.clear()
+            while self._open:  # popped one by one: the safety net below must not return one twice
+                txn = self._open.popleft()
+                exchange = txn.exchange
+                if not txn.response_done and exchange.outcome == "complete":
+                    exchange.outcome = outcome
+                self._ready.append(exchange)
+        except Exception as exc:  # safety net: a parser bug must not take down the agent
+            self._internal_failure(exc)
+        return self._take_ready()
+
+    # -- internals shared with the two streams ---------------------------------
+
+    def _feed(self, stream: MessageStream, ts_ns, head, total_len, tail) -> list[Exchange]:
+        if self._closed:
+            return []
+        try:
+            segment = _normalise_segment(ts_ns, head, total_len, tail)
+            if segment is None:
+                stream.lose_framing(stream.last_ts, f"malformed {stream.noun} segment description")
+            else:
+                stream.feed(*segment)
+        except Exception as exc:  # safety net: a parser bug must not take down the agent
+            self._internal_failure(exc)
+        return self._take_ready()
+
+    def _take_ready(self) -> list[Exchange]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _set_error(self, message: str) -> None:
+        self._error = message
+
+    def _open_exchange(self, ts: int) -> Txn | None:
+        if len(self._open) >= MAX_OPEN_EXCHANGES:
+            self._stop(f"more than {MAX_OPEN_EXCHANGES} requests without a finished response; "
+                       "connection no longer parsed")
+            return None
+        txn = Txn(Exchange(seq=self._next_seq, req_start_ns=ts))
+        self._next_seq += 1
+        self._open.append(txn)
+        self._awaiting_response.append(txn)
+        if self._on_request_start is not None:
+            self._on_request_start(txn.exchange)
+        return txn
+
+    def _claim_response(self, ts: int) -> Txn | None:
+        """The exchange a response starting at ts answers: the oldest one waiting,
+        unless that request started later (then the response answers a request
+        the capture missed)."""
+        waiting = self._awaiting_response
+        if waiting and waiting[0].exchange.req_start_ns <= ts:
+            return waiting.popleft()
+        return None
+
+    def _abandon(self, txn: Txn, reason: str, *, request_side: bool) -> None:
+        """One half of an exchange lost its framing: that half ends, truncated."""
+        exchange = txn.exchange
+        exchange.outcome = "truncated"
+        exchange.error = reason
+        if request_side:
+            txn.request_done = True
+        else:
+            txn.response_done = True
+        self._settle()
+
+    def _settle(self) -> None:
+        """Return the exchanges whose two halves are done. Both halves finish in
+        FIFO order, so only the oldest open exchange can be the next one."""
+        open_txns = self._open
+        while open_txns and open_txns[0].request_done and open_txns[0].response_done:
+            self._ready.append(open_txns.popleft().exchange)
+
+    def _stop(self, reason: str) -> None:
+        """Stop parsing the connection: every open exchange is returned; those
+        whose response had not finished are truncated."""
+        self._set_error(reason)
+        self._request.stop()
+        self._response.stop()
+        for txn in self._open:
+            exchange = txn.exchange
+            if not txn.response_done:
+                exchange.outcome = "truncated"
+                exchange.error = exchange.error or reason
+            self._ready.append(exchange)
+        self._open.clear()
+        self._awaiting_response.clear()
+
+    def _internal_failure(self, exc: Exception) -> None:
+        # Only the type and location are logged: an exception's message may quote payload bytes.
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        log.warning("HTTP assembler internal error %s at %s:%s; connection no longer parsed",
+                    type(exc).__name__, frame.name, frame.lineno)
+        self._stop(f"internal parser error ({type(exc).__name__}); connection no longer parsed")
+
+
+
+def _normalise_segment(ts_ns, head, total_len, tail) -> tuple[int, bytes, int, bytes] | None:
+    """(ts, head, gap, tail) of a segment description, or None if it is malformed."""
+    if not isinstance(ts_ns, int) or not isinstance(total_len, int):
+        return None
+    if not (isinstance(head, (bytes, bytearray, memoryview))
+            and isinstance(tail, (bytes, bytearray, memoryview))):
+        return None
+    if total_len < 0 or total_len > MAX_SEGMENT_BYTES:
+        return None
+    head, tail = bytes(head), bytes(tail)
+    if total_len <= len(head):
+        return ts_ns, head[:total_len], 0, b""
+    overlap = len(head) + len(tail) - total_len
+    if overlap > 0:  # a short call whose head and tail overlap: keep each byte once
+        tail = tail[overlap:]
+    return ts_ns, head, total_len - len(head) - len(tail), tail
+

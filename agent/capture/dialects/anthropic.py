@@ -1,0 +1,71 @@
+"""Anthropic Messages API (/v1/messages): named SSE events whose data's `type` repeats the name.
+
+`message_start` carries the message (`id`, `model`, `usage` with `input_tokens`,
+cache token counts and a first `output_tokens`); `content_block_delta` events
+carry output: `text_delta` (visible), `thinking_delta` and `input_json_delta`
+(tool input), hidden. `message_delta` carries the cumulative `usage.output_tokens`.
+The prompt's size is `input_tokens` plus the cache counts: Anthropic's
+`input_tokens` excludes tokens read from or written to the prompt cache.
+A non-streamed body is the message itself.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..exchange import Exchange
+from ..json_scan import count, count_key
+from .base import Dialect, set_id_model, set_usage, usage_object
+
+__all__ = ["ANTHROPIC"]
+
+# delta type -> (field with the generated text, visible)
+_DELTAS = {"text_delta": ("text", True), "thinking_delta": ("thinking", False),
+           "input_json_delta": ("partial_json", False)}
+
+
+def _prompt_tokens(usage: dict) -> int | None:
+    tokens = count(usage.get("input_tokens"))
+    if tokens is None:
+        return None
+    for key in ("cache_creation_input_tokens", "cache_read_input_tokens"):
+        tokens += count(usage.get(key)) or 0
+    return tokens
+
+
+class _Anthropic(Dialect):
+    __slots__ = ()
+    prompt_key = count_key(b"input_tokens")
+    completion_key = count_key(b"output_tokens")
+    visible_output = re.compile(rb'[{,]\s*"type"\s*:\s*"text_delta"')
+    hidden_output = re.compile(rb'[{,]\s*"type"\s*:\s*"(?:thinking|input_json)_delta"')
+
+    def usage(self, obj: dict) -> tuple[int | None, int | None]:
+        usage = usage_object(obj, "message")  # message_start wraps the message; the others do not
+        if usage is None:
+            return None, None
+        # message_delta's input_tokens (when sent) omits the cache counts: its prompt is not taken.
+        prompt = None if obj.get("type") == "message_delta" else _prompt_tokens(usage)
+        return prompt, usage.get("output_tokens")
+
+    def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
+        kind = obj.get("type")
+        if kind == "content_block_delta":
+            delta = obj.get("delta")
+            delta_type = delta.get("type") if isinstance(delta, dict) else None
+            if isinstance(delta_type, str):
+                field = _DELTAS.get(delta_type)
+                if field is not None:
+                    text = delta.get(field[0])
+                    if isinstance(text, str) and text:
+                        exchange.record_output(ts, 0, field[1])
+        elif kind == "message_start":
+            message = obj.get("message")
+            if isinstance(message, dict):
+                set_id_model(exchange, message.get("id"), message.get("model"))
+            set_usage(exchange, *self.usage(obj))
+        elif kind == "message_delta":
+            set_usage(exchange, *self.usage(obj))
+
+
+ANTHROPIC = _Anthropic("anthropic.messages")

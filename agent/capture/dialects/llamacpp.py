@@ -1,0 +1,62 @@
+"""llama.cpp server native API: /completion (and its alias /completions).
+
+Each streamed event carries generated `content`; the last (`"stop": true`) adds
+`model`, `tokens_evaluated` (prompt), `tokens_predicted` (generated) and
+`timings` with the server's own `prompt_ms` and `predicted_ms`. It also echoes
+the prompt and the settings, so it can be too large to parse: the counts and
+timings are then read from its tail, where the server writes them.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..exchange import Exchange
+from ..json_scan import count_key, last_number, number_key
+from .base import Dialect, set_engine_ms, set_id_model, set_usage
+
+__all__ = ["LLAMACPP", "content_text", "set_timings"]
+
+_PROMPT_MS = number_key(b"prompt_ms")
+_PREDICTED_MS = number_key(b"predicted_ms")
+
+
+def content_text(obj: dict) -> bool:
+    """True if the event's top-level `content` carries text."""
+    content = obj.get("content")
+    return isinstance(content, str) and content != ""
+
+
+def set_timings(exchange: Exchange, timings) -> None:
+    """llama.cpp's `timings` object (also on the last chunk of its OpenAI routes)."""
+    if isinstance(timings, dict):
+        set_engine_ms(exchange, timings.get("prompt_ms"), timings.get("predicted_ms"))
+
+
+class _LlamaCpp(Dialect):
+    __slots__ = ()
+    id_key = None
+    prompt_key = count_key(b"tokens_evaluated")
+    completion_key = count_key(b"tokens_predicted")
+    visible_output = re.compile(rb'[{,]\s*"content"\s*:\s*"(?:[^"\\]|\\.)')
+
+    def usage(self, obj: dict) -> tuple[int | None, int | None]:
+        return obj.get("tokens_evaluated"), obj.get("tokens_predicted")
+
+    def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
+        if content_text(obj):
+            exchange.record_output(ts)
+        if obj.get("stop") is True:
+            self.body(exchange, obj)
+
+    def body(self, exchange: Exchange, obj: dict) -> None:
+        set_id_model(exchange, None, obj.get("model"))
+        set_usage(exchange, *self.usage(obj))
+        set_timings(exchange, obj.get("timings"))
+
+    def partial(self, exchange: Exchange, head: bytes, tail: bytes, ts: int | None) -> None:
+        super().partial(exchange, head, tail, ts)
+        set_engine_ms(exchange, last_number(_PROMPT_MS, tail), last_number(_PREDICTED_MS, tail))
+
+
+LLAMACPP = _LlamaCpp("llamacpp")

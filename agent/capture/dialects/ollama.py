@@ -1,0 +1,91 @@
+"""Ollama native API: /api/generate and /api/chat, streamed as NDJSON (one JSON object a line).
+
+/api/generate lines carry generated text in `response` (and `thinking`); /api/chat
+lines in `message.content` (and `message.thinking`, `message.tool_calls`). The last
+line (`"done": true`) carries `prompt_eval_count`, `eval_count` and the server's
+own `prompt_eval_duration` and `eval_duration` in ns. There is no response id.
+/api/generate's last line may also hold a long `context` array: its counts and
+durations follow it, at the tail, where the regex fallback looks.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..exchange import Exchange
+from ..json_scan import count_key, last_number, number_key
+from .base import Dialect, set_engine_ms, set_id_model, set_usage
+
+__all__ = ["OLLAMA_CHAT", "OLLAMA_GENERATE"]
+
+_NS_TO_MS = 1e-6
+_PROMPT_DURATION = number_key(b"prompt_eval_duration")
+_EVAL_DURATION = number_key(b"eval_duration")
+
+
+def _text(value) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+class _Ollama(Dialect):
+    __slots__ = ()
+    id_key = None
+    prompt_key = count_key(b"prompt_eval_count")
+    completion_key = count_key(b"eval_count")
+
+    def usage(self, obj: dict) -> tuple[int | None, int | None]:
+        return obj.get("prompt_eval_count"), obj.get("eval_count")
+
+    def _output(self, obj: dict) -> int:
+        """0: nothing generated; 1: thinking or tool calls only; 2: visible text."""
+        raise NotImplementedError
+
+    def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
+        output = self._output(obj)
+        if output:
+            exchange.record_output(ts, 0, output == 2)
+        if exchange.resp_model is None:
+            set_id_model(exchange, None, obj.get("model"))
+        if obj.get("done") is True:
+            self.body(exchange, obj)
+
+    def body(self, exchange: Exchange, obj: dict) -> None:
+        set_id_model(exchange, None, obj.get("model"))
+        set_usage(exchange, *self.usage(obj))
+        set_engine_ms(exchange, obj.get("prompt_eval_duration"), obj.get("eval_duration"), _NS_TO_MS)
+
+    def partial(self, exchange: Exchange, head: bytes, tail: bytes, ts: int | None) -> None:
+        super().partial(exchange, head, tail, ts)
+        set_engine_ms(exchange, last_number(_PROMPT_DURATION, tail), last_number(_EVAL_DURATION, tail),
+                      _NS_TO_MS)
+
+
+class _Generate(_Ollama):
+    __slots__ = ()
+    visible_output = re.compile(rb'[{,]\s*"response"\s*:\s*"(?:[^"\\]|\\.)')
+    hidden_output = re.compile(rb'[{,]\s*"thinking"\s*:\s*"(?:[^"\\]|\\.)')
+
+    def _output(self, obj: dict) -> int:
+        if _text(obj.get("response")):
+            return 2
+        return 1 if _text(obj.get("thinking")) else 0
+
+
+class _Chat(_Ollama):
+    __slots__ = ()
+    visible_output = re.compile(rb'[{,]\s*"content"\s*:\s*"(?:[^"\\]|\\.)')
+    hidden_output = re.compile(
+        rb'[{,]\s*"(?:thinking"\s*:\s*"(?:[^"\\]|\\.)|tool_calls"\s*:\s*\[\s*\{)')
+
+    def _output(self, obj: dict) -> int:
+        message = obj.get("message")
+        if not isinstance(message, dict):
+            return 0
+        if _text(message.get("content")):
+            return 2
+        tool_calls = message.get("tool_calls")
+        return 1 if _text(message.get("thinking")) or (isinstance(tool_calls, list) and tool_calls) else 0
+
+
+OLLAMA_GENERATE = _Generate("ollama.generate")
+OLLAMA_CHAT = _Chat("ollama.chat")

@@ -1,0 +1,57 @@
+"""SGLang native API: /generate, streamed as SSE ending in `data: [DONE]`.
+
+Each event carries `text` (by default all the text so far, not a delta) and
+`meta_info` with the request `id`, `prompt_tokens` and `completion_tokens` so
+far; `index` names the choice when n > 1. An event carries new output when its
+`completion_tokens` grew: that holds for cumulative and incremental text alike.
+There is no model name.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..exchange import Exchange
+from ..json_scan import count, count_key
+from .base import Dialect, choice_index, set_id_model, set_usage
+
+__all__ = ["SGLANG"]
+
+
+class _SGLang(Dialect):
+    __slots__ = ()
+    prompt_key = count_key(b"prompt_tokens")
+    completion_key = count_key(b"completion_tokens")
+    visible_output = re.compile(rb'[{,]\s*"text"\s*:\s*"(?:[^"\\]|\\.)')
+
+    def usage(self, obj: dict) -> tuple[int | None, int | None]:
+        meta = obj.get("meta_info")
+        if isinstance(meta, dict):
+            return meta.get("prompt_tokens"), meta.get("completion_tokens")
+        return None, None
+
+    def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
+        meta = obj.get("meta_info")
+        if not isinstance(meta, dict):
+            return
+        choice = choice_index(obj.get("index"))
+        if choice:  # the counts in the row are choice 0's: each choice counts its own
+            exchange.record_output(ts, choice)
+            return
+        set_id_model(exchange, meta.get("id"), None)
+        generated = count(meta.get("completion_tokens"))
+        if generated is None:
+            grew = isinstance(obj.get("text"), str) and obj["text"] != ""
+        else:
+            grew = generated > (exchange.completion_tokens or 0)
+        set_usage(exchange, *self.usage(obj))
+        if grew:
+            exchange.record_output(ts)
+
+    def body(self, exchange: Exchange, obj: dict) -> None:
+        meta = obj.get("meta_info")
+        set_id_model(exchange, meta.get("id") if isinstance(meta, dict) else None, None)
+        set_usage(exchange, *self.usage(obj))
+
+
+SGLANG = _SGLang("sglang")

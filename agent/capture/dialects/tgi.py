@@ -1,0 +1,46 @@
+"""Hugging Face TGI native API: /generate_stream (SSE) and /generate (JSON).
+
+Each event carries one generated `token` (`text`, `special` for tokens such as
+EOS that are not text a user reads); the last adds `generated_text` and
+`details` with `generated_tokens` and `input_length`. There is no response id
+or model name. The event's `index` is the token's position, not a choice.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..exchange import Exchange
+from ..json_scan import count_key
+from .base import Dialect, set_usage
+
+__all__ = ["TGI", "token_text"]
+
+
+def token_text(obj: dict) -> bool:
+    """True if the event's `token` carries text."""
+    token = obj.get("token")
+    return isinstance(token, dict) and isinstance(token.get("text"), str) and token["text"] != ""
+
+
+class _Tgi(Dialect):
+    __slots__ = ()
+    id_key = None
+    prompt_key = count_key(b"input_length")
+    completion_key = count_key(b"generated_tokens")
+    visible_output = re.compile(rb'[{,]\s*"text"\s*:\s*"(?:[^"\\]|\\.)')
+
+    def usage(self, obj: dict) -> tuple[int | None, int | None]:
+        details = obj.get("details")
+        if isinstance(details, dict):
+            return details.get("input_length"), details.get("generated_tokens")
+        return None, None
+
+    def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
+        if token_text(obj):
+            exchange.record_output(ts, 0, obj["token"].get("special") is not True)
+        if obj.get("details") is not None:  # the last event
+            set_usage(exchange, *self.usage(obj))
+
+
+TGI = _Tgi("tgi")

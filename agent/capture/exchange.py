@@ -1,0 +1,76 @@
+"""The record of one request and its response, and how a connection's close ends it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["CLOSE_REASONS", "OUTCOME_BY_CLOSE_REASON", "Exchange", "MAX_TOKEN_EVENTS"]
+
+CLOSE_REASONS = ("server_closed", "client_closed", "reset", "agent_stop")
+# The outcome of an exchange whose response had not finished when the connection closed.
+OUTCOME_BY_CLOSE_REASON = {
+    "server_closed": "truncated",
+    "client_closed": "client_closed",
+    "reset": "reset",
+    "agent_stop": "truncated",
+}
+# Token event timestamps kept per exchange (far above any model's output length);
+# an endless stream must not grow the list without bound.
+MAX_TOKEN_EVENTS = 1 << 18
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One request and its response on a connection. Timestamps are the probes'
+    CLOCK_MONOTONIC ns of the segment holding the byte in question; None if unseen."""
+
+    seq: int  # 0-based index on the connection
+    method: str = ""
+    path: str = ""  # query string removed: it may hold user data
+    req_start_ns: int = 0
+    req_end_ns: int | None = None
+    req_bytes: int = 0  # on the wire: headers, body, chunk framing, uncaptured gaps
+    req_model: str | None = None
+    req_stream: bool | None = None
+    body_fp: int = 0  # keyed hash of the request body; 0 if empty or not fully captured
+    status: int = 0
+    resp_start_ns: int | None = None
+    resp_end_ns: int | None = None
+    resp_bytes: int = 0  # includes interim 1xx responses
+    streamed: bool = False  # an event stream: text/event-stream or application/x-ndjson
+    token_event_ns: list[int] = field(default_factory=list)  # events with output of choice 0
+    sse_events: int = 0  # all events of the stream (SSE events or NDJSON lines)
+    done_seen: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    resp_model: str | None = None
+    response_id: str | None = None
+    outcome: str = "complete"  # complete | client_closed | reset | truncated
+    error: str | None = None
+    inflight_at_arrival: int = 0  # filled by the caller from on_request_start
+    tenant: str = ""  # the tenant header's value (an identifier, never content); "" if absent
+    api: str = ""  # the dialect that read the response (dialects/); "" if not an LLM API
+    # Index in token_event_ns of the first event with visible text (not reasoning or a tool
+    # call); an index rather than a time, so it moves with the event it names.
+    first_content_index: int | None = None
+    choices: int = 0  # choices that carried output (n > 1 streams several)
+    choice_events: int = 0  # events with output, summed over all choices
+    engine_prompt_ms: float | None = None  # the engine's own prompt (prefill) time, if reported
+    engine_decode_ms: float | None = None  # the engine's own generation time, if reported
+
+    def record_output(self, ts: int, choice: int = 0, visible: bool = True) -> None:
+        """An event at ts carried generated output (text, reasoning or a tool call) of
+        `choice`. Timing figures (first token, ITL) follow choice 0 alone: with n > 1
+        the choices' events interleave and their gaps are not one stream's."""
+        self.choice_events += 1
+        if choice >= self.choices:
+            self.choices = choice + 1
+        if choice:
+            return
+        events = self.token_event_ns
+        if len(events) < MAX_TOKEN_EVENTS:
+            if visible and self.first_content_index is None:
+                self.first_content_index = len(events)
+            events.append(ts)
+        else:
+            self.error = f"more than {MAX_TOKEN_EVENTS} token events; later ones not recorded"

@@ -1,0 +1,631 @@
+"""HTTP/1.x message framing of one direction of a connection, across segments and gaps.
+
+A direction's bytes are a `MessageStream`: start line and header fields, then a
+body delimited by Content-Length, chunked coding or the connection's close.
+Requests and responses differ in what may start a message and what a header
+block means (`RequestStream`, `ResponseStream`). Body bytes go to a reader
+chosen from the header block (`response_body_reader`); framing never looks at them.
+
+When framing is lost (a gap in headers or chunk framing, garbage, oversized
+headers, or a connection picked up mid-message) the message at hand ends as
+"truncated" with an error, and the stream waits for a segment that starts with
+a new message: a request line or "HTTP/1." (or the beginning of one, when the
+segment ends before the line does).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from ...contract.tenant import FRAMING_HEADERS, printable, tenant_id
+from . import dialects
+from .bodies import JsonBody, RequestBody
+from .sse import NdjsonBody, SseBody
+
+if TYPE_CHECKING:
+    from .assembler import HttpConnectionAssembler, Txn
+    from .exchange import Exchange
+
+__all__ = ["FramingError", "RequestStream", "ResponseStream", "foreign_protocol",
+           "response_body_reader"]
+
+CHUNK_SIZE_LINE_MAX = 4096
+
+# Framing states of one direction's byte stream.
+_RESYNC = 0  # framing unknown: wait for a segment that starts with a new message
+_IDLE = 1  # between messages: the next byte starts one
+_HEADERS = 2  # start line and header fields, up to the blank line
+_BODY_LENGTH = 3  # Content-Length body: `_remaining` bytes left
+_CHUNK_SIZE = 4  # a chunk-size line (with optional extensions)
+_CHUNK_DATA = 5  # chunk data: `_remaining` bytes left
+_CHUNK_DATA_END = 6  # the CRLF that follows chunk data
+_TRAILERS = 7  # trailer fields after the last chunk, up to the blank line
+_BODY_UNTIL_CLOSE = 8  # body delimited by the connection's close
+_STOPPED = 9  # not HTTP/1.x any more (upgrade, TLS, HTTP/2) or connection closed
+
+# How a message's body is delimited, decided from its header block.
+_NO_BODY = 0
+_LENGTH = 1
+_CHUNKED = 2
+_UNTIL_CLOSE = 3
+_INTERIM = 4  # a 1xx response: the final response for the same request follows
+_STOP = 5  # the connection stopped being HTTP/1.x
+
+_TOO_LONG = object()  # marker returned by the line/block readers when a cap is hit
+
+_BLANK_LINE = re.compile(rb"\n\r?\n")
+_NOT_CRLF = re.compile(rb"[^\r\n]")
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_DIGITS = re.compile(r"[0-9]{1,18}")
+_REQUEST_LINE = re.compile(rb"([A-Z][A-Z0-9_-]{0,31}) ([^\x00-\x20\x7f]+) HTTP/1\.[01]")
+_REQUEST_LINE_AT_START = re.compile(rb"[A-Z][A-Z0-9_-]{0,31} [^\x00-\x20\x7f]+ HTTP/1\.[01]\r?\n")
+# What a segment that ends inside a request line holds; group 1 must begin "HTTP/1.x\r".
+_REQUEST_LINE_PREFIX = re.compile(
+    rb"[A-Z][A-Z0-9_-]{0,31}(?: [^\x00-\x20\x7f]*(?: ([^\x00-\x20\x7f]*\r?))?)?")
+_STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([1-9][0-9]{2})(?:[ \t][^\r\n]*)?")
+
+
+class FramingError(Exception):
+    """A header block that cannot be framed; its message is a plain-words error."""
+
+
+def foreign_protocol(head: bytes) -> str | None:
+    """Why a stream that starts with `head` is not HTTP/1.x, or None."""
+    if head.startswith(b"PRI * HTTP/2"):
+        return "HTTP/2 connection (prior-knowledge preface); only HTTP/1.x is parsed"
+    # A TLS record header: content type 20-23, protocol major version 3.
+    if len(head) >= 3 and 0x14 <= head[0] <= 0x17 and head[1] == 3 and head[2] <= 4:
+        return "TLS records at the start of the stream: the payload is encrypted; nothing parsed"
+    return None
+
+
+
+class MessageStream:
+    """HTTP/1.x message framing for one direction of a connection.
+
+    This class finds message boundaries across segments and capture gaps; the
+    subclasses say what may start a message and what a header block means."""
+
+    noun = "message"
+    # Set as the connection's error when the stream's first bytes are not a message start.
+    _mid_stream_note = ""
+
+    def __init__(self, conn: HttpConnectionAssembler, max_header_bytes: int) -> None:
+        self._conn = conn
+        self._max_header_bytes = max_header_bytes
+        self._state = _RESYNC  # a connection may have been picked up mid-stream
+        self._pending_note: str | None = self._mid_stream_note
+        self._saw_bytes = False
+        self._buf = bytearray()  # a header block, chunk-size line or trailer section in pieces
+        self._remaining = 0
+        self._txn: Txn | None = None  # None while between messages, or for an unmatched response
+        self._body = None  # the current body's reader, if it is read
+        self.last_ts = 0
+
+    # Hooks for the subclasses.
+    def _starts_message(self, data: bytes) -> bool:
+        raise NotImplementedError
+
+    def _may_start(self, first_byte: int) -> bool:
+        raise NotImplementedError
+
+    def _count(self, nbytes: int) -> None:
+        raise NotImplementedError
+
+    def _begin_message(self, ts: int) -> None:
+        raise NotImplementedError
+
+    def _on_header_block(self, ts: int, block: bytes) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _on_message_end(self, ts: int, txn: Txn | None, body) -> None:
+        raise NotImplementedError
+
+    def _on_framing_lost(self, ts: int, reason: str, txn: Txn | None, body,
+                         between_messages: bool) -> None:
+        raise NotImplementedError
+
+    # Driving the stream.
+    def feed(self, ts: int, head: bytes, gap: int, tail: bytes) -> None:
+        self.last_ts = ts
+        if head and not self._saw_bytes:
+            self._saw_bytes = True
+            foreign = foreign_protocol(head)
+            if foreign:
+                self._conn._stop(foreign)
+                return
+        if head:
+            self._data(ts, head, segment_start=True)
+        if gap:
+            self._gap(ts, gap)
+        if tail:
+            self._data(ts, tail, segment_start=False)
+
+    def stop(self) -> None:
+        self._state = _STOPPED
+        self._txn = None
+        self._body = None
+        self._buf.clear()
+
+    def lose_framing(self, ts: int, reason: str) -> None:
+        """The stream's framing is unknown from here: end the message at hand and
+        wait for a segment that starts a new one."""
+        if self._state == _STOPPED:
+            return
+        between_messages = self._state == _IDLE
+        txn, body = self._txn, self._body
+        self._txn = None
+        self._body = None
+        self._buf.clear()
+        self._state = _RESYNC
+        self._pending_note = None
+        self._on_framing_lost(ts, reason, txn, body, between_messages)
+
+    def _finish_message(self, ts: int) -> None:
+        txn, body = self._txn, self._body
+        self._txn = None
+        self._body = None
+        self._buf.clear()
+        self._state = _IDLE
+        self._on_message_end(ts, txn, body)
+
+    def _data(self, ts: int, data: bytes, segment_start: bool) -> None:
+        view = memoryview(data)  # body bytes are handed on without copying
+        pos = 0
+        end = len(data)
+        while pos < end:
+            state = self._state
+            if state == _BODY_LENGTH or state == _CHUNK_DATA:
+                take = min(self._remaining, end - pos)
+                self._body_bytes(ts, view[pos:pos + take])
+                pos += take
+                self._remaining -= take
+                if self._remaining == 0:
+                    if state == _BODY_LENGTH:
+                        self._finish_message(ts)
+                    else:
+                        self._state = _CHUNK_DATA_END
+            elif state == _HEADERS:
+                pos = self._read_header_block(ts, data, pos)
+            elif state == _IDLE:
+                pos = self._read_message_start(ts, data, pos)
+            elif state == _CHUNK_SIZE:
+                pos = self._read_chunk_size(ts, data, pos)
+            elif state == _CHUNK_DATA_END:
+                pos = self._read_chunk_data_end(ts, data, pos)
+            elif state == _TRAILERS:
+                pos = self._read_trailers(ts, data, pos)
+            elif state == _BODY_UNTIL_CLOSE:
+                self._body_bytes(ts, view[pos:])
+                pos = end
+            elif state == _RESYNC:
+                if pos == 0 and segment_start and self._starts_message(data):
+                    self._state = _IDLE
+                else:
+                    if self._pending_note:
+                        self._conn._set_error(self._pending_note)
+                        self._pending_note = None
+                    pos = end
+            else:  # _STOPPED
+                return
+
+    def _gap(self, ts: int, nbytes: int) -> None:
+        state = self._state
+        if state == _BODY_LENGTH:
+            take = min(nbytes, self._remaining)
+            self._body_gap(ts, take)
+            self._remaining -= take
+            if self._remaining == 0:
+                self._finish_message(ts)
+            if nbytes > take:
+                self.lose_framing(ts, f"capture gap hides the start of the next {self.noun}")
+        elif state == _CHUNK_DATA:
+            if nbytes > self._remaining:
+                self.lose_framing(ts, f"capture gap hides the chunked framing of a {self.noun} body")
+                return
+            self._body_gap(ts, nbytes)
+            self._remaining -= nbytes
+            if self._remaining == 0:
+                self._state = _CHUNK_DATA_END
+        elif state == _BODY_UNTIL_CLOSE:
+            self._body_gap(ts, nbytes)
+        elif state == _IDLE:
+            self.lose_framing(ts, f"capture gap hides the start of a {self.noun}")
+        elif state == _HEADERS:
+            self.lose_framing(ts, f"capture gap inside the {self.noun} headers")
+        elif state in (_CHUNK_SIZE, _CHUNK_DATA_END, _TRAILERS):
+            self.lose_framing(ts, f"capture gap hides the chunked framing of a {self.noun} body")
+        # _RESYNC and _STOPPED: there is no framing to lose.
+
+    def _body_bytes(self, ts: int, chunk: memoryview) -> None:
+        self._count(len(chunk))
+        if self._body is not None:
+            self._body.data(ts, chunk)
+
+    def _body_gap(self, ts: int, nbytes: int) -> None:
+        self._count(nbytes)
+        if self._body is not None:
+            self._body.gap(ts, nbytes)
+
+    def _read_message_start(self, ts: int, data: bytes, pos: int) -> int:
+        # Empty lines between messages are tolerated (RFC 9112, section 2.2).
+        match = _NOT_CRLF.search(data, pos)
+        if match is None:
+            return len(data)
+        pos = match.start()
+        if not self._may_start(data[pos]):
+            self.lose_framing(ts, f"unexpected bytes where a {self.noun} should start")
+            return len(data)
+        self._state = _HEADERS
+        self._buf.clear()
+        self._begin_message(ts)
+        return pos
+
+    def _read_header_block(self, ts: int, data: bytes, pos: int) -> int:
+        block, pos = self._take_capped_block(ts, data, pos, f"{self.noun} header block")
+        if block is None:
+            return pos
+        try:
+            mode, length = self._on_header_block(ts, block)
+        except FramingError as exc:
+            self.lose_framing(ts, str(exc))
+            return len(data)
+        if mode == _STOP:
+            return len(data)
+        if mode == _INTERIM:
+            self._state = _IDLE
+        elif mode == _NO_BODY or (mode == _LENGTH and length == 0):
+            self._finish_message(ts)
+        elif mode == _LENGTH:
+            self._state = _BODY_LENGTH
+            self._remaining = length
+        elif mode == _CHUNKED:
+            self._state = _CHUNK_SIZE
+        else:
+            self._state = _BODY_UNTIL_CLOSE
+        return pos
+
+    def _read_chunk_size(self, ts: int, data: bytes, pos: int) -> int:
+        line, pos = self._take_line(data, pos, CHUNK_SIZE_LINE_MAX)
+        if line is None:
+            return pos
+        size_field = b"" if line is _TOO_LONG else line.split(b";", 1)[0].strip(b" \t\r")
+        if not _HEX.fullmatch(size_field):
+            self.lose_framing(ts, f"invalid chunk-size line in a {self.noun} body")
+            return len(data)
+        size = int(size_field, 16)
+        if size:
+            self._state = _CHUNK_DATA
+            self._remaining = size
+        else:
+            self._state = _TRAILERS
+            # The last-chunk line's LF, so that an immediate CRLF reads as the blank line.
+            self._buf[:] = b"\n"
+        return pos
+
+    def _read_chunk_data_end(self, ts: int, data: bytes, pos: int) -> int:
+        line, pos = self._take_line(data, pos, 2)
+        if line is None:
+            return pos
+        if line is _TOO_LONG or line not in (b"", b"\r"):
+            self.lose_framing(ts, f"chunk data not followed by CRLF in a {self.noun} body")
+            return len(data)
+        self._state = _CHUNK_SIZE
+        return pos
+
+    def _read_trailers(self, ts: int, data: bytes, pos: int) -> int:
+        block, pos = self._take_capped_block(ts, data, pos, "chunked trailer section")
+        if block is not None:
+            self._finish_message(ts)
+        return pos
+
+    def _take_capped_block(self, ts: int, data: bytes, pos: int, what: str):
+        """_take_block, where a block over the cap loses the framing: (block or None, new pos)."""
+        block, pos = self._take_block(data, pos)
+        if block is _TOO_LONG:
+            self.lose_framing(ts, f"{what} larger than {self._max_header_bytes} bytes")
+            return None, len(data)
+        return block, pos
+
+    def _take_block(self, data: bytes, pos: int):
+        """Collect bytes up to and including a blank line (`\\n\\r?\\n`).
+
+        Returns (block or None if more bytes are needed or _TOO_LONG, new pos).
+        Each byte is searched once: a terminator split across segments is found
+        by probing the buffered end together with the new start."""
+        buf = self._buf
+        stop = min(len(data), pos + self._max_header_bytes - len(buf))
+        end = None
+        if buf:
+            buffered_end = bytes(buf[-2:])
+            probe = buffered_end + data[pos:pos + 2]
+            match = _BLANK_LINE.search(probe)
+            if match and match.end() > len(buffered_end):
+                end = pos + match.end() - len(buffered_end)
+        if end is None:
+            match = _BLANK_LINE.search(data, pos, stop)
+            if match is None:
+                self._count(stop - pos)
+                buf += data[pos:stop]
+                if len(buf) >= self._max_header_bytes:
+                    return _TOO_LONG, len(data)
+                return None, stop
+            end = match.end()
+        self._count(end - pos)
+        if buf:
+            buf += data[pos:end]
+            block = bytes(buf)
+            buf.clear()
+        else:
+            block = data[pos:end]
+        return block, end
+
+    def _take_line(self, data: bytes, pos: int, limit: int):
+        """Collect bytes up to an LF. Returns (line without the LF, or None if more
+        bytes are needed, or _TOO_LONG past `limit` bytes; new pos)."""
+        buf = self._buf
+        stop = min(len(data), pos + limit - len(buf))
+        newline = data.find(b"\n", pos, stop)
+        if newline < 0:
+            self._count(stop - pos)
+            buf += data[pos:stop]
+            if len(buf) >= limit:
+                return _TOO_LONG, len(data)
+            return None, stop
+        self._count(newline + 1 - pos)
+        if buf:
+            buf += data[pos:newline]
+            line = bytes(buf)
+            buf.clear()
+        else:
+            line = data[pos:newline]
+        return line, newline + 1
+
+
+class RequestStream(MessageStream):
+    noun = "request"
+    _mid_stream_note = ("request stream picked up in the middle of a message; "
+                        "waiting for the next request line")
+
+    def _starts_message(self, data: bytes) -> bool:
+        if _REQUEST_LINE_AT_START.match(data, 0, self._max_header_bytes):
+            return True
+        # A segment may also end inside the request line (a client writing in pieces).
+        if len(data) >= self._max_header_bytes or b"\n" in data:
+            return False
+        prefix = _REQUEST_LINE_PREFIX.fullmatch(data)
+        if prefix is None:
+            return False
+        version = prefix[1] or b""
+        return b"HTTP/1.0\r".startswith(version) or b"HTTP/1.1\r".startswith(version)
+
+    def _may_start(self, first_byte: int) -> bool:
+        return 0x41 <= first_byte <= 0x5A  # methods are upper-case tokens
+
+    def _count(self, nbytes: int) -> None:
+        if self._txn is not None:
+            self._txn.exchange.req_bytes += nbytes
+
+    def _begin_message(self, ts: int) -> None:
+        self._txn = self._conn._open_exchange(ts)
+
+    def lose_framing(self, ts: int, reason: str) -> None:
+        # Headers cut by a gap or a cap may still hold a whole request line: keep what it says.
+        if self._state == _HEADERS and self._txn is not None:
+            line_end = self._buf.find(b"\n")
+            if line_end >= 0:
+                self._record_request_line(bytes(self._buf[:line_end]).removesuffix(b"\r"))
+        super().lose_framing(ts, reason)
+
+    def _record_request_line(self, line: bytes) -> bool:
+        match = _REQUEST_LINE.fullmatch(line)
+        if match is None:
+            return False
+        if self._txn is not None:
+            exchange = self._txn.exchange
+            exchange.method = match[1].decode("ascii")
+            exchange.path = _path_of(match[2])
+        return True
+
+    def _on_header_block(self, ts: int, block: bytes) -> tuple[int, int]:
+        tenant_header = self._conn._tenant_header
+        start_line, headers = _parse_header_block(block, first_only=tenant_header)
+        if not self._record_request_line(start_line):
+            raise FramingError("invalid HTTP/1.x request line")
+        exchange = self._txn.exchange if self._txn is not None else None
+        if exchange is not None and tenant_header in headers:
+            exchange.tenant = tenant_id(headers[tenant_header])
+        mode, length = _body_framing(headers, is_request=True)
+        if exchange is not None and mode != _NO_BODY:
+            content_type = headers.get("content-type", "").lower()
+            self._body = RequestBody(exchange, self._conn._fingerprint_key,
+                                      read_fields=not content_type or "json" in content_type)
+        return mode, length
+
+    def _on_message_end(self, ts: int, txn: Txn | None, body) -> None:
+        if txn is None:
+            return
+        txn.exchange.req_end_ns = ts
+        if body is not None:
+            body.finish()
+        txn.request_done = True
+        self._conn._settle()
+
+    def _on_framing_lost(self, ts: int, reason: str, txn: Txn | None, body,
+                         between_messages: bool) -> None:
+        # The exchange keeps its place in the response queue: the server got the
+        # whole request (the gap is only in the capture) and will answer it.
+        self._conn._set_error(f"{reason}; waiting for the next request line")
+        if txn is not None:
+            self._conn._abandon(txn, reason, request_side=True)
+
+
+class ResponseStream(MessageStream):
+    noun = "response"
+    _mid_stream_note = ("response stream picked up in the middle of a message; "
+                        "waiting for the next status line")
+
+    def __init__(self, conn: HttpConnectionAssembler, max_header_bytes: int) -> None:
+        super().__init__(conn, max_header_bytes)
+        self._awaiting_final = False  # an interim 1xx was seen: the final response follows
+
+    def _starts_message(self, data: bytes) -> bool:
+        # A segment may also be shorter than "HTTP/1." (a server writing in pieces).
+        return data.startswith(b"HTTP/1.") or b"HTTP/1.".startswith(data)
+
+    def _may_start(self, first_byte: int) -> bool:
+        return first_byte == 0x48  # the "H" of "HTTP/1."
+
+    def _count(self, nbytes: int) -> None:
+        if self._txn is not None:
+            self._txn.exchange.resp_bytes += nbytes
+
+    def _begin_message(self, ts: int) -> None:
+        if not self._awaiting_final:
+            self._txn = self._conn._claim_response(ts)
+            if self._txn is None:
+                self._conn._set_error("response without a matching request (capture started "
+                                      "mid-connection or the request was lost); skipped")
+        self._awaiting_final = False
+        if self._txn is not None:
+            self._txn.exchange.resp_start_ns = ts
+
+    def _on_header_block(self, ts: int, block: bytes) -> tuple[int, int]:
+        start_line, headers = _parse_header_block(block)
+        match = _STATUS_LINE.fullmatch(start_line)
+        if match is None:
+            raise FramingError("invalid HTTP/1.x status line")
+        status = int(match[1])
+        txn = self._txn
+        exchange = txn.exchange if txn is not None else None
+        if status == 101:
+            protocol = printable(headers.get("upgrade", "")) or "another protocol"
+            self._end_http(ts, txn, status, f"connection upgraded to {protocol}; "
+                                            "HTTP parsing stopped")
+            return _STOP, 0
+        if status < 200:
+            self._awaiting_final = True
+            return _INTERIM, 0
+        method = exchange.method if exchange is not None else ""
+        if method == "CONNECT" and status < 300:
+            self._end_http(ts, txn, status, "CONNECT tunnel established; HTTP parsing stopped")
+            return _STOP, 0
+        if exchange is not None:
+            exchange.status = status
+            self._body = response_body_reader(exchange, headers)
+        if method == "HEAD" or status in (204, 304):
+            return _NO_BODY, 0
+        return _body_framing(headers, is_request=False)
+
+    def _end_http(self, ts: int, txn: Txn | None, status: int, reason: str) -> None:
+        """The connection leaves HTTP/1.x after this response's header block."""
+        if txn is not None:
+            exchange = txn.exchange
+            exchange.status = status
+            exchange.resp_end_ns = ts
+            exchange.error = reason
+            txn.response_done = True
+        self._conn._stop(reason)
+
+    def _on_message_end(self, ts: int, txn: Txn | None, body) -> None:
+        if txn is None:
+            return
+        if body is not None:
+            body.finish()
+        txn.exchange.resp_end_ns = ts
+        txn.response_done = True
+        self._conn._settle()
+
+    def _on_framing_lost(self, ts: int, reason: str, txn: Txn | None, body,
+                         between_messages: bool) -> None:
+        self._conn._set_error(f"{reason}; waiting for the next status line")
+        self._awaiting_final = False
+        if body is not None:
+            body.finish()
+        if txn is None and between_messages:
+            # The lost bytes began the next response: it answers the oldest waiting request.
+            txn = self._conn._claim_response(ts)
+        if txn is not None:
+            self._conn._abandon(txn, reason, request_side=False)
+
+    def end_of_stream(self, *, server_closed: bool) -> None:
+        """The connection closed: a close-delimited body is complete if the server
+        closed; any other response in progress stops where it is."""
+        if self._state == _BODY_UNTIL_CLOSE and server_closed:
+            self._finish_message(self.last_ts)
+        elif self._body is not None:
+            self._body.finish()
+        self.stop()
+
+
+def _parse_header_block(block: bytes, first_only: str | None = None) -> tuple[bytes, dict[str, str]]:
+    """The start line and the header fields that matter here (lower-case names;
+    repeated fields joined with commas), plus the field named `first_only`, whose
+    first occurrence alone is kept. Raises FramingError on malformed lines."""
+    lines = block.split(b"\n")
+    headers: dict[str, str] = {}
+    for raw in lines[1:]:
+        line = raw.removesuffix(b"\r")
+        if not line or line[0] in (0x20, 0x09):  # the closing blank line; obs-fold (unsupported)
+            continue
+        name, colon, value = line.partition(b":")
+        if not colon or not _TOKEN.fullmatch(name):
+            raise FramingError("malformed header field line")
+        key = name.decode("ascii").lower()
+        if key in FRAMING_HEADERS:
+            text = value.strip(b" \t").decode("latin-1")
+            headers[key] = f"{headers[key]},{text}" if key in headers else text
+        elif key == first_only and key not in headers:
+            headers[key] = value.strip(b" \t").decode("latin-1")
+    return lines[0].removesuffix(b"\r"), headers
+
+
+def _body_framing(headers: dict[str, str], *, is_request: bool) -> tuple[int, int]:
+    """How a message body is delimited (RFC 9112, section 6.3)."""
+    transfer_encoding = headers.get("transfer-encoding")
+    if transfer_encoding is not None:
+        if transfer_encoding.rsplit(",", 1)[-1].strip().lower() == "chunked":
+            return _CHUNKED, 0
+        if is_request:
+            raise FramingError("request Transfer-Encoding does not end in chunked")
+        return _UNTIL_CLOSE, 0
+    content_length = headers.get("content-length")
+    if content_length is not None:
+        values = {value.strip() for value in content_length.split(",")}
+        if len(values) != 1:
+            raise FramingError("conflicting Content-Length values")
+        value = values.pop()
+        if not _DIGITS.fullmatch(value):
+            raise FramingError("invalid Content-Length")
+        return _LENGTH, int(value)
+    return (_NO_BODY, 0) if is_request else (_UNTIL_CLOSE, 0)
+
+
+def _path_of(target: bytes) -> str:
+    return target.split(b"?", 1)[0].split(b"#", 1)[0].decode("utf-8", "replace")
+
+
+def response_body_reader(exchange: Exchange, headers: dict[str, str]):
+    """The reader of a response body, or None when its content is not read. The
+    API dialect is chosen here, once per response: by the request path when it
+    names one, else by the readers from the first event or the body itself."""
+    dialect = dialects.for_path(exchange.path)
+    if dialect is not None:
+        exchange.api = dialect.name
+    content_type = headers.get("content-type", "").lower()
+    event_stream = content_type.startswith("text/event-stream")
+    ndjson = content_type.startswith("application/x-ndjson")  # Ollama: one JSON object a line
+    exchange.streamed = event_stream or ndjson
+    encoding = headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        exchange.error = f"response body is {printable(encoding)}-encoded; its content was not read"
+        return None
+    if event_stream:
+        return SseBody(exchange, dialect)
+    if ndjson:
+        return NdjsonBody(exchange, dialect)
+    if not content_type or "json" in content_type:
+        return JsonBody(exchange, dialect)
+    return None

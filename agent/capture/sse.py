@@ -1,0 +1,203 @@
+"""Event streams over the de-chunked response body: SSE and NDJSON, each event timestamped.
+
+Both are line framings: lines end in CRLF, LF or CR, and a line may span any
+number of segments. SSE (text/event-stream) gathers an event's `data:` lines
+(joined with LF) until a blank line; NDJSON (application/x-ndjson) makes each
+non-blank line an event. An event's time is that of the segment holding the end
+of the line that completes it. Each event is handed to the response's dialect,
+chosen once: from the path, else from the first event that parses.
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import dialects
+from .byte_samples import HeadTailSample
+from .exchange import Exchange
+from .json_scan import json_object
+
+__all__ = ["NdjsonBody", "SseBody"]
+
+# Events up to this size are parsed with json.loads; larger ones (and events
+# damaged by a capture gap) are read with regexes over their head and tail.
+SSE_EVENT_JSON_MAX = 65536
+SSE_EVENT_TAIL = 4096
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+class _LineEvents:
+    """Line splitting across pieces and gaps, and the dispatch of events to the dialect."""
+
+    __slots__ = ("_exchange", "_dialect", "_line", "_cr_ts", "_gap_bytes")
+
+    def __init__(self, exchange: Exchange, dialect: dialects.Dialect | None) -> None:
+        self._exchange = exchange
+        self._dialect = dialect  # None until the first event names one
+        self._line = HeadTailSample(SSE_EVENT_JSON_MAX, SSE_EVENT_TAIL)  # a line split across pieces
+        self._cr_ts: int | None = None  # a piece ended in CR: it may be the first half of CRLF
+        self._gap_bytes = 0
+
+    # Hooks for the framings.
+    def _whole_line(self, ts: int, line: bytes) -> None:
+        raise NotImplementedError
+
+    def _cut_line(self, ts: int, line: HeadTailSample) -> None:
+        """A line too long to keep whole, or cut by a capture gap."""
+        raise NotImplementedError
+
+    def data(self, ts: int, chunk) -> None:
+        data = bytes(chunk)
+        end = len(data)
+        pos = 0
+        if self._cr_ts is not None:
+            cr_ts, self._cr_ts = self._cr_ts, None
+            if data[:1] == b"\n":
+                pos = 1
+                self._end_line(ts, b"")
+            else:
+                self._end_line(cr_ts, b"")
+        for match in _LINE_END.finditer(data, pos):
+            start, stop = match.span()
+            if stop == end and stop - start == 1 and data[start] == 0x0D:
+                self._line.add(data[pos:start])
+                self._cr_ts = ts
+                return
+            self._end_line(ts, data[pos:start])
+            pos = stop
+        if pos < end:
+            self._line.add(data[pos:])
+
+    def gap(self, ts: int, nbytes: int) -> None:
+        self._flush_cr()
+        self._line.add_gap(nbytes)
+        self._gap_bytes += nbytes
+        self._exchange.error = (f"{self._gap_bytes} bytes of the event stream were not captured; "
+                                "events inside them were not counted")
+
+    def finish(self) -> None:
+        # An event without its closing line end is incomplete and is not dispatched.
+        self._flush_cr()
+        exchange = self._exchange
+        if not exchange.api:
+            exchange.api = dialects.UNKNOWN.name
+        if exchange.api == dialects.UNKNOWN.name and exchange.sse_events and not exchange.choice_events:
+            exchange.error = exchange.error or (
+                f"event stream in no known API shape ({exchange.sse_events} events); "
+                "no output counted")
+
+    def _flush_cr(self) -> None:
+        if self._cr_ts is not None:
+            cr_ts, self._cr_ts = self._cr_ts, None
+            self._end_line(cr_ts, b"")
+
+    def _end_line(self, ts: int, rest: bytes) -> None:
+        pending = self._line
+        if pending.length:  # the line began in an earlier piece
+            pending.add(rest)
+            line = pending.whole()
+            if line is None:
+                self._cut_line(ts, pending)
+                pending.reset()
+                return
+            pending.reset()
+        else:
+            line = rest
+        self._whole_line(ts, line)
+
+    def _event(self, ts: int, payload: bytes) -> None:
+        """A whole event's payload."""
+        obj = json_object(payload)
+        if obj is None:
+            self._partial_event(ts, payload, b"")
+            return
+        dialect = self._dialect
+        if dialect is None:
+            dialect = self._dialect = dialects.sniff(obj) or dialects.UNKNOWN
+            self._exchange.api = dialect.name
+        dialect.event(self._exchange, obj, ts)
+
+    def _partial_event(self, ts: int, head: bytes, tail: bytes) -> None:
+        """An event too large for json.loads, cut by a gap, or not valid JSON."""
+        if (tail or head).rstrip().endswith(b"[DONE]"):
+            self._exchange.done_seen = True
+        # Before any event named the dialect, read it as OpenAI's, the commonest.
+        (self._dialect or dialects.OPENAI_CHAT).partial(self._exchange, head, tail, ts)
+
+
+class SseBody(_LineEvents):
+    """text/event-stream: `data:` lines joined with LF; a blank line ends an event;
+    comments and other fields (`event:` names repeat the data's `type`) are ignored."""
+
+    __slots__ = ("_event_data", "_event_has_data")
+
+    def __init__(self, exchange: Exchange, dialect: dialects.Dialect | None) -> None:
+        super().__init__(exchange, dialect)
+        self._event_data = HeadTailSample(SSE_EVENT_JSON_MAX, SSE_EVENT_TAIL)
+        self._event_has_data = False
+
+    def _whole_line(self, ts: int, line: bytes) -> None:
+        if not line:
+            self._dispatch(ts)
+        elif line.startswith(b"data"):
+            if len(line) == 4:
+                self._add_data(b"")
+            elif line[4] == 0x3A:  # "data:"
+                self._add_data(line[6:] if line[5:6] == b" " else line[5:])
+        # Comments (":...") and other fields carry nothing recorded here.
+
+    def _add_data(self, value: bytes) -> None:
+        if self._event_has_data:
+            self._event_data.add(b"\n")
+        self._event_data.add(value)
+        self._event_has_data = True
+
+    def _cut_line(self, ts: int, line: HeadTailSample) -> None:
+        """Its kept head and tail join the event, which is then read with the regex fallback."""
+        head, tail = bytes(line.head), bytes(line.tail)
+        if head.startswith(b"data:"):
+            value_head = head[6:] if head[5:6] == b" " else head[5:]
+        elif b"data:".startswith(head):  # empty or too short to tell: may be a data line
+            value_head = b""
+        else:
+            return
+        event = self._event_data
+        if self._event_has_data:
+            event.add(b"\n")
+        event.add(value_head)
+        # Mark the middle that was not kept (at least one byte, so the event is never "whole").
+        event.add_gap(max(1, line.length - len(head) - len(tail)))
+        event.add(tail)
+        self._event_has_data = True
+
+    def _dispatch(self, ts: int) -> None:
+        if not self._event_has_data:  # a blank line after comments only: no event
+            return
+        exchange = self._exchange
+        exchange.sse_events += 1
+        event = self._event_data
+        payload = event.whole()
+        if payload is None:
+            self._partial_event(ts, bytes(event.head), bytes(event.tail))
+        elif payload.strip() == b"[DONE]":
+            exchange.done_seen = True
+        else:
+            self._event(ts, payload)
+        event.reset()
+        self._event_has_data = False
+
+
+class NdjsonBody(_LineEvents):
+    """application/x-ndjson: every non-blank line is one JSON event."""
+
+    __slots__ = ()
+
+    def _whole_line(self, ts: int, line: bytes) -> None:
+        if line.strip():
+            self._exchange.sse_events += 1
+            self._event(ts, line)
+
+    def _cut_line(self, ts: int, line: HeadTailSample) -> None:
+        self._exchange.sse_events += 1
+        self._partial_event(ts, bytes(line.head), bytes(line.tail))
