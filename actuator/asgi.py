@@ -17,14 +17,15 @@ import asyncio
 import json
 
 from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER, tenant_id
+from tokenprobe.contract.routes import is_inference_request
 from tokenprobe.actuator.gateway import (
     DEFAULT_COMPLETION_TOKENS,
     GatewayGuard,
     estimate_request,
     rejection_response,
 )
+from tokenprobe.actuator.target import BadTarget, canonical_scope
 
-COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # A JSON response bigger than this is passed through without reading its usage.
 MAX_JSON_RESPONSE_BYTES = 4 * 1024 * 1024
@@ -40,7 +41,6 @@ class ActuatorMiddleware:
         upstream: str,
         tenant_header: str = DEFAULT_TENANT_HEADER,
         default_tenant: str = "",
-        paths: frozenset[str] = COMPLETION_PATHS,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         default_completion_tokens: int = DEFAULT_COMPLETION_TOKENS,
     ):
@@ -49,12 +49,21 @@ class ActuatorMiddleware:
         self._upstream = upstream
         self._tenant_header = tenant_header.lower().encode("latin-1")
         self._default_tenant = default_tenant
-        self._paths = paths
         self._max_body_bytes = max_body_bytes
         self._default_completion_tokens = default_completion_tokens
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self._paths:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        # Decide on the canonical path and hand the same one on, so the app
+        # forwards exactly the request that was judged.
+        try:
+            scope = canonical_scope(scope)
+        except BadTarget as error:
+            await send_error(send, 400, str(error))
+            return
+        if not is_inference_request(scope["method"], scope["path"]):
             await self._app(scope, receive, send)
             return
         received, body = await _read_body(receive, self._max_body_bytes)
@@ -79,6 +88,14 @@ class ActuatorMiddleware:
             if name.lower() == self._tenant_header:
                 return tenant_id(value.decode("latin-1"))
         return self._default_tenant
+
+
+async def send_error(send, status: int, message: str) -> None:
+    """Answer a request with an OpenAI-style error of the gateway's own."""
+    body = json.dumps({"error": {"message": message, "type": "gateway_error", "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _read_body(receive, limit: int) -> tuple[list[dict], bytes]:

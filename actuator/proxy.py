@@ -14,29 +14,34 @@ headers dropped, and 502 when the upstream cannot be reached.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import httpx
 import uvicorn
 
-from tokenprobe.actuator.asgi import DEFAULT_MAX_BODY_BYTES, ActuatorMiddleware
+from tokenprobe.actuator.asgi import DEFAULT_MAX_BODY_BYTES, ActuatorMiddleware, send_error
 from tokenprobe.actuator.auth import ClientAuth
 from tokenprobe.actuator.gateway import DEFAULT_DEADLINE_S, GatewayGuard
+from tokenprobe.actuator.target import BadTarget, canonical_path, canonical_scope
 from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
 
 # Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus
-# the ones the HTTP libraries set again on each side.
+# the ones the HTTP libraries set again on each side. Those a message's own
+# Connection header names are hop-by-hop too.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-                        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+                        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+                        b"proxy-connection"})
 DEFAULT_TIMEOUT_S = 120.0
 
 
 class ReverseProxy:
     def __init__(self, upstream_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_connections: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self._upstream_url = upstream_url.rstrip("/")
+        self._upstream_url = httpx.URL(upstream_url)
+        # The base path is canonical too, and the request's path is appended to
+        # it whole: a canonical path has no `..` to climb out of it with.
+        self._base_path = canonical_path(self._upstream_url.raw_path.split(b"?")[0]).rstrip("/").encode("ascii")
         self._timeout = httpx.Timeout(timeout_s)
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._max_body_bytes = max_body_bytes
@@ -49,25 +54,32 @@ class ReverseProxy:
             return
         if scope["type"] != "http":
             return  # websockets are not proxied: uvicorn closes them
+        try:
+            scope = canonical_scope(scope)
+        except BadTarget as error:
+            await send_error(send, 400, str(error))
+            return
         body = await _read_body(receive, self._max_body_bytes)
         if body is None:
-            await _error(send, 413, "request body too large")
+            await send_error(send, 413, "request body too large")
             return
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
-        url = self._upstream_url + scope["path"]
+        target = self._base_path + scope["raw_path"]
         if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
-        headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() not in HOP_BY_HOP]
-        request = self._client.build_request(scope["method"], url, headers=headers, content=body)
+            target += b"?" + scope["query_string"]
+        # The path goes out as decided on: set raw, never re-parsed from a string.
+        url = self._upstream_url.copy_with(raw_path=target)
+        request = self._client.build_request(scope["method"], url, headers=end_to_end(scope.get("headers", ())),
+                                             content=body)
         try:
             response = await self._client.send(request, stream=True)
         except httpx.HTTPError as error:
-            await _error(send, 502, f"upstream unreachable: {type(error).__name__}")
+            await send_error(send, 502, f"upstream unreachable: {type(error).__name__}")
             return
         try:
             await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]})
+                        "headers": end_to_end(response.headers.raw)})
             # Raw bytes: the body goes out exactly as it came, content-encoding included.
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -104,11 +116,11 @@ async def _read_body(receive, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
-async def _error(send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "gateway_error", "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+def end_to_end(headers) -> list[tuple[bytes, bytes]]:
+    """The headers to forward: all but the hop-by-hop ones and those the Connection header names."""
+    named = {token.strip().lower() for name, value in headers if name.lower() == b"connection"
+             for token in value.split(b",")}
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() not in named]
 
 
 def gateway_app(upstream_url: str, guard: GatewayGuard, *, upstream: str,

@@ -1,0 +1,1 @@
+"""Definitions every room shares; this package imports nothing of the project."""
