@@ -14,15 +14,17 @@ headers dropped, and 502 when the upstream cannot be reached.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
 import httpx
+import prometheus_client
 import uvicorn
 
 from tokenprobe.actuator.asgi import DEFAULT_MAX_BODY_BYTES, ActuatorMiddleware, send_error
 from tokenprobe.actuator.auth import ClientAuth
-from tokenprobe.actuator.gateway import DEFAULT_DEADLINE_S, GatewayGuard
+from tokenprobe.actuator.gateway import DEFAULT_CONTEXT_TOKENS, DEFAULT_DEADLINE_S, GatewayGuard
 from tokenprobe.actuator.target import BadTarget, canonical_path, canonical_scope
 from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
 
@@ -123,10 +125,12 @@ def end_to_end(headers) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() not in named]
 
 
-def gateway_app(upstream_url: str, guard: GatewayGuard, *, upstream: str,
-                tenant_header: str = DEFAULT_TENANT_HEADER) -> ActuatorMiddleware:
+def gateway_app(upstream_url: str, guard: GatewayGuard, *, upstream: str, tenant_header: str = DEFAULT_TENANT_HEADER,
+                trust_tenant_header: bool = False,
+                context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> ActuatorMiddleware:
     """A gateway: the reverse proxy to `upstream_url` behind the actuator hook for `upstream`."""
-    return ActuatorMiddleware(ReverseProxy(upstream_url), guard, upstream=upstream, tenant_header=tenant_header)
+    return ActuatorMiddleware(ReverseProxy(upstream_url), guard, upstream=upstream, tenant_header=tenant_header,
+                              trust_tenant_header=trust_tenant_header, context_tokens=context_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,21 +145,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--actuator", required=True, help="the actuator's host:port")
     parser.add_argument("--token-file", type=Path, required=True, help="file holding a bearer token for the actuator")
     parser.add_argument("--tenant-header", default=DEFAULT_TENANT_HEADER,
-                        help="request header naming the tenant (default %(default)s, as the agent reads it)")
+                        help="request header the gateway sets to the tenant it charged, for the agent to read "
+                             "(default %(default)s, as the agent reads it)")
+    parser.add_argument("--trust-tenant-header", action="store_true",
+                        help="take the tenant from the client's --tenant-header, for clients behind a proxy that "
+                             "sets it; by default the tenant is a hash of the client's API key, so no client can "
+                             "spend another's budget")
+    parser.add_argument("--context-tokens", type=_positive_int, default=DEFAULT_CONTEXT_TOKENS,
+                        help="the longest context the server takes; caps each request's token estimate "
+                             "(default %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     parser.add_argument("--port", type=int, required=True, help="port to listen on")
     parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
                         help="seconds to wait for the actuator before admitting the request (default %(default)s)")
+    parser.add_argument("--metrics-port", type=int,
+                        help="serve the gateway's own Prometheus /metrics on this port (on --host), e.g. "
+                             "tokenprobe_gateway_fail_open_total{reason}")
     args = parser.parse_args(argv)
     try:
         token = args.token_file.read_text().strip()
     except OSError as error:
         print(f"gateway: cannot read the token file: {error}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     guard = GatewayGuard(args.actuator, ClientAuth(bearer_token=token), deadline_s=args.deadline)
-    app = gateway_app(args.upstream_url, guard, upstream=args.upstream, tenant_header=args.tenant_header)
+    if args.metrics_port is not None:
+        # Its own port: the upstream's /metrics stays reachable through the gateway.
+        prometheus_client.start_http_server(args.metrics_port, addr=args.host, registry=guard.metrics)
+    app = gateway_app(args.upstream_url, guard, upstream=args.upstream, tenant_header=args.tenant_header,
+                      trust_tenant_header=args.trust_tenant_header, context_tokens=args.context_tokens)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 if __name__ == "__main__":

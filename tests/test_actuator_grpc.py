@@ -88,7 +88,7 @@ def test_apply_check_and_get_state(stub):
 
 def test_budget_check_and_settle(stub):
     upstream = unique_upstream()
-    apply(stub, budget(upstream, "acme", rate=1.0, burst=1000.0))
+    apply(stub, budget(upstream, "acme", rate=1.0, burst=1000.0, ttl=600.0))
     admitted = check(stub, upstream, tokens=900)
     assert admitted.verdict == pb.VERDICT_ALLOW and admitted.reservation_id
     over = check(stub, upstream, tokens=500)
@@ -265,7 +265,7 @@ def rate_limit(channel, domain: str, *descriptors, hits_addend: int = 0, token: 
 
 def test_envoy_rate_limit_counts_tokens_in_the_same_buckets(stub, channel):
     upstream = unique_upstream()
-    apply(stub, budget(upstream, "acme", rate=1.0, burst=1000.0))
+    apply(stub, budget(upstream, "acme", rate=1.0, burst=1000.0, ttl=600.0))
     tenant = {"upstream": upstream, "tenant": "acme"}
     ok = rate_limit(channel, "tokenprobe", (tenant, 600))
     assert ok.overall_code == rls_pb2.RateLimitResponse.OK

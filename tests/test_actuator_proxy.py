@@ -3,6 +3,7 @@ real reference server, enforcing a real actuator's decisions over gRPC."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -15,13 +16,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.actuator_support import TOKEN, apply, breaker, unique_upstream
+from tests.actuator_support import TOKEN, apply, breaker, budget, tokens_available, unique_upstream
 from tests.kernel_harness import reference_server
-from tests.support import free_port, wait_for_port
+from tests.support import free_port, wait_for_port, wait_until
 from tokenprobe.actuator.auth import ServerAuth
 from tokenprobe.actuator.decisions import BreakerState
 from tokenprobe.actuator.engine import Enforcer
 from tokenprobe.actuator.server import ActuatorServer
+from tokenprobe.actuator.tenant import DEFAULT_TENANT, tenant_of_key
 from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
 from tokenprobe.refserver.loadgen import LoadConfig, burst
 
@@ -202,3 +204,47 @@ def test_ambiguous_framing_is_refused_and_hop_by_hop_headers_stay_on_their_hop(t
     received = recording_upstream.requests[0][2]
     assert not {"x-client-hop", "keep-alive", "proxy-connection"} & received.keys(), received
     assert b"x-upstream-hop" not in head.lower()
+
+
+def chat_body(max_tokens) -> bytes:
+    return b'{"model": "m", "prompt": "hi", "max_tokens": %s}' % str(max_tokens).encode()
+
+
+def test_a_client_cannot_spend_another_tenants_budget_or_escape_its_own(tmp_path, actuator, recording_upstream):
+    server, stub = actuator
+    upstream = unique_upstream()
+    victim = tenant_of_key("sk-victim-0123456789")
+    with gateway(tmp_path, f"http://127.0.0.1:{recording_upstream.port}", upstream,
+                 f"127.0.0.1:{server.port}") as port:
+        apply(stub, budget(upstream, victim, rate=0.001, burst=1000.0))
+        apply(stub, budget(upstream, DEFAULT_TENANT, rate=0.001, burst=1000.0))
+        body = chat_body(900)
+        # The attacker names the victim in the tenant header, with its own key, then with none.
+        spoofed = raw_request(port, "/v1/chat/completions", body=body, headers=(
+            f"Content-Length: {len(body)}", f"X-Tenant-Id: {victim}", "Authorization: Bearer sk-attacker-0123"))
+        anonymous = [raw_request(port, "/v1/chat/completions", body=body, headers=(
+            f"Content-Length: {len(body)}", f"X-Tenant-Id: {victim}"))[0] for _ in range(2)]
+        wait_until(lambda: tokens_available(stub, upstream, DEFAULT_TENANT) > 100)  # settled at 2 tokens
+        assert tokens_available(stub, upstream, victim) == pytest.approx(1000.0, abs=1)
+    assert spoofed[0] == 200 and anonymous == [200, 200]
+    # The agent at the server reads the tenant the gateway charged, not the one the client named.
+    assert [headers["x-tenant-id"] for _, _, headers in recording_upstream.requests] == [
+        tenant_of_key("sk-attacker-0123"), DEFAULT_TENANT, DEFAULT_TENANT]
+
+
+def test_nonsense_sizes_are_400_and_huge_ones_cannot_push_retry_after_past_the_decision(tmp_path, actuator,
+                                                                                       recording_upstream):
+    server, stub = actuator
+    upstream = unique_upstream()
+    with gateway(tmp_path, f"http://127.0.0.1:{recording_upstream.port}", upstream,
+                 f"127.0.0.1:{server.port}") as port:
+        refused = {value: raw_request(port, "/v1/chat/completions", body=chat_body(value))[0]
+                   for value in ("-1", "1.5", '"100"', "1e30", "18446744073709551616", "NaN", "true")}
+        assert recording_upstream.requests == []
+        apply(stub, budget(upstream, DEFAULT_TENANT, rate=0.001, burst=1000.0, ttl=30.0))
+        # Far beyond any context: charged as one context's worth, which the bucket can owe.
+        assert raw_request(port, "/v1/chat/completions", body=chat_body(2 ** 63))[0] == 200
+        status, head = raw_request(port, "/v1/chat/completions", body=chat_body(2 ** 63))
+    assert set(refused.values()) == {400}, refused
+    retry_after = int(re.search(rb"(?im)^retry-after: *(\d+)", head).group(1))
+    assert status == 429 and 1 <= retry_after <= 30
