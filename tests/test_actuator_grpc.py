@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
@@ -349,6 +350,21 @@ def test_watching_gateway_picks_up_new_decisions(server, stub):
         assert watcher.check(upstream, "small", "acme", 1).allowed
         apply(stub, breaker(upstream, BreakerState.OPEN, cooldown_s=30.0, probe_share=0.1))
         wait_until(lambda: not watcher.check(upstream, "small", "acme", 1).allowed)
+
+
+def test_hundreds_of_watching_gateways_are_served_and_checks_still_answer():
+    upstream = unique_upstream()
+    with ActuatorServer(ServerAuth(bearer_tokens=frozenset({TOKEN}))) as running, \
+            grpc.insecure_channel(f"127.0.0.1:{running.port}") as opened, ExitStack() as watchers:
+        direct = pb_grpc.ActuatorStub(opened)
+        guards = [watchers.enter_context(GatewayGuard(f"127.0.0.1:{running.port}", ClientAuth(bearer_token=TOKEN),
+                                                      watch=True)) for _ in range(200)]
+        assert all(guard.wait_synced(WAIT_S) for guard in guards)
+        started = time.monotonic()
+        assert check(direct, upstream).verdict == pb.VERDICT_ALLOW
+        assert time.monotonic() - started < 1.0  # the watchers hold no thread Check needs
+        apply(direct, breaker(upstream, BreakerState.OPEN, cooldown_s=30.0, probe_share=0.1))
+        wait_until(lambda: not any(guard.check(upstream, "small", "acme", 1).allowed for guard in guards))
 
 
 def test_watching_gateway_with_no_actuator_allows_everything():

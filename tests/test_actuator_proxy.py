@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,13 +30,14 @@ from tokenprobe.refserver.loadgen import LoadConfig, burst
 
 
 @contextmanager
-def gateway(tmp: Path, upstream_url: str, upstream: str, actuator: str) -> Iterator[int]:
+def gateway(tmp: Path, upstream_url: str, upstream: str, actuator: str, *options: str, token: str = TOKEN,
+            log=None) -> Iterator[int]:
     token_file = tmp / "token"
-    token_file.write_text(TOKEN)
+    token_file.write_text(token)
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "tokenprobe.actuator.proxy", "--upstream-url", upstream_url,
                                 "--upstream", upstream, "--actuator", actuator, "--token-file", str(token_file),
-                                "--port", str(port), "--deadline", "5.0"])
+                                "--port", str(port), "--deadline", "5.0", *options], stderr=log)
     try:
         wait_for_port(port)
         yield port
@@ -248,3 +250,36 @@ def test_nonsense_sizes_are_400_and_huge_ones_cannot_push_retry_after_past_the_d
     assert set(refused.values()) == {400}, refused
     retry_after = int(re.search(rb"(?im)^retry-after: *(\d+)", head).group(1))
     assert status == 429 and 1 <= retry_after <= 30
+
+
+# --------------------------------------------------------------------------- failing open, visibly
+
+
+def fail_open_counts(metrics_port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {match[0]: float(match[1])
+            for match in re.findall(r'^tokenprobe_gateway_fail_open_total\{reason="(\w+)"\} (\S+)$', text, re.M)}
+
+
+@pytest.mark.parametrize("lost", ["actuator down", "credentials refused"])
+def test_failing_open_is_counted_per_request_and_logged_once_per_episode(tmp_path, actuator, recording_upstream,
+                                                                           lost):
+    server, _ = actuator
+    metrics_port = free_port()
+    address = f"127.0.0.1:{free_port() if lost == 'actuator down' else server.port}"
+    token = TOKEN if lost == "actuator down" else "not-the-actuators-token-0123"
+    log_path = tmp_path / "gateway.log"
+    with open(log_path, "wb") as log, gateway(tmp_path, f"http://127.0.0.1:{recording_upstream.port}",
+                                               unique_upstream(), address, "--metrics-port", str(metrics_port),
+                                               token=token, log=log) as port:
+        statuses = [raw_request(port, "/v1/chat/completions")[0] for _ in range(5)]
+        counts = fail_open_counts(metrics_port)
+    lines = log_path.read_text().splitlines()
+    assert statuses == [200] * 5
+    if lost == "actuator down":
+        assert counts == {"unavailable": 5.0}
+        assert sum("did not answer (unavailable)" in line for line in lines) == 1, lines
+    else:
+        # Not an outage: the gateway is misconfigured, and says so as an error.
+        assert counts == {"unauthenticated": 5.0}
+        assert sum(" ERROR " in line and "configuration error" in line for line in lines) == 1, lines
