@@ -20,6 +20,14 @@ server-side sessions (``session_id`` is ignored) and no external data.
 Clients authenticate with the token the owner published, sent as the password
 (basic auth, ``X-ClickHouse-Key``, the ``password`` parameter) or as a bearer
 token. Anyone holding the token has the owner's rights over the store.
+
+The owner is the agent, so nothing a client sends may cost it unbounded
+memory or threads: a request is authenticated from its head before any of
+its body is read; Content-Length and chunk sizes are plain non-negative
+numbers (else 400) within ``max_body_bytes`` (else 413), and so is a body
+once decompressed (a gzip or zstd bomb stops at the limit); at most
+``max_connections`` connections are served at once (the next is answered 503
+at once), and a connection that sends nothing for ``read_timeout_s`` is closed.
 """
 
 from __future__ import annotations
@@ -52,19 +60,27 @@ logger = logging.getLogger(__name__)
 _BAD_ARGUMENTS = 36
 _UNKNOWN_COMPRESSION_METHOD = 89
 _ABORTED = 236
+_TOO_LARGE = 307  # TOO_MANY_BYTES
 _AUTHENTICATION_FAILED = 516
 _ERROR_NAMES = {
     _BAD_ARGUMENTS: "BAD_ARGUMENTS",
     _UNKNOWN_COMPRESSION_METHOD: "UNKNOWN_COMPRESSION_METHOD",
     _ABORTED: "ABORTED",
+    _TOO_LARGE: "TOO_MANY_BYTES",
     _AUTHENTICATION_FAILED: "AUTHENTICATION_FAILED",
 }
+_BAD_REQUEST = HTTPStatus.BAD_REQUEST
 # Code 1001 (STD_EXCEPTION) is what ClickHouse reports when an error has no code of its own.
 _UNKNOWN_ERROR_CODE = 1001
 
-# A batch insert of 100k wide rows is tens of MiB; this cap only stops a
-# runaway client from exhausting the owner's memory.
-MAX_BODY_BYTES = 1 << 30
+# A batch insert of 100k wide rows is tens of MiB; this cap, on a body as sent
+# and once decompressed, stops a client from exhausting the owner's memory.
+MAX_BODY_BYTES = 256 << 20
+MAX_CONNECTIONS = 64
+READ_TIMEOUT_S = 30.0
+_TOO_MANY_SIMULTANEOUS_QUERIES = 202
+_CONTENT_LENGTH = re.compile(rb"^[0-9]{1,19}$")
+_CHUNK_SIZE = re.compile(rb"^[0-9A-Fa-f]{1,16}$")
 
 # Parameters that steer the HTTP exchange itself, never the engine.
 _TRANSPORT_PARAMETERS = frozenset(
@@ -157,34 +173,61 @@ def _content_type(fmt: str) -> str:
     return "application/octet-stream"
 
 
-def _decompress(body: bytes, encoding: str) -> bytes:
-    """Undo a request's Content-Encoding, as ClickHouse does for compressed inserts."""
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """Undo a request's Content-Encoding, as ClickHouse does for compressed inserts, to at most `limit` bytes."""
     encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
     try:
-        if encoding in ("", "identity"):
-            return body
         if encoding == "gzip":
-            return gzip.decompress(body)
+            return _bounded_decompress(body, lambda: zlib.decompressobj(16 + zlib.MAX_WBITS), limit)
         if encoding == "deflate":
-            return zlib.decompress(body)
+            return _bounded_decompress(body, zlib.decompressobj, limit)
         if encoding == "lz4":
             # lz4 and backports.zstd ship with clickhouse-connect, the client that sends them.
             import lz4.frame
 
-            return lz4.frame.decompress(body)
+            return _bounded_decompress(body, lz4.frame.LZ4FrameDecompressor, limit)
         if encoding == "zstd":
             from backports import zstd
 
-            return zstd.decompress(body)
+            return _bounded_decompress(body, zstd.ZstdDecompressor, limit)
     except ImportError as error:
         raise ClickHouseHTTPError(
             _UNKNOWN_COMPRESSION_METHOD, f"Content-Encoding {encoding} needs the missing module {error.name}"
         ) from None
+    except ClickHouseHTTPError:
+        raise
     except Exception as error:  # each codec raises its own error type for corrupt input
         raise ClickHouseHTTPError(
-            _BAD_ARGUMENTS, f"Cannot decompress the {encoding} request body: {error}"
+            _BAD_ARGUMENTS, f"Cannot decompress the {encoding} request body: {error}", _BAD_REQUEST
         ) from None
     raise ClickHouseHTTPError(_UNKNOWN_COMPRESSION_METHOD, f"Unsupported Content-Encoding {encoding!r}")
+
+
+def _bounded_decompress(body: bytes, new_decompressor, limit: int) -> bytes:
+    """Decompress every frame (gzip member) of `body`, refusing to produce more than `limit` bytes.
+
+    Each codec's incremental decompressor takes a `max_length`, so a bomb is
+    stopped after `limit` bytes of output instead of after all of it.
+    """
+    output, size, data = [], 0, body
+    while data:
+        decompressor = new_decompressor()
+        chunk = decompressor.decompress(data, limit + 1 - size)
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit, "once decompressed")
+        if not decompressor.eof:
+            raise ValueError("truncated input")
+        output.append(chunk)
+        data = decompressor.unused_data
+    return b"".join(output)
+
+
+def _too_large(limit: int, what: str = "") -> ClickHouseHTTPError:
+    return ClickHouseHTTPError(_TOO_LARGE, f"Request body over {limit} bytes {what}".rstrip(),
+                               HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
 
 
 def _form_fields(content_type: str, body: bytes) -> dict[str, str]:
@@ -217,17 +260,21 @@ class StoreServer:
     must never be the one to (re)start it.
     """
 
-    def __init__(self, engine_path: str, token: str, *, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, engine_path: str, token: str, *, host: str = "127.0.0.1", port: int = 0,
+                 max_body_bytes: int = MAX_BODY_BYTES, max_connections: int = MAX_CONNECTIONS,
+                 read_timeout_s: float = READ_TIMEOUT_S):
         if not token:
             raise ValueError("StoreServer needs a non-empty token")
         self._engine_path = os.path.realpath(engine_path)
         self._token = token.encode()
+        self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s
         self._display_name = socket.gethostname()
         self._closed = False
         self._inflight = 0
         self._inflight_changed = threading.Condition()
         self._timezone, self._setting_names = self._engine_facts()
-        self._httpd = ThreadingHTTPServer((host, port), _StoreRequestHandler)
+        self._httpd = _BoundedHTTPServer((host, port), _StoreRequestHandler, max_connections)
         self._httpd.store_server = self  # type: ignore[attr-defined]
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="tokenprobe-store-server", daemon=True)
@@ -376,12 +423,14 @@ class StoreServer:
 class _StoreRequestHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as clickhouse-connect's connection pool expects
     server_version = "tokenprobe-store"
-    # An idle keep-alive connection must not pin a thread forever.
-    timeout = 300
-
     @property
     def _store(self) -> StoreServer:
         return self.server.store_server  # type: ignore[attr-defined]
+
+    def setup(self) -> None:
+        # An idle or stalled connection must not pin one of the few workers.
+        self.timeout = self._store.read_timeout_s
+        super().setup()
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._handle()
@@ -398,13 +447,19 @@ class _StoreRequestHandler(BaseHTTPRequestHandler):
         params = dict(parse_qsl(url.query, keep_blank_values=True))
         query_id = params.get("query_id") or str(uuid.uuid4())
         try:
-            body = self._read_body()
+            # Nothing of the body is read before the head is judged: an answer
+            # given first closes the connection, with the body unread.
+            body_announced = "Transfer-Encoding" in self.headers or \
+                self.headers.get("Content-Length", "").strip() not in ("", "0")
+            self.close_connection = body_announced or not self._keep_alive_asked()
             if url.path == "/ping" or (url.path == "/" and self.command == "GET" and not params.get("query")):
                 self._send(HTTPStatus.OK, _Reply(b"Ok.\n", {"Content-Type": "text/plain; charset=UTF-8"}), query_id)
                 return
             if url.path != "/":
                 raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"No handler for path {url.path}", HTTPStatus.NOT_FOUND)
             self._store.check_credentials(self._password(params))
+            body = self._read_body()
+            self.close_connection = not self._keep_alive_asked()
             statement = self._statement(params, body)
             self._send(HTTPStatus.OK, self._store.execute(statement, params), query_id)
         except ClickHouseHTTPError as error:
@@ -413,39 +468,47 @@ class _StoreRequestHandler(BaseHTTPRequestHandler):
             logger.exception("store server request failed")
             self._send_error(ClickHouseHTTPError(_UNKNOWN_ERROR_CODE, f"Internal error: {error!r}"), query_id)
 
-    def _read_body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            body = self._read_chunked()
-        else:
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                self.close_connection = True
-                raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Invalid Content-Length") from None
-            if length > MAX_BODY_BYTES:
-                self.close_connection = True
-                raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"Request body over {MAX_BODY_BYTES} bytes")
-            body = self.rfile.read(length)
-        return _decompress(body, self.headers.get("Content-Encoding", ""))
+    def _keep_alive_asked(self) -> bool:
+        return self.headers.get("Connection", "").strip().lower() != "close" and self.request_version == "HTTP/1.1"
 
-    def _read_chunked(self) -> bytes:
+    def _read_body(self) -> bytes:
+        limit = self._store.max_body_bytes
+        lengths = self.headers.get_all("Content-Length") or []
+        if "Transfer-Encoding" in self.headers:
+            if lengths or self.headers["Transfer-Encoding"].strip().lower() != "chunked":
+                raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Only Transfer-Encoding: chunked, without Content-Length",
+                                          _BAD_REQUEST)
+            body = self._read_chunked(limit)
+        else:
+            if len(set(lengths)) > 1 or not all(_CONTENT_LENGTH.match(value.strip().encode()) for value in lengths):
+                raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Invalid Content-Length", _BAD_REQUEST)
+            length = int(lengths[0]) if lengths else 0
+            if length > limit:
+                raise _too_large(limit)
+            body = self._read_exactly(length)
+        return _decompress(body, self.headers.get("Content-Encoding", ""), limit)
+
+    def _read_exactly(self, size: int) -> bytes:
+        data = self.rfile.read(size)
+        if len(data) != size:
+            raise ClickHouseHTTPError(_BAD_ARGUMENTS, "The request body ended early", _BAD_REQUEST)
+        return data
+
+    def _read_chunked(self, limit: int) -> bytes:
         chunks, total = [], 0
         while True:
-            size_line = self.rfile.readline(1024)
-            try:
-                size = int(size_line.split(b";")[0].strip(), 16)
-            except ValueError:
-                self.close_connection = True
-                raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Malformed chunked request body") from None
+            size_line = self.rfile.readline(1024).split(b";")[0].strip()
+            if not _CHUNK_SIZE.match(size_line):
+                raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Malformed chunked request body", _BAD_REQUEST)
+            size = int(size_line, 16)
             if size == 0:
                 while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
                     pass  # trailer headers carry nothing we use
                 return b"".join(chunks)
             total += size
-            if total > MAX_BODY_BYTES:
-                self.close_connection = True
-                raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"Request body over {MAX_BODY_BYTES} bytes")
-            chunks.append(self.rfile.read(size))
+            if total > limit:
+                raise _too_large(limit)
+            chunks.append(self._read_exactly(size))
             self.rfile.readline(1024)
 
     def _statement(self, params: dict[str, str], body: bytes) -> bytes:
@@ -489,3 +552,36 @@ class _StoreRequestHandler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(reply.body)
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, up to a fixed number; the next connection is answered 503 at once."""
+
+    def __init__(self, address, handler, max_connections: int):
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            body = (f"Code: {_TOO_MANY_SIMULTANEOUS_QUERIES}. DB::Exception: Too many connections to the embedded "
+                    "store. (TOO_MANY_SIMULTANEOUS_QUERIES)\n").encode()
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\n"
+                                b"Content-Type: text/plain; charset=UTF-8\r\n"
+                                b"X-ClickHouse-Exception-Code: %d\r\nContent-Length: %d\r\n\r\n%s"
+                                % (_TOO_MANY_SIMULTANEOUS_QUERIES, len(body), body))
+            except OSError:
+                pass  # the client is gone already
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()

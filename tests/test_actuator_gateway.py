@@ -61,7 +61,8 @@ def test_estimates_are_capped_by_the_context_length(body, tokens):
 
 
 @pytest.mark.parametrize("body", [b'{"max_tokens": -1}', b'{"max_tokens": 18446744073709551616}',
-                                  b'{"max_tokens": 1.5}', b'{"max_tokens": "100"}', b'{"max_tokens": true}', b'{"max_tokens": 1e30}',
+                                  b'{"max_tokens": 1.5}', b'{"max_tokens": "100"}', b'{"max_tokens": true}',
+                                  b'{"max_tokens": 1e30}',
                                   b'{"n": -3}', b'{"max_tokens": NaN}', b'{"max_tokens": Infinity}',
                                   b'{"options": {"num_predict": -3}}'])
 def test_nonsense_sizes_are_invalid_requests(body):
