@@ -17,9 +17,16 @@ Each request runs on its own chDB connection handle, so ``USE`` and ``SET``
 never leak between requests or into the owner's session. There are no
 server-side sessions (``session_id`` is ignored) and no external data.
 
-Clients authenticate with the token the owner published, sent as the password
+Clients authenticate with a token the owner published, sent as the password
 (basic auth, ``X-ClickHouse-Key``, the ``password`` parameter) or as a bearer
-token. Anyone holding the token has the owner's rights over the store.
+token. The writer token has the owner's rights over the store; the reader
+token runs every statement with ``readonly = 2`` (reads and settings only:
+no INSERT, DDL, DROP or SYSTEM). Neither reaches past the store: a statement
+whose syntax tree (the engine's own parser, ``EXPLAIN AST``) calls a table
+function, table engine or dictionary source that touches files, URLs, other
+servers or programs (``file``, ``url``, ``s3``, ``remote``, ``mysql``,
+``executable``, ...), or reads or writes a file (``FROM INFILE``, ``INTO
+OUTFILE``), is refused: the owner is the agent, which runs as root.
 
 The owner is the agent, so nothing a client sends may cost it unbounded
 memory or threads: a request is authenticated from its head before any of
@@ -61,15 +68,25 @@ _BAD_ARGUMENTS = 36
 _UNKNOWN_COMPRESSION_METHOD = 89
 _ABORTED = 236
 _TOO_LARGE = 307  # TOO_MANY_BYTES
+_ACCESS_DENIED = 497
 _AUTHENTICATION_FAILED = 516
 _ERROR_NAMES = {
     _BAD_ARGUMENTS: "BAD_ARGUMENTS",
     _UNKNOWN_COMPRESSION_METHOD: "UNKNOWN_COMPRESSION_METHOD",
     _ABORTED: "ABORTED",
     _TOO_LARGE: "TOO_MANY_BYTES",
+    _ACCESS_DENIED: "ACCESS_DENIED",
     _AUTHENTICATION_FAILED: "AUTHENTICATION_FAILED",
 }
 _BAD_REQUEST = HTTPStatus.BAD_REQUEST
+# The client's mistakes, answered with the HTTP status ClickHouse gives them.
+_ENGINE_ERROR_STATUS = {
+    62: HTTPStatus.BAD_REQUEST,  # SYNTAX_ERROR
+    60: HTTPStatus.NOT_FOUND,  # UNKNOWN_TABLE
+    81: HTTPStatus.NOT_FOUND,  # UNKNOWN_DATABASE
+    164: HTTPStatus.FORBIDDEN,  # READONLY
+    497: HTTPStatus.FORBIDDEN,  # ACCESS_DENIED
+}
 # Code 1001 (STD_EXCEPTION) is what ClickHouse reports when an error has no code of its own.
 _UNKNOWN_ERROR_CODE = 1001
 
@@ -115,6 +132,20 @@ _INSERT_WITH_DATA = re.compile(
 # The statement part of an insert is short; never scan megabytes of data for it.
 _MAX_INSERT_HEAD_BYTES = 256 * 1024
 
+# Table functions, table engines and dictionary sources that reach outside the store (lower case).
+_EXTERNAL_ACCESS = frozenset({
+    "file", "filecluster", "url", "urlcluster", "http", "s3", "s3cluster", "s3queue", "gcs", "oss", "cosn",
+    "azureblobstorage", "azureblobstoragecluster", "azurequeue", "hdfs", "hdfscluster", "remote", "remotesecure",
+    "cluster", "clusterallreplicas", "distributed", "clickhouse", "mysql", "materializedmysql", "postgresql",
+    "materializedpostgresql", "sqlite", "mongodb", "redis", "jdbc", "odbc", "executable", "executablepool",
+    "kafka", "rabbitmq", "nats", "filelog", "hive", "iceberg", "icebergs3", "icebergazure", "iceberghdfs",
+    "iceberglocal", "deltalake", "deltalakeazure", "hudi", "python", "arrowflight", "ytsaurus",
+})
+_AST_FUNCTION = re.compile(r"^\s*(?:Function|FunctionWithKeyValueArguments)\s+(\w+)", re.MULTILINE)
+# A literal right under a query's root is its INFILE / OUTFILE name (or that file's compression).
+_AST_ROOT_LITERAL = re.compile(r"^ Literal ", re.MULTILINE)
+_AST_FILE_ROOTS = ("InsertQuery", "SelectWithUnionQuery", "Show", "Explain", "Describe")
+
 _CONTENT_TYPES = (
     ("TabSeparated", "text/tab-separated-values; charset=UTF-8"),
     ("TSV", "text/tab-separated-values; charset=UTF-8"),
@@ -141,7 +172,8 @@ class ClickHouseHTTPError(Exception):
         if start > 0:
             message = message[start:]
         match = _CODE_IN_MESSAGE.search(message)
-        return cls(int(match.group(1)) if match else _UNKNOWN_ERROR_CODE, message)
+        code = int(match.group(1)) if match else _UNKNOWN_ERROR_CODE
+        return cls(code, message, _ENGINE_ERROR_STATUS.get(code, HTTPStatus.INTERNAL_SERVER_ERROR))
 
     def body(self) -> bytes:
         if self.message.startswith("Code: "):
@@ -230,6 +262,29 @@ def _too_large(limit: int, what: str = "") -> ClickHouseHTTPError:
                                HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
 
 
+def _utf8(sql: bytes) -> str:
+    try:
+        return sql.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ClickHouseHTTPError(_BAD_ARGUMENTS, "The query is not valid UTF-8") from None
+
+
+def _refuse_external_access(connection, sql: str, bind_params: dict[str, str]) -> None:
+    """Refuse `sql` if it reaches files, URLs, other servers or programs (see the module docstring).
+
+    Judged on the engine's own parse of it, so no quoting, comment or case
+    trick reads differently here and at execution.
+    """
+    tree = connection.query("EXPLAIN AST " + sql, "TabSeparated", params=bind_params).bytes().decode()
+    reached = {name.lower() for name in _AST_FUNCTION.findall(tree)} & _EXTERNAL_ACCESS
+    if reached:
+        raise ClickHouseHTTPError(_ACCESS_DENIED, f"The embedded store does not serve {sorted(reached)[0]}(): "
+                                  "it reaches outside the store", HTTPStatus.FORBIDDEN)
+    if tree.startswith(_AST_FILE_ROOTS) and _AST_ROOT_LITERAL.search(tree):
+        raise ClickHouseHTTPError(_ACCESS_DENIED, "The embedded store does not read or write files "
+                                  "(INFILE, OUTFILE)", HTTPStatus.FORBIDDEN)
+
+
 def _form_fields(content_type: str, body: bytes) -> dict[str, str]:
     """The fields of a multipart/form-data body (clickhouse-connect moves large bind parameters there)."""
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
@@ -260,13 +315,14 @@ class StoreServer:
     must never be the one to (re)start it.
     """
 
-    def __init__(self, engine_path: str, token: str, *, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = MAX_BODY_BYTES, max_connections: int = MAX_CONNECTIONS,
+    def __init__(self, engine_path: str, token: str, *, reader_token: str | None = None, host: str = "127.0.0.1",
+                 port: int = 0, max_body_bytes: int = MAX_BODY_BYTES, max_connections: int = MAX_CONNECTIONS,
                  read_timeout_s: float = READ_TIMEOUT_S):
-        if not token:
-            raise ValueError("StoreServer needs a non-empty token")
+        if not token or reader_token == "" or reader_token == token:
+            raise ValueError("StoreServer needs a non-empty token, and a reader token different from it")
         self._engine_path = os.path.realpath(engine_path)
         self._token = token.encode()
+        self._reader_token = reader_token.encode() if reader_token else None
         self.max_body_bytes = max_body_bytes
         self.read_timeout_s = read_timeout_s
         self._display_name = socket.gethostname()
@@ -313,28 +369,35 @@ class StoreServer:
             connection.close()
         return timezone, frozenset(names)
 
-    def check_credentials(self, password: str | None) -> None:
-        if password is None or not hmac.compare_digest(password.encode(), self._token):
-            raise ClickHouseHTTPError(
+    def check_credentials(self, password: str | None) -> bool:
+        """Whether `password` is the reader's token (False: the writer's); raises when it is neither."""
+        if password is not None:
+            offered = password.encode()
+            # Both compared, in constant time, so timing tells nothing of which matched.
+            writer = hmac.compare_digest(offered, self._token)
+            reader = self._reader_token is not None and hmac.compare_digest(offered, self._reader_token)
+            if writer or reader:
+                return reader
+        raise ClickHouseHTTPError(
                 _AUTHENTICATION_FAILED,
                 "Authentication failed: wrong or missing token for the embedded tokenprobe store",
                 HTTPStatus.UNAUTHORIZED,
             )
 
-    def execute(self, statement: bytes, params: dict[str, str]) -> _Reply:
+    def execute(self, statement: bytes, params: dict[str, str], *, read_only: bool = False) -> _Reply:
         """Run one request's statement on a fresh handle and build ClickHouse's reply headers."""
         with self._inflight_changed:
             if self._closed:
                 raise ClickHouseHTTPError(_ABORTED, "The embedded store is shutting down")
             self._inflight += 1
         try:
-            return self._execute(statement, params)
+            return self._execute(statement, params, read_only)
         finally:
             with self._inflight_changed:
                 self._inflight -= 1
                 self._inflight_changed.notify_all()
 
-    def _execute(self, statement: bytes, params: dict[str, str]) -> _Reply:
+    def _execute(self, statement: bytes, params: dict[str, str], read_only: bool) -> _Reply:
         output_format = params.get("default_format") or "TabSeparated"
         if not _FORMAT_NAME.match(output_format) or output_format.lower() in _PYTHON_ONLY_FORMATS:
             raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"Unknown output format {output_format!r}")
@@ -347,21 +410,24 @@ class StoreServer:
         connection = chdb.connect(self._engine_path)
         data_file = None
         try:
+            if read_only:
+                # First, so no setting the reader sends can lift it.
+                connection.query("SET readonly = 2", "TabSeparated")
             if params.get("database"):
                 connection.query(f"USE {_quote_identifier(params['database'])}", "TabSeparated")
             for name, value in settings.items():
                 connection.query(f"SET {name} = {_quote_string(value)}", "TabSeparated")
             insert = _INSERT_WITH_DATA.match(statement[:_MAX_INSERT_HEAD_BYTES])
+            # The client's own words are judged; the INFILE rewrite below is the server's.
+            client_sql = _utf8(statement[:insert.end()] if insert else statement)
+            if not client_sql.strip():
+                raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Empty query")
+            _refuse_external_access(connection, client_sql, bind_params)
             if insert:
                 data_file = self._spill_insert_data(statement[insert.end():])
                 sql = self._insert_from_file_sql(insert, data_file)
             else:
-                try:
-                    sql = statement.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise ClickHouseHTTPError(_BAD_ARGUMENTS, "The query is not valid UTF-8") from None
-                if not sql.strip():
-                    raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Empty query")
+                sql = client_sql
             result = connection.query(sql, output_format, params=bind_params)
         except ClickHouseHTTPError:
             raise
@@ -457,11 +523,11 @@ class _StoreRequestHandler(BaseHTTPRequestHandler):
                 return
             if url.path != "/":
                 raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"No handler for path {url.path}", HTTPStatus.NOT_FOUND)
-            self._store.check_credentials(self._password(params))
+            read_only = self._store.check_credentials(self._password(params))
             body = self._read_body()
             self.close_connection = not self._keep_alive_asked()
             statement = self._statement(params, body)
-            self._send(HTTPStatus.OK, self._store.execute(statement, params), query_id)
+            self._send(HTTPStatus.OK, self._store.execute(statement, params, read_only=read_only), query_id)
         except ClickHouseHTTPError as error:
             self._send_error(error, query_id)
         except Exception as error:  # a handler bug must still answer the client, in ClickHouse's shape

@@ -49,8 +49,9 @@ TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 @st.cache_resource(show_spinner="Opening the store…", on_release=Store.close)
 def connect(url: str) -> Store:
     # serve=False: the dashboard only reads. An embedded store that an agent
-    # owns is reached through the agent; one nobody owns, this process opens.
-    return open_store(url, serve=False)
+    # owns is reached through the agent, with its reader token; one nobody
+    # owns, this process opens.
+    return open_store(url, serve=False, read_only=True)
 
 
 # --------------------------------------------------------------------------- formatting

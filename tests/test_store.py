@@ -687,3 +687,75 @@ def test_connections_are_bounded_and_idle_ones_time_out(guarded_server):
         for connection in idle:
             connection.close()
     wait_until(lambda: still_serving(guarded_server))
+
+
+# --------------------------------------------------------------------------- the reader's credential
+
+READER_TOKEN = "reader-token-0123456789"
+
+
+@pytest.fixture
+def two_token_server(owner, store_dir):
+    server = StoreServer(str(store_dir), ATTACK_TOKEN, reader_token=READER_TOKEN)
+    yield server
+    server.close()
+
+
+def run_sql(server: StoreServer, sql: str, token: str, query: str = "") -> tuple[int, bytes]:
+    status, _, body = http(server.port, query, sql.encode(), {"X-ClickHouse-Key": token})
+    return status, body
+
+
+def test_reader_reads_and_changes_settings_but_writes_nothing(two_token_server):
+    assert run_sql(two_token_server, "SELECT count() FROM tokenprobe.requests", READER_TOKEN) == (200, b"0\n")
+    assert run_sql(two_token_server, "SELECT 1", READER_TOKEN, "max_threads=2")[0] == 200
+    for sql in ("INSERT INTO tokenprobe.requests (conn_id) VALUES (1)", "DROP TABLE tokenprobe.requests",
+                "CREATE TABLE tokenprobe.mine (x UInt8) ENGINE = Memory", "SYSTEM DROP DNS CACHE",
+                "TRUNCATE TABLE tokenprobe.requests"):
+        status, body = run_sql(two_token_server, sql, READER_TOKEN)
+        assert status == 403 and b"READONLY" in body, (sql, body)
+    # A reader cannot lift readonly with a setting of its own.
+    status, body = run_sql(two_token_server, "SELECT 1", READER_TOKEN, "readonly=0")
+    assert status == 403 and b"readonly" in body
+    assert run_sql(two_token_server, "SELECT count() FROM tokenprobe.requests", ATTACK_TOKEN) == (200, b"0\n")
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT * FROM file('/etc/hostname', 'LineAsString')",
+    "SELECT * FROM `file`('/etc/hostname', 'LineAsString')",
+    "SELECT * FROM FILE('/etc/hostname', 'LineAsString')",
+    "-- it's\nSELECT * FROM file('/etc/hostname', 'LineAsString')",
+    "SELECT * FROM url('http://127.0.0.1:1/', 'LineAsString')",
+    "SELECT * FROM s3('http://127.0.0.1:1/b/k', 'CSV')",
+    "SELECT * FROM remote('127.0.0.1:9000', system.one)",
+    "SELECT * FROM mysql('127.0.0.1:3306', 'd', 't', 'u', 'p')",
+    "SELECT * FROM executable('x.sh', 'TSV', 'x String')",
+    "SELECT (SELECT count() FROM file('/etc/hostname', 'LineAsString'))",
+    "INSERT INTO FUNCTION file('/tmp/tokenprobe-out.tsv', 'TSV', 'x UInt8') VALUES (1)",
+    "CREATE TABLE tokenprobe.leak (x String) ENGINE = URL('http://127.0.0.1:1/', 'CSV')",
+    "CREATE DICTIONARY tokenprobe.d (k UInt64, v String) PRIMARY KEY k SOURCE(HTTP(url 'http://127.0.0.1:1/' "
+    "format 'TSV')) LIFETIME(0) LAYOUT(FLAT())",
+    "SELECT 1 INTO OUTFILE '/tmp/tokenprobe-out.tsv'",
+    "INSERT INTO tokenprobe.requests FROM INFILE '/etc/hostname' FORMAT LineAsString",
+])
+@pytest.mark.parametrize("token", [READER_TOKEN, ATTACK_TOKEN], ids=["reader", "writer"])
+def test_nothing_reaches_files_urls_or_other_servers(two_token_server, sql, token):
+    status, body = run_sql(two_token_server, sql, token)
+    assert status == 403 and b"ACCESS_DENIED" in body, body
+
+
+def test_store_directory_and_its_secrets_are_the_owners_alone(owner, store_dir):
+    assert store_dir.stat().st_mode & 0o777 == 0o700
+    for name in (SERVE_FILE, ".tokenprobe.lock"):
+        assert (store_dir / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def test_tokenprobe_query_reads_with_the_reader_token(owner, store_dir):
+    command = [sys.executable, "-m", "tokenprobe", "query", "--store", f"chdb://{store_dir}"]
+    reads = subprocess.run([*command, "SELECT count() AS n FROM tokenprobe.requests"], capture_output=True,
+                           text=True, timeout=120)
+    drops = subprocess.run([*command, "DROP TABLE tokenprobe.requests"], capture_output=True, text=True,
+                           timeout=120)
+    assert reads.returncode == 0 and "0" in reads.stdout, reads.stderr
+    assert drops.returncode == 1 and "readonly" in drops.stderr.lower() and "Traceback" not in drops.stderr
+    assert owner.query_rows("EXISTS TABLE tokenprobe.requests") == [(1,)]
