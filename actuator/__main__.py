@@ -11,7 +11,7 @@ from pathlib import Path
 from .auth import ServerAuth, ServerTls
 from .engine import Enforcer
 from .envoy_rls import DEFAULT_DOMAIN
-from .server import ActuatorServer
+from .server import DEFAULT_MAX_WATCHERS, ActuatorServer
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-dwell", type=float, default=3.0, help="seconds before a target may be loosened again")
     parser.add_argument("--max-lifetime", type=float, default=600.0, help="cap on any decision's lifetime, seconds")
     parser.add_argument("--envoy-domain", default=DEFAULT_DOMAIN, help="rate limit domain served to Envoy")
+    parser.add_argument("--max-watchers", type=int, default=DEFAULT_MAX_WATCHERS,
+                        help="decision streams served at once, one per watching gateway (default %(default)s)")
     return parser
 
 
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = ActuatorServer(_auth(args), listen=args.listen,
                                 enforcer=Enforcer(min_dwell_s=args.min_dwell, max_lifetime_s=args.max_lifetime),
-                                envoy_domain=args.envoy_domain)
+                                envoy_domain=args.envoy_domain, max_watchers=args.max_watchers)
         server.start()
     except (OSError, ValueError) as error:
         print(f"actuator: {error}", file=sys.stderr)

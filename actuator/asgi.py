@@ -14,18 +14,23 @@ with it, so the tenant pays what the server counted, not what was guessed.
 from __future__ import annotations
 
 import asyncio
+import json
 
 from ..agent.capture.dialects import OPENAI_CHAT
 from ..agent.capture.json_scan import count, json_object
-from ..contract.tenant import DEFAULT_TENANT_HEADER, tenant_id
+from ..contract.routes import is_inference_request
+from ..contract.tenant import DEFAULT_TENANT_HEADER
 from .gateway import (
     DEFAULT_COMPLETION_TOKENS,
+    DEFAULT_CONTEXT_TOKENS,
     GatewayGuard,
+    InvalidRequest,
     estimate_request,
     rejection_response,
 )
+from .target import BadTarget, canonical_scope
+from .tenant import TenantIdentity
 
-COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # A JSON response bigger than this is passed through without reading its usage.
 MAX_JSON_RESPONSE_BYTES = 4 * 1024 * 1024
@@ -40,29 +45,45 @@ class ActuatorMiddleware:
         *,
         upstream: str,
         tenant_header: str = DEFAULT_TENANT_HEADER,
-        default_tenant: str = "",
-        paths: frozenset[str] = COMPLETION_PATHS,
+        trust_tenant_header: bool = False,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         default_completion_tokens: int = DEFAULT_COMPLETION_TOKENS,
+        context_tokens: int = DEFAULT_CONTEXT_TOKENS,
     ):
         self._app = app
         self._guard = guard
         self._upstream = upstream
         self._tenant_header = tenant_header.lower().encode("latin-1")
-        self._default_tenant = default_tenant
-        self._paths = paths
+        self._identity = TenantIdentity(tenant_header, trust_header=trust_tenant_header)
         self._max_body_bytes = max_body_bytes
         self._default_completion_tokens = default_completion_tokens
+        self._context_tokens = context_tokens
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self._paths:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        # Decide on the canonical path and hand the same one on, so the app
+        # forwards exactly the request that was judged.
+        try:
+            scope = canonical_scope(scope)
+        except BadTarget as error:
+            await send_error(send, 400, str(error))
+            return
+        if not is_inference_request(scope["method"], scope["path"]):
             await self._app(scope, receive, send)
             return
         received, body = await _read_body(receive, self._max_body_bytes)
-        # A body cut at the limit is not JSON: it is then estimated from its size.
-        estimate = estimate_request(body, self._default_completion_tokens)
+        try:
+            # A body cut at the limit is not JSON: it is then estimated from its size.
+            estimate = estimate_request(body, self._default_completion_tokens, self._context_tokens)
+        except InvalidRequest as error:
+            await send_error(send, 400, str(error))
+            return
+        tenant = self._identity(scope.get("headers", ()))
+        scope = self._naming_tenant(scope, tenant)
         verdict = await self._guard.check_async(self._upstream, estimate.model[:MAX_LABEL_LENGTH],
-                                                self._tenant(scope), estimate.estimated_tokens)
+                                                tenant, estimate.estimated_tokens)
         if not verdict.allowed:
             status, headers, payload = rejection_response(verdict)
             await send({"type": "http.response.start", "status": status,
@@ -75,11 +96,21 @@ class ActuatorMiddleware:
             send = _settling_send(send, self._guard, verdict.reservation_id)
         await self._app(scope, _replay(received, receive), send)
 
-    def _tenant(self, scope) -> str:
-        for name, value in scope.get("headers", ()):
-            if name.lower() == self._tenant_header:
-                return tenant_id(value.decode("latin-1"))
-        return self._default_tenant
+    def _naming_tenant(self, scope, tenant: str) -> dict:
+        """`scope` with the tenant header set to the tenant charged, whatever the client sent,
+        so the agent at the server books the request to the same tenant."""
+        if not self._tenant_header:
+            return scope
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != self._tenant_header]
+        return {**scope, "headers": [*headers, (self._tenant_header, tenant.encode("latin-1"))]}
+
+
+async def send_error(send, status: int, message: str) -> None:
+    """Answer a request with an OpenAI-style error of the gateway's own."""
+    body = json.dumps({"error": {"message": message, "type": "gateway_error", "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _read_body(receive, limit: int) -> tuple[list[dict], bytes]:

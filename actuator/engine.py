@@ -16,7 +16,10 @@ an injected clock, so the rules below are tested without sockets:
   bucket cannot cover within the budget's ``max_delay`` is rejected early
   (429, retry after the refill time); one that fits within it is delayed. The
   tokens are reserved at admission and the reservation settled when the real
-  count arrives.
+  count arrives. A request with no tenant is the default tenant's, so
+  budgets for it apply: leaving the tenant out escapes nothing.
+- Retry-After never reaches past the decision's expiry: by then the request
+  is admitted anyway.
 - Minimum dwell: a decision that loosens a target (admits more) sooner than
   ``min_dwell_s`` after that target last changed is refused; tightening is
   always accepted, so protection is fast and relaxation is paced.
@@ -45,11 +48,19 @@ from ..contract.decisions import (
     TokenBudgetAction,
 )
 from .buckets import TokenBucket
+from .tenant import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
 # An issued_at this far in the future means the controller's clock is wrong.
 MAX_CLOCK_SKEW_S = 60.0
+# The gateway caps a request's estimate at its context length per choice, and
+# the choices at OpenAI's own limit on n.
+DEFAULT_CONTEXT_TOKENS = 131_072
+MAX_CHOICES = 128
+# The most tokens one request is charged: counts beyond it (the wire carries
+# any uint64) are clamped, and a bucket owes at most this much.
+MAX_REQUEST_TOKENS = DEFAULT_CONTEXT_TOKENS * MAX_CHOICES
 
 
 class VerdictKind(enum.IntEnum):
@@ -344,7 +355,8 @@ class Enforcer:
         action = decision.action
         if isinstance(action, BreakerAction):
             return _BreakerEntry(decision, now)
-        return _BudgetEntry(decision, now, TokenBucket(action.tokens_per_second, action.burst_tokens, now))
+        return _BudgetEntry(decision, now, TokenBucket(action.tokens_per_second, action.burst_tokens, now,
+                                                       max_debt_tokens=MAX_REQUEST_TOKENS))
 
     def _purge_expired(self, now: float) -> None:
         for table in (self._breakers, self._budgets):
@@ -357,6 +369,8 @@ class Enforcer:
     def check(self, upstream: str, model: str, tenant: str, estimated_tokens: int) -> Verdict:
         if estimated_tokens < 0:
             raise ValueError(f"estimated_tokens must be >= 0, got {estimated_tokens}")
+        tenant = tenant or DEFAULT_TENANT
+        estimated_tokens = min(estimated_tokens, MAX_REQUEST_TOKENS)
         with self._lock:
             now = self._clock()
             rejection = self._check_breakers(upstream, model, tenant, now)
@@ -370,7 +384,8 @@ class Enforcer:
                 continue
             state, share = entry.effective(now)
             if share <= 0.0:
-                return Verdict(VerdictKind.REJECT, 503, entry.open_until - now, 0.0, "", entry.decision.id,
+                return Verdict(VerdictKind.REJECT, 503, _until_expiry(entry, entry.open_until - now, now), 0.0,
+                               "", entry.decision.id,
                                f"breaker open for {entry.decision.target.describe()}")
             if share < 1.0:
                 entry.credit += share
@@ -382,7 +397,7 @@ class Enforcer:
 
     def _check_budgets(self, upstream: str, model: str, tenant: str, tokens: int, now: float) -> Verdict:
         # Budgets are indexed by tenant; those with no tenant cover every tenant.
-        index_values = (tenant, "") if tenant else ("",)
+        index_values = (tenant, "")
         matched = tuple(
             entry for entry in self._budgets.candidates(*index_values)
             if entry.decision.expires_at > now and entry.decision.target.matches(upstream, model, tenant)
@@ -393,7 +408,7 @@ class Enforcer:
         for entry in matched:
             wait = entry.bucket.wait_for(tokens, now)
             if wait > entry.action.max_delay_s:
-                return Verdict(VerdictKind.REJECT, 429, wait, 0.0, "", entry.decision.id,
+                return Verdict(VerdictKind.REJECT, 429, _until_expiry(entry, wait, now), 0.0, "", entry.decision.id,
                                f"token budget of {entry.decision.target.describe()} exhausted")
             if wait > longest_wait:
                 longest_wait, limiting = wait, entry
@@ -429,12 +444,16 @@ class Enforcer:
             if reservation is None:
                 return None
             now = self._clock()
-            adjustment = observed_tokens - reservation.estimated_tokens
+            adjustment = min(observed_tokens, MAX_REQUEST_TOKENS) - reservation.estimated_tokens
             for entry in reservation.entries:
                 # A bucket replaced or expired since the admission is not charged.
                 if self._budgets.get(entry.decision.target) is entry and entry.decision.expires_at > now:
                     entry.bucket.adjust(adjustment, now)
             return adjustment
+
+
+def _until_expiry(entry: _Entry, retry_after_s: float, now: float) -> float:
+    return min(retry_after_s, entry.decision.expires_at - now)
 
 
 def _enforces_differently(current: _Entry, decision: Decision, now: float) -> bool:

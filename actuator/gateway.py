@@ -13,6 +13,11 @@ Either way it fails open: an actuator that is down, slow or answers nonsense
 costs at most the deadline and the request goes through, because an
 observability tool must never be the outage. In watch mode the cached
 decisions keep their expiry, so a lost actuator also lapses to normal.
+Failing open is never silent: each request let through unguarded counts in
+``tokenprobe_gateway_fail_open_total{reason}`` (``guard.metrics``, a
+Prometheus registry), and each episode logs one line when it starts and one
+when it ends. An actuator that refuses the gateway's credentials
+(UNAUTHENTICATED) is a configuration error, not an outage: logged as an error.
 
 ``estimate_request`` and ``rejection_response`` are the other two pieces any
 gateway needs: tokens from an OpenAI-style body, and the 429/503 to send.
@@ -29,11 +34,19 @@ import threading
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter
 
 from ..contract.decisions import InvalidDecision
 from . import wire
 from .auth import ClientAuth
-from .engine import Enforcer, Verdict, VerdictKind, retry_after_header
+from .engine import (
+    DEFAULT_CONTEXT_TOKENS,
+    MAX_CHOICES,
+    Enforcer,
+    Verdict,
+    VerdictKind,
+    retry_after_header,
+)
 from .v1 import actuator_pb2 as pb
 from .v1 import actuator_pb2_grpc as pb_grpc
 
@@ -60,7 +73,11 @@ class GatewayGuard:
         self._metadata = auth.metadata()
         self._lock = threading.Lock()
         self.fail_open_total = 0  # requests let through because the actuator could not answer
-        self._reachable = True
+        self.metrics = CollectorRegistry(auto_describe=True)
+        self._fail_open_counter = Counter(
+            "tokenprobe_gateway_fail_open", "Requests let through unguarded because the actuator did not answer",
+            ["reason"], registry=self.metrics)
+        self._failing: str | None = None  # why the actuator does not answer, while it does not
         self._closed = threading.Event()
         self._cache: Enforcer | None = None
         self._synced = threading.Event()
@@ -75,18 +92,18 @@ class GatewayGuard:
 
     def check(self, upstream: str, model: str, tenant: str, estimated_tokens: int) -> Verdict:
         if self._cache is not None:
-            return self._cache.check(upstream, model, tenant, estimated_tokens)
+            return self._cached_check(upstream, model, tenant, estimated_tokens)
         request = pb.CheckRequest(upstream=upstream, model=model, tenant=tenant, estimated_tokens=estimated_tokens)
         try:
             response = self._stub.Check(request, timeout=self.deadline_s, metadata=self._metadata)
         except grpc.RpcError as error:
-            return self._fail_open(error.code().name)
+            return self._fail_open(_reason(error))
         return self._answered(response)
 
     async def check_async(self, upstream: str, model: str, tenant: str, estimated_tokens: int) -> Verdict:
         """check() for an event loop: waits on the call without holding a thread."""
         if self._cache is not None:
-            return self._cache.check(upstream, model, tenant, estimated_tokens)
+            return self._cached_check(upstream, model, tenant, estimated_tokens)
         request = pb.CheckRequest(upstream=upstream, model=model, tenant=tenant, estimated_tokens=estimated_tokens)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -100,8 +117,14 @@ class GatewayGuard:
         try:
             response = call.result()
         except grpc.RpcError as error:
-            return self._fail_open(error.code().name)
+            return self._fail_open(_reason(error))
         return self._answered(response)
+
+    def _cached_check(self, upstream: str, model: str, tenant: str, estimated_tokens: int) -> Verdict:
+        verdict = self._cache.check(upstream, model, tenant, estimated_tokens)  # type: ignore[union-attr]
+        if self._failing is not None and not verdict.reservation_id and verdict.allowed:
+            self._count_fail_open(self._failing)  # admitted with no live decision stream behind it
+        return verdict
 
     def settle(self, reservation_id: str, observed_tokens: int) -> None:
         """Report a request's real token count; never blocks, never raises on a lost actuator."""
@@ -118,24 +141,33 @@ class GatewayGuard:
         try:
             verdict = wire.verdict_from_proto(response)
         except ValueError:
-            return self._fail_open("malformed answer")
-        self._mark_reachable(True, "")
+            return self._fail_open("malformed_answer")
+        self._mark_failing(None)
         return verdict
 
-    def _fail_open(self, why: str) -> Verdict:
+    def _fail_open(self, reason: str) -> Verdict:
+        self._count_fail_open(reason)
+        self._mark_failing(reason)
+        return Verdict(VerdictKind.ALLOW, reason=f"actuator did not answer ({reason}): fail-open")
+
+    def _count_fail_open(self, reason: str) -> None:
         with self._lock:
             self.fail_open_total += 1
-        self._mark_reachable(False, why)
-        return Verdict(VerdictKind.ALLOW, reason=f"actuator did not answer ({why}): fail-open")
+        self._fail_open_counter.labels(reason).inc()
 
-    def _mark_reachable(self, reachable: bool, why: str) -> None:
-        if reachable == self._reachable:
-            return
-        self._reachable = reachable
-        if reachable:
+    def _mark_failing(self, reason: str | None) -> None:
+        """Log the start of an episode of failing open (and a change of its cause) and its end, once each."""
+        with self._lock:
+            if reason == self._failing:
+                return
+            self._failing = reason
+        if reason is None:
             log.info("actuator answers again; enforcing its decisions")
+        elif reason == _UNAUTHENTICATED:
+            log.error("configuration error: the actuator refuses this gateway's credentials (UNAUTHENTICATED); "
+                      "requests go through unguarded until the token or certificate is fixed")
         else:
-            log.warning("actuator did not answer (%s): letting requests through until it does", why)
+            log.warning("actuator did not answer (%s): letting requests through until it does", reason)
 
     # -- watch mode ------------------------------------------------------------
 
@@ -154,6 +186,7 @@ class GatewayGuard:
                 if self._closed.is_set():
                     return
                 log.debug("decision stream ended: %s", error.code().name)
+                self._mark_failing(_reason(error))
             except Exception:  # noqa: BLE001 - this thread must outlive any one bad stream
                 log.exception("decision stream failed; reconnecting")
             self._closed.wait(backoff)
@@ -167,6 +200,7 @@ class GatewayGuard:
                 self._cache.replace_all(snapshot)  # type: ignore[union-attr]
                 in_snapshot = False
                 self._synced.set()
+                self._mark_failing(None)
                 continue
             try:
                 decision = wire.decision_from_proto(message.decision)
@@ -190,6 +224,14 @@ class GatewayGuard:
         self.close()
 
 
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.name.lower()
+
+
+def _reason(error: grpc.RpcError) -> str:
+    """The fail-open reason label: the gRPC status, lower case (a small, fixed set)."""
+    return error.code().name.lower()
+
+
 def _wake(loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
     # Runs on a gRPC thread: hand over to the loop, which may be closed already.
     with contextlib.suppress(RuntimeError):
@@ -208,31 +250,74 @@ class RequestEstimate:
     estimated_tokens: int
 
 
-def estimate_request(body: bytes, default_completion_tokens: int = DEFAULT_COMPLETION_TOKENS) -> RequestEstimate:
-    """Model and prompt + completion tokens of an OpenAI-style completion request.
+class InvalidRequest(ValueError):
+    """A request whose sizing fields make no sense (answer 400, as the server would)."""
 
-    The prompt is estimated from its length; the completion from max_tokens
-    (or max_completion_tokens) times n, else `default_completion_tokens`.
-    Only sizes are read: nothing of the text is kept.
+
+_MAX_COUNT = 2 ** 64
+# Completion limits by dialect: OpenAI chat, Responses, completions, Anthropic (also legacy), TGI, SGLang,
+# Ollama, llama.cpp. The last two take -1 (and Ollama -2) for "until the context is full".
+_COMPLETION_LIMITS = (("max_completion_tokens",), ("max_output_tokens",), ("max_tokens",),
+                      ("max_tokens_to_sample",), ("parameters", "max_new_tokens"),
+                      ("sampling_params", "max_new_tokens"), ("options", "num_predict"), ("n_predict",))
+_UNBOUNDED_LIMITS = frozenset({("options", "num_predict"), ("n_predict",)})
+_CHOICE_COUNTS = (("n",), ("best_of",), ("parameters", "best_of"), ("sampling_params", "n"))
+_TEXT_FIELDS = ("messages", "prompt", "input", "instructions", "system", "inputs", "text")
+
+
+def estimate_request(body: bytes, default_completion_tokens: int = DEFAULT_COMPLETION_TOKENS,
+                     context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> RequestEstimate:
+    """Model and prompt + completion tokens of a completion request, in any dialect it knows.
+
+    The prompt is estimated from its length; the completion from the
+    dialect's limit (max_tokens and its kin) times the number of choices,
+    else `default_completion_tokens`. Each choice is capped at the context
+    length, which no server generates past, so a request cannot claim (and
+    be charged, or park the bucket in debt for) more than it can use. Only
+    sizes are read: nothing of the text is kept. Raises InvalidRequest for a
+    limit or count that is not a non-negative integer below 2**64.
     """
     try:
         request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        prompt_chars = sum(_text_length(request.get(name)) for name in _TEXT_FIELDS) \
+            if isinstance(request, dict) else 0
+    except (ValueError, UnicodeDecodeError, RecursionError):  # not JSON, or nested beyond reason
         request = None
     if not isinstance(request, dict):
-        return RequestEstimate("", math.ceil(len(body) / CHARS_PER_TOKEN) + default_completion_tokens)
+        return RequestEstimate("", min(context_tokens, math.ceil(len(body) / CHARS_PER_TOKEN)
+                                       + default_completion_tokens))
     model = request.get("model") if isinstance(request.get("model"), str) else ""
-    prompt_chars = _text_length(request.get("messages")) + _text_length(request.get("prompt"))
     completion = default_completion_tokens
-    for field in ("max_completion_tokens", "max_tokens"):
-        value = request.get(field)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            completion = value
+    for path in _COMPLETION_LIMITS:
+        value = _count(request, path, allow_unbounded=path in _UNBOUNDED_LIMITS)
+        if value is not None:
+            completion = context_tokens if value < 0 else min(value, context_tokens)
             break
-    choices = request.get("n")
-    if isinstance(choices, int) and not isinstance(choices, bool) and choices > 1:
-        completion *= choices
-    return RequestEstimate(model, math.ceil(prompt_chars / CHARS_PER_TOKEN) + completion)
+    choices = max((_count(request, path) or 1 for path in _CHOICE_COUNTS), default=1)
+    choices = max(1, min(choices, MAX_CHOICES))
+    prompt = math.ceil(prompt_chars / CHARS_PER_TOKEN)
+    return RequestEstimate(model, min(prompt + completion * choices, context_tokens * choices))
+
+
+def _count(request: dict, path: tuple[str, ...], *, allow_unbounded: bool = False) -> int | None:
+    """The integer at `path` in the request; None when absent; InvalidRequest when not a count."""
+    value = request
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 100.0 is a count to lenient servers
+    name = ".".join(path)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be an integer, got {json.dumps(value)[:40]}")
+    if allow_unbounded and value in (-1, -2):
+        return -1
+    if not 0 <= value < _MAX_COUNT:
+        raise InvalidRequest(f"{name} must be between 0 and 2**64, got {str(value)[:40]}")
+    return value
 
 
 def _text_length(value) -> int:

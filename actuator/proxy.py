@@ -14,29 +14,36 @@ headers dropped, and 502 when the upstream cannot be reached.
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import sys
 from pathlib import Path
 
 import httpx
+import prometheus_client
 import uvicorn
 
 from ..contract.tenant import DEFAULT_TENANT_HEADER
-from .asgi import DEFAULT_MAX_BODY_BYTES, ActuatorMiddleware
+from .asgi import DEFAULT_MAX_BODY_BYTES, ActuatorMiddleware, send_error
 from .auth import ClientAuth
-from .gateway import DEFAULT_DEADLINE_S, GatewayGuard
+from .gateway import DEFAULT_CONTEXT_TOKENS, DEFAULT_DEADLINE_S, GatewayGuard
+from .target import BadTarget, canonical_path, canonical_scope
 
 # Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus
-# the ones the HTTP libraries set again on each side.
+# the ones the HTTP libraries set again on each side. Those a message's own
+# Connection header names are hop-by-hop too.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-                        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+                        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+                        b"proxy-connection"})
 DEFAULT_TIMEOUT_S = 120.0
 
 
 class ReverseProxy:
     def __init__(self, upstream_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_connections: int = 256, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self._upstream_url = upstream_url.rstrip("/")
+        self._upstream_url = httpx.URL(upstream_url)
+        # The base path is canonical too, and the request's path is appended to
+        # it whole: a canonical path has no `..` to climb out of it with.
+        self._base_path = canonical_path(self._upstream_url.raw_path.split(b"?")[0]).rstrip("/").encode("ascii")
         self._timeout = httpx.Timeout(timeout_s)
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._max_body_bytes = max_body_bytes
@@ -49,25 +56,32 @@ class ReverseProxy:
             return
         if scope["type"] != "http":
             return  # websockets are not proxied: uvicorn closes them
+        try:
+            scope = canonical_scope(scope)
+        except BadTarget as error:
+            await send_error(send, 400, str(error))
+            return
         body = await _read_body(receive, self._max_body_bytes)
         if body is None:
-            await _error(send, 413, "request body too large")
+            await send_error(send, 413, "request body too large")
             return
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
-        url = self._upstream_url + scope["path"]
+        target = self._base_path + scope["raw_path"]
         if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
-        headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() not in HOP_BY_HOP]
-        request = self._client.build_request(scope["method"], url, headers=headers, content=body)
+            target += b"?" + scope["query_string"]
+        # The path goes out as decided on: set raw, never re-parsed from a string.
+        url = self._upstream_url.copy_with(raw_path=target)
+        request = self._client.build_request(scope["method"], url, headers=end_to_end(scope.get("headers", ())),
+                                             content=body)
         try:
             response = await self._client.send(request, stream=True)
         except httpx.HTTPError as error:
-            await _error(send, 502, f"upstream unreachable: {type(error).__name__}")
+            await send_error(send, 502, f"upstream unreachable: {type(error).__name__}")
             return
         try:
             await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]})
+                        "headers": end_to_end(response.headers.raw)})
             # Raw bytes: the body goes out exactly as it came, content-encoding included.
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -104,17 +118,19 @@ async def _read_body(receive, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
-async def _error(send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "gateway_error", "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+def end_to_end(headers) -> list[tuple[bytes, bytes]]:
+    """The headers to forward: all but the hop-by-hop ones and those the Connection header names."""
+    named = {token.strip().lower() for name, value in headers if name.lower() == b"connection"
+             for token in value.split(b",")}
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() not in named]
 
 
-def gateway_app(upstream_url: str, guard: GatewayGuard, *, upstream: str,
-                tenant_header: str = DEFAULT_TENANT_HEADER) -> ActuatorMiddleware:
+def gateway_app(upstream_url: str, guard: GatewayGuard, *, upstream: str, tenant_header: str = DEFAULT_TENANT_HEADER,
+                trust_tenant_header: bool = False,
+                context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> ActuatorMiddleware:
     """A gateway: the reverse proxy to `upstream_url` behind the actuator hook for `upstream`."""
-    return ActuatorMiddleware(ReverseProxy(upstream_url), guard, upstream=upstream, tenant_header=tenant_header)
+    return ActuatorMiddleware(ReverseProxy(upstream_url), guard, upstream=upstream, tenant_header=tenant_header,
+                              trust_tenant_header=trust_tenant_header, context_tokens=context_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,21 +145,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--actuator", required=True, help="the actuator's host:port")
     parser.add_argument("--token-file", type=Path, required=True, help="file holding a bearer token for the actuator")
     parser.add_argument("--tenant-header", default=DEFAULT_TENANT_HEADER,
-                        help="request header naming the tenant (default %(default)s, as the agent reads it)")
+                        help="request header the gateway sets to the tenant it charged, for the agent to read "
+                             "(default %(default)s, as the agent reads it)")
+    parser.add_argument("--trust-tenant-header", action="store_true",
+                        help="take the tenant from the client's --tenant-header, for clients behind a proxy that "
+                             "sets it; by default the tenant is a hash of the client's API key, so no client can "
+                             "spend another's budget")
+    parser.add_argument("--context-tokens", type=_positive_int, default=DEFAULT_CONTEXT_TOKENS,
+                        help="the longest context the server takes; caps each request's token estimate "
+                             "(default %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     parser.add_argument("--port", type=int, required=True, help="port to listen on")
     parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
                         help="seconds to wait for the actuator before admitting the request (default %(default)s)")
+    parser.add_argument("--metrics-port", type=int,
+                        help="serve the gateway's own Prometheus /metrics on this port (on --host), e.g. "
+                             "tokenprobe_gateway_fail_open_total{reason}")
     args = parser.parse_args(argv)
     try:
         token = args.token_file.read_text().strip()
     except OSError as error:
         print(f"gateway: cannot read the token file: {error}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     guard = GatewayGuard(args.actuator, ClientAuth(bearer_token=token), deadline_s=args.deadline)
-    app = gateway_app(args.upstream_url, guard, upstream=args.upstream, tenant_header=args.tenant_header)
+    if args.metrics_port is not None:
+        # Its own port: the upstream's /metrics stays reachable through the gateway.
+        prometheus_client.start_http_server(args.metrics_port, addr=args.host, registry=guard.metrics)
+    app = gateway_app(args.upstream_url, guard, upstream=args.upstream, tenant_header=args.tenant_header,
+                      trust_tenant_header=args.trust_tenant_header, context_tokens=args.context_tokens)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 if __name__ == "__main__":

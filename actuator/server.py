@@ -34,6 +34,7 @@ ACTUATOR_SERVICE = pb.DESCRIPTOR.services_by_name["Actuator"].full_name
 RATE_LIMIT_SERVICE = rls_pb2.DESCRIPTOR.services_by_name["RateLimitService"].full_name
 # How often a watch stream wakes to notice that its client left or the server stops.
 _WATCH_POLL_S = 0.5
+DEFAULT_MAX_WATCHERS = 1024
 
 
 class ActuatorServicer(pb_grpc.ActuatorServicer):
@@ -100,20 +101,25 @@ class ActuatorServer:
         enforcer: Enforcer | None = None,
         envoy_domain: str = DEFAULT_DOMAIN,
         max_workers: int = 32,
+        max_watchers: int = DEFAULT_MAX_WATCHERS,
     ):
         if auth.tls is None and not _is_loopback(listen):
             raise ValueError(f"plaintext gRPC would expose bearer tokens on {listen}: configure TLS "
                              "or listen on a loopback address")
-        if max_workers < 4:
-            raise ValueError("max_workers must be at least 4")
+        if max_workers < 4 or max_watchers < 1:
+            raise ValueError("max_workers must be at least 4, max_watchers at least 1")
         self.enforcer = enforcer or Enforcer()
         self._auth = auth
         self._listen = listen
         self._stopping = threading.Event()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="actuator"),
-                                   interceptors=[auth.interceptor()])
+        # A watch stream holds its worker thread for as long as the gateway
+        # watches; the pool has a thread per watcher on top of `max_workers`,
+        # so hundreds of watching gateways never starve the Check calls. A
+        # waiting thread costs a stack's resident pages, not CPU.
+        pool = futures.ThreadPoolExecutor(max_workers=max_workers + max_watchers, thread_name_prefix="actuator")
+        self._server = grpc.server(pool, interceptors=[auth.interceptor()])
         pb_grpc.add_ActuatorServicer_to_server(
-            ActuatorServicer(self.enforcer, max_watchers=max_workers // 2, stopping=self._stopping), self._server)
+            ActuatorServicer(self.enforcer, max_watchers=max_watchers, stopping=self._stopping), self._server)
         rls_pb2_grpc.add_RateLimitServiceServicer_to_server(
             RateLimitAdapter(self.enforcer, envoy_domain), self._server)
         self._health = health.HealthServicer()

@@ -152,11 +152,16 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_query(args: argparse.Namespace) -> int:
+    from clickhouse_connect.driver.exceptions import DatabaseError
+
     from ..store.embedded import open_store
 
-    store = open_store(args.store, serve=False)
+    store = open_store(args.store, serve=False, read_only=True)
     try:
         df = store.query_df(args.sql)
+    except DatabaseError as error:  # the store's own words, not a traceback
+        print(f"tokenprobe query: {error}", file=sys.stderr)
+        return 1
     finally:
         store.close()
     if args.format == "csv":

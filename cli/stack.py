@@ -73,7 +73,9 @@ def closed_loop(store_url: str, *, server_port: int, gateway_port: int, workdir:
         gateway = subprocess.Popen([
             sys.executable, "-m", "tokenprobe.actuator.proxy", "--upstream-url", f"http://127.0.0.1:{server_port}",
             "--upstream", upstream, "--actuator", f"127.0.0.1:{actuator_port}", "--token-file", str(token_file),
-            "--port", str(gateway_port), "--deadline", str(gateway_deadline_s)])
+            "--port", str(gateway_port), "--deadline", str(gateway_deadline_s),
+            # The load generator's clients name their tenants by header and hold no API keys.
+            "--trust-tenant-header"])
         cleanup.callback(stop_process, gateway)
         _wait_listening(gateway, gateway_port)
 

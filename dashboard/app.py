@@ -50,9 +50,9 @@ TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 @st.cache_resource(show_spinner="Opening the store…", on_release=Store.close)
 def connect(url: str, own_store: bool) -> Store:
-    # The dashboard only reads: an embedded store is reached through the agent that owns it. Only with
-    # --own-store does it open one nobody owns (never serving it on).
-    return open_store(url, serve=False, may_own=own_store)
+    # The dashboard only reads: an embedded store is reached through the agent that owns it, with its
+    # reader token. Only with --own-store does it open one nobody owns (never serving it on).
+    return open_store(url, serve=False, may_own=own_store, read_only=True)
 
 
 # --------------------------------------------------------------------------- formatting

@@ -42,14 +42,15 @@ class _Ownership:
         self.lock_fd = lock_fd
         self.server: StoreServer | None = None
 
-    def publish(self, server: StoreServer, token: str) -> None:
+    def publish(self, server: StoreServer, token: str, reader_token: str) -> None:
         """Start advertising ``server``: write the serve file atomically, readable by this user only."""
         self.server = server
         serve_file = self.directory / SERVE_FILE
         temporary = serve_file.with_name(f"{SERVE_FILE}.{os.getpid()}.tmp")
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(descriptor, "w") as handle:
-            json.dump({"pid": os.getpid(), "port": server.port, "token": token}, handle)
+            json.dump({"pid": os.getpid(), "port": server.port, "token": token, "reader_token": reader_token},
+                      handle)
         os.replace(temporary, serve_file)
 
     def stop_serving(self) -> None:
@@ -82,13 +83,14 @@ def _read_lock_owner(lock_path: Path) -> int | None:
 
 
 def open_store(url: str, *, serve: bool = True, owner_wait_s: float = DEFAULT_OWNER_WAIT_S,
-               may_own: bool = True) -> Store:
+               may_own: bool = True, read_only: bool = False) -> Store:
     """Open the store at ``url`` (see the module docstring).
 
     Embedded: become the directory's owner if no live process is, serving it to
     other processes when ``serve``; else connect to the owner, waiting up to
-    ``owner_wait_s`` for a starting owner to publish its serve file. A
-    long-lived reader passes ``may_own=False``: it never takes the directory
+    ``owner_wait_s`` for a starting owner to publish its serve file, with its
+    reader token when ``read_only`` (a server store is as read-only as the
+    user in its URL). A long-lived reader passes ``may_own=False``: it never takes the directory
     (an agent started after it could then only spool), and is refused with
     StoreUnavailable while no owner runs. Raises StoreUnavailable when the
     store cannot be reached.
@@ -96,7 +98,7 @@ def open_store(url: str, *, serve: bool = True, owner_wait_s: float = DEFAULT_OW
     target = parse_store_url(url)
     if target.kind == "server":
         return _open_server(target)
-    return _open_embedded(target, serve=serve, owner_wait_s=owner_wait_s, may_own=may_own)
+    return _open_embedded(target, serve=serve, owner_wait_s=owner_wait_s, may_own=may_own, read_only=read_only)
 
 
 def _open_server(target: StoreURL) -> Store:
@@ -116,16 +118,20 @@ def _open_server(target: StoreURL) -> Store:
     return Store(target, client, "server")
 
 
-def _open_embedded(target: StoreURL, *, serve: bool, owner_wait_s: float, may_own: bool) -> Store:
+def _open_embedded(target: StoreURL, *, serve: bool, owner_wait_s: float, may_own: bool,
+                   read_only: bool) -> Store:
     directory = Path(target.path)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        # The store holds what every request did, and the owner's tokens: this user's alone.
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if directory.stat().st_uid == os.getuid():
+            directory.chmod(0o700)
     except OSError as error:
         raise StoreUnavailable(f"cannot create the embedded store directory {directory}: {error}") from error
     lock_path = directory / LOCK_FILE
     deadline = time.monotonic() + owner_wait_s
     while True:
-        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -144,7 +150,7 @@ def _open_embedded(target: StoreURL, *, serve: bool, owner_wait_s: float, may_ow
         owner_pid = _read_lock_owner(lock_path)
         advert = _read_json(directory / SERVE_FILE)
         if owner_pid is not None and advert.get("pid") == owner_pid:
-            return _open_via_owner(target, owner_pid, advert)
+            return _open_via_owner(target, owner_pid, advert, read_only=read_only)
         if time.monotonic() >= deadline:
             raise StoreUnavailable(
                 f"embedded store {directory} is owned by pid {owner_pid or 'unknown'}, which does not serve it"
@@ -166,8 +172,8 @@ def _become_owner(target: StoreURL, directory: Path, lock_fd: int, *, serve: boo
         except ClickHouseError as error:
             raise StoreUnavailable(f"chDB cannot open {directory}: {error}") from error
         if serve:
-            token = secrets.token_urlsafe(32)
-            ownership.publish(StoreServer(str(directory), token), token)
+            token, reader_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+            ownership.publish(StoreServer(str(directory), token, reader_token=reader_token), token, reader_token)
     except BaseException:
         ownership.stop_serving()
         if client is not None:
@@ -177,13 +183,13 @@ def _become_owner(target: StoreURL, directory: Path, lock_fd: int, *, serve: boo
     return Store(target, client, "embedded-owner", ownership)
 
 
-def _open_via_owner(target: StoreURL, owner_pid: int, advert: dict) -> Store:
+def _open_via_owner(target: StoreURL, owner_pid: int, advert: dict, *, read_only: bool) -> Store:
     try:
         client = clickhouse_connect.get_client(
             host="127.0.0.1",
             port=int(advert["port"]),
             username="default",
-            password=str(advert["token"]),
+            password=str(advert["reader_token" if read_only else "token"]),
             # The owner is on this host: compression would only cost CPU on both ends.
             compress=False,
             autogenerate_session_id=False,

@@ -50,3 +50,10 @@ def budget(upstream: str, tenant: str, rate: float, burst: float, ttl: float = 6
 def apply(stub, decision: Decision) -> pb.ApplyDecisionResponse:
     return stub.ApplyDecision(pb.ApplyDecisionRequest(decision=wire.decision_to_proto(decision)),
                               metadata=auth_metadata(), timeout=RPC_TIMEOUT_S)
+
+
+def tokens_available(stub, upstream: str, tenant: str | None = None) -> float:
+    """What the budget on `upstream` (and `tenant`, if given) has left, as the actuator reports it."""
+    state = stub.GetState(pb.GetStateRequest(), metadata=auth_metadata(), timeout=RPC_TIMEOUT_S)
+    return next(t.tokens_available for t in state.targets if t.decision.target.upstream == upstream
+                and tenant in (None, t.decision.target.tenant))

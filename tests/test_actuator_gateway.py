@@ -18,21 +18,21 @@ from tokenprobe.actuator.auth import ClientAuth, ServerAuth
 from tokenprobe.actuator.engine import Enforcer, Verdict, VerdictKind
 from tokenprobe.actuator.gateway import (
     GatewayGuard,
+    InvalidRequest,
     estimate_request,
     rejection_response,
 )
 from tokenprobe.actuator.server import ActuatorServer
-from tokenprobe.actuator.v1 import actuator_pb2 as pb
+from tokenprobe.actuator.tenant import tenant_of_key
 from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc
 from tokenprobe.contract.decisions import BreakerState
 
 from tests.actuator_support import (
-    RPC_TIMEOUT_S,
     TOKEN,
     apply,
-    auth_metadata,
     breaker,
     budget,
+    tokens_available,
     unique_upstream,
 )
 from tests.support import free_port, wait_until
@@ -53,7 +53,33 @@ def test_estimate_prefers_max_completion_tokens_and_defaults():
     not_json = estimate_request(b"\xff" * 40, default_completion_tokens=10)
     assert (not_json.model, not_json.estimated_tokens) == ("", 20)
     assert estimate_request(b'[1, 2]', default_completion_tokens=10).estimated_tokens == 12
-    assert estimate_request(b'{"model": 5, "max_tokens": true}', default_completion_tokens=3).model == ""
+    assert estimate_request(b'{"model": 5, "max_tokens": null}', default_completion_tokens=3).model == ""
+
+
+@pytest.mark.parametrize("body, tokens", [
+    (b'{"max_tokens": 1000000000, "n": 1000000}', 131_072 * 128),  # capped by the context, n by 128
+    (b'{"max_tokens": 18446744073709551615}', 131_072),
+    (b'{"max_tokens": 100.0}', 100),
+    (b'{"options": {"num_predict": -1}}', 131_072),  # Ollama: until the context is full
+    (b'{"n_predict": -1, "prompt": "abcd"}', 131_072),  # llama.cpp
+    (b'{"parameters": {"max_new_tokens": 20}, "inputs": "abcd"}', 21),  # TGI
+    (b'{"sampling_params": {"max_new_tokens": 20, "n": 2}, "text": "abcd"}', 41),  # SGLang
+    (b'{"max_output_tokens": 9, "input": [{"role": "user", "content": "abcd"}]}', 10),  # Responses
+    (b'{"max_tokens": 9, "system": "abcd", "messages": []}', 10),  # Anthropic
+    (b"[" * 1_000_000 + b"]" * 1_000_000, 131_072),  # nested beyond reason: sized from its length, capped
+])
+def test_estimates_are_capped_by_the_context_length(body, tokens):
+    assert estimate_request(body, default_completion_tokens=0).estimated_tokens == tokens
+
+
+@pytest.mark.parametrize("body", [b'{"max_tokens": -1}', b'{"max_tokens": 18446744073709551616}',
+                                  b'{"max_tokens": 1.5}', b'{"max_tokens": "100"}', b'{"max_tokens": true}',
+                                  b'{"max_tokens": 1e30}',
+                                  b'{"n": -3}', b'{"max_tokens": NaN}', b'{"max_tokens": Infinity}',
+                                  b'{"options": {"num_predict": -3}}'])
+def test_nonsense_sizes_are_invalid_requests(body):
+    with pytest.raises(InvalidRequest):
+        estimate_request(body)
 
 
 def test_usage_scanner_reads_sse_split_anywhere():
@@ -129,13 +155,20 @@ class Upstream:
             await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
-async def call(app, body: bytes, *, path: str = "/v1/chat/completions", tenant: str = "acme", chunk: int = 64):
-    """Send one HTTP request through `app` as an ASGI server would; returns status, headers, body."""
+ACME_KEY = "sk-acme-0123456789"
+ACME = tenant_of_key(ACME_KEY)
+
+
+async def call(app, body: bytes, *, path: str = "/v1/chat/completions", api_key: str = ACME_KEY, chunk: int = 64):
+    """Send one HTTP request through `app` as an ASGI server would; returns status, headers, body.
+
+    The client also names itself in x-tenant-id, which the gateway believes only when told to."""
     messages = [{"type": "http.request", "body": body[i:i + chunk], "more_body": i + chunk < len(body)}
                 for i in range(0, max(len(body), 1), chunk)]
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
              "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"x-tenant-id", tenant.encode())],
+             "headers": [(b"content-type", b"application/json"), (b"x-tenant-id", b"acme"),
+                         (b"authorization", f"Bearer {api_key}".encode())],
              "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000)}
     pending = iter(messages)
 
@@ -174,11 +207,6 @@ def guard(server):
         yield opened
 
 
-def tokens_available(stub, upstream: str) -> float:
-    state = stub.GetState(pb.GetStateRequest(), metadata=auth_metadata(), timeout=RPC_TIMEOUT_S)
-    return next(t.tokens_available for t in state.targets if t.decision.target.upstream == upstream)
-
-
 def test_allowed_requests_pass_through_untouched(guard):
     upstream_app = Upstream()
     app = ActuatorMiddleware(upstream_app, guard, upstream=unique_upstream())
@@ -190,7 +218,7 @@ def test_allowed_requests_pass_through_untouched(guard):
 
 def test_spent_budget_answers_429_without_reaching_the_upstream(guard, stub):
     upstream = unique_upstream()
-    apply(stub, budget(upstream, "acme", rate=1.0, burst=1000.0))
+    apply(stub, budget(upstream, ACME, rate=1.0, burst=1000.0, ttl=300.0))
     upstream_app = Upstream()
     app = ActuatorMiddleware(upstream_app, guard, upstream=upstream)
     assert asyncio.run(call(app, chat(max_tokens=500)))[0] == 200  # 600 estimated, 510 settled
@@ -198,7 +226,7 @@ def test_spent_budget_answers_429_without_reaching_the_upstream(guard, stub):
     assert status == 429 and int(headers[b"retry-after"]) >= 100  # 110 tokens short at 1 token/s
     assert json.loads(answer)["error"]["type"] == "rate_limit_exceeded"
     assert len(upstream_app.bodies) == 1
-    assert asyncio.run(call(app, chat(max_tokens=500), tenant="globex"))[0] == 200  # another tenant
+    assert asyncio.run(call(app, chat(max_tokens=500), api_key="sk-globex"))[0] == 200  # another tenant
 
 
 def test_open_breaker_answers_503_and_other_routes_pass(guard, stub):
@@ -213,7 +241,7 @@ def test_open_breaker_answers_503_and_other_routes_pass(guard, stub):
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_reservation_is_settled_with_the_servers_usage(guard, stub, stream):
     upstream = unique_upstream()
-    apply(stub, budget(upstream, "acme", rate=0.001, burst=10_000.0))
+    apply(stub, budget(upstream, ACME, rate=0.001, burst=10_000.0))
     app = ActuatorMiddleware(Upstream(), guard, upstream=upstream)
     assert asyncio.run(call(app, chat(max_tokens=1000, stream=stream)))[0] == 200
     # Estimated 100 (prompt) + 1000 (max_tokens); the server counted 10 + 1000.
@@ -223,7 +251,7 @@ def test_reservation_is_settled_with_the_servers_usage(guard, stub, stream):
 
 def test_paced_request_is_delayed_not_rejected(guard, stub):
     upstream = unique_upstream()
-    apply(stub, budget(upstream, "acme", rate=1000.0, burst=1000.0, max_delay_s=5.0))
+    apply(stub, budget(upstream, ACME, rate=1000.0, burst=1000.0, max_delay_s=5.0))
     upstream_app = Upstream()
     app = ActuatorMiddleware(upstream_app, guard, upstream=upstream)
     assert asyncio.run(call(app, chat(max_tokens=900)))[0] == 200  # 910 tokens settled: 90 left

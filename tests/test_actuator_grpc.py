@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
@@ -83,7 +84,7 @@ def test_apply_check_and_get_state(stub):
 
 def test_budget_check_and_settle(stub):
     upstream = unique_upstream()
-    apply(stub, budget(upstream, "acme", rate=1.0, burst=1000.0))
+    apply(stub, budget(upstream, "acme", rate=1.0, burst=1000.0, ttl=600.0))
     admitted = check(stub, upstream, tokens=900)
     assert admitted.verdict == pb.VERDICT_ALLOW and admitted.reservation_id
     over = check(stub, upstream, tokens=500)
@@ -260,7 +261,7 @@ def rate_limit(channel, domain: str, *descriptors, hits_addend: int = 0, token: 
 
 def test_envoy_rate_limit_counts_tokens_in_the_same_buckets(stub, channel):
     upstream = unique_upstream()
-    apply(stub, budget(upstream, "acme", rate=1.0, burst=1000.0))
+    apply(stub, budget(upstream, "acme", rate=1.0, burst=1000.0, ttl=600.0))
     tenant = {"upstream": upstream, "tenant": "acme"}
     ok = rate_limit(channel, "tokenprobe", (tenant, 600))
     assert ok.overall_code == rls_pb2.RateLimitResponse.OK
@@ -344,6 +345,21 @@ def test_watching_gateway_picks_up_new_decisions(server, stub):
         assert watcher.check(upstream, "small", "acme", 1).allowed
         apply(stub, breaker(upstream, BreakerState.OPEN, cooldown_s=30.0, probe_share=0.1))
         wait_until(lambda: not watcher.check(upstream, "small", "acme", 1).allowed)
+
+
+def test_hundreds_of_watching_gateways_are_served_and_checks_still_answer():
+    upstream = unique_upstream()
+    with ActuatorServer(ServerAuth(bearer_tokens=frozenset({TOKEN}))) as running, \
+            grpc.insecure_channel(f"127.0.0.1:{running.port}") as opened, ExitStack() as watchers:
+        direct = pb_grpc.ActuatorStub(opened)
+        guards = [watchers.enter_context(GatewayGuard(f"127.0.0.1:{running.port}", ClientAuth(bearer_token=TOKEN),
+                                                      watch=True)) for _ in range(200)]
+        assert all(guard.wait_synced(WAIT_S) for guard in guards)
+        started = time.monotonic()
+        assert check(direct, upstream).verdict == pb.VERDICT_ALLOW
+        assert time.monotonic() - started < 1.0  # the watchers hold no thread Check needs
+        apply(direct, breaker(upstream, BreakerState.OPEN, cooldown_s=30.0, probe_share=0.1))
+        wait_until(lambda: not any(guard.check(upstream, "small", "acme", 1).allowed for guard in guards))
 
 
 def test_watching_gateway_with_no_actuator_allows_everything():

@@ -26,11 +26,13 @@ from tokenprobe.actuator.controller import (
     fair_share_level,
 )
 from tokenprobe.actuator.engine import (
+    MAX_REQUEST_TOKENS,
     DwellViolation,
     Enforcer,
     SubscriptionOverflow,
     VerdictKind,
 )
+from tokenprobe.actuator.tenant import DEFAULT_TENANT
 from tokenprobe.contract.decisions import (
     BreakerAction,
     BreakerState,
@@ -270,6 +272,31 @@ def test_under_estimate_is_charged_at_settlement():
     verdict = enforcer.check("vllm-a", "", "acme", 100)
     assert enforcer.settle(verdict.reservation_id, 1000) == 900
     assert not enforcer.check("vllm-a", "", "acme", 1).allowed
+
+
+def test_requests_without_a_tenant_pay_into_the_default_tenants_budget():
+    enforcer = Enforcer(clock=ManualClock())
+    enforcer.apply(budget_decision(T0, rate=1.0, burst=100.0, tenant=DEFAULT_TENANT))
+    assert enforcer.check("vllm-a", "", "", 100).kind == VerdictKind.ALLOW
+    assert not enforcer.check("vllm-a", "", "", 100).allowed  # leaving the tenant out escapes nothing
+    assert not enforcer.check("vllm-a", "", DEFAULT_TENANT, 100).allowed
+    assert enforcer.check("vllm-a", "", "acme", 100).allowed
+
+
+def test_debt_and_retry_after_are_bounded_whatever_the_counts():
+    clock = ManualClock()
+    enforcer = Enforcer(clock=clock)
+    enforcer.apply(budget_decision(T0, rate=0.001, burst=1000.0, ttl=60.0))
+    verdict = enforcer.check("vllm-a", "", "acme", 2 ** 64 - 1)  # what the wire can carry
+    assert verdict.kind == VerdictKind.ALLOW
+    enforcer.settle(verdict.reservation_id, 2 ** 64 - 1)
+    [status] = enforcer.status()
+    assert status.tokens_available >= 1000.0 - MAX_REQUEST_TOKENS
+    rejected = enforcer.check("vllm-a", "", "acme", 1)
+    # Refilling at 0.001 token/s would take half a year; the decision lapses in a minute.
+    assert (rejected.http_status, rejected.retry_after_s) == (429, pytest.approx(60.0))
+    enforcer.apply(breaker_decision(BreakerState.OPEN, T0, ttl=10.0, cooldown_s=300.0, probe_share=0.1))
+    assert enforcer.check("vllm-a", "", "acme", 1).retry_after_s == pytest.approx(10.0)
 
 
 def test_reservations_are_bounded_and_age_out():

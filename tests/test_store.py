@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 
 import clickhouse_connect
@@ -555,3 +556,197 @@ def test_a_batch_the_store_refuses_is_kept_aside_not_retried_forever(owner, tmp_
     rejected = tmp_path / "spool" / "rejected"
     assert len(list(rejected.glob("*.arrow"))) == 1
     assert "extra" in next(rejected.glob("*.reason.txt")).read_text()
+
+
+# --------------------------------------------------------------------------- attacks on the embedded store's server
+
+ATTACK_TOKEN = "attack-token-0123456789"
+BODY_LIMIT = 16 << 20
+# The owner may grow by a few copies of the body limit, never by what a client sends.
+RSS_GROWTH_LIMIT = 4 * BODY_LIMIT
+
+
+@pytest.fixture
+def guarded_server(owner, store_dir):
+    server = StoreServer(str(store_dir), ATTACK_TOKEN, max_body_bytes=BODY_LIMIT, max_connections=4,
+                         read_timeout_s=2.0)
+    yield server
+    server.close()
+
+
+def peak_rss_growth(attack) -> int:
+    """Bytes the owner's (this process's) peak resident set grew by while `attack` ran."""
+    def status(field: str) -> int:
+        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
+        return int(line.split()[1]) * 1024
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+    before = status("VmRSS:")
+    attack()
+    return status("VmHWM:") - before
+
+
+def send_and_answer(port: int, head: bytes, body: bytes = b"", *, body_repeats: int = 1) -> int | None:
+    """Send a head, then `body` `body_repeats` times from another thread; the answer's status (None: cut off)."""
+    connection = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+
+    def pour():
+        try:
+            connection.sendall(head)
+            for _ in range(body_repeats):
+                connection.sendall(body)
+            connection.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the server answered and closed without reading it all: the point
+    sender = threading.Thread(target=pour)
+    sender.start()
+    try:
+        answer = connection.recv(4096)
+    except OSError:
+        answer = b""
+    sender.join()
+    connection.close()
+    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/") else None
+
+
+def head(*fields: str, token: str = ATTACK_TOKEN, query: str = "SELECT+1") -> bytes:
+    lines = [f"POST /?query={query} HTTP/1.1", "Host: store", f"X-ClickHouse-Key: {token}", *fields]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+MIB = b"\0" * (1 << 20)
+
+
+def still_serving(server: StoreServer) -> bool:
+    status, _, body = http(server.port, "query=SELECT+1", None, {"X-ClickHouse-Key": ATTACK_TOKEN})
+    return (status, body) == (200, b"1\n")
+
+
+def test_unauthenticated_body_is_never_read(guarded_server):
+    # The head alone is answered: the server waits for none of the 10 MiB it announces.
+    status = send_and_answer(guarded_server.port, head("Content-Length: 10485760", token="wrong-token-0123456789"))
+    assert status == 401 and still_serving(guarded_server)
+
+
+@pytest.mark.parametrize("framing, expected", [
+    (("Content-Length: -1",), 400),
+    (("Content-Length: 1_0",), 400),
+    (("Content-Length: 99999999999",), 413),
+    (("Content-Length: 5", "Transfer-Encoding: chunked"), 400),
+    (("Transfer-Encoding: chunked",), 400),  # followed by a chunk size of -1
+])
+def test_bad_lengths_are_refused_without_reading_the_body(guarded_server, framing, expected):
+    chunked = "Transfer-Encoding: chunked" in framing and len(framing) == 1
+    statuses = []
+    growth = peak_rss_growth(lambda: statuses.append(send_and_answer(
+        guarded_server.port, head(*framing) + (b"-1\r\n" if chunked else b""), MIB, body_repeats=256)))
+    assert statuses[0] in (expected, None)  # None: the 256 MiB still pouring in cut the answer off
+    assert growth < RSS_GROWTH_LIMIT, f"the owner grew by {growth >> 20} MiB"
+    assert still_serving(guarded_server)
+
+
+def _bomb(compressor, flush) -> bytes:
+    return b"".join(compressor(MIB) for _ in range(1024)) + flush()  # 1 GiB of zeros
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "zstd"])
+def test_decompression_bombs_stop_at_the_limit(guarded_server, encoding):
+    if encoding == "gzip":
+        packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    else:
+        from backports import zstd
+        packer = zstd.ZstdCompressor()
+    bomb = _bomb(packer.compress, packer.flush)
+    assert len(bomb) < BODY_LIMIT
+    statuses = []
+    growth = peak_rss_growth(lambda: statuses.append(send_and_answer(
+        guarded_server.port, head(f"Content-Length: {len(bomb)}", f"Content-Encoding: {encoding}"), bomb)))
+    assert statuses == [413]
+    assert growth < RSS_GROWTH_LIMIT, f"the owner grew by {growth >> 20} MiB"
+    assert still_serving(guarded_server)
+
+
+def test_connections_are_bounded_and_idle_ones_time_out(guarded_server):
+    idle = [socket.create_connection(("127.0.0.1", guarded_server.port), timeout=WAIT_S) for _ in range(4)]
+    try:
+        time.sleep(0.2)  # the four are being served (waiting for a request line)
+        assert send_and_answer(guarded_server.port, head("Content-Length: 0")) == 503
+        # A connection that sends nothing is closed after the read timeout, and frees its worker.
+        started = time.monotonic()
+        assert idle[0].recv(1) == b""
+        assert time.monotonic() - started < 2.0 + 1.5
+    finally:
+        for connection in idle:
+            connection.close()
+    wait_until(lambda: still_serving(guarded_server))
+
+
+# --------------------------------------------------------------------------- the reader's credential
+
+READER_TOKEN = "reader-token-0123456789"
+
+
+@pytest.fixture
+def two_token_server(owner, store_dir):
+    server = StoreServer(str(store_dir), ATTACK_TOKEN, reader_token=READER_TOKEN)
+    yield server
+    server.close()
+
+
+def run_sql(server: StoreServer, sql: str, token: str, query: str = "") -> tuple[int, bytes]:
+    status, _, body = http(server.port, query, sql.encode(), {"X-ClickHouse-Key": token})
+    return status, body
+
+
+def test_reader_reads_and_changes_settings_but_writes_nothing(two_token_server):
+    assert run_sql(two_token_server, "SELECT count() FROM tokenprobe.requests", READER_TOKEN) == (200, b"0\n")
+    assert run_sql(two_token_server, "SELECT 1", READER_TOKEN, "max_threads=2")[0] == 200
+    for sql in ("INSERT INTO tokenprobe.requests (conn_id) VALUES (1)", "DROP TABLE tokenprobe.requests",
+                "CREATE TABLE tokenprobe.mine (x UInt8) ENGINE = Memory", "SYSTEM DROP DNS CACHE",
+                "TRUNCATE TABLE tokenprobe.requests"):
+        status, body = run_sql(two_token_server, sql, READER_TOKEN)
+        assert status == 403 and b"READONLY" in body, (sql, body)
+    # A reader cannot lift readonly with a setting of its own.
+    status, body = run_sql(two_token_server, "SELECT 1", READER_TOKEN, "readonly=0")
+    assert status == 403 and b"readonly" in body
+    assert run_sql(two_token_server, "SELECT count() FROM tokenprobe.requests", ATTACK_TOKEN) == (200, b"0\n")
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT * FROM file('/etc/hostname', 'LineAsString')",
+    "SELECT * FROM `file`('/etc/hostname', 'LineAsString')",
+    "SELECT * FROM FILE('/etc/hostname', 'LineAsString')",
+    "-- it's\nSELECT * FROM file('/etc/hostname', 'LineAsString')",
+    "SELECT * FROM url('http://127.0.0.1:1/', 'LineAsString')",
+    "SELECT * FROM s3('http://127.0.0.1:1/b/k', 'CSV')",
+    "SELECT * FROM remote('127.0.0.1:9000', system.one)",
+    "SELECT * FROM mysql('127.0.0.1:3306', 'd', 't', 'u', 'p')",
+    "SELECT * FROM executable('x.sh', 'TSV', 'x String')",
+    "SELECT (SELECT count() FROM file('/etc/hostname', 'LineAsString'))",
+    "INSERT INTO FUNCTION file('/tmp/tokenprobe-out.tsv', 'TSV', 'x UInt8') VALUES (1)",
+    "CREATE TABLE tokenprobe.leak (x String) ENGINE = URL('http://127.0.0.1:1/', 'CSV')",
+    "CREATE DICTIONARY tokenprobe.d (k UInt64, v String) PRIMARY KEY k SOURCE(HTTP(url 'http://127.0.0.1:1/' "
+    "format 'TSV')) LIFETIME(0) LAYOUT(FLAT())",
+    "SELECT 1 INTO OUTFILE '/tmp/tokenprobe-out.tsv'",
+    "INSERT INTO tokenprobe.requests FROM INFILE '/etc/hostname' FORMAT LineAsString",
+])
+@pytest.mark.parametrize("token", [READER_TOKEN, ATTACK_TOKEN], ids=["reader", "writer"])
+def test_nothing_reaches_files_urls_or_other_servers(two_token_server, sql, token):
+    status, body = run_sql(two_token_server, sql, token)
+    assert status == 403 and b"ACCESS_DENIED" in body, body
+
+
+def test_store_directory_and_its_secrets_are_the_owners_alone(owner, store_dir):
+    assert store_dir.stat().st_mode & 0o777 == 0o700
+    for name in (SERVE_FILE, ".tokenprobe.lock"):
+        assert (store_dir / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def test_tokenprobe_query_reads_with_the_reader_token(owner, store_dir):
+    command = [sys.executable, "-m", "tokenprobe", "query", "--store", f"chdb://{store_dir}"]
+    reads = subprocess.run([*command, "SELECT count() AS n FROM tokenprobe.requests"], capture_output=True,
+                           text=True, timeout=120)
+    drops = subprocess.run([*command, "DROP TABLE tokenprobe.requests"], capture_output=True, text=True,
+                           timeout=120)
+    assert reads.returncode == 0 and "0" in reads.stdout, reads.stderr
+    assert drops.returncode == 1 and "readonly" in drops.stderr.lower() and "Traceback" not in drops.stderr
+    assert owner.query_rows("EXISTS TABLE tokenprobe.requests") == [(1,)]
