@@ -1,0 +1,111 @@
+"""Real HTTP/2 bytes from the h2 library's client and server state machines, in memory.
+
+`H2Wire` connects an h2 client and server back to back and records every
+flush as one segment — (ts, is_request, bytes) — the way the probes see one
+write(): each side's `data_to_send()` after an action is one call. Both
+machines check every frame, so the bytes are what a conforming peer sends.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import h2.config
+import h2.connection
+
+T0 = 1_000_000
+STEP_NS = 1_000
+
+
+class H2Wire:
+    def __init__(self, *, server_settings: dict | None = None) -> None:
+        self.client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.server = h2.connection.H2Connection(h2.config.H2Configuration(
+            client_side=False, validate_inbound_headers=False))
+        self.segments: list[tuple[int, bool, bytes]] = []
+        self.ts = T0
+        self.server.initiate_connection()
+        if server_settings:
+            self.server.update_settings(server_settings)
+        self.client.initiate_connection()
+        self.flush(server_first=True)  # a server may write its SETTINGS before the preface arrives
+
+    def flush(self, server_first: bool = False) -> int:
+        """Deliver what both sides wrote, one segment per side and turn, until quiet.
+        Returns the timestamp of the last segment written."""
+        sides = [(self.client, self.server, True), (self.server, self.client, False)]
+        if server_first:
+            sides.reverse()
+        moved = True
+        while moved:
+            moved = False
+            for sender, receiver, is_request in sides:
+                data = sender.data_to_send()
+                if data:
+                    self.ts += STEP_NS
+                    self.segments.append((self.ts, is_request, data))
+                    receiver.receive_data(data)
+                    moved = True
+        return self.ts
+
+    def request(self, stream_id: int, headers: list[tuple[str, str]], body: bytes | None) -> int:
+        """Headers and body as two writes; returns the body's (the request's last byte)."""
+        self.client.send_headers(stream_id, headers, end_stream=body is None)
+        self.flush()
+        if body is not None:
+            self.client.send_data(stream_id, body, end_stream=True)
+            self.flush()
+        return self.ts
+
+    def respond(self, stream_id: int, headers: list[tuple[str, str]]) -> int:
+        self.server.send_headers(stream_id, headers)
+        return self.flush()
+
+    def send(self, stream_id: int, data: bytes, *, end_stream: bool = False,
+             pad_length: int | None = None) -> int:
+        self.server.send_data(stream_id, data, end_stream=end_stream, pad_length=pad_length)
+        return self.flush()
+
+    def trailers(self, stream_id: int, headers: list[tuple[str, str]]) -> int:
+        self.server.send_headers(stream_id, headers, end_stream=True)
+        return self.flush()
+
+
+def chat_request(stream_id_headers: list[tuple[str, str]] | None = None,
+                 path: str = "/v1/chat/completions") -> tuple[list[tuple[str, str]], bytes]:
+    body = json.dumps({"model": "llama-3-8b", "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    headers = [(":method", "POST"), (":scheme", "http"), (":authority", "gpu-node:8000"),
+               (":path", path + "?api-version=1"), ("content-type", "application/json"),
+               ("content-length", str(len(body))), *(stream_id_headers or [])]
+    return headers, body
+
+
+SSE_RESPONSE = [(":status", "200"), ("content-type", "text/event-stream")]
+
+
+def sse_chunk(content: str | None = None, *, role: bool = False, usage: tuple | None = None) -> bytes:
+    """One OpenAI chat.completion.chunk event, as vLLM writes it."""
+    delta = {"role": "assistant", "content": ""} if role else {"content": content}
+    event = {"id": "chatcmpl-42", "object": "chat.completion.chunk", "model": "llama-3-8b",
+             "choices": [] if usage else [{"index": 0, "delta": delta, "finish_reason": None}]}
+    if usage:
+        event["usage"] = {"prompt_tokens": usage[0], "completion_tokens": usage[1],
+                          "total_tokens": sum(usage)}
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def grpc_message(payload: bytes, compressed: bool = False) -> bytes:
+    return struct.pack(">BL", int(compressed), len(payload)) + payload
+
+
+def grpc_request(path: str = "/inference.Generator/Generate") -> list[tuple[str, str]]:
+    return [(":method", "POST"), (":scheme", "http"), (":authority", "gpu-node:50051"),
+            (":path", path), ("content-type", "application/grpc"), ("te", "trailers")]
+
+
+GRPC_RESPONSE = [(":status", "200"), ("content-type", "application/grpc+proto")]
