@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import h2.settings
 import hyperframe.frame
 import pytest
 from hypothesis import given, settings
@@ -106,7 +107,8 @@ def test_streamed_sse_chat_completion_over_h2c():
 
 
 def test_interleaved_concurrent_streams_each_get_their_own_row():
-    wire = H2Wire()
+    # A larger table than HPACK's default: the client's encoder announces it in a block.
+    wire = H2Wire(server_settings={h2.settings.SettingCodes.HEADER_TABLE_SIZE: 65536})
     expected = {}
     for stream_id in (1, 3, 5):
         headers, body = chat_request([("x-tenant-id", f"t{stream_id}")])
@@ -178,6 +180,22 @@ def split(segments, cuts: dict[int, list[int]]):
         bounds = [0, *sorted(set(cuts.get(index, []))), len(data)]
         pieces += [(ts, is_request, data[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
     return pieces
+
+
+def test_timestamps_come_from_the_segment_holding_the_byte():
+    # The GET's HEADERS frame (its first byte starts the request, its last ends it) and the
+    # response's last write, each cut after their first byte, the rest written 500 ns later.
+    request_at = next(i for i, (_, req, data) in enumerate(SHORT) if req and data[3] == 1)
+    pieces = []
+    for index, (ts, is_request, data) in enumerate(SHORT):
+        if index in (request_at, len(SHORT) - 1):
+            pieces += [(ts, is_request, data[:1]), (ts + 500, is_request, data[1:])]
+        else:
+            pieces.append((ts, is_request, data))
+    [row], _ = feed(pieces)
+    [whole] = SHORT_ROWS
+    assert (row.req_start_ns, row.req_end_ns) == (whole.req_start_ns, whole.req_end_ns + 500)
+    assert (row.resp_start_ns, row.resp_end_ns) == (whole.resp_start_ns, whole.resp_end_ns + 500)
 
 
 def test_every_single_byte_offset_split_gives_the_same_rows():
@@ -255,6 +273,39 @@ def test_gap_inside_data_only_costs_that_streams_events():
     assert assembler.unreadable is None
     assert row.outcome == "complete" and "were not captured" in row.error
     assert row.token_event_ns[-1] == last and 2 <= len(row.token_event_ns) < 21
+
+
+@pytest.mark.parametrize("pad_length", [None, 40])
+def test_gap_over_a_frame_header_is_unreadable_but_one_hiding_padding_is_not(pad_length):
+    wire = H2Wire()
+    wire.request(1, *chat_request())
+    wire.respond(1, SSE_RESPONSE)
+    events = b"".join(sse_chunk(f"t{i}") for i in range(20))
+    wire.server.send_data(1, events[:1500], pad_length=pad_length)
+    big = wire.send(1, events[1500:])  # two DATA frames in one write
+    last = wire.send(1, sse_chunk("last"))
+    wire.send(1, SSE_DONE, end_stream=True)
+    index = next(i for i, seg in enumerate(wire.segments) if seg[0] == big)
+    segment = wire.segments[index]
+    assert len(segment[2]) > 1509
+    first_frame = 9 + (1 + 1500 + 40 if pad_length else 1500)
+    described = [(ts, req, data, len(data), b"") for ts, req, data in wire.segments]
+
+    # The first frame's payload not captured (with it the pad length: how much of it
+    # was data is unknown); the second frame, in the tail, still read.
+    described[index] = with_gap(segment, 9, len(segment[2]) - first_frame)
+    assembler = Http2ConnectionAssembler(fingerprint_key=KEY)
+    [row] = feed_described(assembler, described)
+    assert assembler.unreadable is None and row.outcome == "complete"
+    assert row.token_event_ns[-1] == last and f"{first_frame - 9} bytes" in row.error
+
+    # A gap that runs on past the first frame hides the second frame's header.
+    described = [(ts, req, data, len(data), b"") for ts, req, data in wire.segments]
+    described[index] = with_gap(segment, first_frame - 5, len(segment[2]) - first_frame - 2)
+    assembler = Http2ConnectionAssembler(fingerprint_key=KEY)
+    rows = feed_described(assembler, described)
+    assert assembler.unreadable == "h2_gap" and "frame header" in assembler.error
+    assert [(row.outcome, row.error) for row in rows] == [("truncated", assembler.error)]
 
 
 def test_adopted_mid_connection_is_unreadable_never_guessed():

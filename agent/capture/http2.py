@@ -164,7 +164,8 @@ class Http2ConnectionAssembler:
         if not isinstance(max_header_bytes, int) or max_header_bytes < 64:
             raise ValueError("max_header_bytes must be an integer of at least 64")
         self._fingerprint_key = bytes(fingerprint_key)
-        self._tenant_header = tenant_header_name(tenant_header)
+        tenant_header = tenant_header_name(tenant_header)
+        self._tenant_field = None if tenant_header is None else tenant_header.encode("ascii")
         self._on_request_start = on_request_start
         self._max_header_bytes = max_header_bytes
         self._streams: dict[int, _Stream] = {}
@@ -307,7 +308,7 @@ class Http2ConnectionAssembler:
         if stream.request_headers_seen:  # trailers: nothing in them is recorded
             return
         stream.request_headers_seen = True
-        tenant_header = self._tenant_header
+        tenant_field = self._tenant_field
         exchange = stream.exchange
         content_type = ""
         for name, value in fields:
@@ -317,7 +318,7 @@ class Http2ConnectionAssembler:
                 exchange.path = _path_of(value)
             elif name == b"content-type":
                 content_type = value.decode("latin-1").lower()
-            elif tenant_header is not None and name == tenant_header.encode() and not exchange.tenant:
+            elif name == tenant_field and not exchange.tenant:
                 exchange.tenant = tenant_id(value.decode("latin-1"))
         if is_grpc(content_type):
             exchange.api = "grpc"
@@ -484,21 +485,26 @@ class _Direction:
                 return
 
     def gap(self, ts: int, nbytes: int) -> None:
-        if self.state == _PAYLOAD and self._ftype == _DATA and nbytes <= self._left:
-            # Inside a DATA payload the frame boundaries stay known: only body bytes are lost.
-            self._left -= nbytes
+        # Inside a payload the frame boundaries stay known: a gap there costs DATA
+        # body bytes, or nothing when it covers only bytes that are skipped anyway.
+        within_payload = self.state == _PAYLOAD and nbytes <= self._left
+        if within_payload and self._ftype == _DATA:
             if self._pad_pending:  # the split between data and padding is unknown now
                 self._pad_pending = False
                 self._data_hidden = True
             if self._data_hidden:
                 self._body_gap(ts, nbytes)
             else:
-                hidden = min(nbytes, self._data_left)
+                hidden = min(nbytes, self._data_left)  # what follows the data is padding
                 self._data_left -= hidden
                 self._body_gap(ts, hidden)
-            if not self._left:
-                self._frame_done(ts)
-            return
+        elif not (within_payload and len(self._buf) >= self._keep):
+            self._raise_gap(nbytes)
+        self._left -= nbytes
+        if not self._left:
+            self._frame_done(ts)
+
+    def _raise_gap(self, nbytes: int) -> None:
         if self.state == _PREFACE:
             where = "the connection preface"
         elif self.state == _FRAME or self._ftype == _DATA:
