@@ -1,5 +1,6 @@
-"""The HTTP/2 assembler against a real server and client: hypercorn serving an ASGI
-SSE app over h2c (prior knowledge), httpx talking HTTP/2 to it over loopback.
+"""The HTTP/2 assembler against real servers and clients: hypercorn serving an ASGI
+SSE app over h2c (prior knowledge) to httpx, and a grpcio server-streaming call
+(gRPC's C core on both ends), over loopback.
 
 Between them a TCP relay records every recv() of each direction with its
 monotonic time: the segments the probes would report for the server's socket
@@ -14,7 +15,9 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import pytest
 from hypercorn.asyncio import serve
@@ -172,3 +175,59 @@ def test_hypercorn_h2c_sse_streams_match_what_the_client_saw(hypercorn_h2c):
         assert all(relayed <= read for relayed, read in zip(row.token_event_ns, client["token_seen_ns"]))
         assert row.token_event_ns == sorted(row.token_event_ns)
         assert row.token_event_ns[0] >= row.resp_start_ns and row.resp_end_ns <= client["done_ns"]
+
+
+def generate(request: bytes, context):
+    """Server-streaming: request[0] messages, then OK, or an error status when request[1] is set."""
+    for i in range(request[0]):
+        time.sleep(0.002)
+        yield b"\x0a\x04tok%d" % i
+    if request[1]:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache full: 100%")
+
+
+@pytest.fixture
+def grpc_server():
+    server = grpc.server(ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "inference.Generator", {"Generate": grpc.unary_stream_rpc_method_handler(generate)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield port
+    server.stop(None)
+
+
+def test_grpc_server_streaming_calls_match_what_the_client_saw(grpc_server):
+    relay = Relay(grpc_server)
+    seen = []
+    with grpc.insecure_channel(f"127.0.0.1:{relay.port}") as channel:
+        call = channel.unary_stream("/inference.Generator/Generate")
+        for count, fail in ((5, 0), (3, 1)):
+            times, code, details = [], grpc.StatusCode.OK, None
+            try:
+                for _ in call(bytes([count, fail])):
+                    times.append(time.monotonic_ns())
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details()
+            seen.append((times, code.value[0], details))
+    assert relay.done.wait(30), "the client's connection did not close"
+
+    assembler = Http2ConnectionAssembler(fingerprint_key=b"k")
+    rows = []
+    for ts, is_request, data in relay.segments:
+        feed = assembler.feed_request_bytes if is_request else assembler.feed_response_bytes
+        rows += feed(ts, data, len(data))
+    rows += assembler.close(relay.segments[-1][0], "client_closed")
+
+    assert assembler.unreadable is None, assembler.error
+    assert [(row.grpc_status, row.grpc_message) for row in rows] == \
+        [(code, details) for _, code, details in seen] == [(0, None), (8, "KV cache full: 100%")]
+    for row, (times, _, _) in zip(rows, seen):
+        assert (row.api, row.method, row.path, row.status, row.outcome, row.error) == \
+            ("grpc", "POST", "/inference.Generator/Generate", 200, "complete", None)
+        assert (row.request_messages, row.request_message_bytes) == (1, 2)
+        assert row.response_messages == len(times) and row.response_message_bytes == 6 * len(times)
+        assert len(row.token_event_ns) == len(times)
+        assert all(sent <= read for sent, read in zip(row.token_event_ns, times))
+        assert row.req_start_ns <= row.req_end_ns <= row.resp_start_ns <= row.token_event_ns[0]
+        assert row.token_event_ns[-1] <= row.resp_end_ns

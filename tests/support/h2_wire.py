@@ -13,6 +13,7 @@ import struct
 
 import h2.config
 import h2.connection
+import h2.events
 
 T0 = 1_000_000
 STEP_NS = 1_000
@@ -32,11 +33,13 @@ class H2Wire:
         self.flush(server_first=True)  # a server may write its SETTINGS before the preface arrives
 
     def flush(self, server_first: bool = False) -> int:
-        """Deliver what both sides wrote, one segment per side and turn, until quiet.
-        Returns the timestamp of the last segment written."""
+        """Deliver what both sides wrote, one segment per side and turn, until quiet;
+        the client acknowledges DATA (WINDOW_UPDATE) as a real one does. Returns the
+        timestamp of the first segment: the write of the side that just acted."""
         sides = [(self.client, self.server, True), (self.server, self.client, False)]
         if server_first:
             sides.reverse()
+        first_ts = None
         moved = True
         while moved:
             moved = False
@@ -44,19 +47,23 @@ class H2Wire:
                 data = sender.data_to_send()
                 if data:
                     self.ts += STEP_NS
+                    first_ts = first_ts or self.ts
                     self.segments.append((self.ts, is_request, data))
-                    receiver.receive_data(data)
+                    for event in receiver.receive_data(data):
+                        if isinstance(event, h2.events.DataReceived) and receiver is self.client:
+                            self.client.acknowledge_received_data(event.flow_controlled_length,
+                                                                  event.stream_id)
                     moved = True
-        return self.ts
+        return first_ts
 
     def request(self, stream_id: int, headers: list[tuple[str, str]], body: bytes | None) -> int:
         """Headers and body as two writes; returns the body's (the request's last byte)."""
         self.client.send_headers(stream_id, headers, end_stream=body is None)
-        self.flush()
+        last = self.flush()
         if body is not None:
             self.client.send_data(stream_id, body, end_stream=True)
-            self.flush()
-        return self.ts
+            last = self.flush()
+        return last
 
     def respond(self, stream_id: int, headers: list[tuple[str, str]]) -> int:
         self.server.send_headers(stream_id, headers)
