@@ -308,6 +308,49 @@ def test_gap_over_a_frame_header_is_unreadable_but_one_hiding_padding_is_not(pad
     assert [(row.outcome, row.error) for row in rows] == [("truncated", assembler.error)]
 
 
+def mixed_connection() -> H2Wire:
+    """Two SSE streams and a gRPC stream, interleaved, with large writes."""
+    wire = H2Wire()
+    wire.request(1, *chat_request())
+    wire.request(3, grpc_request(), grpc_message(b"\x0a\x02hi"))
+    wire.request(5, *chat_request())
+    for stream_id, headers in ((1, SSE_RESPONSE), (3, GRPC_RESPONSE), (5, SSE_RESPONSE)):
+        wire.respond(stream_id, headers)
+    for i in range(6):
+        wire.server.send_data(1, b"".join(sse_chunk(f"a{i}.{j}") for j in range(8)))
+        wire.server.send_data(3, b"".join(grpc_message(b"m" * (40 * j)) for j in range(i + 2)))
+        wire.send(5, sse_chunk(f"b{i}"))
+    wire.send(1, SSE_DONE, end_stream=True)
+    wire.trailers(3, [("grpc-status", "0")])
+    wire.send(5, SSE_DONE, end_stream=True)
+    return wire
+
+
+MIXED = mixed_connection().segments
+MIXED_ROWS = {row.stream_id: row for row in feed(MIXED)[0]}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from([i for i, seg in enumerate(MIXED) if not seg[1]]),
+                       st.tuples(st.integers(0, 2000), st.integers(0, 2000)), max_size=4))
+def test_a_row_without_error_is_exactly_right_whatever_the_capture_missed(captures):
+    """Response writes captured as head + tail only, at random sizes: the connection may
+    become unreadable and rows may carry errors, but a row that says it is complete
+    and error-free equals the row of the full capture, and every stream is returned once."""
+    described = [(ts, req, data, len(data), b"") for ts, req, data in MIXED]
+    for index, (head, tail) in captures.items():
+        described[index] = with_gap(MIXED[index], head, min(tail, max(0, len(MIXED[index][2]) - head)))
+    started = []
+    assembler = Http2ConnectionAssembler(fingerprint_key=KEY, on_request_start=started.append)
+    rows = feed_described(assembler, described) + assembler.close(MIXED[-1][0] + 1, "server_closed")
+
+    assert sorted(map(id, rows)) == sorted(map(id, started))
+    assert assembler.unreadable in (None, "h2_gap")
+    for row in rows:
+        if row.outcome == "complete" and row.error is None:
+            assert row == MIXED_ROWS[row.stream_id]
+
+
 def test_adopted_mid_connection_is_unreadable_never_guessed():
     wire = H2Wire()
     streamed_chat(wire, 1, ["a"])
