@@ -9,13 +9,18 @@ carried the byte in question, taken from the same run.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import h2.settings
 import hyperframe.frame
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenprobe.agent.capture.grpc_stream import GrpcMessages, grpc_message_text, is_grpc
+from tokenprobe.agent.capture.grpc_stream import (
+    GrpcMessages,
+    grpc_message_text,
+    is_grpc,
+)
 from tokenprobe.agent.capture.http2 import (
     PREFACE,
     UNREADABLE_REASONS,
@@ -29,6 +34,7 @@ from tests.support.h2_wire import (
     SSE_DONE,
     SSE_RESPONSE,
     H2Wire,
+    assemble,
     chat_request,
     grpc_message,
     grpc_request,
@@ -41,13 +47,7 @@ KEY = b"h2-test-key"
 def feed(segments, assembler: Http2ConnectionAssembler | None = None,
          close: str | None = "server_closed") -> tuple[list[H2Exchange], Http2ConnectionAssembler]:
     assembler = assembler or Http2ConnectionAssembler(fingerprint_key=KEY)
-    records: list[H2Exchange] = []
-    for ts, is_request, data in segments:
-        feed_one = assembler.feed_request_bytes if is_request else assembler.feed_response_bytes
-        records += feed_one(ts, data, len(data))
-    if close:
-        records += assembler.close(segments[-1][0] + 1, close)
-    return records, assembler
+    return assemble(segments, assembler, close), assembler
 
 
 def frame_types(segments, is_request: bool) -> list[str]:
@@ -74,8 +74,8 @@ def streamed_chat(wire: H2Wire, stream_id: int, texts: list[str], *, tenant: str
     tokens = [wire.send(stream_id, sse_chunk(text), pad_length=pad_length) for text in texts]
     wire.send(stream_id, sse_chunk(usage=(7, len(texts))))
     resp_end = wire.send(stream_id, SSE_DONE, end_stream=True)
-    return dict(req_start_ns=req_start, req_end_ns=req_end, resp_start_ns=resp_start,
-                resp_end_ns=resp_end, token_event_ns=tokens)
+    return {"req_start_ns": req_start, "req_end_ns": req_end, "resp_start_ns": resp_start,
+            "resp_end_ns": resp_end, "token_event_ns": tokens}
 
 
 def test_streamed_sse_chat_completion_over_h2c():
@@ -178,7 +178,7 @@ def split(segments, cuts: dict[int, list[int]]):
     pieces = []
     for index, (ts, is_request, data) in enumerate(segments):
         bounds = [0, *sorted(set(cuts.get(index, []))), len(data)]
-        pieces += [(ts, is_request, data[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+        pieces += [(ts, is_request, data[a:b]) for a, b in itertools.pairwise(bounds) if b > a]
     return pieces
 
 
@@ -239,7 +239,7 @@ def test_gap_inside_a_header_block_makes_the_connection_unreadable():
     streamed_chat(wire, 3, ["b", "c"])  # stream 3's HEADERS refer to stream 1's table entries
     streamed_chat(wire, 5, ["d"])
     described = [(ts, req, data, len(data), b"") for ts, req, data in wire.segments]
-    ts, is_request, data = wire.segments[headers_at]
+    _, is_request, data = wire.segments[headers_at]
     assert is_request and frame_types([wire.segments[headers_at]], True)[0] == "HeadersFrame"
     assert len(data) > 9 + 2 + 2  # a HEADERS frame whose block uses stream 1's table entries
     described[headers_at] = with_gap(wire.segments[headers_at], 9 + 2, 2)  # hides part of the block
@@ -413,7 +413,7 @@ def grpc_call(wire: H2Wire, stream_id: int, messages: list[bytes], frames: list[
         ends.append(offset)
     bounds = [0, *frames, len(body)]
     times = []
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         ts = wire.send(stream_id, body[a:b])
         times += [ts for end in ends if a < end <= b]
     wire.trailers(stream_id, trailers)

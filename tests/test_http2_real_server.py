@@ -24,7 +24,8 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config
 from tokenprobe.agent.capture.http2 import Http2ConnectionAssembler
 
-from tests.support import free_port, wait_for_port
+from tests.support import asgi_body, free_port, wait_for_port
+from tests.support.h2_wire import assemble
 
 TOKENS = 12
 
@@ -33,13 +34,7 @@ async def sse_app(scope, receive, send):
     """A streamed chat completion: role chunk, TOKENS text chunks, usage, [DONE]."""
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
-    request = json.loads(body)
+    request = json.loads(await asgi_body(receive))
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})
 
@@ -153,11 +148,7 @@ def test_hypercorn_h2c_sse_streams_match_what_the_client_saw(hypercorn_h2c):
     assert relay.done.wait(30), "the client's connection did not close"
 
     assembler = Http2ConnectionAssembler(fingerprint_key=b"k")
-    rows = []
-    for ts, is_request, data in relay.segments:
-        feed = assembler.feed_request_bytes if is_request else assembler.feed_response_bytes
-        rows += feed(ts, data, len(data))
-    rows += assembler.close(relay.segments[-1][0], "client_closed")
+    rows = assemble(relay.segments, assembler, "client_closed")
 
     assert assembler.unreadable is None, assembler.error
     assert sorted(row.tenant for row in rows) == sorted(seen)
@@ -213,11 +204,7 @@ def test_grpc_server_streaming_calls_match_what_the_client_saw(grpc_server):
     assert relay.done.wait(30), "the client's connection did not close"
 
     assembler = Http2ConnectionAssembler(fingerprint_key=b"k")
-    rows = []
-    for ts, is_request, data in relay.segments:
-        feed = assembler.feed_request_bytes if is_request else assembler.feed_response_bytes
-        rows += feed(ts, data, len(data))
-    rows += assembler.close(relay.segments[-1][0], "client_closed")
+    rows = assemble(relay.segments, assembler, "client_closed")
 
     assert assembler.unreadable is None, assembler.error
     assert [(row.grpc_status, row.grpc_message) for row in rows] == \

@@ -14,9 +14,23 @@ import struct
 import h2.config
 import h2.connection
 import h2.events
+from tokenprobe.agent.capture.http2 import H2Exchange, Http2ConnectionAssembler
 
 T0 = 1_000_000
 STEP_NS = 1_000
+
+
+def assemble(segments, assembler: Http2ConnectionAssembler,
+             close: str | None = "server_closed") -> list[H2Exchange]:
+    """Feeds whole (ts, is_request, bytes) segments, then closes one ns after the last
+    unless close is None; returns every record."""
+    records: list[H2Exchange] = []
+    for ts, is_request, data in segments:
+        feed = assembler.feed_request_bytes if is_request else assembler.feed_response_bytes
+        records += feed(ts, data, len(data))
+    if close:
+        records += assembler.close(segments[-1][0] + 1, close)
+    return records
 
 
 class H2Wire:
