@@ -26,6 +26,7 @@ from tokenprobe.agent.capture.http2 import (
     UNREADABLE_REASONS,
     H2Exchange,
     Http2ConnectionAssembler,
+    resembles_http2_frames,
     starts_http2,
 )
 
@@ -466,6 +467,18 @@ def test_grpc_message_reader_edges():
     reader = GrpcMessages()
     reader.data(1, b"\x07\x00\x00\x00\x01x")  # flag 7 is not a gRPC prefix
     assert reader.messages == 0 and "invalid" in reader.error
+
+
+def test_mid_connection_segments_are_recognised_as_http2_frames():
+    """What lets a tracker name an adopted connection's traffic h2_midstream, not silence."""
+    later = [data for _, _, data in MIXED[4:]]
+    assert all(resembles_http2_frames(data) for data in later)
+    http1 = [b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\n\r\n", b"HTTP/1.1 200 OK\r\n\r\n",
+             sse_chunk("x"), b'{"model": "m"}', b"\x00\x00", b""]
+    assert not any(resembles_http2_frames(data) for data in http1)
+    # A frame header with a flag its type does not define, or a PING of the wrong size.
+    assert not resembles_http2_frames(b"\x00\x00\x00\x00\x02\x00\x00\x00\x01")
+    assert not resembles_http2_frames(b"\x00\x00\x04\x06\x00\x00\x00\x00\x00" + b"\x00" * 4)
 
 
 @pytest.mark.parametrize("garbage", [b"\x00\x00\x04\x08\x00\x00\x00\x00\x00", b"GET / HTTP/1.1\r\n"])

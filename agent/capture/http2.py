@@ -48,7 +48,7 @@ from ..http_assembler import (
 from .grpc_stream import GrpcMessages, grpc_message_text, grpc_status_code, is_grpc
 
 __all__ = ["PREFACE", "UNREADABLE_REASONS", "H2Exchange", "Http2ConnectionAssembler",
-           "starts_http2"]
+           "resembles_http2_frames", "starts_http2"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,10 @@ _KEEP = {_RST_STREAM: 4, _GOAWAY: 8, _SETTINGS: 6 * 64}
 _HEADER_BLOCK_FRAMES = (_HEADERS, _PUSH_PROMISE, _CONTINUATION)
 _STREAM_FRAMES = (_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _PUSH_PROMISE, _CONTINUATION)
 _CONNECTION_FRAMES = (_SETTINGS, _PING, _GOAWAY)
+# Flags each frame type defines (RFC 9113, section 6); senders leave the others unset.
+_DEFINED_FLAGS = (_END_STREAM | _PADDED, _END_STREAM | _END_HEADERS | _PADDED | _PRIORITY_FLAG, 0, 0,
+                  _END_STREAM, _END_HEADERS | _PADDED, _END_STREAM, 0, 0, _END_HEADERS)
+_FIXED_LENGTHS = {_PRIORITY: 5, _RST_STREAM: 4, _PING: 8, _WINDOW_UPDATE: 4}
 
 # Parser states of one direction.
 _PREFACE = 0  # the client's connection preface, possibly in pieces
@@ -108,6 +112,29 @@ def starts_http2(head: bytes, *, is_request: bool) -> bool | None:
         return None
     high, low, ftype, flags, stream_id = _FRAME_HEADER.unpack_from(head)
     return ftype == _SETTINGS and flags == 0 and stream_id == 0 and ((high << 16) | low) % 6 == 0
+
+
+def resembles_http2_frames(data: bytes) -> bool:
+    """Whether a segment of a connection picked up mid-way reads as whole HTTP/2
+    frames from its first byte: every frame header in it is one a conforming peer
+    writes (known type, only that type's flags, the right stream id and length).
+
+    A heuristic, only for naming why such a connection is not read (h2_midstream,
+    e.g. by handing it to Http2ConnectionAssembler): nothing is parsed from it."""
+    pos = frames = 0
+    while pos + _FRAME_HEADER.size <= len(data):
+        high, low, ftype, flags, stream_id = _FRAME_HEADER.unpack_from(data, pos)
+        length = (high << 16) | low
+        if ftype > _CONTINUATION or flags & ~_DEFINED_FLAGS[ftype] or stream_id >> 31 \
+                or _wrong_stream(ftype, stream_id) or _FIXED_LENGTHS.get(ftype, length) != length:
+            return False
+        frames += 1
+        pos += _FRAME_HEADER.size + length
+    return frames > 0
+
+
+def _wrong_stream(ftype: int, stream_id: int) -> bool:
+    return (ftype in _STREAM_FRAMES and not stream_id) or (ftype in _CONNECTION_FRAMES and stream_id != 0)
 
 
 @dataclass(slots=True)
@@ -529,7 +556,7 @@ class _Direction:
             raise _Unreadable("h2_protocol", "a header block was interrupted by another frame")
         if ftype == _CONTINUATION and not self._block_stream_id:
             raise _Unreadable("h2_protocol", "CONTINUATION without a header block before it")
-        if (ftype in _STREAM_FRAMES and not stream_id) or (ftype in _CONNECTION_FRAMES and stream_id):
+        if _wrong_stream(ftype, stream_id):
             raise _Unreadable("h2_protocol", f"frame type {ftype} on stream {stream_id}")
         self._ftype, self._flags, self._stream_id, self._left = ftype, flags, stream_id, length
         self._stream = self.conn._frame_started(self._frame_ts, self.is_request, ftype, stream_id,
