@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from tokenprobe.agent.capture.grpc_stream import (
     GrpcMessages,
     grpc_message_text,
+    grpc_status_code,
     is_grpc,
 )
 from tokenprobe.agent.capture.http2 import (
@@ -457,6 +458,7 @@ def test_grpc_message_reader_edges():
     assert is_grpc("application/grpc") and is_grpc("application/grpc+proto")
     assert not is_grpc("application/grpc-web") and not is_grpc("application/json")
     assert grpc_message_text("a%0Ab%ZZ") == "a b%ZZ"
+    assert (grpc_status_code("14"), grpc_status_code("\xb2"), grpc_status_code(None)) == (14, None, None)
     events: list[int] = []
     reader = GrpcMessages(events, max_events=2)
     reader.data(1, grpc_message(b"abc") + grpc_message(b"d")[:3])

@@ -35,7 +35,7 @@ def grpc_status_code(value: str | None) -> int | None:
     if value is None:
         return None
     value = value.strip()
-    return int(value) if value.isdigit() and len(value) <= 3 else None
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 3 else None
 
 
 def grpc_message_text(value: str | None) -> str | None:

@@ -62,6 +62,9 @@ UNREADABLE_REASONS = (
     "h2_internal",  # a bug in this parser
 )
 
+# The largest HPACK dynamic table kept per direction (the default is 4 KiB; servers allow 64 KiB).
+MAX_TABLE_BYTES = 1 << 20
+
 _FRAME_HEADER = struct.Struct(">BHBBL")  # 24-bit length as 8 + 16 bits, type, flags, stream id
 _U32 = struct.Struct(">L")
 _SETTING = struct.Struct(">HL")
@@ -365,7 +368,7 @@ class Http2ConnectionAssembler:
             exchange.grpc_status = grpc_status_code(wanted["grpc-status"])
             exchange.grpc_message = grpc_message_text(wanted.get("grpc-message"))
         status = wanted.get(":status", "")
-        if stream.final_response_seen or not status.isdigit():
+        if stream.final_response_seen or not (len(status) == 3 and status.isascii() and status.isdigit()):
             return
         exchange.status = int(status)
         if exchange.status < 200:  # interim: the final response's headers follow
@@ -431,8 +434,10 @@ class Http2ConnectionAssembler:
 
     def _table_size_setting(self, is_request: bool, size: int) -> None:
         # A peer's SETTINGS_HEADER_TABLE_SIZE bounds the table the OTHER side's encoder uses.
+        # Past MAX_TABLE_BYTES an encoder that uses it makes the connection unreadable
+        # rather than the agent hold a table as large as a peer cares to allow.
         decoder = (self._response if is_request else self._request).decoder
-        decoder.max_allowed_table_size = size
+        decoder.max_allowed_table_size = min(size, MAX_TABLE_BYTES)
 
 
 _RESPONSE_FIELDS = frozenset({b":status", b"content-type", b"content-encoding", b"grpc-status",
