@@ -353,6 +353,22 @@ def test_a_row_without_error_is_exactly_right_whatever_the_capture_missed(captur
             assert row == MIXED_ROWS[row.stream_id]
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(MIXED) - 1), st.integers(0, 1 << 16), st.integers(0, 255)),
+                min_size=1, max_size=4))
+def test_corrupted_bytes_end_in_a_named_reason_never_a_parser_failure(flips):
+    segments = [list(segment) for segment in MIXED]
+    for index, offset, value in flips:
+        data = bytearray(segments[index][2])
+        data[offset % len(data)] = value
+        segments[index][2] = bytes(data)
+    started = []
+    assembler = Http2ConnectionAssembler(fingerprint_key=KEY, on_request_start=started.append)
+    rows = assemble([tuple(segment) for segment in segments], assembler)
+    assert sorted(map(id, rows)) == sorted(map(id, started))
+    assert assembler.unreadable != "h2_internal", assembler.error
+
+
 def test_adopted_mid_connection_is_unreadable_never_guessed():
     wire = H2Wire()
     streamed_chat(wire, 1, ["a"])
