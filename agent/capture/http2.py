@@ -20,6 +20,11 @@ with the stream id and gRPC fields), with the same timestamps: request first
 byte (its HEADERS frame) and last byte (END_STREAM), response first byte and
 last byte, and one token event per SSE event carrying generated text (the
 HTTP/1 SSE reader is used as is) or, for gRPC, per response message.
+
+Which connections are HTTP/2 is the caller's decision: `starts_http2` reads a
+connection's first bytes (the client preface, or the server's SETTINGS, which
+may come first); `resembles_http2_frames` recognises HTTP/2 traffic on a
+connection picked up mid-way, so that it is counted as unreadable, not lost.
 """
 
 from __future__ import annotations
@@ -94,7 +99,6 @@ _FIXED_LENGTHS = {_PRIORITY: 5, _RST_STREAM: 4, _PING: 8, _WINDOW_UPDATE: 4}
 _PREFACE = 0  # the client's connection preface, possibly in pieces
 _FRAME = 1  # a 9-byte frame header, possibly in pieces
 _PAYLOAD = 2  # `_left` payload bytes of the current frame
-_STOPPED = 3
 
 
 def _error_name(code: int) -> str:
@@ -269,7 +273,6 @@ class Http2ConnectionAssembler:
     def _stop(self, reason: str, words: str) -> None:
         self.unreadable = reason
         self._error = f"{reason}: {words}; connection no longer parsed"
-        self._request.state = self._response.state = _STOPPED
         self._end_all("truncated", self._error)
 
     def _end_all(self, outcome: str, error: str | None) -> None:
@@ -502,7 +505,7 @@ class _Direction:
                     header = _FRAME_HEADER.unpack(buf)
                     buf.clear()
                     self._frame_start(ts, *header)
-            elif state == _PREFACE:
+            else:  # _PREFACE
                 have = len(self._buf)
                 piece = data[pos:pos + len(PREFACE) - have]
                 if PREFACE[have:have + len(piece)] != piece:
@@ -513,8 +516,6 @@ class _Direction:
                 if len(self._buf) == len(PREFACE):
                     self._buf.clear()
                     self.state = _FRAME
-            else:
-                return
 
     def gap(self, ts: int, nbytes: int) -> None:
         # Inside a payload the frame boundaries stay known: a gap there costs DATA
@@ -660,12 +661,18 @@ class _Direction:
             self._block_stream_id = self._stream_id
             self._block_stream = self._stream if ftype == _HEADERS else None
             self._block_end_stream = ftype == _HEADERS and bool(flags & _END_STREAM)
-        self._block += memoryview(payload)[start:len(payload) - pad]
+        with memoryview(payload) as view:  # released before the frame buffer is reused
+            fragment = view[start:len(payload) - pad]
+            if self._block or not flags & _END_HEADERS:
+                self._block += fragment
+            block = None if self._block else bytes(fragment)  # one frame: no second copy
+            fragment.release()
         if not flags & _END_HEADERS:
             return
+        if block is None:
+            block = bytes(self._block)
+            self._block.clear()
         stream, end_stream = self._block_stream, self._block_end_stream
-        block = bytes(self._block)
-        self._block.clear()
         self._block_stream_id = 0
         self._block_stream = None
         try:
