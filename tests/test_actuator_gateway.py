@@ -35,7 +35,7 @@ from tests.actuator_support import (
     tokens_available,
     unique_upstream,
 )
-from tests.support import free_port, wait_until
+from tests.support import asgi_body, free_port, wait_until
 
 # --------------------------------------------------------------------------- pure pieces
 
@@ -131,12 +131,7 @@ class Upstream:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
+        body = await asgi_body(receive)
         self.bodies.append(body)
         request = json.loads(body) if scope["path"] != "/health" else {}
         completion = request.get("max_tokens", 0)

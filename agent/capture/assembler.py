@@ -128,7 +128,7 @@ class HttpConnectionAssembler:
         if self._closed:
             return []
         try:
-            segment = _normalise_segment(ts_ns, head, total_len, tail)
+            segment = normalise_segment(ts_ns, head, total_len, tail)
             if segment is None:
                 stream.lose_framing(stream.last_ts, f"malformed {stream.noun} segment description")
             else:
@@ -208,7 +208,7 @@ class HttpConnectionAssembler:
 
 
 
-def _normalise_segment(ts_ns, head, total_len, tail) -> tuple[int, bytes, int, bytes] | None:
+def normalise_segment(ts_ns, head, total_len, tail) -> tuple[int, bytes, int, bytes] | None:
     """(ts, head, gap, tail) of a segment description, or None if it is malformed."""
     if not isinstance(ts_ns, int) or not isinstance(total_len, int):
         return None

@@ -426,7 +426,7 @@ class RequestStream(MessageStream):
         if self._txn is not None:
             exchange = self._txn.exchange
             exchange.method = match[1].decode("ascii")
-            exchange.path = _path_of(match[2])
+            exchange.path = path_of(match[2])
         return True
 
     def _on_header_block(self, ts: int, block: bytes) -> tuple[int, int]:
@@ -603,7 +603,7 @@ def _body_framing(headers: dict[str, str], *, is_request: bool) -> tuple[int, in
     return (_NO_BODY, 0) if is_request else (_UNTIL_CLOSE, 0)
 
 
-def _path_of(target: bytes) -> str:
+def path_of(target: bytes) -> str:
     return target.split(b"?", 1)[0].split(b"#", 1)[0].decode("utf-8", "replace")
 
 

@@ -35,3 +35,13 @@ def port_open(port: int) -> bool:
 
 def wait_for_port(port: int, timeout: float = 20.0) -> None:
     wait_until(lambda: port_open(port), timeout)
+
+
+async def asgi_body(receive) -> bytes:
+    """The whole request body an ASGI app receives, however many messages carry it."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            return body

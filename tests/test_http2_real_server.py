@@ -1,0 +1,220 @@
+"""The HTTP/2 assembler against real servers and clients: hypercorn serving an ASGI
+SSE app over h2c (prior knowledge) to httpx, and a grpcio server-streaming call
+(gRPC's C core on both ends), over loopback.
+
+Between them a TCP relay records every recv() of each direction with its
+monotonic time: the segments the probes would report for the server's socket
+(a relay sees the same bytes, in chunks cut by the same kernel). The
+assembler's rows must match what the client saw, stream by stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import pytest
+from hypercorn.asyncio import serve
+from hypercorn.config import Config
+from tokenprobe.agent.capture.http2 import Http2ConnectionAssembler
+
+from tests.support import asgi_body, free_port, wait_for_port
+from tests.support.h2_wire import assemble
+
+TOKENS = 12
+
+
+async def sse_app(scope, receive, send):
+    """A streamed chat completion: role chunk, TOKENS text chunks, usage, [DONE]."""
+    if scope["type"] != "http":
+        return
+    request = json.loads(await asgi_body(receive))
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+
+    async def event(obj) -> None:
+        await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
+                    "more_body": True})
+        await asyncio.sleep(0.002)
+
+    chunk = {"id": f"chatcmpl-{request['n']}", "object": "chat.completion.chunk", "model": request["model"]}
+    await event(chunk | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    for i in range(TOKENS + request["n"]):
+        await event(chunk | {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]})
+    await event(chunk | {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": TOKENS + request["n"]}})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+class Relay:
+    """Forwards one TCP connection and records each recv(): (monotonic ns, is_request, bytes)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.segments: list[tuple[int, bool, bytes]] = []
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        client, _ = self.listener.accept()
+        server = socket.create_connection(("127.0.0.1", self.upstream_port))
+        pumps = [threading.Thread(target=self._pump, args=(client, server, True), daemon=True),
+                 threading.Thread(target=self._pump, args=(server, client, False), daemon=True)]
+        for pump in pumps:
+            pump.start()
+        for pump in pumps:
+            pump.join()
+        client.close()
+        server.close()
+        self.done.set()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, is_request: bool) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                try:
+                    sink.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                return
+            with self._lock:  # one lock: the list is in time order across both directions
+                self.segments.append((time.monotonic_ns(), is_request, data))
+            sink.sendall(data)
+
+
+@pytest.fixture
+def hypercorn_h2c():
+    port = free_port()
+    config = Config()
+    config.bind = [f"127.0.0.1:{port}"]
+    config.accesslog = config.errorlog = None
+    config.keep_alive_timeout = 0.2  # it closes a half-closed idle connection only then
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(serve(sse_app, config, shutdown_trigger=stop.wait))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_for_port(port)
+    yield port
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(10)
+
+
+async def stream_chats(port: int, count: int) -> dict[str, dict]:
+    """Concurrent streamed requests on one HTTP/2 connection; what the client saw of each."""
+    seen: dict[str, dict] = {}
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as client:
+        async def one(n: int) -> None:
+            body = {"model": "llama-3-8b", "stream": True, "n": n, "messages": [{"role": "user", "content": "hi"}]}
+            sent_ns = time.monotonic_ns()
+            async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions?x=1",
+                                     json=body, headers={"x-tenant-id": f"tenant-{n}"}) as response:
+                assert response.http_version == "HTTP/2"
+                texts, events = [], 0
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events += 1
+                    payload = line[6:]
+                    if payload != "[DONE]":
+                        choices = json.loads(payload)["choices"]
+                        if choices and choices[0]["delta"].get("content"):
+                            texts.append(time.monotonic_ns())
+            seen[f"tenant-{n}"] = {"sent_ns": sent_ns, "token_seen_ns": texts, "events": events,
+                                   "done_ns": time.monotonic_ns(), "id": f"chatcmpl-{n}"}
+
+        await asyncio.gather(*(one(n) for n in range(count)))
+    return seen
+
+
+def test_hypercorn_h2c_sse_streams_match_what_the_client_saw(hypercorn_h2c):
+    relay = Relay(hypercorn_h2c)
+    seen = asyncio.run(stream_chats(relay.port, 3))
+    assert relay.done.wait(30), "the client's connection did not close"
+
+    assembler = Http2ConnectionAssembler(fingerprint_key=b"k")
+    rows = assemble(relay.segments, assembler, "client_closed")
+
+    assert assembler.unreadable is None, assembler.error
+    assert sorted(row.tenant for row in rows) == sorted(seen)
+    assert len({row.stream_id for row in rows}) == 3
+    for row in rows:
+        client = seen[row.tenant]
+        assert (row.outcome, row.error, row.method, row.path, row.status, row.streamed) == \
+            ("complete", None, "POST", "/v1/chat/completions", 200, True)
+        assert (row.response_id, row.resp_model, row.req_model, row.req_stream) == \
+            (client["id"], "llama-3-8b", "llama-3-8b", True)
+        assert row.sse_events == client["events"] and row.done_seen
+        assert len(row.token_event_ns) == len(client["token_seen_ns"]) == row.completion_tokens
+        # Each event left the server before the client read it, and after the request was sent.
+        assert client["sent_ns"] <= row.req_start_ns <= row.req_end_ns <= row.resp_start_ns
+        assert all(relayed <= read for relayed, read in zip(row.token_event_ns, client["token_seen_ns"]))
+        assert row.token_event_ns == sorted(row.token_event_ns)
+        assert row.token_event_ns[0] >= row.resp_start_ns and row.resp_end_ns <= client["done_ns"]
+
+
+def generate(request: bytes, context):
+    """Server-streaming: request[0] messages, then OK, or an error status when request[1] is set."""
+    for i in range(request[0]):
+        time.sleep(0.002)
+        yield b"\x0a\x04tok%d" % i
+    if request[1]:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache full: 100%")
+
+
+@pytest.fixture
+def grpc_server():
+    server = grpc.server(ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "inference.Generator", {"Generate": grpc.unary_stream_rpc_method_handler(generate)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield port
+    server.stop(None)
+
+
+def test_grpc_server_streaming_calls_match_what_the_client_saw(grpc_server):
+    relay = Relay(grpc_server)
+    seen = []
+    with grpc.insecure_channel(f"127.0.0.1:{relay.port}") as channel:
+        call = channel.unary_stream("/inference.Generator/Generate")
+        for count, fail in ((5, 0), (3, 1)):
+            times, code, details = [], grpc.StatusCode.OK, None
+            try:
+                for _ in call(bytes([count, fail])):
+                    times.append(time.monotonic_ns())
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details()
+            seen.append((times, code.value[0], details))
+    assert relay.done.wait(30), "the client's connection did not close"
+
+    assembler = Http2ConnectionAssembler(fingerprint_key=b"k")
+    rows = assemble(relay.segments, assembler, "client_closed")
+
+    assert assembler.unreadable is None, assembler.error
+    assert [(row.grpc_status, row.grpc_message) for row in rows] == \
+        [(code, details) for _, code, details in seen] == [(0, None), (8, "KV cache full: 100%")]
+    for row, (times, _, _) in zip(rows, seen):
+        assert (row.api, row.method, row.path, row.status, row.outcome, row.error) == \
+            ("grpc", "POST", "/inference.Generator/Generate", 200, "complete", None)
+        assert (row.request_messages, row.request_message_bytes) == (1, 2)
+        assert row.response_messages == len(times) and row.response_message_bytes == 6 * len(times)
+        assert len(row.token_event_ns) == len(times)
+        assert all(sent <= read for sent, read in zip(row.token_event_ns, times))
+        assert row.req_start_ns <= row.req_end_ns <= row.resp_start_ns <= row.token_event_ns[0]
+        assert row.token_event_ns[-1] <= row.resp_end_ns
