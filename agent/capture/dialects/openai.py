@@ -10,14 +10,12 @@ completions choice holds `text`. `usage` comes in a final chunk with
 
 from __future__ import annotations
 
-import re
-
 from ..exchange import Exchange
-from ..json_scan import count_key
+from ..json_scan import text_value
 from . import llamacpp, tgi
 from .base import Dialect, choice_index, set_id_model, set_usage
 
-__all__ = ["CHAT", "COMPLETIONS", "ChoicesDialect"]
+__all__ = ["CHAT", "COMPLETIONS", "USAGE", "ChoicesDialect"]
 
 _NONE, _HIDDEN, _VISIBLE = 0, 1, 2
 
@@ -42,19 +40,14 @@ def _choice_output(choice: dict) -> int:
     return _NONE
 
 
+USAGE = ("usage", "prompt_tokens", "completion_tokens")  # where OpenAI-style APIs put the counts
+# Output in an event too large to parse: visible text, or reasoning and tool calls.
+_TEXT_VALUE = text_value(b"content", b"text")
+_HIDDEN_VALUE = text_value(b"reasoning_content", b"reasoning") + rb'|[{,]\s*"tool_calls"\s*:\s*\[\s*\{'
+
+
 class ChoicesDialect(Dialect):
     __slots__ = ()
-    prompt_key = count_key(b"prompt_tokens")
-    completion_key = count_key(b"completion_tokens")
-    visible_output = re.compile(rb'[{,]\s*"(?:content|text)"\s*:\s*"(?:[^"\\]|\\.)')
-    hidden_output = re.compile(
-        rb'[{,]\s*"(?:(?:reasoning_content|reasoning)"\s*:\s*"(?:[^"\\]|\\.)|tool_calls"\s*:\s*\[\s*\{)')
-
-    def usage(self, obj: dict) -> tuple[int | None, int | None]:
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            return usage.get("prompt_tokens"), usage.get("completion_tokens")
-        return None, None
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         set_id_model(exchange, obj.get("id"), obj.get("model"))
@@ -84,5 +77,5 @@ class ChoicesDialect(Dialect):
             exchange.record_output(ts)
 
 
-CHAT = ChoicesDialect("openai.chat")
-COMPLETIONS = ChoicesDialect("openai.completions")
+CHAT = ChoicesDialect("openai.chat", counts=USAGE, visible=_TEXT_VALUE, hidden=_HIDDEN_VALUE)
+COMPLETIONS = ChoicesDialect("openai.completions", counts=USAGE, visible=_TEXT_VALUE, hidden=_HIDDEN_VALUE)
