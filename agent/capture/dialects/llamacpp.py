@@ -10,7 +10,7 @@ timings are then read from its tail, where the server writes them.
 from __future__ import annotations
 
 from ..exchange import Exchange
-from ..json_scan import last_number, number_key, text_value
+from ..json_scan import is_text, last_number, number_key, text_value
 from .base import Dialect, set_engine_ms, set_id_model, set_usage
 
 __all__ = ["LLAMACPP", "content_text", "set_timings"]
@@ -21,8 +21,7 @@ _PREDICTED_MS = number_key(b"predicted_ms")
 
 def content_text(obj: dict) -> bool:
     """True if the event's top-level `content` carries text."""
-    content = obj.get("content")
-    return isinstance(content, str) and content != ""
+    return is_text(obj.get("content"))
 
 
 def set_timings(exchange: Exchange, timings) -> None:

@@ -11,7 +11,7 @@ durations follow it, at the tail, where the regex fallback looks.
 from __future__ import annotations
 
 from ..exchange import Exchange
-from ..json_scan import last_number, number_key, text_value
+from ..json_scan import is_text, last_number, number_key, text_value
 from .base import Dialect, set_engine_ms, set_id_model, set_usage
 
 __all__ = ["OLLAMA_CHAT", "OLLAMA_GENERATE"]
@@ -20,10 +20,6 @@ _NS_TO_MS = 1e-6
 _COUNTS = ("", "prompt_eval_count", "eval_count")
 _PROMPT_DURATION = number_key(b"prompt_eval_duration")
 _EVAL_DURATION = number_key(b"eval_duration")
-
-
-def _text(value) -> bool:
-    return isinstance(value, str) and value != ""
 
 
 class _Ollama(Dialect):
@@ -57,9 +53,9 @@ class _Generate(_Ollama):
     __slots__ = ()
 
     def _output(self, obj: dict) -> int:
-        if _text(obj.get("response")):
+        if is_text(obj.get("response")):
             return 2
-        return 1 if _text(obj.get("thinking")) else 0
+        return 1 if is_text(obj.get("thinking")) else 0
 
 
 class _Chat(_Ollama):
@@ -69,10 +65,10 @@ class _Chat(_Ollama):
         message = obj.get("message")
         if not isinstance(message, dict):
             return 0
-        if _text(message.get("content")):
+        if is_text(message.get("content")):
             return 2
         tool_calls = message.get("tool_calls")
-        return 1 if _text(message.get("thinking")) or (isinstance(tool_calls, list) and tool_calls) else 0
+        return 1 if is_text(message.get("thinking")) or (isinstance(tool_calls, list) and tool_calls) else 0
 
 
 OLLAMA_GENERATE = _Generate("ollama.generate", counts=_COUNTS, has_id=False,

@@ -11,7 +11,7 @@ completions choice holds `text`. `usage` comes in a final chunk with
 from __future__ import annotations
 
 from ..exchange import Exchange
-from ..json_scan import text_value
+from ..json_scan import is_text, text_value
 from . import llamacpp, tgi
 from .base import Dialect, choice_index, set_id_model, set_usage
 
@@ -20,19 +20,15 @@ __all__ = ["CHAT", "COMPLETIONS", "USAGE", "ChoicesDialect"]
 _NONE, _HIDDEN, _VISIBLE = 0, 1, 2
 
 
-def _text(value) -> bool:
-    return isinstance(value, str) and value != ""
-
-
 def _choice_output(choice: dict) -> int:
     """What a choice of a chunk generated: visible text, hidden output, or nothing."""
-    if _text(choice.get("text")):  # /v1/completions
+    if is_text(choice.get("text")):  # /v1/completions
         return _VISIBLE
     delta = choice.get("delta")
     if isinstance(delta, dict):
-        if _text(delta.get("content")):
+        if is_text(delta.get("content")):
             return _VISIBLE
-        if _text(delta.get("reasoning_content")) or _text(delta.get("reasoning")):
+        if is_text(delta.get("reasoning_content")) or is_text(delta.get("reasoning")):
             return _HIDDEN
         tool_calls = delta.get("tool_calls")
         if isinstance(tool_calls, list) and tool_calls:

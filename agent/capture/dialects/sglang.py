@@ -10,7 +10,7 @@ There is no model name.
 from __future__ import annotations
 
 from ..exchange import Exchange
-from ..json_scan import count, text_value
+from ..json_scan import count, is_text, text_value
 from .base import Dialect, choice_index, set_id_model, set_usage
 
 __all__ = ["SGLANG"]
@@ -30,7 +30,7 @@ class _SGLang(Dialect):
         set_id_model(exchange, meta.get("id"), None)
         generated = count(meta.get("completion_tokens"))
         if generated is None:
-            grew = isinstance(obj.get("text"), str) and obj["text"] != ""
+            grew = is_text(obj.get("text"))
         else:
             grew = generated > (exchange.completion_tokens or 0)
         set_usage(exchange, *self.usage(obj))

@@ -9,7 +9,7 @@ or model name. The event's `index` is the token's position, not a choice.
 from __future__ import annotations
 
 from ..exchange import Exchange
-from ..json_scan import text_value
+from ..json_scan import is_text, text_value
 from .base import Dialect, set_usage
 
 __all__ = ["TGI", "token_text"]
@@ -18,7 +18,7 @@ __all__ = ["TGI", "token_text"]
 def token_text(obj: dict) -> bool:
     """True if the event's `token` carries text."""
     token = obj.get("token")
-    return isinstance(token, dict) and isinstance(token.get("text"), str) and token["text"] != ""
+    return isinstance(token, dict) and is_text(token.get("text"))
 
 
 class _Tgi(Dialect):
