@@ -347,20 +347,10 @@ class MessageStream:
         if end is None:
             match = _BLANK_LINE.search(data, pos, stop)
             if match is None:
-                self._count(stop - pos)
-                buf += data[pos:stop]
-                if len(buf) >= self._max_header_bytes:
-                    return _TOO_LONG, len(data)
-                return None, stop
+                return self._hold(data, pos, stop, self._max_header_bytes)
             end = match.end()
         self._count(end - pos)
-        if buf:
-            buf += data[pos:end]
-            block = bytes(buf)
-            buf.clear()
-        else:
-            block = data[pos:end]
-        return block, end
+        return (self._release(data, pos, end) if buf else data[pos:end]), end
 
     def _take_line(self, data: bytes, pos: int, limit: int):
         """Collect bytes up to an LF. Returns (line without the LF, or None if more
@@ -369,19 +359,25 @@ class MessageStream:
         stop = min(len(data), pos + limit - len(buf))
         newline = data.find(b"\n", pos, stop)
         if newline < 0:
-            self._count(stop - pos)
-            buf += data[pos:stop]
-            if len(buf) >= limit:
-                return _TOO_LONG, len(data)
-            return None, stop
+            return self._hold(data, pos, stop, limit)
         self._count(newline + 1 - pos)
-        if buf:
-            buf += data[pos:newline]
-            line = bytes(buf)
-            buf.clear()
-        else:
-            line = data[pos:newline]
-        return line, newline + 1
+        return (self._release(data, pos, newline) if buf else data[pos:newline]), newline + 1
+
+    def _hold(self, data: bytes, pos: int, stop: int, cap: int):
+        """Keep data[pos:stop] until the next segment: (None, or _TOO_LONG at `cap` bytes; new pos)."""
+        self._count(stop - pos)
+        self._buf += data[pos:stop]
+        if len(self._buf) >= cap:
+            return _TOO_LONG, len(data)
+        return None, stop
+
+    def _release(self, data: bytes, pos: int, end: int) -> bytes:
+        """The held bytes followed by data[pos:end]; the hold is emptied."""
+        buf = self._buf
+        buf += data[pos:end]
+        held = bytes(buf)
+        buf.clear()
+        return held
 
 
 class RequestStream(MessageStream):

@@ -12,8 +12,8 @@ import json
 import re
 
 __all__ = ["MAX_COUNT", "MAX_FIELD_CHARS", "count", "count_key", "field_text", "first_json_string",
-           "json_object", "last_count", "last_json_string", "last_match", "last_number", "number_key",
-           "string_key"]
+           "is_text", "json_object", "last_count", "last_json_string", "last_match", "last_number",
+           "number_key", "string_key", "text_value"]
 
 MAX_FIELD_CHARS = 256  # model names and response ids are cut to this length
 MAX_COUNT = 0xFFFFFFFF  # token counts are UInt32 in the row
@@ -29,6 +29,11 @@ def string_key(name: bytes) -> re.Pattern:
 def count_key(name: bytes) -> re.Pattern:
     """A regex for `"name": <non-negative integer>`; group 1 is the digits."""
     return re.compile(rb'[{,]\s*"' + name + rb'"\s*:\s*([0-9]{1,12})')
+
+
+def text_value(*names: bytes) -> bytes:
+    """Regex source for `"name": "<non-empty string>"`, for any of the names."""
+    return rb'[{,]\s*"(?:' + b"|".join(names) + rb')"\s*:\s*"(?:[^"\\]|\\.)'
 
 
 def number_key(name: bytes) -> re.Pattern:
@@ -52,6 +57,11 @@ def json_object(data: bytes) -> dict | None:
 def field_text(value) -> str | None:
     """A non-empty JSON string value as stored (cut to MAX_FIELD_CHARS), else None."""
     return value[:MAX_FIELD_CHARS] if isinstance(value, str) and value else None
+
+
+def is_text(value) -> bool:
+    """A non-empty JSON string: generated text, when a field carries it."""
+    return isinstance(value, str) and value != ""
 
 
 def count(value) -> int | None:

@@ -14,7 +14,7 @@ from .llamacpp import LLAMACPP
 from .ollama import OLLAMA_CHAT, OLLAMA_GENERATE
 from .openai import CHAT as OPENAI_CHAT
 from .openai import COMPLETIONS as OPENAI_COMPLETIONS
-from .openai import ChoicesDialect
+from .openai import USAGE, ChoicesDialect
 from .responses import RESPONSES
 from .sglang import SGLANG
 from .tgi import TGI
@@ -27,15 +27,13 @@ class _Unknown(ChoicesDialect):
     an OpenAI-style `usage` are still read, since most APIs name them so."""
 
     __slots__ = ()
-    visible_output = None
-    hidden_output = None
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         set_id_model(exchange, obj.get("id"), obj.get("model"))
         set_usage(exchange, *self.usage(obj))
 
 
-UNKNOWN = _Unknown("unknown")
+UNKNOWN = _Unknown("unknown", counts=USAGE)
 
 _BY_PATH = {
     "/v1/chat/completions": OPENAI_CHAT,

@@ -11,11 +11,9 @@ A non-streamed body is the message itself.
 
 from __future__ import annotations
 
-import re
-
 from ..exchange import Exchange
-from ..json_scan import count, count_key
-from .base import Dialect, set_id_model, set_usage, usage_object
+from ..json_scan import count
+from .base import Dialect, set_id_model, set_usage
 
 __all__ = ["ANTHROPIC"]
 
@@ -35,14 +33,11 @@ def _prompt_tokens(usage: dict) -> int | None:
 
 class _Anthropic(Dialect):
     __slots__ = ()
-    prompt_key = count_key(b"input_tokens")
-    completion_key = count_key(b"output_tokens")
-    visible_output = re.compile(rb'[{,]\s*"type"\s*:\s*"text_delta"')
-    hidden_output = re.compile(rb'[{,]\s*"type"\s*:\s*"(?:thinking|input_json)_delta"')
 
     def usage(self, obj: dict) -> tuple[int | None, int | None]:
-        usage = usage_object(obj, "message")  # message_start wraps the message; the others do not
-        if usage is None:
+        message = obj.get("message")  # message_start wraps the message; the others do not
+        usage = (message if isinstance(message, dict) else obj).get("usage")
+        if not isinstance(usage, dict):
             return None, None
         # message_delta's input_tokens (when sent) omits the cache counts: its prompt is not taken.
         prompt = None if obj.get("type") == "message_delta" else _prompt_tokens(usage)
@@ -68,4 +63,6 @@ class _Anthropic(Dialect):
             set_usage(exchange, *self.usage(obj))
 
 
-ANTHROPIC = _Anthropic("anthropic.messages")
+ANTHROPIC = _Anthropic("anthropic.messages", counts=("usage", "input_tokens", "output_tokens"),
+                       visible=rb'[{,]\s*"type"\s*:\s*"text_delta"',
+                       hidden=rb'[{,]\s*"type"\s*:\s*"(?:thinking|input_json)_delta"')

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 
 from ..exchange import Exchange
-from ..json_scan import count, field_text, first_json_string, last_count, string_key
+from ..json_scan import count, count_key, field_text, first_json_string, last_count, string_key
 
-__all__ = ["Dialect", "MAX_ENGINE_MS", "choice_index", "set_engine_ms", "set_id_model", "set_usage", "usage_object"]
+__all__ = ["Dialect", "MAX_ENGINE_MS", "choice_index", "set_engine_ms", "set_id_model", "set_usage"]
 
 # Choice indexes are read up to this (the row's `choices` is UInt16; OpenAI allows n <= 128).
 _MAX_CHOICE = 0xFFFE
@@ -26,13 +26,6 @@ _MODEL_KEY = string_key(b"model")
 def choice_index(value) -> int:
     """The choice a JSON `index` names; 0 for a missing or unusable one."""
     return value if type(value) is int and 0 < value <= _MAX_CHOICE else 0
-
-
-def usage_object(obj: dict, wrapper: str) -> dict | None:
-    """The `usage` object of obj[wrapper] when an event wraps the response in it, else obj's own."""
-    inner = obj.get(wrapper)
-    usage = (inner if isinstance(inner, dict) else obj).get("usage")
-    return usage if isinstance(usage, dict) else None
 
 
 def set_id_model(exchange: Exchange, response_id, model) -> None:
@@ -75,22 +68,27 @@ def set_engine_ms(exchange: Exchange, prompt, decode, scale: float = 1.0) -> Non
 class Dialect:
     """What the responses of one API mean: its id, model, usage and generated output.
 
-    Subclasses implement `event` and `usage`; `body` and `partial` have defaults
-    that suit most. The regexes below drive the defaults' fallback reading of an
-    event or body that could not be parsed (too large, or cut by a capture gap);
-    a subclass replaces those it names differently."""
+    A dialect says where its API puts the token counts: `counts` is (the key of
+    the object holding them, "" for the event or body itself; the prompt count's
+    name; the generated count's name), and `wrapper` the key under which some
+    events carry the whole response. `visible` and `hidden` are regexes for
+    output (text a user reads; reasoning or tool calls) in an event too large to
+    parse or cut by a capture gap. Subclasses implement `event`; the defaults of
+    `usage`, `body` and `partial` read those places and suit most APIs."""
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "_counts", "_prompt", "_completion", "_wrapper", "_id_key", "_prompt_key",
+                 "_completion_key", "_visible", "_hidden")
 
-    id_key: re.Pattern | None = _ID_KEY
-    model_key: re.Pattern = _MODEL_KEY
-    prompt_key: re.Pattern | None = None
-    completion_key: re.Pattern | None = None
-    visible_output: re.Pattern | None = None  # generated text a user reads
-    hidden_output: re.Pattern | None = None  # reasoning, tool calls
-
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, counts: tuple[str, str, str], wrapper: str = "",
+                 has_id: bool = True, visible: bytes | None = None, hidden: bytes | None = None) -> None:
         self.name = name  # the row's `api`
+        self._counts, self._prompt, self._completion = counts
+        self._wrapper = wrapper
+        self._id_key = _ID_KEY if has_id else None
+        self._prompt_key = count_key(self._prompt.encode())
+        self._completion_key = count_key(self._completion.encode())
+        self._visible = re.compile(visible) if visible else None
+        self._hidden = re.compile(hidden) if hidden else None
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         """One streamed event (an SSE event's data, an NDJSON line), parsed, at ts."""
@@ -98,7 +96,13 @@ class Dialect:
 
     def usage(self, obj: dict) -> tuple[int | None, int | None]:
         """(prompt, completion) tokens that an event or body reports, None where it does not."""
-        raise NotImplementedError
+        inner = obj.get(self._wrapper) if self._wrapper else None
+        holder = inner if isinstance(inner, dict) else obj
+        if self._counts:
+            holder = holder.get(self._counts)
+            if not isinstance(holder, dict):
+                return None, None
+        return holder.get(self._prompt), holder.get(self._completion)
 
     def body(self, exchange: Exchange, obj: dict) -> None:
         """A whole non-streamed JSON response body."""
@@ -109,19 +113,15 @@ class Dialect:
         """An event (ts given) or a body (ts None) that could not be parsed: its kept
         head and tail. Id and model are looked for near the start, counts near the
         end, where the APIs put them."""
-        if exchange.response_id is None and self.id_key is not None:
-            exchange.response_id = first_json_string(self.id_key, head)
+        if exchange.response_id is None and self._id_key is not None:
+            exchange.response_id = first_json_string(self._id_key, head)
         if exchange.resp_model is None:
-            exchange.resp_model = first_json_string(self.model_key, head)
-        if self.prompt_key is not None:
-            set_usage(exchange, last_count(self.prompt_key, tail, head), None)
-        if self.completion_key is not None:
-            set_usage(exchange, None, last_count(self.completion_key, tail, head))
+            exchange.resp_model = first_json_string(_MODEL_KEY, head)
+        set_usage(exchange, last_count(self._prompt_key, tail, head),
+                  last_count(self._completion_key, tail, head))
         if ts is None:
             return
-        if self.visible_output is not None and (
-                self.visible_output.search(head) or self.visible_output.search(tail)):
+        if self._visible is not None and (self._visible.search(head) or self._visible.search(tail)):
             exchange.record_output(ts)
-        elif self.hidden_output is not None and (
-                self.hidden_output.search(head) or self.hidden_output.search(tail)):
+        elif self._hidden is not None and (self._hidden.search(head) or self._hidden.search(tail)):
             exchange.record_output(ts, visible=False)

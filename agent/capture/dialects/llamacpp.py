@@ -9,10 +9,8 @@ timings are then read from its tail, where the server writes them.
 
 from __future__ import annotations
 
-import re
-
 from ..exchange import Exchange
-from ..json_scan import count_key, last_number, number_key
+from ..json_scan import is_text, last_number, number_key, text_value
 from .base import Dialect, set_engine_ms, set_id_model, set_usage
 
 __all__ = ["LLAMACPP", "content_text", "set_timings"]
@@ -23,8 +21,7 @@ _PREDICTED_MS = number_key(b"predicted_ms")
 
 def content_text(obj: dict) -> bool:
     """True if the event's top-level `content` carries text."""
-    content = obj.get("content")
-    return isinstance(content, str) and content != ""
+    return is_text(obj.get("content"))
 
 
 def set_timings(exchange: Exchange, timings) -> None:
@@ -35,13 +32,6 @@ def set_timings(exchange: Exchange, timings) -> None:
 
 class _LlamaCpp(Dialect):
     __slots__ = ()
-    id_key = None
-    prompt_key = count_key(b"tokens_evaluated")
-    completion_key = count_key(b"tokens_predicted")
-    visible_output = re.compile(rb'[{,]\s*"content"\s*:\s*"(?:[^"\\]|\\.)')
-
-    def usage(self, obj: dict) -> tuple[int | None, int | None]:
-        return obj.get("tokens_evaluated"), obj.get("tokens_predicted")
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         if content_text(obj):
@@ -59,4 +49,5 @@ class _LlamaCpp(Dialect):
         set_engine_ms(exchange, last_number(_PROMPT_MS, tail), last_number(_PREDICTED_MS, tail))
 
 
-LLAMACPP = _LlamaCpp("llamacpp")
+LLAMACPP = _LlamaCpp("llamacpp", counts=("", "tokens_evaluated", "tokens_predicted"), has_id=False,
+                     visible=text_value(b"content"))

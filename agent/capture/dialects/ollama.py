@@ -10,31 +10,20 @@ durations follow it, at the tail, where the regex fallback looks.
 
 from __future__ import annotations
 
-import re
-
 from ..exchange import Exchange
-from ..json_scan import count_key, last_number, number_key
+from ..json_scan import is_text, last_number, number_key, text_value
 from .base import Dialect, set_engine_ms, set_id_model, set_usage
 
 __all__ = ["OLLAMA_CHAT", "OLLAMA_GENERATE"]
 
 _NS_TO_MS = 1e-6
+_COUNTS = ("", "prompt_eval_count", "eval_count")
 _PROMPT_DURATION = number_key(b"prompt_eval_duration")
 _EVAL_DURATION = number_key(b"eval_duration")
 
 
-def _text(value) -> bool:
-    return isinstance(value, str) and value != ""
-
-
 class _Ollama(Dialect):
     __slots__ = ()
-    id_key = None
-    prompt_key = count_key(b"prompt_eval_count")
-    completion_key = count_key(b"eval_count")
-
-    def usage(self, obj: dict) -> tuple[int | None, int | None]:
-        return obj.get("prompt_eval_count"), obj.get("eval_count")
 
     def _output(self, obj: dict) -> int:
         """0: nothing generated; 1: thinking or tool calls only; 2: visible text."""
@@ -62,30 +51,27 @@ class _Ollama(Dialect):
 
 class _Generate(_Ollama):
     __slots__ = ()
-    visible_output = re.compile(rb'[{,]\s*"response"\s*:\s*"(?:[^"\\]|\\.)')
-    hidden_output = re.compile(rb'[{,]\s*"thinking"\s*:\s*"(?:[^"\\]|\\.)')
 
     def _output(self, obj: dict) -> int:
-        if _text(obj.get("response")):
+        if is_text(obj.get("response")):
             return 2
-        return 1 if _text(obj.get("thinking")) else 0
+        return 1 if is_text(obj.get("thinking")) else 0
 
 
 class _Chat(_Ollama):
     __slots__ = ()
-    visible_output = re.compile(rb'[{,]\s*"content"\s*:\s*"(?:[^"\\]|\\.)')
-    hidden_output = re.compile(
-        rb'[{,]\s*"(?:thinking"\s*:\s*"(?:[^"\\]|\\.)|tool_calls"\s*:\s*\[\s*\{)')
 
     def _output(self, obj: dict) -> int:
         message = obj.get("message")
         if not isinstance(message, dict):
             return 0
-        if _text(message.get("content")):
+        if is_text(message.get("content")):
             return 2
         tool_calls = message.get("tool_calls")
-        return 1 if _text(message.get("thinking")) or (isinstance(tool_calls, list) and tool_calls) else 0
+        return 1 if is_text(message.get("thinking")) or (isinstance(tool_calls, list) and tool_calls) else 0
 
 
-OLLAMA_GENERATE = _Generate("ollama.generate")
-OLLAMA_CHAT = _Chat("ollama.chat")
+OLLAMA_GENERATE = _Generate("ollama.generate", counts=_COUNTS, has_id=False,
+                            visible=text_value(b"response"), hidden=text_value(b"thinking"))
+OLLAMA_CHAT = _Chat("ollama.chat", counts=_COUNTS, has_id=False, visible=text_value(b"content"),
+                    hidden=text_value(b"thinking") + rb'|[{,]\s*"tool_calls"\s*:\s*\[\s*\{')

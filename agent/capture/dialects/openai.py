@@ -10,31 +10,25 @@ completions choice holds `text`. `usage` comes in a final chunk with
 
 from __future__ import annotations
 
-import re
-
 from ..exchange import Exchange
-from ..json_scan import count_key
+from ..json_scan import is_text, text_value
 from . import llamacpp, tgi
 from .base import Dialect, choice_index, set_id_model, set_usage
 
-__all__ = ["CHAT", "COMPLETIONS", "ChoicesDialect"]
+__all__ = ["CHAT", "COMPLETIONS", "USAGE", "ChoicesDialect"]
 
 _NONE, _HIDDEN, _VISIBLE = 0, 1, 2
 
 
-def _text(value) -> bool:
-    return isinstance(value, str) and value != ""
-
-
 def _choice_output(choice: dict) -> int:
     """What a choice of a chunk generated: visible text, hidden output, or nothing."""
-    if _text(choice.get("text")):  # /v1/completions
+    if is_text(choice.get("text")):  # /v1/completions
         return _VISIBLE
     delta = choice.get("delta")
     if isinstance(delta, dict):
-        if _text(delta.get("content")):
+        if is_text(delta.get("content")):
             return _VISIBLE
-        if _text(delta.get("reasoning_content")) or _text(delta.get("reasoning")):
+        if is_text(delta.get("reasoning_content")) or is_text(delta.get("reasoning")):
             return _HIDDEN
         tool_calls = delta.get("tool_calls")
         if isinstance(tool_calls, list) and tool_calls:
@@ -42,19 +36,14 @@ def _choice_output(choice: dict) -> int:
     return _NONE
 
 
+USAGE = ("usage", "prompt_tokens", "completion_tokens")  # where OpenAI-style APIs put the counts
+# Output in an event too large to parse: visible text, or reasoning and tool calls.
+_TEXT_VALUE = text_value(b"content", b"text")
+_HIDDEN_VALUE = text_value(b"reasoning_content", b"reasoning") + rb'|[{,]\s*"tool_calls"\s*:\s*\[\s*\{'
+
+
 class ChoicesDialect(Dialect):
     __slots__ = ()
-    prompt_key = count_key(b"prompt_tokens")
-    completion_key = count_key(b"completion_tokens")
-    visible_output = re.compile(rb'[{,]\s*"(?:content|text)"\s*:\s*"(?:[^"\\]|\\.)')
-    hidden_output = re.compile(
-        rb'[{,]\s*"(?:(?:reasoning_content|reasoning)"\s*:\s*"(?:[^"\\]|\\.)|tool_calls"\s*:\s*\[\s*\{)')
-
-    def usage(self, obj: dict) -> tuple[int | None, int | None]:
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            return usage.get("prompt_tokens"), usage.get("completion_tokens")
-        return None, None
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         set_id_model(exchange, obj.get("id"), obj.get("model"))
@@ -84,5 +73,5 @@ class ChoicesDialect(Dialect):
             exchange.record_output(ts)
 
 
-CHAT = ChoicesDialect("openai.chat")
-COMPLETIONS = ChoicesDialect("openai.completions")
+CHAT = ChoicesDialect("openai.chat", counts=USAGE, visible=_TEXT_VALUE, hidden=_HIDDEN_VALUE)
+COMPLETIONS = ChoicesDialect("openai.completions", counts=USAGE, visible=_TEXT_VALUE, hidden=_HIDDEN_VALUE)

@@ -11,11 +11,8 @@ non-streamed body is that response object itself.
 
 from __future__ import annotations
 
-import re
-
 from ..exchange import Exchange
-from ..json_scan import count_key
-from .base import Dialect, usage_object
+from .base import Dialect
 
 __all__ = ["RESPONSES"]
 
@@ -27,16 +24,6 @@ _RESPONSE_EVENTS = frozenset({"response.created", "response.in_progress", "respo
 
 class _Responses(Dialect):
     __slots__ = ()
-    prompt_key = count_key(b"input_tokens")
-    completion_key = count_key(b"output_tokens")
-    visible_output = re.compile(rb'[{,]\s*"type"\s*:\s*"response\.(?:output_text|refusal)\.delta"')
-    hidden_output = re.compile(rb'[{,]\s*"type"\s*:\s*"response\.[a-z_.]+\.delta"')
-
-    def usage(self, obj: dict) -> tuple[int | None, int | None]:
-        usage = usage_object(obj, "response")
-        if usage is None:
-            return None, None
-        return usage.get("input_tokens"), usage.get("output_tokens")
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         kind = obj.get("type")
@@ -52,4 +39,7 @@ class _Responses(Dialect):
                 self.body(exchange, response)
 
 
-RESPONSES = _Responses("openai.responses")
+RESPONSES = _Responses(
+    "openai.responses", counts=("usage", "input_tokens", "output_tokens"), wrapper="response",
+    visible=rb'[{,]\s*"type"\s*:\s*"response\.(?:output_text|refusal)\.delta"',
+    hidden=rb'[{,]\s*"type"\s*:\s*"response\.[a-z_.]+\.delta"')

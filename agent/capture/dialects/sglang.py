@@ -9,10 +9,8 @@ There is no model name.
 
 from __future__ import annotations
 
-import re
-
 from ..exchange import Exchange
-from ..json_scan import count, count_key
+from ..json_scan import count, is_text, text_value
 from .base import Dialect, choice_index, set_id_model, set_usage
 
 __all__ = ["SGLANG"]
@@ -20,15 +18,6 @@ __all__ = ["SGLANG"]
 
 class _SGLang(Dialect):
     __slots__ = ()
-    prompt_key = count_key(b"prompt_tokens")
-    completion_key = count_key(b"completion_tokens")
-    visible_output = re.compile(rb'[{,]\s*"text"\s*:\s*"(?:[^"\\]|\\.)')
-
-    def usage(self, obj: dict) -> tuple[int | None, int | None]:
-        meta = obj.get("meta_info")
-        if isinstance(meta, dict):
-            return meta.get("prompt_tokens"), meta.get("completion_tokens")
-        return None, None
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         meta = obj.get("meta_info")
@@ -41,7 +30,7 @@ class _SGLang(Dialect):
         set_id_model(exchange, meta.get("id"), None)
         generated = count(meta.get("completion_tokens"))
         if generated is None:
-            grew = isinstance(obj.get("text"), str) and obj["text"] != ""
+            grew = is_text(obj.get("text"))
         else:
             grew = generated > (exchange.completion_tokens or 0)
         set_usage(exchange, *self.usage(obj))
@@ -54,4 +43,5 @@ class _SGLang(Dialect):
         set_usage(exchange, *self.usage(obj))
 
 
-SGLANG = _SGLang("sglang")
+SGLANG = _SGLang("sglang", counts=("meta_info", "prompt_tokens", "completion_tokens"),
+                 visible=text_value(b"text"))

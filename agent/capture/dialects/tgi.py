@@ -8,10 +8,8 @@ or model name. The event's `index` is the token's position, not a choice.
 
 from __future__ import annotations
 
-import re
-
 from ..exchange import Exchange
-from ..json_scan import count_key
+from ..json_scan import is_text, text_value
 from .base import Dialect, set_usage
 
 __all__ = ["TGI", "token_text"]
@@ -20,21 +18,11 @@ __all__ = ["TGI", "token_text"]
 def token_text(obj: dict) -> bool:
     """True if the event's `token` carries text."""
     token = obj.get("token")
-    return isinstance(token, dict) and isinstance(token.get("text"), str) and token["text"] != ""
+    return isinstance(token, dict) and is_text(token.get("text"))
 
 
 class _Tgi(Dialect):
     __slots__ = ()
-    id_key = None
-    prompt_key = count_key(b"input_length")
-    completion_key = count_key(b"generated_tokens")
-    visible_output = re.compile(rb'[{,]\s*"text"\s*:\s*"(?:[^"\\]|\\.)')
-
-    def usage(self, obj: dict) -> tuple[int | None, int | None]:
-        details = obj.get("details")
-        if isinstance(details, dict):
-            return details.get("input_length"), details.get("generated_tokens")
-        return None, None
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         if token_text(obj):
@@ -43,4 +31,5 @@ class _Tgi(Dialect):
             set_usage(exchange, *self.usage(obj))
 
 
-TGI = _Tgi("tgi")
+TGI = _Tgi("tgi", counts=("details", "input_length", "generated_tokens"), has_id=False,
+           visible=text_value(b"text"))
