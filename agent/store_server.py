@@ -43,7 +43,6 @@ import base64
 import binascii
 import email.parser
 import email.policy
-import gzip
 import hmac
 import json
 import logging
