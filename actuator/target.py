@@ -24,8 +24,8 @@ from urllib.parse import quote, unquote
 MAX_PATH_BYTES = 8192
 
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
-# What an escape may stand for and stay escaped: the rest of RFC 3986's
-# pchar and whatever a client must escape (space, quotes, brackets, ...).
+# Escapes refused: they would split, end or re-encode the path, or are control
+# bytes. Any other escape (space, quotes, UTF-8, ...) stays escaped, upper-cased.
 _REFUSED_DECODED = frozenset(b"/?#%\\") | frozenset(range(0x20)) | {0x7F}
 # Bytes allowed unescaped in a path: unreserved, sub-delims, ':' '@', '/', '%' (escapes).
 _RAW_PATH = re.compile(rb"^/[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*$")
@@ -54,7 +54,7 @@ def _normalise_escape(match: re.Match) -> bytes:
     value = int(digits, 16)
     if value in _UNRESERVED:
         return bytes((value,))
-    if value in _REFUSED_DECODED or value > 0x7F:
+    if value in _REFUSED_DECODED:
         raise BadTarget(f"the path holds an escaped %{value:02X}, which cannot be canonicalised")
     return b"%" + digits.upper()
 

@@ -21,12 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from tokenprobe.agent.export.metrics_endpoint import AgentMetrics
-from tokenprobe.analytics.alerting import (
-    Alert,
-    AlertmanagerClient,
-    AlertmanagerError,
-    finding,
-)
+from tokenprobe.analytics.alerting import Alert, AlertmanagerClient, AlertmanagerError, finding
 from tokenprobe.cli.stack import stop_process
 
 from tests.support import free_port, wait_until

@@ -24,14 +24,7 @@ import pytest
 from tokenprobe.analytics.indicators import CRIT, OK, WARN
 from tokenprobe.analytics.pipeline import AnalysisReport, analyze
 from tokenprobe.analytics.timerange import TimeRange
-from tokenprobe.refserver.groundtruth import (
-    LevelRun,
-    LoadLevel,
-    errors_by_level,
-    phase_errors,
-    run_levels,
-    sweep_concurrency,
-)
+from tokenprobe.refserver.groundtruth import (LevelRun, LoadLevel, errors_by_level, phase_errors, run_levels, sweep_concurrency)
 from tokenprobe.store.client import Store
 from tokenprobe.store.embedded import open_store
 

@@ -28,12 +28,7 @@ from tokenprobe.contract.tables import DEFAULT_TTL_DAYS
 from tokenprobe.dashboard import queries as dashboard_queries
 from tokenprobe.dashboard.cli import add_dashboard_parser
 from tokenprobe.dashboard.queries import DashboardQueries, Filters, choose_bin_seconds
-from tokenprobe.dashboard.settings import (
-    OWN_STORE_ENV,
-    REFRESH_ENV,
-    STORE_ENV,
-    parse_refresh,
-)
+from tokenprobe.dashboard.settings import OWN_STORE_ENV, REFRESH_ENV, STORE_ENV, parse_refresh
 from tokenprobe.store.embedded import open_store
 
 APP = Path(dashboard_queries.__file__).with_name("streamlit_app.py")

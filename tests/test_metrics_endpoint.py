@@ -8,11 +8,7 @@ import threading
 import time
 
 import pytest
-from tokenprobe.agent.export.metrics_endpoint import (
-    OVERFLOW_MODEL,
-    AgentMetrics,
-    RequestTimings,
-)
+from tokenprobe.agent.export.metrics_endpoint import OVERFLOW_MODEL, AgentMetrics, RequestTimings
 from tokenprobe.agent.sampling.prom_text import Exposition, scrape
 from tokenprobe.store.sink import SinkStats
 

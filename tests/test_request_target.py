@@ -13,6 +13,7 @@ from tokenprobe.contract.routes import is_inference_request
     (b"/a/b/../../../c", "/c"),
     (b"/%2E%2e/%7euser/%41", "/~user/A"),
     (b"/a%3ab%5b", "/a%3Ab%5B"),
+    (b"/caf%c3%a9", "/caf%C3%A9"),
     (b"/a/", "/a/"),
     (b"/a/..", "/"),
     (b"/", "/"),
@@ -23,7 +24,7 @@ def test_canonical_path(raw, canonical):
 
 
 @pytest.mark.parametrize("raw", [b"v1/chat", b"/a%2Fb", b"/a%3F", b"/a%23", b"/a%25", b"/a%00", b"/a%5C", b"/a\\b",
-                                 b"/a%", b"/a%4", b"/a%g0", b"/a%C3%A9", b"/a b", b"/\xc3\xa9", b"/a?b", b"/a#b",
+                                 b"/a%", b"/a%4", b"/a%g0", b"/a b", b"/\xc3\xa9", b"/a?b", b"/a#b",
                                  b"/" + b"a" * 9000])
 def test_targets_without_a_canonical_form_are_refused(raw):
     with pytest.raises(BadTarget):

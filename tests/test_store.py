@@ -22,13 +22,7 @@ import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 from tokenprobe.contract import registry
 from tokenprobe.contract import requests as schema
-from tokenprobe.contract.tables import (
-    OPAQUE_CODEC,
-    TIMESTAMP_CODEC,
-    TIMESTAMP_TYPE,
-    Column,
-    Table,
-)
+from tokenprobe.contract.tables import OPAQUE_CODEC, TIMESTAMP_CODEC, TIMESTAMP_TYPE, Column, Table
 from tokenprobe.store.client import StoreUnavailable
 from tokenprobe.store.embedded import LOCK_FILE, SERVE_FILE, open_store
 from tokenprobe.store.server import StoreServer

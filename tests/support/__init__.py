@@ -4,17 +4,14 @@ Waits are generous: the suite runs on a 2-core machine next to real servers."""
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Callable
 
+from tokenprobe.refserver.harness import free_port, port_open, wait_for_port
+
+__all__ = ["WAIT_S", "asgi_body", "free_port", "port_open", "wait_for_port", "wait_until"]
+
 WAIT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = WAIT_S) -> None:
@@ -23,18 +20,6 @@ def wait_until(predicate: Callable[[], object], timeout: float = WAIT_S) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(0.05)
-
-
-def port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def wait_for_port(port: int, timeout: float = 20.0) -> None:
-    wait_until(lambda: port_open(port), timeout)
 
 
 async def asgi_body(receive) -> bytes:

@@ -1,0 +1,248 @@
+"""The agent's hot path as a busy node sees it: token events per second on one core, side by side.
+
+A C server (benchmarks/firehose.c, built here with cc) streams OpenAI chat
+chunks, one write per event, over keep-alive connections held by a client in
+this process; both run on CPU 0. The real `tokenprobe agent` runs pinned to
+CPU 1 and reports through its own /metrics what it handled and what the
+kernel dropped. Per implementation — this checkout, and a previous one given
+as a git ref (default: the commit before the capture work) — it prints:
+
+- for 1, 64 and 512 concurrent streams: per offered rate, events the agent
+  handled per second, the share the kernel dropped, the agent's CPU per 1k
+  events and its RSS; and the highest rate it kept up with, no drops;
+- the watched server at a fixed offered rate: events delivered per second and
+  client-side p50/p99 TTFT without an agent and with each implementation,
+  as ratios to no agent.
+
+Prints figures; asserts nothing. Needs root (real BPF), cc and git.
+
+    .venv/bin/python -m benchmarks.bench_hot_path [--baseline REF] [--rates ...] [--seconds S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import selectors
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from tokenprobe.refserver.harness import free_port, wait_for_port
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+AGENT_CPU, LOAD_CPU = "1", "0"
+TICKS = os.sysconf("SC_CLK_TCK")
+REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\ncontent-type: application/json\r\n"
+           b"content-length: 48\r\n\r\n" b'{"model":"bench","stream":true,"messages":[]}   ')
+END_OF_RESPONSE = b"0\r\n\r\n"
+
+
+@dataclass
+class Implementation:
+    name: str
+    pythonpath: str | None  # None: this checkout as installed
+
+
+def build_firehose(tmp: Path) -> Path:
+    binary = tmp / "firehose"
+    subprocess.run(["cc", "-O2", "-o", str(binary), str(HERE / "firehose.c")], check=True)
+    return binary
+
+
+def previous_implementation(ref: str, tmp: Path) -> Implementation:
+    """The agent as of ``ref``, installed apart (no dependencies: they are this venv's)."""
+    source, site = tmp / "baseline-src", tmp / "baseline-site"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(source), ref],
+                   check=True, capture_output=True)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--disable-pip-version-check", "--target", str(site), str(source)],
+                       check=True, capture_output=True)
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(source)], capture_output=True)
+    return Implementation(f"previous ({ref})", str(site))
+
+
+def metric(page: str, name: str) -> float:
+    match = re.search(rf"^{name} ([0-9.e+]+)$", page, re.MULTILINE)
+    return float(match[1]) if match else 0.0
+
+
+class AgentProcess:
+    """`tokenprobe agent` pinned to one CPU, read through its /metrics and /proc."""
+
+    def __init__(self, impl: Implementation, port: int, tmp: Path):
+        self.metrics_port = free_port()
+        env = dict(os.environ, TOKENPROBE_FINGERPRINT_KEY="bench-key", HOME=str(tmp))
+        if impl.pythonpath:
+            env["PYTHONPATH"] = impl.pythonpath
+        self.log_path = tmp / f"agent-{port}.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                ["taskset", "-c", AGENT_CPU, sys.executable, "-m", "tokenprobe", "agent", "--port", str(port),
+                 "--store", f"chdb://{tmp / f'store-{port}'}", "--quiet", "--metrics-port", str(self.metrics_port)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        deadline = time.monotonic() + 240  # the first compile of the BPF program takes a while
+        while "tracing ports" not in self.log_path.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"agent did not start:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.2)
+        wait_for_port(self.metrics_port)
+
+    def figures(self) -> tuple[float, float, float, int]:
+        """(events handled, kernel drops, CPU seconds, RSS bytes) so far."""
+        page = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+        stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(stat[11]) + int(stat[12])) / TICKS
+        rss = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{self.proc.pid}/status").read_text())[1]) * 1024
+        return (metric(page, "tokenprobe_agent_events_total"), metric(page, "tokenprobe_agent_drops_total"),
+                cpu, rss)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class LoadFigures:
+    events_per_s: float
+    ttft_ms: list[float]
+
+
+@contextmanager
+def firehose(binary: Path, port: int, rate: float, tokens: int, seconds: float) -> Iterator[subprocess.Popen]:
+    proc = subprocess.Popen(["taskset", "-c", LOAD_CPU, str(binary), str(port), str(rate), str(tokens),
+                             str(seconds + 30)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "listening"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def drive(port: int, streams: int, seconds: float) -> LoadFigures:
+    """``streams`` keep-alive clients, each sending its next request when a response ends."""
+    selector = selectors.DefaultSelector()
+    sent_at: dict[socket.socket, float] = {}
+    first_seen: dict[socket.socket, bool] = {}
+    tails: dict[socket.socket, bytes] = {}
+    ttfts, received = [], 0
+    for _ in range(streams):
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(REQUEST)
+        sent_at[client], first_seen[client], tails[client] = time.monotonic(), False, b""
+        selector.register(client, selectors.EVENT_READ)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for key, _ in selector.select(timeout=0.05):
+            client = key.fileobj
+            data = client.recv(1 << 20)
+            if not data:
+                selector.unregister(client)
+                continue
+            now = time.monotonic()
+            if not first_seen[client] and b"data:" in data:
+                ttfts.append((now - sent_at[client]) * 1000)
+                first_seen[client] = True
+            received += data.count(b"\ndata: {")
+            tail = (tails[client] + data)[-8:]
+            tails[client] = tail
+            if tail.endswith(END_OF_RESPONSE):
+                client.sendall(REQUEST)
+                sent_at[client], first_seen[client], tails[client] = now, False, b""
+    for key in list(selector.get_map().values()):
+        key.fileobj.close()
+    return LoadFigures(received / seconds, ttfts)
+
+
+def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], seconds: float) -> None:
+    print(f"\n== {impl.name}: agent on CPU {AGENT_CPU}, server and clients on CPU {LOAD_CPU}, {seconds:.0f} s a rate")
+    print(f"{'streams':>8}{'offered ev/s':>14}{'written ev/s':>14}{'agent ev/s':>12}{'dropped':>9}"
+          f"{'CPU ms/1k ev':>14}{'RSS MiB':>9}")
+    for streams in (1, 64, 512):
+        port = free_port()
+        agent = AgentProcess(impl, port, tmp)
+        kept_up = 0.0
+        try:
+            for rate in rates:
+                with firehose(binary, port, rate, tokens=4000 if streams == 1 else 200, seconds=seconds):
+                    before = agent.figures()
+                    load = drive(port, streams, seconds)
+                    time.sleep(1.0)  # the agent drains what the ring buffer still holds
+                    after = agent.figures()
+                events, drops, cpu = (after[i] - before[i] for i in range(3))
+                share = drops / max(1.0, events + drops)
+                per_1k = 1000 * cpu / max(1.0, events) * 1000
+                print(f"{streams:8}{rate:14.0f}{load.events_per_s:14.0f}{events / seconds:12.0f}{share:9.1%}"
+                      f"{per_1k:14.2f}{after[3] / 2**20:9.0f}")
+                if drops == 0:
+                    kept_up = max(kept_up, events / seconds)
+        finally:
+            agent.stop()
+        print(f"{'':8}highest rate with no drops: {kept_up:.0f} events/s")
+
+
+def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: float, seconds: float) -> None:
+    print(f"\n== the watched server at {rate:.0f} tokens/s offered, 64 streams of 200 tokens, {seconds:.0f} s each")
+    rows = []
+    for impl in [None, *impls]:
+        port = free_port()
+        agent = AgentProcess(impl, port, tmp) if impl else None
+        try:
+            with firehose(binary, port, rate, tokens=200, seconds=seconds):
+                load = drive(port, 64, seconds)
+        finally:
+            if agent:
+                agent.stop()
+        ttfts = sorted(load.ttft_ms)
+        rows.append((impl.name if impl else "no agent", load.events_per_s, statistics.median(ttfts),
+                     ttfts[int(0.99 * (len(ttfts) - 1))]))
+    base = rows[0]
+    print(f"{'':28}{'events/s':>10}{'ratio':>7}{'TTFT p50 ms':>13}{'p99 ms':>9}{'p99 Δ µs':>10}")
+    for name, rate_out, p50, p99 in rows:
+        print(f"{name:28}{rate_out:10.0f}{rate_out / base[1]:7.3f}{p50:13.3f}{p99:9.3f}{(p99 - base[3]) * 1000:10.0f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", default="4b0a2e0", help="git ref of the previous implementation "
+                        "(default %(default)s, before the capture work; '' to leave it out)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[50_000, 100_000, 200_000, 300_000])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--server-rate", type=float, default=100_000)
+    args = parser.parse_args()
+    if os.geteuid() != 0 or not shutil.which("cc") or os.cpu_count() < 2:
+        print("needs root, cc and two CPUs", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="tokenprobe-hot-path-") as scratch:
+        tmp = Path(scratch)
+        binary = build_firehose(tmp)
+        impls = [Implementation("this checkout", None)]
+        if args.baseline:
+            impls.append(previous_implementation(args.baseline, tmp))
+        for impl in impls:
+            capacity(impl, binary, tmp, args.rates, args.seconds)
+        server_cost(impls, binary, tmp, args.server_rate, args.seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
