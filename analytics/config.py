@@ -27,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 
+# The agent's live analysis (analytics/live.py): seconds between passes, and their window length.
+DEFAULT_LIVE_EVERY_S = 30
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Indicator thresholds. Ratios are 0..1, times in ms, spans in s."""

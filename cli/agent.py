@@ -30,6 +30,10 @@ from ..agent.sampling.dcgm import DcgmScraper
 from ..agent.sampling.engine_metrics import EngineScraper
 from ..agent.sampling.gpu import NvmlSampler, ServerGpuMap
 from ..agent.sampling.samplers import SamplerSet
+from ..analytics.alerting import AlertmanagerClient
+from ..analytics.config import DEFAULT_LIVE_EVERY_S
+from ..analytics.live import LiveAnalysis
+from ..analytics.outlets import AlertmanagerOutlet, MetricsOutlet, OtelOutlet
 from ..store.client import Store, StoreUnavailable
 from ..store.embedded import open_store
 from ..store.schema import create_request_gpu_state_view
@@ -95,6 +99,8 @@ class AgentConfig:
     metrics_address: tuple[str, int] | None = None  # serve Prometheus /metrics here
     otlp_endpoint: str | None = None                # export spans and GenAI metrics here
     tenant_header: str | None = DEFAULT_TENANT_HEADER  # request header naming the tenant; None: off
+    analyze_every_s: int = DEFAULT_LIVE_EVERY_S     # live analysis window; 0: off
+    alertmanager_urls: list[str] = field(default_factory=list)  # post the live analysis' findings here
 
 
 @dataclass
@@ -161,6 +167,28 @@ class Exporters:
             self.metrics.close()
 
 
+def start_live_analysis(cfg: AgentConfig, store: Store | None, node: str,
+                        exporters: Exporters) -> LiveAnalysis | None:
+    """The node's own analysis every ``cfg.analyze_every_s``, on its thread, into every outlet configured."""
+    if not cfg.analyze_every_s:
+        return None
+    if store is None:
+        log.warning("live analysis is off: the store did not answer at start")
+        return None
+    outlets = []
+    if exporters.metrics:
+        outlets.append(MetricsOutlet(exporters.metrics))
+    if exporters.otel:
+        outlets.append(OtelOutlet(exporters.otel))
+    if cfg.alertmanager_urls:
+        outlets.append(AlertmanagerOutlet(AlertmanagerClient(cfg.alertmanager_urls)))
+    live = LiveAnalysis(store, node, every_s=cfg.analyze_every_s, outlets=outlets)
+    live.start()
+    log.info("analysing this node's servers every %d s (%s)", cfg.analyze_every_s,
+             ", ".join(["store", *(outlet.name for outlet in outlets)]))
+    return live
+
+
 class StatusLine:
     """One refreshed line on a terminal; a plain line every 10 s otherwise."""
 
@@ -212,9 +240,12 @@ class Agent:
                 samplers.start()
             sink = RequestSink(store or cfg.store_url)
             exporters = Exporters(cfg, node)
+            live = start_live_analysis(cfg, store, node, exporters)
             try:
                 summary = self._run_probes(sink, clock, node, exporters)
             finally:
+                if live is not None:
+                    live.stop()
                 exporters.close()
                 if samplers is not None:
                     samplers.stop()

@@ -24,6 +24,10 @@ from __future__ import annotations
 IS_INFERENCE = "method = 'POST'"
 # Client errors (4xx) are the client's doing: no latency objective covers them.
 IS_SLO_ELIGIBLE = f"{IS_INFERENCE} AND NOT (status BETWEEN 400 AND 499)"
+# When a request's row is complete: its last response byte, or the latest
+# moment it reached when it was cut off. Windows of ended requests (the
+# controller's, the live analysis' watermark) are chosen by it.
+ENDED_AT = "coalesce(resp_end, last_token, first_token, resp_start, req_end, req_start)"
 # The request reached no successful end: server error, no response, cut off.
 FAILED = "(status >= 500 OR status = 0 OR outcome IN ('reset', 'truncated'))"
 

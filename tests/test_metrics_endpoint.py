@@ -109,15 +109,18 @@ def test_model_names_from_clients_are_capped_per_port(metrics):
     assert value(page, "tokenprobe_request_ttft_seconds_count", server_port="9000") == 1
 
 
-def test_queue_estimates_from_the_analytics(metrics):
-    metrics.observe_queue(8000, "llama-3-8b", 0.3)
-    metrics.observe_queue(8000, "llama-3-8b", -0.02)  # the prefill model over-predicted: no queue
+def test_queue_and_prefill_split_from_the_analytics(metrics):
+    metrics.observe_split(8000, "llama-3-8b", queue_s=0.3, prefill_s=0.04)
+    # the prefill model over-predicted: no queue
+    metrics.observe_split(8000, "llama-3-8b", queue_s=-0.02, prefill_s=0.2)
     page = read(metrics)
     assert value(page, "tokenprobe_request_queue_seconds_count", server_port="8000") == 2
     assert value(page, "tokenprobe_request_queue_seconds_bucket", le="0.01", server_port="8000") == 1
     assert value(page, "tokenprobe_request_queue_seconds_sum", server_port="8000") == pytest.approx(0.3)
+    assert value(page, "tokenprobe_request_prefill_seconds_sum", server_port="8000") == pytest.approx(0.24)
+    assert value(page, "tokenprobe_request_prefill_seconds_bucket", le="0.05", server_port="8000") == 1
     with pytest.raises(ValueError, match="NaN"):
-        metrics.observe_queue(8000, "m", math.nan)
+        metrics.observe_split(8000, "m", queue_s=math.nan, prefill_s=0.1)
 
 
 def test_indicator_cells_and_their_states(metrics):

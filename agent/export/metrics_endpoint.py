@@ -9,9 +9,11 @@ one followed with ``--outbound``):
   ``(last_token − first_token) / (tokens − 1)``, tokens from ``usage`` when the
   stream carried it, else the counted text events.
 - ``tokenprobe_request_duration_seconds`` — end to end, ``resp_end − req_start``.
-- ``tokenprobe_request_queue_seconds`` — time waiting for a slot. The agent
-  cannot tell queue from prefill when a row is made; the analytics estimate it
-  later and report it through ``AgentMetrics.observe_queue``.
+- ``tokenprobe_request_queue_seconds`` and ``tokenprobe_request_prefill_seconds``
+  — the server TTFT split into waiting for a slot and prefill. The agent
+  cannot tell them apart when a row is made; its live analysis
+  (``analytics/live.py``) splits each request a window later and reports the
+  split through ``AgentMetrics.observe_split``.
 - ``tokenprobe_requests_total`` — every finished request, also by
   ``status_class`` (``2xx`` … ``5xx``, ``none`` when no response was seen) and
   ``outcome`` (``complete``, ``client_closed``, ``reset``, ``truncated``).
@@ -265,7 +267,7 @@ class AgentMetrics:
     """The metrics the agent serves on ``/metrics``, in a registry of their own.
 
     Thread-safe: the agent loop calls ``observe_request`` and
-    ``set_agent_stats``, the analytics ``observe_queue`` and ``set_indicator``,
+    ``set_agent_stats``, the live analysis ``observe_split`` and ``set_indicator``,
     and the HTTP server thread reads, all at once.
     """
 
@@ -289,6 +291,10 @@ class AgentMetrics:
         self._queue = Histogram("tokenprobe_request_queue_seconds",
                                "Time waiting for a slot before prefill, as estimated by the analytics",
                                ("server_port", "model"), buckets=QUEUE_BUCKETS_S, registry=self.registry)
+        self._prefill = Histogram("tokenprobe_request_prefill_seconds",
+                                 "Prefill time, the rest of the server TTFT after the queue, as estimated by the "
+                                 "analytics", ("server_port", "model"), buckets=TTFT_BUCKETS_S,
+                                 registry=self.registry)
         self._requests = Counter("tokenprobe_requests", "Requests finished, by status class and outcome",
                                 (*_REQUEST_LABELS, "status_class", "outcome"), registry=self.registry)
         self._indicators = _IndicatorCollector(indicator_ttl_s)
@@ -336,11 +342,12 @@ class AgentMetrics:
             {name: _check_number(name, value) for name, value in given.items() if value is not None})
 
     # -- fed by the analytics -----------------------------------------------------------------
-    def observe_queue(self, server_port: int, model: str, seconds: float) -> None:
-        """One request's estimated queue time. A negative estimate (the prefill model
-        predicted more than the whole TTFT) means no queue and counts as 0."""
-        seconds = _check_number("seconds", seconds)
-        self._queue.labels(str(server_port), self._models.label(server_port, model)).observe(max(seconds, 0.0))
+    def observe_split(self, server_port: int, model: str, *, queue_s: float, prefill_s: float) -> None:
+        """One request's server TTFT split into queue and prefill. A negative estimate (the
+        prefill model predicted more than the whole TTFT) means none of it and counts as 0."""
+        labels = (str(server_port), self._models.label(server_port, model))
+        for histogram, name, seconds in ((self._queue, "queue_s", queue_s), (self._prefill, "prefill_s", prefill_s)):
+            histogram.labels(*labels).observe(max(_check_number(name, seconds), 0.0))
 
     def set_indicator(self, server_port: int, model: str, indicator: str, value: float | None, state: str, *,
                       node: str = "", device: str = "") -> None:
