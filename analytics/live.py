@@ -37,7 +37,7 @@ from ..contract.analysis import REQUEST_PHASES_TABLE
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
-from .indicators import Cell
+from .indicators import NO_DATA, Cell
 from .pipeline import AnalysisReport, analyze
 from .scope import Scope, Server
 from .timerange import NS_PER_S, TimeRange, range_condition
@@ -62,12 +62,17 @@ class LivePass:
 
     @property
     def latest_cells(self) -> list[Cell]:
-        """Each server's cells of its newest window: the verdict that holds now."""
-        newest: dict[tuple[str, int], int] = {}
-        for cell in self.report.cells:
-            key = (cell.node, cell.server_port)
-            newest[key] = max(newest.get(key, cell.window_start_ns), cell.window_start_ns)
-        return [cell for cell in self.report.cells if cell.window_start_ns == newest[(cell.node, cell.server_port)]]
+        """Per server, GPU and indicator, the verdict that holds now: its newest cell with data, else its newest.
+
+        The pass's last window is still filling: a figure it has no data for yet
+        (no request arrived in it) keeps the verdict of the window before.
+        """
+        latest: dict[tuple[str, int, str, str], Cell] = {}
+        for cell in sorted(self.report.cells, key=lambda cell: cell.window_start_ns):
+            key = (cell.node, cell.server_port, cell.device_id, cell.indicator)
+            if cell.state != NO_DATA or key not in latest or latest[key].state == NO_DATA:
+                latest[key] = cell
+        return list(latest.values())
 
 
 class Outlet(Protocol):
