@@ -139,6 +139,7 @@ class Exporters:
         self.metrics_address = cfg.metrics_address
         self.metrics = AgentMetrics() if cfg.metrics_address else None
         self.otel = OtelExporter(cfg.otlp_endpoint, node=node) if cfg.otlp_endpoint else None
+        self.live: LiveAnalysis | None = None  # its progress is reported with the agent's own figures
 
     def export(self, row: dict) -> None:
         if self.metrics:
@@ -159,6 +160,9 @@ class Exporters:
                 events_total=stats.events, drops_total=drops, lag_s=lag_s, events_per_s=rate,
                 parse_errors_total=stats.parse_errors, open_connections=len(tracker.connections),
                 inflight_requests=sum(stats.inflight.values()), sink=sink.stats())
+            if self.live:
+                self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
+                                                analysed_until_s=self.live.watermark_ns / 1e9)
 
     def close(self) -> None:
         if self.otel:
@@ -184,6 +188,7 @@ def start_live_analysis(cfg: AgentConfig, store: Store | None, node: str,
         outlets.append(AlertmanagerOutlet(AlertmanagerClient(cfg.alertmanager_urls)))
     live = LiveAnalysis(store, node, every_s=cfg.analyze_every_s, outlets=outlets)
     live.start()
+    exporters.live = live
     log.info("analysing this node's servers every %d s (%s)", cfg.analyze_every_s,
              ", ".join(["store", *(outlet.name for outlet in outlets)]))
     return live

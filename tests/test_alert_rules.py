@@ -53,7 +53,8 @@ def agent_exposition():
     metrics = AgentMetrics()
     t0 = 1_760_000_000_000_000_000
     metrics.observe_request({
-        "server_port": 8000, "role": "server", "model": "m", "path": "/v1/chat/completions", "status": 200,
+        "server_port": 8000, "role": "server", "model": "m", "method": "POST", "path": "/v1/chat/completions",
+        "status": 200,
         "outcome": "complete", "token_events": 5, "completion_tokens": 5, "req_start": t0, "req_end": t0 + 1,
         "first_token": t0 + 10**8, "last_token": t0 + 5 * 10**8, "resp_end": t0 + 6 * 10**8,
     })  # fmt: skip

@@ -23,7 +23,7 @@ MS = 1_000_000
 def row(**overrides) -> dict:
     """A streamed chat request: TTFT 300 ms, 11 tokens over 500 ms (TPOT 50 ms), 805 ms end to end."""
     base = {
-        "server_port": 8000, "role": "server", "model": "llama-3-8b", "path": "/v1/chat/completions",
+        "server_port": 8000, "role": "server", "model": "llama-3-8b", "method": "POST", "path": "/v1/chat/completions",
         "status": 200, "outcome": "complete", "streamed": True, "token_events": 11, "completion_tokens": None,
         "req_start": T0, "req_end": T0 + 2 * MS, "resp_start": T0 + 20 * MS, "first_token": T0 + 302 * MS,
         "last_token": T0 + 802 * MS, "resp_end": T0 + 805 * MS,
@@ -86,8 +86,8 @@ def test_usage_tokens_win_over_counted_events_for_tpot():
 
 
 def test_health_checks_are_counted_but_not_timed(metrics):
-    metrics.observe_request(row(path="/health", model="", token_events=0, streamed=False, first_token=None,
-                                last_token=None, status=200))
+    metrics.observe_request(row(method="GET", path="/health", model="", token_events=0, streamed=False,
+                                first_token=None, last_token=None, status=200))
     metrics.observe_request(row(status=503, outcome="complete", first_token=None, last_token=None,
                                 token_events=0, streamed=False))
     page = read(metrics)

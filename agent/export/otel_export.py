@@ -1,6 +1,6 @@
 """OpenTelemetry export over OTLP/gRPC: a trace per request, GenAI latency metrics.
 
-Each inference request (``metrics_endpoint.is_inference_request``) becomes one
+Each inference request (``contract/measures.is_inference``) becomes one
 span from its first byte read (``req_start``) to its last byte written
 (``resp_end``), named ``"{gen_ai.operation.name} {model}"`` as the GenAI
 semantic conventions name inference spans, with one child span per phase:
@@ -48,11 +48,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
 
+from ...contract import measures
 from .metrics_endpoint import (
     MAX_MODEL_LABEL_CHARS,
     ModelLabelCap,
     RequestTimings,
-    is_inference_request,
     operation_name,
 )
 
@@ -195,7 +195,8 @@ class OtelExporter:
             explicit_bucket_boundaries_advisory=TPOT_BUCKETS_S)
         self._duration = meter.create_histogram(
             "gen_ai.server.request.duration", unit="s",
-            description="Request first byte to response last byte",
+            description="End to end: connection setup (first request on a connection) + request first byte to "
+                        "response last byte",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
         # The metric model label comes from clients: cap it as the Prometheus endpoint does.
         self._models = ModelLabelCap(max_models_per_server)
@@ -211,7 +212,7 @@ class OtelExporter:
         ``phases`` (``name -> (start_ns, end_ns)``, wall clock) overrides the
         phases read from the row, e.g. ``request_phases(row, queue_s=…)``.
         """
-        if not is_inference_request(row):
+        if not measures.is_inference(row):
             return False
         if phases is None:
             phases = request_phases(row)
