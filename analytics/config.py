@@ -62,6 +62,8 @@ class Thresholds:
     retry_rate_crit: float = 0.20
     knee_proximity_warn: float = 0.8  # requests in flight / knee concurrency
     knee_proximity_crit: float = 1.0
+    inflight_stall_warn_s: float = 10.0  # a request in flight without progress for this long
+    inflight_stall_crit_s: float = 30.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -76,6 +78,7 @@ class Thresholds:
             ("stall_rate_warn", "stall_rate_crit", "above"),
             ("retry_rate_warn", "retry_rate_crit", "above"),
             ("knee_proximity_warn", "knee_proximity_crit", "above"),
+            ("inflight_stall_warn_s", "inflight_stall_crit_s", "above"),
             ("decay_warn", "decay_crit", "below"),
         ):
             low, high = getattr(self, warn), getattr(self, crit)

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ..agent.export.metrics_endpoint import AgentMetrics
 from ..agent.export.otel_export import OtelExporter, request_key
 from .alerting import Alert, AlertmanagerClient, finding
@@ -29,11 +31,11 @@ INDICATOR_ALERTS = {CRIT: ("TokenprobeIndicatorCritical", "critical"),
 SERVER_WIDE_MODEL = ""
 
 
-def _split(phase: dict) -> tuple[float, float] | None:
-    """(queue s, prefill s) of an analysed request, None where the analysis could not split it."""
-    if phase["queue_ms"] is None or phase["prefill_ms"] is None:
-        return None
-    return phase["queue_ms"] / 1000, phase["prefill_ms"] / 1000
+def _splits(result: LivePass) -> Iterator[tuple[dict, float, float]]:
+    """(phases, queue s, prefill s) of each request of the pass that the analysis could split."""
+    for phase in result.phases:
+        if phase["queue_ms"] is not None and phase["prefill_ms"] is not None:
+            yield phase, phase["queue_ms"] / 1000, phase["prefill_ms"] / 1000
 
 
 class MetricsOutlet:
@@ -46,11 +48,8 @@ class MetricsOutlet:
         for cell in result.latest_cells:
             self.metrics.set_indicator(cell.server_port, SERVER_WIDE_MODEL, cell.indicator, cell.value, cell.state,
                                        node=cell.node, device=cell.device_id)
-        for phase in result.phases:
-            split = _split(phase)
-            if split is not None:
-                self.metrics.observe_split(phase["server_port"], phase["model"], queue_s=split[0],
-                                           prefill_s=split[1])
+        for phase, queue_s, prefill_s in _splits(result):
+            self.metrics.observe_split(phase["server_port"], phase["model"], queue_s=queue_s, prefill_s=prefill_s)
 
 
 class OtelOutlet:
@@ -60,10 +59,9 @@ class OtelOutlet:
         self.exporter = exporter
 
     def publish(self, result: LivePass) -> None:
-        for phase in result.phases:
-            split = _split(phase)
-            if split is not None and phase["req_end"] is not None and phase["first_token"] is not None:
-                self.exporter.export_split(request_key(phase), phase["req_end"], phase["first_token"], split[0])
+        for phase, queue_s, _ in _splits(result):
+            if phase["req_end"] is not None and phase["first_token"] is not None:
+                self.exporter.export_split(request_key(phase), phase["req_end"], phase["first_token"], queue_s)
 
 
 def indicator_alert(cell: Cell) -> Alert:

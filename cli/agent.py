@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..agent.capture.clock import MonotonicWallClock
+from ..agent.capture.inflight import inflight_snapshot
 from ..agent.capture.probes import Probes, Targets
 from ..agent.capture.tracker import ConnectionTracker
 from ..agent.export.metrics_endpoint import AgentMetrics
@@ -186,12 +187,19 @@ def start_live_analysis(cfg: AgentConfig, store: Store | None, node: str,
         outlets.append(OtelOutlet(exporters.otel))
     if cfg.alertmanager_urls:
         outlets.append(AlertmanagerOutlet(AlertmanagerClient(cfg.alertmanager_urls)))
-    live = LiveAnalysis(store, node, every_s=cfg.analyze_every_s, outlets=outlets)
+    live = LiveAnalysis(store, node, every_s=cfg.analyze_every_s, outlets=outlets, samples_inflight=True)
     live.start()
     exporters.live = live
     log.info("analysing this node's servers every %d s (%s)", cfg.analyze_every_s,
              ", ".join(["store", *(outlet.name for outlet in outlets)]))
     return live
+
+
+def offer_inflight(live: LiveAnalysis | None, tracker: ConnectionTracker) -> None:
+    """On the capture thread, which alone may read the tracker: the requests in flight, when a pass asks."""
+    if live is not None and live.inflight_wanted():
+        now = time.monotonic_ns()
+        live.offer_inflight(inflight_snapshot(tracker, now), tracker.clock.to_wall_ns(now))
 
 
 class StatusLine:
@@ -313,6 +321,7 @@ class Agent:
                     rate = (tracker.stats.events - last_events) / (now - last_tick)
                     last_tick, last_events = now, tracker.stats.events
                     exporters.agent_stats(tracker, probes.drops(), lag.seconds(), rate, sink)
+                    offer_inflight(exporters.live, tracker)
                     if status:
                         status.show(self._status_text(tracker, probes, sink, rate, now - started))
             # Drain what the kernel already produced before closing connections.

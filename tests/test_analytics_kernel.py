@@ -67,6 +67,7 @@ class Capture:
     knee_ports: dict[int, int]  # slots -> port
     live_page: Exposition  # the agent's /metrics after its own live analysis caught up
     live_states: dict[str, set[str]]  # indicator -> states the agent's live passes stored, accuracy server
+    inflight_samples: int  # requests the agent saw in flight at its passes, accuracy server
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,8 @@ def capture(tmp_path_factory) -> Iterator[Capture]:
     store = open_store(handle.store_url, serve=False)
     try:
         # Before this test's own analysis replaces them: what the agent's passes wrote.
+        (inflight_samples,) = store.query_rows("SELECT count() FROM tokenprobe.inflight_samples "
+                                                "WHERE server_port = {port:UInt16}", {"port": accuracy_port})[0]
         live_states: dict[str, set[str]] = {}
         for indicator, state in store.query_rows(
                 "SELECT indicator, state FROM tokenprobe.indicator_matrix FINAL WHERE server_port = {port:UInt16}",
@@ -96,7 +99,7 @@ def capture(tmp_path_factory) -> Iterator[Capture]:
             live_states.setdefault(indicator, set()).add(state)
         report = analyze(store, TimeRange(started_ns, time.time_ns()), window_s=WINDOW_S)
         yield Capture(report, store, read_truth(truth_log), levels, accuracy_port, knee_ports, live_page,
-                      live_states)
+                      live_states, inflight_samples)
     finally:
         store.close()
 
@@ -130,8 +133,10 @@ def test_the_agent_analyses_its_own_traffic_while_tracing(capture: Capture):
     assert queued == prefilled >= 0.5 * len(capture.levels.level_of)
     failures = [s.value for s in capture.live_page.samples if s.name == "tokenprobe_agent_analysis_failures_total"]
     assert failures == [0]
-    # Pass by pass, the agent saw the idle start and the overload.
+    # Pass by pass, the agent saw the idle start and the overload, and the requests in flight at each pass.
     assert {OK, CRIT} <= capture.live_states["queue_wait_p95"], capture.live_states
+    assert capture.inflight_samples > 0
+    assert capture.live_states["inflight_stall"] == {OK}, "nothing stalled"
 
 
 def test_queue_and_prefill_match_ground_truth_at_every_load_level(capture: Capture):

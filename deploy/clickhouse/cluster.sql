@@ -142,6 +142,28 @@ PARTITION BY toDate(ts)
 ORDER BY (node, pid, server_port, device_id, ts)
 TTL toDateTime(ts) + INTERVAL 30 DAY;
 
+CREATE TABLE IF NOT EXISTS tokenprobe.inflight_samples_local ON CLUSTER '{cluster}'
+(
+    `sampled_at` DateTime64(9, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
+    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `server_port` UInt16 CODEC(T64, ZSTD(1)),
+    `role` LowCardinality(String) CODEC(ZSTD(1)),
+    `tenant` String CODEC(ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `conn_id` UInt64 CODEC(T64, ZSTD(1)),
+    `req_seq` UInt32 CODEC(T64, ZSTD(1)),
+    `req_start` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `first_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `stage` LowCardinality(String) CODEC(ZSTD(1)),
+    `token_events` UInt32 CODEC(T64, ZSTD(1)),
+    `age_ms` Float64 CODEC(ZSTD(1)),
+    `since_progress_ms` Float64 CODEC(ZSTD(1))
+)
+ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+PARTITION BY toDate(sampled_at)
+ORDER BY (node, server_port, sampled_at)
+TTL toDateTime(sampled_at) + INTERVAL 30 DAY;
+
 CREATE TABLE IF NOT EXISTS tokenprobe.request_phases_local ON CLUSTER '{cluster}'
 (
     `node` LowCardinality(String) CODEC(ZSTD(1)),
@@ -357,6 +379,10 @@ ENGINE = Distributed('{cluster}', tokenprobe, engine_samples_local, cityHash64(n
 CREATE TABLE IF NOT EXISTS tokenprobe.server_gpus ON CLUSTER '{cluster}'
 AS tokenprobe.server_gpus_local
 ENGINE = Distributed('{cluster}', tokenprobe, server_gpus_local, cityHash64(node));
+
+CREATE TABLE IF NOT EXISTS tokenprobe.inflight_samples ON CLUSTER '{cluster}'
+AS tokenprobe.inflight_samples_local
+ENGINE = Distributed('{cluster}', tokenprobe, inflight_samples_local, cityHash64(node));
 
 CREATE TABLE IF NOT EXISTS tokenprobe.request_phases ON CLUSTER '{cluster}'
 AS tokenprobe.request_phases_local
