@@ -52,13 +52,11 @@ log = logging.getLogger("tokenprobe.analytics.live")
 DEFAULT_SETTLE_S = 3.0  # the request sink flushes every second; leave it two more
 # A pass re-analyses at most this far back, however long the requests that ended were.
 MAX_SPAN_S = 3600
-# The phase columns outlets get for each request that ended in a pass.
-PHASE_COLUMNS = ("node", "server_port", "model", "conn_id", "req_seq", "req_end", "first_token",
-                 "queue_ms", "prefill_ms", "ttft_server_ms", "split_method")
-
-
 # How long a pass waits for the capture thread's snapshot (it looks every second).
 INFLIGHT_WAIT_S = 3.0
+# The phase columns outlets get for each request that ended in a pass.
+PHASE_COLUMNS = ("node", "server_port", "model", "conn_id", "req_seq", "req_end", "first_token",
+                 "queue_ms", "prefill_ms")
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,8 @@ class LiveAnalysis:
 
     # -- one pass ---------------------------------------------------------------------------
     def run_once(self) -> LivePass | None:
-        """One pass; None when nothing ended and nothing is in flight. Raises what the store raised."""
+        """One pass; None when it has nothing to say (no request ended, no server to judge in flight).
+        Raises what the store raised."""
         started_ns = self.clock_ns()
         until_ns = started_ns - self.settle_ns
         if until_ns <= self.watermark_ns:
