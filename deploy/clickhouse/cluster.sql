@@ -187,6 +187,7 @@ CREATE TABLE IF NOT EXISTS tokenprobe.request_phases_local ON CLUSTER '{cluster}
     `tls_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `queue_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `prefill_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `overhead_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `decode_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `network_out_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `ttft_server_ms` Nullable(Float32) CODEC(ZSTD(1)),
@@ -236,7 +237,8 @@ CREATE TABLE IF NOT EXISTS tokenprobe.prefill_calibration_local ON CLUSTER '{clu
     `engine_scale` Float64 CODEC(ZSTD(1)),
     `engine_samples` UInt32 CODEC(T64, ZSTD(1)),
     `engine_prefill_ms` Nullable(Float64) CODEC(ZSTD(1)),
-    `predicted_prefill_ms` Nullable(Float64) CODEC(ZSTD(1))
+    `predicted_prefill_ms` Nullable(Float64) CODEC(ZSTD(1)),
+    `server_overhead_ms` Nullable(Float64) CODEC(ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(fitted_at)
