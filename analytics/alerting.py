@@ -119,6 +119,8 @@ def finding(name: str, severity: str, server_port: int, model: str, *, summary: 
         annotations["description"] = description
     all_labels = {"severity": severity, "server_port": str(server_port), "model": model, SOURCE_LABEL: SOURCE,
                   **(labels or {})}
+    # An empty label is no label to Prometheus: leave it out, so both kinds of alert carry the same set.
+    all_labels = {name: value for name, value in all_labels.items() if value != ""}
     return Alert(name, all_labels, annotations, starts_at=datetime.now(timezone.utc),
                  generator_url=generator_url)
 
@@ -128,7 +130,8 @@ def _quoted(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def _check_base_url(url: str) -> str:
+def check_url(url: str) -> str:
+    """An Alertmanager base URL, without its trailing slash; ValueError if it is not one."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"Alertmanager URL {url!r} must be http:// or https:// with a host")
@@ -145,7 +148,7 @@ class AlertmanagerClient:
             raise ValueError("give at least one Alertmanager URL")
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
-        self.urls = [_check_base_url(url) for url in urls]
+        self.urls = [check_url(url) for url in urls]
         self.timeout_s = timeout_s
         self.headers = dict(headers or {})  # e.g. {"Authorization": "Bearer …"} behind a proxy
 

@@ -71,6 +71,7 @@ class Calibration:
     engine_samples: int = 0
     engine_prefill_ms: float | None = None
     predicted_prefill_ms: float | None = None
+    server_overhead_ms: float | None = None  # where the engine exports its TTFT
     fresh: bool = True  # fitted by this analysis, not read back from the table
 
     @property
@@ -155,9 +156,9 @@ def _check_against_engine(store: Store, lookback: TimeRange, scope: Scope, spans
     in_range, range_parameters = range_condition("ts", "lookback", lookback)
     in_scope, scope_parameters = scope.condition(with_model=False)
     engine = {
-        (node, int(port)): (float(mean_ms), int(samples))
-        for node, port, mean_ms, samples in store.query_rows(
-            f"""SELECT node, server_port, avg(prefill_mean_s) * 1000, count()
+        (node, int(port)): (float(mean_ms), int(samples), None if _is_missing(ttft_ms) else float(ttft_ms))
+        for node, port, mean_ms, samples, ttft_ms in store.query_rows(
+            f"""SELECT node, server_port, avg(prefill_mean_s) * 1000, count(), avg(ttft_mean_s) * 1000
                 FROM {store.table(ENGINE_SAMPLES_TABLE)}
                 WHERE prefill_mean_s IS NOT NULL AND {in_range} AND {in_scope}
                 GROUP BY node, server_port HAVING count() >= {{min_samples:UInt32}}""",
@@ -173,26 +174,30 @@ def _check_against_engine(store: Store, lookback: TimeRange, scope: Scope, spans
         f"""SELECT node, server_port, model,
                    countIf(prompt_tokens IS NOT NULL), sumIf(prompt_tokens, prompt_tokens IS NOT NULL),
                    sumIf(bytes_in, prompt_tokens IS NOT NULL),
-                   countIf(prompt_tokens IS NULL), sumIf(bytes_in, prompt_tokens IS NULL)
+                   countIf(prompt_tokens IS NULL), sumIf(bytes_in, prompt_tokens IS NULL),
+                   avg({measures.TTFT_SERVER_MS})
             FROM {store.table(REQUESTS_TABLE)}
             WHERE {measures.IS_INFERENCE} AND first_token IS NOT NULL AND {in_range} AND {in_scope}
             GROUP BY node, server_port, model""",
         {**range_parameters, **scope_parameters},
     )
     checked = dict(calibrations)
-    for node, port, model, n_usage, usage_tokens, usage_bytes, n_bytes, other_bytes in sums:
+    for node, port, model, n_usage, usage_tokens, usage_bytes, n_bytes, other_bytes, ttft_ms in sums:
         key = (node, int(port), model)
         if key not in calibrations or (node, int(port)) not in engine:
             continue
         calibration = calibrations[key]
-        engine_ms, samples = engine[(node, int(port))]
+        engine_ms, samples, engine_ttft_ms = engine[(node, int(port))]
         predicted_ms = _mean_prediction(calibration, int(n_usage), float(usage_tokens or 0),
                                         float(usage_bytes or 0), int(n_bytes), float(other_bytes or 0))
         if predicted_ms is None or predicted_ms <= 0:
             continue
         low, high = ENGINE_SCALE_BOUNDS
+        # What the server's TTFT holds beyond the engine's is spent outside it: not queue.
+        overhead_ms = None if engine_ttft_ms is None else max(0.0, float(ttft_ms) - engine_ttft_ms)
         checked[key] = replace(calibration, engine_scale=min(high, max(low, engine_ms / predicted_ms)),
-                               engine_samples=samples, engine_prefill_ms=engine_ms, predicted_prefill_ms=predicted_ms)
+                               engine_samples=samples, engine_prefill_ms=engine_ms, predicted_prefill_ms=predicted_ms,
+                               server_overhead_ms=overhead_ms)
     return checked
 
 
@@ -224,6 +229,7 @@ def calibration_rows(calibration: Calibration) -> list[dict]:
             "engine_scale": calibration.engine_scale, "engine_samples": calibration.engine_samples,
             "engine_prefill_ms": calibration.engine_prefill_ms,
             "predicted_prefill_ms": calibration.predicted_prefill_ms,
+            "server_overhead_ms": calibration.server_overhead_ms,
         }
         for unit_fit in calibration.fits.values()
     ]
@@ -239,7 +245,7 @@ def latest_stored(store: Store, keys: Iterable[ServerModel]) -> dict[ServerModel
         f"""SELECT calibration_id, toUnixTimestamp64Nano(fitted_at) AS fitted_at_ns, node, server_port, model,
                    size_unit, intercept_ms, slope_ms, r2, mad_ms, n, n_outliers, size_min, size_max,
                    toUnixTimestamp64Nano(data_from) AS data_from_ns, toUnixTimestamp64Nano(data_to) AS data_to_ns,
-                   engine_scale, engine_samples, engine_prefill_ms, predicted_prefill_ms
+                   engine_scale, engine_samples, engine_prefill_ms, predicted_prefill_ms, server_overhead_ms
             FROM {table}
             WHERE calibration_id IN (
                 SELECT argMax(calibration_id, fitted_at) FROM {table} GROUP BY node, server_port, model)"""
@@ -267,6 +273,8 @@ def latest_stored(store: Store, keys: Iterable[ServerModel]) -> dict[ServerModel
             engine_prefill_ms=None if _is_missing(first["engine_prefill_ms"]) else float(first["engine_prefill_ms"]),
             predicted_prefill_ms=None if _is_missing(first["predicted_prefill_ms"])
             else float(first["predicted_prefill_ms"]),
+            server_overhead_ms=None if _is_missing(first["server_overhead_ms"])
+            else float(first["server_overhead_ms"]),
             fresh=False,
         )
     return calibrations

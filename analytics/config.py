@@ -26,6 +26,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+# The agent's live analysis (analytics/live.py): seconds between passes, and their window length.
+DEFAULT_LIVE_EVERY_S = 30
+
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -58,6 +61,8 @@ class Thresholds:
     retry_rate_crit: float = 0.20
     knee_proximity_warn: float = 0.8  # requests in flight / knee concurrency
     knee_proximity_crit: float = 1.0
+    inflight_stall_warn_s: float = 10.0  # a request in flight without progress for this long
+    inflight_stall_crit_s: float = 30.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -72,6 +77,7 @@ class Thresholds:
             ("stall_rate_warn", "stall_rate_crit", "above"),
             ("retry_rate_warn", "retry_rate_crit", "above"),
             ("knee_proximity_warn", "knee_proximity_crit", "above"),
+            ("inflight_stall_warn_s", "inflight_stall_crit_s", "above"),
             ("decay_warn", "decay_crit", "below"),
         ):
             low, high = getattr(self, warn), getattr(self, crit)

@@ -52,9 +52,6 @@ from .timerange import NS_PER_S, TimeRange, range_condition
 
 DEFAULT_BYTES_PER_TOKEN = 4.0  # a typical BPE token is about four characters of English
 MIN_BASELINE_REQUESTS = 20
-# When a request's row is complete: its last response byte, or the latest
-# moment it reached when it was cut off.
-ENDED_AT = "coalesce(resp_end, last_token, first_token, resp_start, req_end, req_start)"
 # Requests longer than this are left out of windows; the bound lets the
 # store skip old parts through the (server_port, req_start) sort key.
 MAX_REQUEST_S = 3600.0
@@ -82,7 +79,7 @@ def window_figures(store: Store, since: float, until: float, *, scope: Scope = E
     knees = latest_found_knees(store, scope)
     capacities = server_capacities(knees, {})
     slots_by_engine = engine_slots(store, lookback, scope)
-    ended, ended_parameters = range_condition(ENDED_AT, "window", window)
+    ended, ended_parameters = range_condition(measures.ENDED_AT, "window", window)
     arrived, arrived_parameters = range_condition("req_start", "arrived", window)
     recent, recent_parameters = _recent_enough(window)
     in_scope, scope_parameters = scope.condition()
@@ -128,7 +125,7 @@ def _seconds(ms: float | None) -> float | None:
 
 
 def _ended_in(window: TimeRange) -> tuple[str, dict[str, int]]:
-    ended, parameters = range_condition(ENDED_AT, "window", window)
+    ended, parameters = range_condition(measures.ENDED_AT, "window", window)
     recent, recent_parameters = _recent_enough(window)
     return f"{ended} AND {recent}", {**parameters, **recent_parameters}
 

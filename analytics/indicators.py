@@ -23,6 +23,10 @@ Indicators (thresholds in ``config.Thresholds``):
 - ``retry_storm``: share of requests whose fingerprint (method, path, keyed
   hash of the body and its size) repeats one of the same client's within 60 s.
 - ``knee_proximity``: mean requests in flight / knee concurrency.
+- ``inflight_stall``: the longest a request still in flight has gone without
+  progress (no text event, no request byte), from the agent's in-flight
+  samples (``analytics/inflight.py``; live analysis only): a stall that
+  never ends has no row to show it otherwise.
 
 Occupancy (in flight, queued, running) is time-averaged from the request
 intervals in ``request_phases``: a request is in flight from its first byte
@@ -82,6 +86,8 @@ INDICATORS: tuple[Indicator, ...] = (
     Indicator("stall_rate", "stalls", "ratio", ABOVE),
     Indicator("retry_storm", "retries", "ratio", ABOVE),
     Indicator("knee_proximity", "knee", "ratio", ABOVE),
+    # From the agent's samples of requests in flight (analytics/inflight.py), not from ended requests.
+    Indicator("inflight_stall", "stalled", "s", ABOVE),
 )
 INDICATORS_BY_NAME = {indicator.name: indicator for indicator in INDICATORS}
 
@@ -406,7 +412,8 @@ def _engine_buckets(store: Store, windows: Windows, scope: Scope) -> pd.DataFram
     )
 
 
-def _state(value: float | None, warn: float | None, crit: float | None, comparison: str) -> str:
+def state_of(value: float | None, warn: float | None, crit: float | None, comparison: str) -> str:
+    """The verdict on ``value`` against its thresholds; ``comparison`` says which side is bad."""
     if value is None:
         return NO_DATA
     worse = (lambda limit: value > limit) if comparison == ABOVE else (lambda limit: value < limit)
@@ -474,7 +481,7 @@ class _ServerJudge:
         def cell(name: str, value: float | None, warn: float | None, crit: float | None, explanation: str,
                  device: str = "", state: str | None = None) -> Cell:
             """A cell judged by its thresholds, unless the indicator states its own ``state``."""
-            state = state or _state(value, warn, crit, INDICATORS_BY_NAME[name].comparison)
+            state = state or state_of(value, warn, crit, INDICATORS_BY_NAME[name].comparison)
             return Cell(start, end, self.node, self.port, device, name, value, state, warn, crit, explanation)
 
         cells = self._gpu_cells(cell, buckets, weights)

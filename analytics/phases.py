@@ -8,7 +8,9 @@ streams the decode-rate ratio of their last quarter to their first.
 
 Queue and prefill split the server TTFT: prefill is what the request's
 calibration (``calibration``) predicts for its prompt size, at most the TTFT;
-queue is the rest. Requests of a server and model with no calibration keep
+where the engine exports its own TTFT, the server's mean TTFT beyond it is
+time spent outside the engine (``overhead_ms``, at most what prefill leaves);
+queue is the rest. ``split_method`` says which of these a row had. Requests of a server and model with no calibration keep
 their TTFT with queue and prefill NULL. The whole computation stays in the
 store: nothing per request travels to Python.
 """
@@ -45,6 +47,8 @@ _USES_USAGE = "prompt_tokens IS NOT NULL AND (c_calibration_id IS NULL OR c_has_
 def _phase_expressions(thresholds: Thresholds) -> dict[str, str]:
     ttft = measures.TTFT_SERVER_MS
     splittable = f"c_calibration_id IS NOT NULL AND {ttft} >= 0"
+    prefill = f"least({_PREDICTED_PREFILL_MS}, {ttft})"
+    overhead = f"if(c_overhead IS NULL, 0, least(c_overhead, {ttft} - {prefill}))"
     return {
         "node": "node", "server_port": "server_port", "model": "model", "conn_id": "conn_id",
         "req_seq": "req_seq", "req_start": "req_start", "req_end": "req_end", "first_token": "first_token",
@@ -54,8 +58,9 @@ def _phase_expressions(thresholds: Thresholds) -> dict[str, str]:
         "network_in_ms": measures.NETWORK_IN_MS,
         "accept_wait_ms": measures.ACCEPT_WAIT_MS,
         "tls_ms": measures.TLS_MS,
-        "prefill_ms": f"if({splittable}, least({_PREDICTED_PREFILL_MS}, {ttft}), NULL)",
-        "queue_ms": f"if({splittable}, {ttft} - least({_PREDICTED_PREFILL_MS}, {ttft}), NULL)",
+        "prefill_ms": f"if({splittable}, {prefill}, NULL)",
+        "overhead_ms": f"if({splittable} AND c_overhead IS NOT NULL, {overhead}, NULL)",
+        "queue_ms": f"if({splittable}, {ttft} - {prefill} - {overhead}, NULL)",
         "decode_ms": measures.DECODE_MS,
         "network_out_ms": measures.NETWORK_OUT_MS,
         "ttft_server_ms": ttft,
@@ -75,7 +80,8 @@ def _phase_expressions(thresholds: Thresholds) -> dict[str, str]:
         "prompt_size": f"if({_USES_USAGE}, toUInt64(prompt_tokens), bytes_in)",
         "prompt_size_source": f"if({_USES_USAGE}, 'usage', 'bytes')",
         "calibration_id": "ifNull(c_calibration_id, '')",
-        "split_method": "multiIf(c_calibration_id IS NULL, '', c_engine_used, 'calibration+engine', 'calibration')",
+        "split_method": "multiIf(c_calibration_id IS NULL, '', c_overhead IS NOT NULL, 'calibration+engine+overhead', "
+                        "c_engine_used, 'calibration+engine', 'calibration')",
         "computed_at": "fromUnixTimestamp64Nano({computed_at:Int64}, 'UTC')",
     }
 
@@ -99,7 +105,8 @@ WITH calibrations AS (
         anyIf(intercept_ms, size_unit = 'bytes') AS c_bytes_intercept,
         anyIf(slope_ms, size_unit = 'bytes') AS c_bytes_slope,
         any(engine_scale) AS c_scale,
-        any(engine_samples) > 0 AS c_engine_used
+        any(engine_samples) > 0 AS c_engine_used,
+        any(server_overhead_ms) AS c_overhead
     FROM {store.table(PREFILL_CALIBRATION_TABLE)}
     WHERE calibration_id IN {{calibration_ids:Array(String)}}
     GROUP BY node, server_port, model

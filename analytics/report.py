@@ -107,6 +107,7 @@ _VALUE_FORMAT: dict[str, Callable[[float], str]] = {
     "token_rate_decay": _percent, "stall_rate": lambda v: f"{v:.1%}", "retry_storm": lambda v: f"{v:.1%}",
     "tpot_trend": lambda v: f"{v:+.0%}", "queue_wait_p95": lambda v: f"{v:.0f}ms",
     "fragmentation": lambda v: f"{v:.0f}s", "knee_proximity": lambda v: f"{v:.2f}x",
+    "inflight_stall": lambda v: f"{v:.0f}s",
 }
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..agent.capture.clock import MonotonicWallClock
+from ..agent.capture.inflight import inflight_snapshot
 from ..agent.capture.probes import Probes, Targets
 from ..agent.capture.tracker import ConnectionTracker
 from ..agent.export.metrics_endpoint import AgentMetrics
@@ -29,6 +30,10 @@ from ..agent.sampling.dcgm import DcgmScraper
 from ..agent.sampling.engine_metrics import EngineScraper
 from ..agent.sampling.gpu import NvmlSampler, ServerGpuMap
 from ..agent.sampling.samplers import SamplerSet
+from ..analytics.alerting import AlertmanagerClient
+from ..analytics.config import DEFAULT_LIVE_EVERY_S
+from ..analytics.live import LiveAnalysis
+from ..analytics.outlets import AlertmanagerOutlet, MetricsOutlet, OtelOutlet
 from ..contract.tenant import DEFAULT_TENANT_HEADER
 from ..store.client import Store, StoreUnavailable
 from ..store.embedded import open_store
@@ -97,6 +102,8 @@ class AgentConfig:
     otlp_endpoint: str | None = None                # export spans and GenAI metrics here
     tenant_header: str | None = DEFAULT_TENANT_HEADER  # request header naming the tenant; None: off
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES  # the disk spool's bound while the store is away
+    analyze_every_s: int = DEFAULT_LIVE_EVERY_S     # live analysis window; 0: off
+    alertmanager_urls: list[str] = field(default_factory=list)  # post the live analysis' findings here
 
 
 @dataclass
@@ -135,6 +142,7 @@ class Exporters:
         self.metrics_address = cfg.metrics_address
         self.metrics = AgentMetrics() if cfg.metrics_address else None
         self.otel = OtelExporter(cfg.otlp_endpoint, node=node) if cfg.otlp_endpoint else None
+        self.live: LiveAnalysis | None = None  # its progress is reported with the agent's own figures
 
     def export(self, row: dict) -> None:
         if self.metrics:
@@ -155,12 +163,45 @@ class Exporters:
                 events_total=stats.events, drops_total=drops, lag_s=lag_s, events_per_s=rate,
                 parse_errors_total=stats.parse_errors, open_connections=len(tracker.connections),
                 inflight_requests=sum(stats.inflight.values()), sink=sink.stats())
+            if self.live:
+                self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
+                                                analysed_until_s=self.live.watermark_ns / 1e9)
 
     def close(self) -> None:
         if self.otel:
             self.otel.close()
         if self.metrics:
             self.metrics.close()
+
+
+def start_live_analysis(cfg: AgentConfig, store: Store | None, node: str,
+                        exporters: Exporters) -> LiveAnalysis | None:
+    """The node's own analysis every ``cfg.analyze_every_s``, on its thread, into every outlet configured."""
+    if not cfg.analyze_every_s:
+        return None
+    if store is None:
+        log.warning("live analysis is off: the store did not answer at start")
+        return None
+    outlets = []
+    if exporters.metrics:
+        outlets.append(MetricsOutlet(exporters.metrics))
+    if exporters.otel:
+        outlets.append(OtelOutlet(exporters.otel))
+    if cfg.alertmanager_urls:
+        outlets.append(AlertmanagerOutlet(AlertmanagerClient(cfg.alertmanager_urls)))
+    live = LiveAnalysis(store, node, every_s=cfg.analyze_every_s, outlets=outlets, samples_inflight=True)
+    live.start()
+    exporters.live = live
+    log.info("analysing this node's servers every %d s (%s)", cfg.analyze_every_s,
+             ", ".join(["store", *(outlet.name for outlet in outlets)]))
+    return live
+
+
+def offer_inflight(live: LiveAnalysis | None, tracker: ConnectionTracker) -> None:
+    """On the capture thread, which alone may read the tracker: the requests in flight, when a pass asks."""
+    if live is not None and live.inflight_wanted():
+        now = time.monotonic_ns()
+        live.offer_inflight(inflight_snapshot(tracker, now), tracker.clock.to_wall_ns(now))
 
 
 class StatusLine:
@@ -214,9 +255,12 @@ class Agent:
                 samplers.start()
             sink = RequestSink(store or cfg.store_url, spool_max_bytes=cfg.spool_max_bytes)
             exporters = Exporters(cfg, node)
+            live = start_live_analysis(cfg, store, node, exporters)
             try:
                 summary = self._run_probes(sink, clock, node, exporters)
             finally:
+                if live is not None:
+                    live.stop()
                 exporters.close()
                 if samplers is not None:
                     samplers.stop()
@@ -279,6 +323,7 @@ class Agent:
                     rate = (tracker.stats.events - last_events) / (now - last_tick)
                     last_tick, last_events = now, tracker.stats.events
                     exporters.agent_stats(tracker, probes.drops(), lag.seconds(), rate, sink)
+                    offer_inflight(exporters.live, tracker)
                     if status:
                         status.show(self._status_text(tracker, probes, sink, rate, now - started))
             # Drain what the kernel already produced before closing connections.

@@ -8,7 +8,9 @@ import os
 import sys
 
 from ..actuator.control_cli import add_control_parser
+from ..analytics.alerting import check_url as check_alertmanager_url
 from ..analytics.cli import add_analyze_parser
+from ..analytics.config import DEFAULT_LIVE_EVERY_S
 from ..contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from ..dashboard.cli import add_dashboard_parser
 from ..store.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_MAX_BYTES
@@ -55,6 +57,13 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
     out.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default %(default)s)")
     out.add_argument("--otlp-endpoint", metavar="URL",
                      help="export a span per request and GenAI metrics over OTLP/gRPC, e.g. http://127.0.0.1:4317")
+    live = p.add_argument_group("live analysis (this node's servers; `tokenprobe analyze` for a chosen range)")
+    live.add_argument("--analyze-every", type=int, default=DEFAULT_LIVE_EVERY_S, metavar="S",
+                      help="analyse the requests that ended every S seconds, in windows of S seconds, into the "
+                           "analytics tables and the exporters (default %(default)s; 0 turns it off)")
+    live.add_argument("--alertmanager", action="append", default=[], metavar="URL",
+                      help="post the live analysis' lit indicators to this Alertmanager (API v2), labelled as "
+                           "the Prometheus rules label them (repeatable: every member of an HA cluster)")
     p.add_argument("--ringbuf-mb", type=int, default=16,
                    help="kernel ring buffer size in MiB, a power of two (default %(default)s)")
     gpu = p.add_argument_group("GPU and engine state, joined to every request")
@@ -118,11 +127,24 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if not 0 <= args.metrics_port < 65536:
         print("tokenprobe agent: --metrics-port must be a TCP port (0: off)", file=sys.stderr)
         return 2
+    if args.analyze_every < 0:
+        print("tokenprobe agent: --analyze-every must be ≥ 0 seconds (0: off)", file=sys.stderr)
+        return 2
+    if args.alertmanager and not args.analyze_every:
+        print("tokenprobe agent: --alertmanager needs the live analysis (--analyze-every > 0)", file=sys.stderr)
+        return 2
+    try:
+        for url in args.alertmanager:
+            check_alertmanager_url(url)
+    except ValueError as exc:
+        print(f"tokenprobe agent: --alertmanager: {exc}", file=sys.stderr)
+        return 2
     config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
                          ringbuf_pages=pages, status=not args.quiet, samplers=samplers,
                          metrics_address=(args.metrics_host, args.metrics_port) if args.metrics_port else None,
                          otlp_endpoint=args.otlp_endpoint, tenant_header=tenant_header,
-                         spool_max_bytes=args.spool_max_bytes)
+                         spool_max_bytes=args.spool_max_bytes,
+                         analyze_every_s=args.analyze_every, alertmanager_urls=args.alertmanager)
     try:
         if args.otlp_endpoint:
             from ..agent.export.otel_export import check_endpoint

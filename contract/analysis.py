@@ -61,6 +61,8 @@ REQUEST_PHASES_COLUMNS: tuple[Column, ...] = (
     Column("tls_ms", _MS, OPAQUE_CODEC),
     Column("queue_ms", _MS, OPAQUE_CODEC),
     Column("prefill_ms", _MS, OPAQUE_CODEC),
+    # server TTFT spent outside the engine (API server, tokenising), where the engine's TTFT tells it
+    Column("overhead_ms", _MS, OPAQUE_CODEC),
     Column("decode_ms", _MS, OPAQUE_CODEC),
     Column("network_out_ms", _MS, OPAQUE_CODEC),
     Column("ttft_server_ms", _MS, OPAQUE_CODEC),
@@ -81,7 +83,7 @@ REQUEST_PHASES_COLUMNS: tuple[Column, ...] = (
     Column("prompt_size", "Nullable(UInt64)", INTEGER_CODEC),
     Column("prompt_size_source", _LABEL, OPAQUE_CODEC),  # usage (tokens) | bytes (request bytes)
     Column("calibration_id", _LABEL, OPAQUE_CODEC),  # '' when queue and prefill could not be split
-    Column("split_method", _LABEL, OPAQUE_CODEC),  # calibration | calibration+engine | ''
+    Column("split_method", _LABEL, OPAQUE_CODEC),  # calibration | calibration+engine | calibration+engine+overhead | ''
     Column("computed_at", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
 )
 
@@ -108,6 +110,8 @@ PREFILL_CALIBRATION_COLUMNS: tuple[Column, ...] = (
     Column("engine_samples", "UInt32", INTEGER_CODEC),
     Column("engine_prefill_ms", "Nullable(Float64)", OPAQUE_CODEC),
     Column("predicted_prefill_ms", "Nullable(Float64)", OPAQUE_CODEC),
+    # our mean server TTFT − the engine's mean TTFT over the same span: time outside the engine
+    Column("server_overhead_ms", "Nullable(Float64)", OPAQUE_CODEC),
 )
 
 KNEE_COLUMNS: tuple[Column, ...] = (

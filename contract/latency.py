@@ -10,24 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import measures
+
 DEFAULT_BANDS_PER_DECADE = 10
 # Latencies below this (clock granularity, or a token before the request's
 # last byte was seen) land in the lowest band instead of log10 of zero.
 MIN_LATENCY_MS = 0.01
-
-
-def ns(column: str) -> str:
-    return f"toUnixTimestamp64Nano({column})"
-
-
-def ms_between(earlier: str, later: str) -> str:
-    """SQL for the milliseconds from one timestamp column to another (NULL if either is)."""
-    return f"(({ns(later)} - {ns(earlier)}) / 1e6)"
-
-
-def _ms_between_present(earlier: str, later: str) -> str:
-    """Like ms_between, for columns known not to be NULL: skipping the NULL checks halves the cost."""
-    return ms_between(f"assumeNotNull({earlier})", f"assumeNotNull({later})")
 
 
 def band_sql(latency_sql: str, bands_per_decade_sql: str) -> str:
@@ -50,18 +38,16 @@ class Metric:
     condition: str  # the requests that have this latency
 
 
+# The figures are contract/measures.py's, so a heatmap cell and the analytics count a request alike.
 METRICS: dict[str, Metric] = {
     metric.key: metric
     for metric in (
-        Metric("ttft", "TTFT", "time to first token: first generated token − request's last byte",
-               _ms_between_present("req_end", "first_token"),
-               "req_end IS NOT NULL AND first_token IS NOT NULL"),
-        Metric("tpot", "TPOT", "time per output token: (last token − first token) / (token events − 1)",
-               f"{_ms_between_present('first_token', 'last_token')} / (token_events - 1)",
-               "token_events > 1 AND first_token IS NOT NULL AND last_token IS NOT NULL"),
-        Metric("e2e", "end-to-end", "end to end: response's last byte − request's first byte",
-               _ms_between_present("req_start", "resp_end"),
-               "resp_end IS NOT NULL"),
+        Metric("ttft", "TTFT", "server time to first token: first generated token − request's last byte",
+               measures.SERVER_TTFT.sql_when_known, measures.SERVER_TTFT.known_sql),
+        Metric("tpot", "TPOT", "time per output token: (last token − first token) / (output tokens − 1), "
+               "tokens from usage, else counted text events", measures.tpot_sql(known=True), measures.TPOT_KNOWN),
+        Metric("e2e", "end-to-end", "end to end: connection setup (a connection's first request) + request's "
+               "first byte → response's last byte", measures.e2e_sql(known=True), measures.E2E_KNOWN),
     )
 }
 

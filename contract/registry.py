@@ -16,6 +16,7 @@ from .analysis import (
     SLO_STATUS,
 )
 from .decisions import DECISIONS
+from .inflight import INFLIGHT_SAMPLES
 from .requests import REQUESTS
 from .rollup import ROLLUP, ROLLUP_MV
 from .samples import ENGINE_SAMPLES, GPU_SAMPLES, SERVER_GPUS
@@ -26,6 +27,7 @@ TABLES: tuple[Table, ...] = (
     GPU_SAMPLES,
     ENGINE_SAMPLES,
     SERVER_GPUS,
+    INFLIGHT_SAMPLES,
     REQUEST_PHASES,
     PREFILL_CALIBRATION,
     KNEE,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 from .tables import (
     DEDUPLICATION_WINDOW_SETTING,
     INTEGER_CODEC,
@@ -78,18 +76,3 @@ REQUEST_COLUMNS: list[str] = REQUESTS.column_names
 REQUEST_COLUMN_TYPES: dict[str, str] = {column.name: column.type for column in REQUEST_SCHEMA}
 
 REQUESTS_DDL = REQUESTS.ddl_template
-
-
-def add_missing_request_columns(database: str, existing_columns: Collection[str]) -> list[str]:
-    """The statements that give a requests table made by an older tokenprobe the
-    REQUEST_SCHEMA columns it lacks, each in its schema place (after the column
-    before it, which is either already there or added by an earlier statement)."""
-    statements = []
-    previous: str | None = None
-    for column in REQUEST_SCHEMA:
-        if column.name not in existing_columns:
-            place = f"AFTER `{previous}`" if previous else "FIRST"
-            statements.append(f"ALTER TABLE {database}.{REQUESTS_TABLE} "
-                              f"ADD COLUMN IF NOT EXISTS {column.ddl()} {place}")
-        previous = column.name
-    return statements

@@ -10,7 +10,7 @@ into a column, for writers that build typed batches themselves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -86,6 +86,18 @@ PARTITION BY toDate({self.partition_by})
 ORDER BY ({self.order_by})
 TTL toDateTime({self.ttl_column}) + INTERVAL {{ttl_days}} DAY""" + (
             f"\nSETTINGS {self.settings}" if self.settings else "")
+
+    def missing_column_statements(self, database: str, existing_columns: Collection[str]) -> list[str]:
+        """The statements that give this table, made by an older tokenprobe, the columns it lacks, each
+        in its place (after the column before it, already there or added by an earlier statement)."""
+        statements = []
+        previous: str | None = None
+        for column in self.columns:
+            if column.name not in existing_columns:
+                place = f"AFTER `{previous}`" if previous else "FIRST"
+                statements.append(f"ALTER TABLE {database}.{self.name} ADD COLUMN IF NOT EXISTS {column.ddl()} {place}")
+            previous = column.name
+        return statements
 
     def arrow(self, rows: Sequence[dict]) -> pa.Table:
         """Row dicts (every column present) as an Arrow table typed for this table's columns."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from ..analytics.scope import Scope, Server
+from ..contract import measures
 from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
 from ..contract.decisions import DECISIONS_TABLE
 from ..contract.latency import (
@@ -40,9 +41,8 @@ from ..contract.latency import (
     band_bounds_ms,
     band_sql,
     metric,
-    ms_between,
-    ns,
 )
+from ..contract.measures import ms_between, ns
 from ..contract.requests import REQUESTS_TABLE
 from ..contract.rollup import (
     ALL_REQUESTS,
@@ -363,10 +363,8 @@ LIMIT {{limit:UInt32}}""",
         else:
             where, parameters = filters.request_conditions()
             source = f"{self.store.table(REQUESTS_TABLE)} WHERE {where}"
-            phases = {"network in": ms_between("req_start", "req_end"),
-                      "server TTFT": ms_between("req_end", "first_token"),
-                      "decode": ms_between("first_token", "last_token"),
-                      "response tail": ms_between("last_token", "resp_end")}
+            phases = {"network in": measures.NETWORK_IN_MS, "server TTFT": measures.TTFT_SERVER_MS,
+                      "decode": measures.DECODE_MS, "response tail": measures.NETWORK_OUT_MS}
         frame = self._frame(
             {"bin_start_s": _bin_start("req_start"),
              **{phase: f"sum(ifNull({sql}, 0)) / count()" for phase, sql in phases.items()}},

@@ -21,12 +21,7 @@ from clickhouse_connect.driver.exceptions import OperationalError
 logger = logging.getLogger(__name__)
 
 from ..contract.registry import TABLES, create_statements
-from ..contract.requests import (
-    REQUESTS_DDL,
-    REQUESTS_TABLE,
-    add_missing_request_columns,
-)
-from ..contract.tables import DEDUPLICATION_WINDOW_SETTING, DEFAULT_TTL_DAYS
+from ..contract.tables import DEDUPLICATION_WINDOW_SETTING, DEFAULT_TTL_DAYS, Table
 from .rows import RowSchema
 from .url import StoreURL
 
@@ -151,27 +146,27 @@ class Store:
     def ensure_schema(self, ttl_days: int = DEFAULT_TTL_DAYS) -> None:
         """Create the database and every registered table; safe to repeat.
 
-        A requests table made by an older tokenprobe gets the columns added since
-        (rows stored before read the column type's default). ``ttl_days`` applies to
+        A table made by an older tokenprobe gets the columns added since (rows
+        stored before read the column type's default). ``ttl_days`` applies to
         tables this call creates; existing tables keep theirs.
         """
-        requests_ddl = REQUESTS_DDL.format(db=self.database, ttl_days=ttl_days)
+        tables = {table.ddl_template.format(db=self.database, ttl_days=ttl_days): table for table in TABLES}
         for statement in create_statements(self.database, ttl_days):
             self.command(statement)
-            if statement == requests_ddl:
+            if statement in tables:
                 # Before the views that read the table are created: one may read a new column.
-                self._add_missing_request_columns()
+                self._add_missing_columns(tables[statement])
         self._enable_insert_deduplication()
 
-    def _add_missing_request_columns(self) -> None:
+    def _add_missing_columns(self, table: Table) -> None:
         existing = {name for (name,) in self.query_rows(
             "SELECT name FROM system.columns WHERE database = {database:String} AND table = {table:String}",
-            {"database": self.database, "table": REQUESTS_TABLE})}
-        statements = add_missing_request_columns(self.database, existing)
+            {"database": self.database, "table": table.name})}
+        statements = table.missing_column_statements(self.database, existing)
         for statement in statements:
             self.command(statement)
         if statements:
-            self._row_schemas.pop(self.table(REQUESTS_TABLE), None)  # the cached one lacks them
+            self._row_schemas.pop(self.table(table.name), None)  # the cached one lacks them
 
     def _enable_insert_deduplication(self) -> None:
         """Give plain-MergeTree tables made before deduplication tokens the window they need."""

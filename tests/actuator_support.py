@@ -7,7 +7,13 @@ import time
 
 from tokenprobe.actuator import wire
 from tokenprobe.actuator.v1 import actuator_pb2 as pb
-from tokenprobe.contract.decisions import BreakerAction, BreakerState, Decision, Target, TokenBudgetAction
+from tokenprobe.contract.decisions import (
+    BreakerAction,
+    BreakerState,
+    Decision,
+    Target,
+    TokenBudgetAction,
+)
 
 TOKEN = "test-token-0123456789abcdef"
 RPC_TIMEOUT_S = 10.0

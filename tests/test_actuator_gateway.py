@@ -16,7 +16,12 @@ import pytest
 from tokenprobe.actuator.asgi import ActuatorMiddleware, UsageScanner
 from tokenprobe.actuator.auth import ClientAuth, ServerAuth
 from tokenprobe.actuator.engine import Enforcer, Verdict, VerdictKind
-from tokenprobe.actuator.gateway import GatewayGuard, InvalidRequest, estimate_request, rejection_response
+from tokenprobe.actuator.gateway import (
+    GatewayGuard,
+    InvalidRequest,
+    estimate_request,
+    rejection_response,
+)
 from tokenprobe.actuator.server import ActuatorServer
 from tokenprobe.actuator.tenant import tenant_of_key
 from tokenprobe.actuator.v1 import actuator_pb2_grpc as pb_grpc

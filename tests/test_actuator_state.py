@@ -12,12 +12,36 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenprobe.actuator.breaker import LEGAL_TRANSITIONS, Breaker, BreakerPolicy, Pressure, UpstreamWindow
+from tokenprobe.actuator.breaker import (
+    LEGAL_TRANSITIONS,
+    Breaker,
+    BreakerPolicy,
+    Pressure,
+    UpstreamWindow,
+)
 from tokenprobe.actuator.buckets import TokenBucket
-from tokenprobe.actuator.controller import Controller, ControllerPolicy, fair_share_level
-from tokenprobe.actuator.engine import MAX_REQUEST_TOKENS, DwellViolation, Enforcer, SubscriptionOverflow, VerdictKind
+from tokenprobe.actuator.controller import (
+    Controller,
+    ControllerPolicy,
+    fair_share_level,
+)
+from tokenprobe.actuator.engine import (
+    MAX_REQUEST_TOKENS,
+    DwellViolation,
+    Enforcer,
+    SubscriptionOverflow,
+    VerdictKind,
+)
 from tokenprobe.actuator.tenant import DEFAULT_TENANT
-from tokenprobe.contract.decisions import (BreakerAction, BreakerState, Decision, InvalidDecision, Target, TokenBudgetAction, WindowFigures)
+from tokenprobe.contract.decisions import (
+    BreakerAction,
+    BreakerState,
+    Decision,
+    InvalidDecision,
+    Target,
+    TokenBudgetAction,
+    WindowFigures,
+)
 
 PROPERTY_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 T0 = 1_800_000_000.0  # a fixed wall-clock epoch for the manual clock

@@ -53,11 +53,12 @@ def agent_exposition():
     metrics = AgentMetrics()
     t0 = 1_760_000_000_000_000_000
     metrics.observe_request({
-        "server_port": 8000, "role": "server", "model": "m", "path": "/v1/chat/completions", "status": 200,
+        "server_port": 8000, "role": "server", "model": "m", "method": "POST", "path": "/v1/chat/completions",
+        "status": 200,
         "outcome": "complete", "token_events": 5, "completion_tokens": 5, "req_start": t0, "req_end": t0 + 1,
         "first_token": t0 + 10**8, "last_token": t0 + 5 * 10**8, "resp_end": t0 + 6 * 10**8,
     })  # fmt: skip
-    metrics.observe_queue(8000, "m", 0.1)
+    metrics.observe_split(8000, "m", queue_s=0.1, prefill_s=0.05)
     metrics.set_indicator(8000, "m", "kv_cache_pressure", 0.5, "ok")
     sink = SinkStats(rows_written=1, rows_pending=0, rows_spooled=0, rows_rejected=0, rows_lost=0, inserts=1,
                      last_error=None)

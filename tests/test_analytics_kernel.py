@@ -9,7 +9,9 @@ against the servers' ground truth:
   (the bound here is looser than the 10% target ``bench_phase_accuracy``
   prints, so a loaded CI machine cannot make it flake);
 - the knee of each swept server at its slot count ± 1;
-- the indicator matrix: quiet while idle, queue wait and knee lit when overloaded.
+- the indicator matrix: quiet while idle, queue wait and knee lit when overloaded;
+- the agent's own live analysis (``--analyze-every``) while it traced: every
+  request split on its /metrics, the matrix stored pass by pass.
 """
 
 from __future__ import annotations
@@ -21,14 +23,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tokenprobe.agent.sampling.prom_text import Exposition, scrape
 from tokenprobe.analytics.indicators import CRIT, OK, WARN
 from tokenprobe.analytics.pipeline import AnalysisReport, analyze
 from tokenprobe.analytics.timerange import TimeRange
-from tokenprobe.refserver.groundtruth import (LevelRun, LoadLevel, errors_by_level, phase_errors, run_levels, sweep_concurrency)
+from tokenprobe.refserver.groundtruth import (
+    LevelRun,
+    LoadLevel,
+    errors_by_level,
+    phase_errors,
+    run_levels,
+    sweep_concurrency,
+)
 from tokenprobe.store.client import Store
 from tokenprobe.store.embedded import open_store
 
 from tests.kernel_harness import agent, read_truth, reference_server, require_kernel
+from tests.support import free_port, wait_until
 
 pytestmark = pytest.mark.kernel
 
@@ -54,6 +65,9 @@ class Capture:
     levels: LevelRun
     accuracy_port: int
     knee_ports: dict[int, int]  # slots -> port
+    live_page: Exposition  # the agent's /metrics after its own live analysis caught up
+    live_states: dict[str, set[str]]  # indicator -> states the agent's live passes stored, accuracy server
+    inflight_samples: int  # requests the agent saw in flight at its passes, accuracy server
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +79,64 @@ def capture(tmp_path_factory) -> Iterator[Capture]:
         accuracy_port, truth_log = servers.enter_context(reference_server(tmp, **ACCURACY_SERVER))
         knee_ports = {slots: servers.enter_context(reference_server(tmp, slots=slots, **KNEE_SERVER))[0]
                       for slots in KNEE_SLOTS}
-        with agent(tmp, ports=[accuracy_port, *knee_ports.values()]) as handle:
+        metrics_port = free_port()
+        with agent(tmp, "--analyze-every", str(WINDOW_S), "--metrics-port", str(metrics_port),
+                   ports=[accuracy_port, *knee_ports.values()]) as handle:
             levels = run_levels(accuracy_port, LOAD_LEVELS, **LOAD_OPTIONS)
             for slots, port in knee_ports.items():
                 sweep_concurrency(port, 2 * slots + 2, REQUESTS_PER_WORKER, **KNEE_LOAD_OPTIONS)
+            live_page = _caught_up(metrics_port)
             assert handle.stop() == 0, handle.log()
     store = open_store(handle.store_url, serve=False)
     try:
+        # Before this test's own analysis replaces them: what the agent's passes wrote.
+        (inflight_samples,) = store.query_rows("SELECT count() FROM tokenprobe.inflight_samples "
+                                                "WHERE server_port = {port:UInt16}", {"port": accuracy_port})[0]
+        live_states: dict[str, set[str]] = {}
+        for indicator, state in store.query_rows(
+                "SELECT indicator, state FROM tokenprobe.indicator_matrix FINAL WHERE server_port = {port:UInt16}",
+                {"port": accuracy_port}):
+            live_states.setdefault(indicator, set()).add(state)
         report = analyze(store, TimeRange(started_ns, time.time_ns()), window_s=WINDOW_S)
-        yield Capture(report, store, read_truth(truth_log), levels, accuracy_port, knee_ports)
+        yield Capture(report, store, read_truth(truth_log), levels, accuracy_port, knee_ports, live_page,
+                      live_states, inflight_samples)
     finally:
         store.close()
+
+
+def _caught_up(metrics_port: int) -> Exposition:
+    """The agent's /metrics once its live analysis has passed every request sent so far."""
+    sent_s = time.time()
+    page = None
+
+    def analysed_all() -> bool:
+        nonlocal page
+        page = scrape(f"http://127.0.0.1:{metrics_port}/metrics", timeout_s=10)
+        until = [s.value for s in page.samples if s.name == "tokenprobe_agent_analysed_until_seconds"]
+        return bool(until) and until[0] > sent_s
+
+    wait_until(analysed_all, 60)
+    return page
+
+
+def test_the_agent_analyses_its_own_traffic_while_tracing(capture: Capture):
+    port = str(capture.accuracy_port)
+    states = {s.labels["indicator"]: s.value for s in capture.live_page.samples
+              if s.name == "tokenprobe_indicator_state" and s.labels["server_port"] == port}
+    assert {"queue_wait_p95", "knee_proximity", "batch_fill"} <= set(states), states
+    def split(name: str) -> float:
+        return sum(s.value for s in capture.live_page.samples if s.name == name and s.labels["server_port"] == port)
+
+    queued, prefilled = split("tokenprobe_request_queue_seconds_count"), split("tokenprobe_request_prefill_seconds_count")
+    print(f"\nlive analysis split {queued:.0f} of {len(capture.levels.level_of)} requests")
+    # Requests that ended before the first idle arrivals calibrated prefill are published unsplit.
+    assert queued == prefilled >= 0.5 * len(capture.levels.level_of)
+    failures = [s.value for s in capture.live_page.samples if s.name == "tokenprobe_agent_analysis_failures_total"]
+    assert failures == [0]
+    # Pass by pass, the agent saw the idle start and the overload, and the requests in flight at each pass.
+    assert {OK, CRIT} <= capture.live_states["queue_wait_p95"], capture.live_states
+    assert capture.inflight_samples > 0
+    assert capture.live_states["inflight_stall"] == {OK}, "nothing stalled"
 
 
 def test_queue_and_prefill_match_ground_truth_at_every_load_level(capture: Capture):

@@ -28,7 +28,11 @@ import numpy as np
 import pytest
 from tokenprobe.agent.sampling.engine_metrics import EngineReading
 from tokenprobe.agent.sampling.gpu import GpuReading, ServerGpu
-from tokenprobe.agent.sampling.samplers import engine_samples_arrow, gpu_samples_arrow, server_gpus_arrow
+from tokenprobe.agent.sampling.samplers import (
+    engine_samples_arrow,
+    gpu_samples_arrow,
+    server_gpus_arrow,
+)
 from tokenprobe.analytics.calibration import BYTES, TOKENS
 from tokenprobe.analytics.cli import add_analyze_parser
 from tokenprobe.analytics.config import AnalysisSpans, AnalyticsConfig

@@ -28,7 +28,12 @@ from tokenprobe.contract.tables import DEFAULT_TTL_DAYS
 from tokenprobe.dashboard import queries as dashboard_queries
 from tokenprobe.dashboard.cli import add_dashboard_parser
 from tokenprobe.dashboard.queries import DashboardQueries, Filters, choose_bin_seconds
-from tokenprobe.dashboard.settings import OWN_STORE_ENV, REFRESH_ENV, STORE_ENV, parse_refresh
+from tokenprobe.dashboard.settings import (
+    OWN_STORE_ENV,
+    REFRESH_ENV,
+    STORE_ENV,
+    parse_refresh,
+)
 from tokenprobe.store.embedded import open_store
 
 APP = Path(dashboard_queries.__file__).with_name("streamlit_app.py")
@@ -207,8 +212,8 @@ def test_heatmap_counts_each_cell_and_filters_narrow_them(queries):
     assert cells(queries.latency_heatmap("ttft", window(routes=["/v1/completions"]), 30)) == {(T0_S + 90, 26): 3}
     # TPOT is 20 ms for every streamed request; the one that gave up has none.
     assert cells(queries.latency_heatmap("tpot", window(), 30)) == {(T0_S, 13): 7, (T0_S + 90, 13): 3}
-    # End to end counts the request that gave up too: 1 ms in + 5 ms = 6 ms, band 7.
-    assert cells(queries.latency_heatmap("e2e", window(), 30))[(T0_S, 7)] == 1
+    # End to end counts the request that gave up too: 2 ms connection setup + 1 ms in + 5 ms = 8 ms, band 9.
+    assert cells(queries.latency_heatmap("e2e", window(), 30))[(T0_S, 9)] == 1
     with pytest.raises(ValueError, match="unknown latency metric"):
         queries.latency_heatmap("nope", window(), 30)
 

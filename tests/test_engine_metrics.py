@@ -7,7 +7,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from tokenprobe.agent.sampling.engine_metrics import (EngineScraper, HistogramTotals, detect_engine, reading_from_exposition, window_mean)
+from tokenprobe.agent.sampling.engine_metrics import (
+    EngineScraper,
+    HistogramTotals,
+    detect_engine,
+    reading_from_exposition,
+    window_mean,
+)
 from tokenprobe.agent.sampling.prom_text import ScrapeError, parse_exposition
 
 # Real captures from real inference servers (tests/data/fixtures/README.md says how each was taken).

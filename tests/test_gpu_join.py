@@ -13,10 +13,21 @@ from tokenprobe.agent.capture.clock import MonotonicWallClock
 from tokenprobe.agent.sampling.dcgm import DcgmScraper
 from tokenprobe.agent.sampling.engine_metrics import EngineReading, EngineScraper
 from tokenprobe.agent.sampling.gpu import GpuReading, ServerGpu, ServerGpuMap
-from tokenprobe.agent.sampling.samplers import SamplerSet, engine_samples_arrow, gpu_samples_arrow, server_gpus_arrow
+from tokenprobe.agent.sampling.samplers import (
+    SamplerSet,
+    engine_samples_arrow,
+    gpu_samples_arrow,
+    server_gpus_arrow,
+)
 from tokenprobe.contract.requests import REQUEST_SCHEMA
 from tokenprobe.contract.views import VIEW_NAME, request_gpu_state_sql
-from tokenprobe.refserver.sim_metrics import (PROMETHEUS_CONTENT_TYPE, SimulatedGpu, SimulatedKvCache, render_dcgm_text, render_vllm_text)
+from tokenprobe.refserver.sim_metrics import (
+    PROMETHEUS_CONTENT_TYPE,
+    SimulatedGpu,
+    SimulatedKvCache,
+    render_dcgm_text,
+    render_vllm_text,
+)
 from tokenprobe.store.embedded import open_store
 from tokenprobe.store.schema import create_request_gpu_state_view
 

@@ -26,7 +26,13 @@ import pynvml
 import pytest
 from tokenprobe.agent.capture.clock import MonotonicWallClock
 from tokenprobe.agent.sampling.engine_metrics import EngineScraper
-from tokenprobe.agent.sampling.gpu import GpuProcess, GpuReading, NvmlSampler, ServerGpuMap, read_parent_pid
+from tokenprobe.agent.sampling.gpu import (
+    GpuProcess,
+    GpuReading,
+    NvmlSampler,
+    ServerGpuMap,
+    read_parent_pid,
+)
 from tokenprobe.agent.sampling.samplers import SamplerSet
 from tokenprobe.store.embedded import open_store
 

@@ -16,8 +16,20 @@ import hyperframe.frame
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenprobe.agent.capture.grpc_stream import GrpcMessages, grpc_message_text, grpc_status_code, is_grpc
-from tokenprobe.agent.capture.http2 import (PREFACE, UNREADABLE_REASONS, H2Exchange, Http2ConnectionAssembler, resembles_http2_frames, starts_http2)
+from tokenprobe.agent.capture.grpc_stream import (
+    GrpcMessages,
+    grpc_message_text,
+    grpc_status_code,
+    is_grpc,
+)
+from tokenprobe.agent.capture.http2 import (
+    PREFACE,
+    UNREADABLE_REASONS,
+    H2Exchange,
+    Http2ConnectionAssembler,
+    resembles_http2_frames,
+    starts_http2,
+)
 
 from tests.support.h2_wire import (
     GRPC_RESPONSE,

@@ -25,7 +25,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenprobe.agent.capture import exchange as exchange_module
-from tokenprobe.agent.capture.assembler import CLOSE_REASONS, Exchange, HttpConnectionAssembler
+from tokenprobe.agent.capture.assembler import (
+    CLOSE_REASONS,
+    Exchange,
+    HttpConnectionAssembler,
+)
 from tokenprobe.contract import tenant
 
 DATA = Path(__file__).parent / "data"

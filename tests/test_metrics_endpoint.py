@@ -8,7 +8,11 @@ import threading
 import time
 
 import pytest
-from tokenprobe.agent.export.metrics_endpoint import OVERFLOW_MODEL, AgentMetrics, RequestTimings
+from tokenprobe.agent.export.metrics_endpoint import (
+    OVERFLOW_MODEL,
+    AgentMetrics,
+    RequestTimings,
+)
 from tokenprobe.agent.sampling.prom_text import Exposition, scrape
 from tokenprobe.store.sink import SinkStats
 
@@ -19,7 +23,7 @@ MS = 1_000_000
 def row(**overrides) -> dict:
     """A streamed chat request: TTFT 300 ms, 11 tokens over 500 ms (TPOT 50 ms), 805 ms end to end."""
     base = {
-        "server_port": 8000, "role": "server", "model": "llama-3-8b", "path": "/v1/chat/completions",
+        "server_port": 8000, "role": "server", "model": "llama-3-8b", "method": "POST", "path": "/v1/chat/completions",
         "status": 200, "outcome": "complete", "streamed": True, "token_events": 11, "completion_tokens": None,
         "req_start": T0, "req_end": T0 + 2 * MS, "resp_start": T0 + 20 * MS, "first_token": T0 + 302 * MS,
         "last_token": T0 + 802 * MS, "resp_end": T0 + 805 * MS,
@@ -82,8 +86,8 @@ def test_usage_tokens_win_over_counted_events_for_tpot():
 
 
 def test_health_checks_are_counted_but_not_timed(metrics):
-    metrics.observe_request(row(path="/health", model="", token_events=0, streamed=False, first_token=None,
-                                last_token=None, status=200))
+    metrics.observe_request(row(method="GET", path="/health", model="", token_events=0, streamed=False,
+                                first_token=None, last_token=None, status=200))
     metrics.observe_request(row(status=503, outcome="complete", first_token=None, last_token=None,
                                 token_events=0, streamed=False))
     page = read(metrics)
@@ -105,15 +109,18 @@ def test_model_names_from_clients_are_capped_per_port(metrics):
     assert value(page, "tokenprobe_request_ttft_seconds_count", server_port="9000") == 1
 
 
-def test_queue_estimates_from_the_analytics(metrics):
-    metrics.observe_queue(8000, "llama-3-8b", 0.3)
-    metrics.observe_queue(8000, "llama-3-8b", -0.02)  # the prefill model over-predicted: no queue
+def test_queue_and_prefill_split_from_the_analytics(metrics):
+    metrics.observe_split(8000, "llama-3-8b", queue_s=0.3, prefill_s=0.04)
+    # the prefill model over-predicted: no queue
+    metrics.observe_split(8000, "llama-3-8b", queue_s=-0.02, prefill_s=0.2)
     page = read(metrics)
     assert value(page, "tokenprobe_request_queue_seconds_count", server_port="8000") == 2
     assert value(page, "tokenprobe_request_queue_seconds_bucket", le="0.01", server_port="8000") == 1
     assert value(page, "tokenprobe_request_queue_seconds_sum", server_port="8000") == pytest.approx(0.3)
+    assert value(page, "tokenprobe_request_prefill_seconds_sum", server_port="8000") == pytest.approx(0.24)
+    assert value(page, "tokenprobe_request_prefill_seconds_bucket", le="0.05", server_port="8000") == 1
     with pytest.raises(ValueError, match="NaN"):
-        metrics.observe_queue(8000, "m", math.nan)
+        metrics.observe_split(8000, "m", queue_s=math.nan, prefill_s=0.1)
 
 
 def test_indicator_cells_and_their_states(metrics):

@@ -18,7 +18,13 @@ from opentelemetry.proto.collector.trace.v1 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
-from tokenprobe.agent.export.otel_export import OtelExporter, request_phases
+from tokenprobe.agent.export.otel_export import (
+    OtelExporter,
+    request_key,
+    request_phases,
+)
+from tokenprobe.analytics.live import LivePass
+from tokenprobe.analytics.outlets import OtelOutlet
 
 T0 = 1_760_000_000_000_000_000  # a wall-clock instant, ns
 MS = 1_000_000
@@ -168,6 +174,33 @@ def test_queue_estimate_splits_server_ttft_into_queue_and_prefill(receiver, expo
     assert children["queue"] == (T0 + 2 * MS, T0 + 102 * MS)
     assert children["prefill"] == (T0 + 102 * MS, T0 + 302 * MS)
     assert "server_ttft" not in children
+
+
+def test_the_live_analysis_split_arrives_later_under_the_server_ttft_span(receiver, exporter):
+    row = streamed_row()
+    exporter.export_request(row)
+    assert exporter.export_split(request_key(row), row["req_end"], row["first_token"], queue_s=0.1)
+    assert not exporter.export_split(request_key(row), row["req_end"], row["first_token"], queue_s=0.1), \
+        "a request is split once"
+    assert not exporter.export_split(("gpu-node-1", 999, 0), T0, T0 + MS, queue_s=0.0), "never exported"
+    # The live analysis' outlet: a request it split, and one it could not (no calibration yet).
+    later, unsplit = streamed_row(conn_id=78), streamed_row(conn_id=79)
+    exporter.export_request(later)
+    exporter.export_request(unsplit)
+    OtelOutlet(exporter).publish(LivePass(None, None, [], [
+        {**later, "queue_ms": 50.0, "prefill_ms": 250.0}, {**unsplit, "queue_ms": None, "prefill_ms": None}]))
+    spans = exported(receiver, exporter)
+    parents = {s.span_id: s for s in spans}
+    split_conns = {attributes_of(parents[parents[s.parent_span_id].parent_span_id])["tokenprobe.conn_id"]
+                   for s in spans if s.name == "queue"}
+    assert split_conns == {77, 78}
+    (first,) = [s for s in spans if not s.parent_span_id and attributes_of(s)["tokenprobe.conn_id"] == 77]
+    spans = {s.name: s for s in spans if s.trace_id == first.trace_id}
+    assert spans["queue"].parent_span_id == spans["prefill"].parent_span_id == spans["server_ttft"].span_id
+    assert spans["queue"].trace_id == spans["server_ttft"].trace_id
+    assert (spans["queue"].start_time_unix_nano, spans["queue"].end_time_unix_nano) == (T0 + 2 * MS, T0 + 102 * MS)
+    assert (spans["prefill"].start_time_unix_nano, spans["prefill"].end_time_unix_nano) == (T0 + 102 * MS,
+                                                                                            T0 + 302 * MS)
 
 
 def test_failed_and_unstreamed_requests_and_health_checks(receiver, exporter):

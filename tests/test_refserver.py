@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenprobe.refserver import (EngineTiming, LoadConfig, ReferenceServer, ServerConfig, burst, make_self_signed_cert, run_load)
+from tokenprobe.refserver import (
+    EngineTiming,
+    LoadConfig,
+    ReferenceServer,
+    ServerConfig,
+    burst,
+    make_self_signed_cert,
+    run_load,
+)
 
 # Real captures from real inference servers (tests/data/fixtures/README.md says how each was taken).
 FIXTURES = Path(__file__).resolve().parent / "data" / "fixtures"

@@ -22,7 +22,13 @@ import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 from tokenprobe.contract import registry
 from tokenprobe.contract import requests as schema
-from tokenprobe.contract.tables import OPAQUE_CODEC, TIMESTAMP_CODEC, TIMESTAMP_TYPE, Column, Table
+from tokenprobe.contract.tables import (
+    OPAQUE_CODEC,
+    TIMESTAMP_CODEC,
+    TIMESTAMP_TYPE,
+    Column,
+    Table,
+)
 from tokenprobe.store.client import StoreUnavailable
 from tokenprobe.store.embedded import LOCK_FILE, SERVE_FILE, open_store
 from tokenprobe.store.server import StoreServer
@@ -172,6 +178,20 @@ def test_ensure_schema_adds_the_tenant_column_to_a_store_made_before_it(owner):
         (1, "", 51234, False), (2, "globex", 51234, False)]
     owner.ensure_schema()  # nothing left to add: a no-op
     assert requests_columns(owner) == schema.REQUEST_COLUMNS
+
+
+def test_ensure_schema_adds_new_columns_to_every_table_not_only_requests(owner):
+    """An analytics table as the release before ``overhead_ms`` created it takes rows of either shape."""
+    phases = next(table for table in registry.TABLES if table.name == "request_phases")
+    overhead_line = next(column for column in phases.columns if column.name == "overhead_ms").ddl() + ",\n    "
+    owner.command("DROP TABLE tokenprobe.request_phases")
+    owner.command(phases.ddl_template.replace(overhead_line, "").format(db="tokenprobe", ttl_days=30))
+    assert "overhead_ms" not in {name for (name,) in owner.query_rows(
+        "SELECT name FROM system.columns WHERE database = 'tokenprobe' AND table = 'request_phases'")}
+    owner.ensure_schema()
+    assert [name for (name,) in owner.query_rows(
+        "SELECT name FROM system.columns WHERE database = 'tokenprobe' AND table = 'request_phases' "
+        "ORDER BY position")] == phases.column_names
 
 
 def test_ensure_schema_adds_any_missing_request_columns_before_views_read_them(store_dir):

@@ -15,7 +15,18 @@ from hypothesis import strategies as st
 from tokenprobe.actuator.asgi import ActuatorMiddleware
 from tokenprobe.agent.capture.clock import MonotonicWallClock, measure_offset
 from tokenprobe.agent.capture.kernel_headers import choose_headers
-from tokenprobe.agent.capture.probes import (DIR_READ, DIR_WRITE, EV_ACCEPT, EV_CLOSE, EV_DATA, EV_TLS_DONE, HEADER_SIZE, EventDecodeError, KernelEvent, decode_event)
+from tokenprobe.agent.capture.probes import (
+    DIR_READ,
+    DIR_WRITE,
+    EV_ACCEPT,
+    EV_CLOSE,
+    EV_DATA,
+    EV_TLS_DONE,
+    HEADER_SIZE,
+    EventDecodeError,
+    KernelEvent,
+    decode_event,
+)
 from tokenprobe.agent.capture.tracker import ConnectionTracker
 from tokenprobe.contract.requests import REQUEST_COLUMNS
 from tokenprobe.contract.tenant import DEFAULT_TENANT_HEADER

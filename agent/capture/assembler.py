@@ -80,6 +80,10 @@ class HttpConnectionAssembler:
         self._request = RequestStream(self, max_header_bytes)
         self._response = ResponseStream(self, max_header_bytes)
 
+    def open_exchanges(self) -> list[Exchange]:
+        """The exchanges started and not yet returned, oldest first; for looking at, never changing."""
+        return [txn.exchange for txn in self._open]
+
     @property
     def error(self) -> str | None:
         """The last per-connection error, in plain words; None if there was none."""

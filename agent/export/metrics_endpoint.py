@@ -8,10 +8,16 @@ one followed with ``--outbound``):
 - ``tokenprobe_request_tpot_seconds`` — time per output token,
   ``(last_token − first_token) / (tokens − 1)``, tokens from ``usage`` when the
   stream carried it, else the counted text events.
-- ``tokenprobe_request_duration_seconds`` — end to end, ``resp_end − req_start``.
-- ``tokenprobe_request_queue_seconds`` — time waiting for a slot. The agent
-  cannot tell queue from prefill when a row is made; the analytics estimate it
-  later and report it through ``AgentMetrics.observe_queue``.
+- ``tokenprobe_request_duration_seconds`` — end to end, ``resp_end − req_start``
+  plus, for a connection's first request, its setup (accept → first byte).
+
+Each figure is the one ``contract/measures.py`` defines for the analytics' SQL
+too, computed from the row the same way.
+- ``tokenprobe_request_queue_seconds`` and ``tokenprobe_request_prefill_seconds``
+  — the server TTFT split into waiting for a slot and prefill. The agent
+  cannot tell them apart when a row is made; its live analysis
+  (``analytics/live.py``) splits each request a window later and reports the
+  split through ``AgentMetrics.observe_split``.
 - ``tokenprobe_requests_total`` — every finished request, also by
   ``status_class`` (``2xx`` … ``5xx``, ``none`` when no response was seen) and
   ``outcome`` (``complete``, ``client_closed``, ``reset``, ``truncated``).
@@ -26,10 +32,9 @@ one followed with ``--outbound``):
   waiting in the disk spool, rows rejected or lost); plus the standard
   ``process_*`` series (the agent's own CPU and memory).
 
-Only requests to an inference route (``operation_name``) or naming a model or
-streaming tokens feed the latency histograms; health checks and the engine's
-own /metrics on the same port are counted in ``tokenprobe_requests_total``
-only (with ``model=""``). The ``model`` label comes from traffic, so its
+Only inference requests (``measures.is_inference``: POSTs) feed the latency
+histograms; health checks and the engine's own /metrics on the same port are
+counted in ``tokenprobe_requests_total`` only. The ``model`` label comes from traffic, so its
 cardinality is capped per server port (``max_models_per_server``): further
 names are counted under ``OVERFLOW_MODEL``.
 
@@ -56,6 +61,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from ...contract import measures
 
 log = logging.getLogger(__name__)
 
@@ -112,25 +119,18 @@ def operation_name(path: str) -> str | None:
     return _OPERATIONS.get(path.rstrip("/") or "/")
 
 
-def is_inference_request(row: dict) -> bool:
-    """A request to a model, as opposed to a health check or a scrape of the server's own metrics."""
-    return bool(row.get("model") or row.get("token_events") or operation_name(row.get("path") or ""))
-
-
 def status_class(status: int) -> str:
     return f"{status // 100}xx" if 100 <= status <= 599 else "none"
 
 
-def _seconds(start_ns: int | None, end_ns: int | None) -> float | None:
-    """end − start in seconds; None when either is unknown or the order is impossible (a clock step)."""
-    if start_ns is None or end_ns is None or end_ns < start_ns:
-        return None
-    return (end_ns - start_ns) / 1e9
+def _seconds(ms: float | None) -> float | None:
+    """A figure in ms as seconds; None when unknown or negative (an impossible order: a clock step)."""
+    return None if ms is None or ms < 0 else ms / 1000
 
 
 @dataclass(frozen=True)
 class RequestTimings:
-    """The latencies one ``tokenprobe.requests`` row yields; None where the row cannot tell."""
+    """The latencies one ``tokenprobe.requests`` row yields (``contract/measures.py``); None where it cannot tell."""
 
     ttft_s: float | None
     tpot_s: float | None
@@ -138,17 +138,8 @@ class RequestTimings:
 
     @classmethod
     def from_row(cls, row: dict) -> RequestTimings:
-        # usage is exact; counted events undercount when an event carries several tokens.
-        tokens = row.get("completion_tokens")
-        if tokens is None:
-            tokens = row.get("token_events") or 0
-        decode_s = _seconds(row.get("first_token"), row.get("last_token"))
-        tpot_s = decode_s / (tokens - 1) if decode_s is not None and tokens and tokens > 1 else None
-        return cls(
-            ttft_s=_seconds(row.get("req_end"), row.get("first_token")),
-            tpot_s=tpot_s,
-            duration_s=_seconds(row.get("req_start"), row.get("resp_end")),
-        )
+        return cls(ttft_s=_seconds(measures.ttft_server_ms(row)), tpot_s=_seconds(measures.tpot_ms(row)),
+                   duration_s=_seconds(measures.e2e_ms(row)))
 
 
 class ModelLabelCap:
@@ -230,6 +221,10 @@ _AGENT_STATS = {
     "spooled_rows": ("gauge", "Request rows on disk waiting for the store to answer"),
     "spool_bytes": ("gauge", "Bytes the disk spool holds (bounded by --spool-max-bytes)"),
     "spool_dropped_rows_total": ("counter", "Request rows the full spool dropped, oldest first, across restarts"),
+    # From the live analysis (analytics/live.py).
+    "analysis_passes_total": ("counter", "Live analysis passes that completed"),
+    "analysis_failures_total": ("counter", "Live analysis passes that failed (retried at the next window)"),
+    "analysed_until_seconds": ("gauge", "Unix time up to which ended requests have been analysed"),
 }
 
 
@@ -269,7 +264,7 @@ class AgentMetrics:
     """The metrics the agent serves on ``/metrics``, in a registry of their own.
 
     Thread-safe: the agent loop calls ``observe_request`` and
-    ``set_agent_stats``, the analytics ``observe_queue`` and ``set_indicator``,
+    ``set_agent_stats``, the live analysis ``observe_split`` and ``set_indicator``,
     and the HTTP server thread reads, all at once.
     """
 
@@ -288,11 +283,16 @@ class AgentMetrics:
                               "Time per output token after the first: decode time / (output tokens − 1)",
                               _REQUEST_LABELS, buckets=TPOT_BUCKETS_S, registry=self.registry)
         self._duration = Histogram("tokenprobe_request_duration_seconds",
-                                  "End to end: request first byte to response last byte",
+                                  "End to end: connection setup (first request on a connection) + request first "
+                                  "byte to response last byte",
                                   _REQUEST_LABELS, buckets=DURATION_BUCKETS_S, registry=self.registry)
         self._queue = Histogram("tokenprobe_request_queue_seconds",
                                "Time waiting for a slot before prefill, as estimated by the analytics",
                                ("server_port", "model"), buckets=QUEUE_BUCKETS_S, registry=self.registry)
+        self._prefill = Histogram("tokenprobe_request_prefill_seconds",
+                                 "Prefill time, the rest of the server TTFT after the queue, as estimated by the "
+                                 "analytics", ("server_port", "model"), buckets=TTFT_BUCKETS_S,
+                                 registry=self.registry)
         self._requests = Counter("tokenprobe_requests", "Requests finished, by status class and outcome",
                                 (*_REQUEST_LABELS, "status_class", "outcome"), registry=self.registry)
         self._indicators = _IndicatorCollector(indicator_ttl_s)
@@ -309,7 +309,7 @@ class AgentMetrics:
         model = self._models.label(row["server_port"], row.get("model") or "")
         labels = (str(row["server_port"]), model, row.get("role") or "server")
         self._requests.labels(*labels, status_class(row.get("status") or 0), row.get("outcome") or "").inc()
-        if not is_inference_request(row):
+        if not measures.is_inference(row):
             return
         timings = RequestTimings.from_row(row)
         for histogram, seconds in ((self._ttft, timings.ttft_s), (self._tpot, timings.tpot_s),
@@ -341,11 +341,19 @@ class AgentMetrics:
             {name: _check_number(name, value) for name, value in given.items() if value is not None})
 
     # -- fed by the analytics -----------------------------------------------------------------
-    def observe_queue(self, server_port: int, model: str, seconds: float) -> None:
-        """One request's estimated queue time. A negative estimate (the prefill model
-        predicted more than the whole TTFT) means no queue and counts as 0."""
-        seconds = _check_number("seconds", seconds)
-        self._queue.labels(str(server_port), self._models.label(server_port, model)).observe(max(seconds, 0.0))
+    def set_analysis_stats(self, *, passes_total: int, failures_total: int, analysed_until_s: float) -> None:
+        """The live analysis' progress: how far it got, and how often it failed."""
+        self._agent_stats.update({
+            "analysis_passes_total": _check_number("passes_total", passes_total),
+            "analysis_failures_total": _check_number("failures_total", failures_total),
+            "analysed_until_seconds": _check_number("analysed_until_s", analysed_until_s)})
+
+    def observe_split(self, server_port: int, model: str, *, queue_s: float, prefill_s: float) -> None:
+        """One request's server TTFT split into queue and prefill. A negative estimate (the
+        prefill model predicted more than the whole TTFT) means none of it and counts as 0."""
+        labels = (str(server_port), self._models.label(server_port, model))
+        for histogram, name, seconds in ((self._queue, "queue_s", queue_s), (self._prefill, "prefill_s", prefill_s)):
+            histogram.labels(*labels).observe(max(_check_number(name, seconds), 0.0))
 
     def set_indicator(self, server_port: int, model: str, indicator: str, value: float | None, state: str, *,
                       node: str = "", device: str = "") -> None:

@@ -1,6 +1,6 @@
 """OpenTelemetry export over OTLP/gRPC: a trace per request, GenAI latency metrics.
 
-Each inference request (``metrics_endpoint.is_inference_request``) becomes one
+Each inference request (``contract/measures.is_inference``) becomes one
 span from its first byte read (``req_start``) to its last byte written
 (``resp_end``), named ``"{gen_ai.operation.name} {model}"`` as the GenAI
 semantic conventions name inference spans, with one child span per phase:
@@ -11,7 +11,11 @@ semantic conventions name inference spans, with one child span per phase:
   that streamed no tokens has ``server`` (request last byte → response first
   byte) and ``network_out`` (response first → last byte) instead;
 - with the analytics' queue estimate (``request_phases(row, queue_s=…)``):
-  ``server_ttft`` splits into ``queue`` and ``prefill``.
+  ``server_ttft`` splits into ``queue`` and ``prefill``;
+- the agent's live analysis splits a request a window after its span went
+  out: ``export_split`` then adds ``queue`` and ``prefill`` as children of
+  that request's ``server_ttft`` span (the exporter remembers the most
+  recent ``max_awaiting_split`` of them; an older request's split is dropped).
 
 Metrics, under the GenAI semantic conventions, as histograms in seconds with
 the conventions' advisory bucket bounds: ``gen_ai.server.time_to_first_token``,
@@ -29,7 +33,9 @@ keep up), metrics are aggregated in memory and sent every ``export_interval_s``.
 from __future__ import annotations
 
 import socket
+import threading
 import urllib.parse
+from collections import OrderedDict
 from collections.abc import Mapping
 
 from opentelemetry import trace
@@ -40,13 +46,19 @@ from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+)
 
+from ...contract import measures
 from .metrics_endpoint import (
     MAX_MODEL_LABEL_CHARS,
     ModelLabelCap,
     RequestTimings,
-    is_inference_request,
     operation_name,
 )
 
@@ -91,18 +103,27 @@ def request_phases(row: dict, queue_s: float | None = None) -> dict[str, tuple[i
 
     add("network_in", req_start, req_end)
     if first is not None:
-        if queue_s is None or req_end is None:
+        if queue_s is None or req_end is None or first < req_end:
             add("server_ttft", req_end, first)
         else:
-            queue_end = min(req_end + max(int(queue_s * 1e9), 0), first)
-            add("queue", req_end, queue_end)
-            add("prefill", queue_end, first)
+            phases.update(split_phases(req_end, first, queue_s))
         add("decode", first, last)
         add("network_out", last, resp_end)
     else:
         add("server", req_end, resp_start)
         add("network_out", resp_start, resp_end)
     return phases
+
+
+def split_phases(req_end: int, first_token: int, queue_s: float) -> dict[str, tuple[int, int]]:
+    """Server TTFT (``req_end`` → ``first_token``, ns) as ``queue`` then ``prefill``; queue clamped to it."""
+    queue_end = min(req_end + max(int(queue_s * 1e9), 0), first_token)
+    return {"queue": (req_end, queue_end), "prefill": (queue_end, first_token)}
+
+
+def request_key(row: Mapping) -> tuple[str, int, int]:
+    """What names one request on a node's rows and its analysed phases alike."""
+    return row.get("node") or "", row.get("conn_id") or 0, row.get("req_seq") or 0
 
 
 def span_attributes(row: dict) -> dict[str, str | int | bool]:
@@ -155,7 +176,7 @@ class OtelExporter:
 
     def __init__(self, endpoint: str = DEFAULT_OTLP_ENDPOINT, *, node: str | None = None,
                  export_interval_s: float = 10.0, timeout_s: float = 10.0,
-                 max_models_per_server: int = 32) -> None:
+                 max_models_per_server: int = 32, max_awaiting_split: int = 100_000) -> None:
         insecure = check_endpoint(endpoint)
         if export_interval_s <= 0 or timeout_s <= 0:
             raise ValueError("export_interval_s and timeout_s must be positive")
@@ -180,10 +201,16 @@ class OtelExporter:
             explicit_bucket_boundaries_advisory=TPOT_BUCKETS_S)
         self._duration = meter.create_histogram(
             "gen_ai.server.request.duration", unit="s",
-            description="Request first byte to response last byte",
+            description="End to end: connection setup (first request on a connection) + request first byte to "
+                        "response last byte",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
         # The metric model label comes from clients: cap it as the Prometheus endpoint does.
         self._models = ModelLabelCap(max_models_per_server)
+        # request_key -> its server_ttft span, until the analysis splits it. Rows are exported on the
+        # capture thread and splits on the analysis thread.
+        self._awaiting_split: OrderedDict[tuple[str, int, int], SpanContext] = OrderedDict()
+        self._max_awaiting_split = max_awaiting_split
+        self._awaiting_lock = threading.Lock()
 
     def export_request(self, row: dict, phases: Mapping[str, tuple[int, int]] | None = None) -> bool:
         """Export one ``tokenprobe.requests`` row; False if it is not an inference request.
@@ -191,7 +218,7 @@ class OtelExporter:
         ``phases`` (``name -> (start_ns, end_ns)``, wall clock) overrides the
         phases read from the row, e.g. ``request_phases(row, queue_s=…)``.
         """
-        if not is_inference_request(row):
+        if not measures.is_inference(row):
             return False
         if phases is None:
             phases = request_phases(row)
@@ -215,8 +242,30 @@ class OtelExporter:
             span.set_status(Status(StatusCode.ERROR, str(attributes["error.type"])))
         parent = trace.set_span_in_context(span)
         for phase, (start, phase_end) in phases.items():
-            self._tracer.start_span(phase, context=parent, start_time=start).end(end_time=phase_end)
+            child = self._tracer.start_span(phase, context=parent, start_time=start)
+            child.end(end_time=phase_end)
+            if phase == "server_ttft":
+                self._await_split(request_key(row), child.get_span_context())
         span.end(end_time=end)
+
+    def _await_split(self, key: tuple[str, int, int], context: SpanContext) -> None:
+        with self._awaiting_lock:
+            self._awaiting_split[key] = context
+            if len(self._awaiting_split) > self._max_awaiting_split:
+                self._awaiting_split.popitem(last=False)
+
+    def export_split(self, key: tuple[str, int, int], req_end: int, first_token: int, queue_s: float) -> bool:
+        """Add ``queue`` and ``prefill`` under the ``server_ttft`` span of the request ``key``
+        (``request_key``) exported before; False if that span is not remembered (never exported,
+        split already, or forgotten)."""
+        with self._awaiting_lock:
+            context = self._awaiting_split.pop(key, None)
+        if context is None or first_token < req_end:
+            return False
+        parent = trace.set_span_in_context(NonRecordingSpan(context))
+        for phase, (start, phase_end) in split_phases(req_end, first_token, queue_s).items():
+            self._tracer.start_span(phase, context=parent, start_time=start).end(end_time=phase_end)
+        return True
 
     def _record_metrics(self, row: dict) -> None:
         attributes: dict[str, str | int] = {

@@ -149,6 +149,28 @@ PARTITION BY toDate(ts)
 ORDER BY (node, pid, server_port, device_id, ts)
 TTL toDateTime(ts) + INTERVAL 30 DAY;
 
+CREATE TABLE IF NOT EXISTS tokenprobe.inflight_samples_local ON CLUSTER '{cluster}'
+(
+    `sampled_at` DateTime64(9, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
+    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `server_port` UInt16 CODEC(T64, ZSTD(1)),
+    `role` LowCardinality(String) CODEC(ZSTD(1)),
+    `tenant` String CODEC(ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `conn_id` UInt64 CODEC(T64, ZSTD(1)),
+    `req_seq` UInt32 CODEC(T64, ZSTD(1)),
+    `req_start` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `first_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `stage` LowCardinality(String) CODEC(ZSTD(1)),
+    `token_events` UInt32 CODEC(T64, ZSTD(1)),
+    `age_ms` Float64 CODEC(ZSTD(1)),
+    `since_progress_ms` Float64 CODEC(ZSTD(1))
+)
+ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+PARTITION BY toDate(sampled_at)
+ORDER BY (node, server_port, sampled_at)
+TTL toDateTime(sampled_at) + INTERVAL 30 DAY;
+
 CREATE TABLE IF NOT EXISTS tokenprobe.request_phases_local ON CLUSTER '{cluster}'
 (
     `node` LowCardinality(String) CODEC(ZSTD(1)),
@@ -172,6 +194,7 @@ CREATE TABLE IF NOT EXISTS tokenprobe.request_phases_local ON CLUSTER '{cluster}
     `tls_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `queue_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `prefill_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `overhead_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `decode_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `network_out_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `ttft_server_ms` Nullable(Float32) CODEC(ZSTD(1)),
@@ -221,7 +244,8 @@ CREATE TABLE IF NOT EXISTS tokenprobe.prefill_calibration_local ON CLUSTER '{clu
     `engine_scale` Float64 CODEC(ZSTD(1)),
     `engine_samples` UInt32 CODEC(T64, ZSTD(1)),
     `engine_prefill_ms` Nullable(Float64) CODEC(ZSTD(1)),
-    `predicted_prefill_ms` Nullable(Float64) CODEC(ZSTD(1))
+    `predicted_prefill_ms` Nullable(Float64) CODEC(ZSTD(1)),
+    `server_overhead_ms` Nullable(Float64) CODEC(ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(fitted_at)
@@ -366,6 +390,10 @@ CREATE TABLE IF NOT EXISTS tokenprobe.server_gpus ON CLUSTER '{cluster}'
 AS tokenprobe.server_gpus_local
 ENGINE = Distributed('{cluster}', tokenprobe, server_gpus_local, cityHash64(node));
 
+CREATE TABLE IF NOT EXISTS tokenprobe.inflight_samples ON CLUSTER '{cluster}'
+AS tokenprobe.inflight_samples_local
+ENGINE = Distributed('{cluster}', tokenprobe, inflight_samples_local, cityHash64(node));
+
 CREATE TABLE IF NOT EXISTS tokenprobe.request_phases ON CLUSTER '{cluster}'
 AS tokenprobe.request_phases_local
 ENGINE = Distributed('{cluster}', tokenprobe, request_phases_local, cityHash64(node));
@@ -402,7 +430,7 @@ SELECT
     toInt16(assumeNotNull(metric_band.2)) AS band,
     count() AS requests
 FROM tokenprobe.requests_local
-ARRAY JOIN arrayFilter(pair -> pair.2 IS NOT NULL, [('ttft', if(req_end IS NOT NULL AND first_token IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(first_token)) - toUnixTimestamp64Nano(assumeNotNull(req_end))) / 1e6), 0.01)) * 10)), NULL)), ('tpot', if(token_events > 1 AND first_token IS NOT NULL AND last_token IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(last_token)) - toUnixTimestamp64Nano(assumeNotNull(first_token))) / 1e6) / (token_events - 1), 0.01)) * 10)), NULL)), ('e2e', if(resp_end IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(resp_end)) - toUnixTimestamp64Nano(assumeNotNull(req_start))) / 1e6), 0.01)) * 10)), NULL)), ('all', 0)]) AS metric_band
+ARRAY JOIN arrayFilter(pair -> pair.2 IS NOT NULL, [('ttft', if(req_end IS NOT NULL AND first_token IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(first_token)) - toUnixTimestamp64Nano(assumeNotNull(req_end))) / 1e6), 0.01)) * 10)), NULL)), ('tpot', if(coalesce(completion_tokens, token_events) > 1 AND first_token IS NOT NULL AND last_token IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(last_token)) - toUnixTimestamp64Nano(assumeNotNull(first_token))) / 1e6) / (coalesce(completion_tokens, token_events) - 1), 0.01)) * 10)), NULL)), ('e2e', if(req_start IS NOT NULL AND resp_end IS NOT NULL, toInt32(floor(log10(greatest((((toUnixTimestamp64Nano(assumeNotNull(resp_end)) - toUnixTimestamp64Nano(assumeNotNull(req_start))) / 1e6) + if((req_seq = 0 AND accept_ts IS NOT NULL), ((toUnixTimestamp64Nano(req_start) - toUnixTimestamp64Nano(accept_ts)) / 1e6), 0)), 0.01)) * 10)), NULL)), ('all', 0)]) AS metric_band
 WHERE role = 'server'
 GROUP BY minute, node, server_port, model, path, metric, band;
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 import re
 
 from ..exchange import Exchange
-from ..json_scan import count, count_key, field_text, first_json_string, last_count, string_key
+from ..json_scan import (
+    count,
+    count_key,
+    field_text,
+    first_json_string,
+    last_count,
+    string_key,
+)
 
 __all__ = ["Dialect", "MAX_ENGINE_MS", "choice_index", "set_engine_ms", "set_id_model", "set_usage"]
 

@@ -1,0 +1,251 @@
+"""Continuous analysis: the agent analyses its own node's servers every window, incrementally.
+
+``LiveAnalysis.run_once()`` is one pass; ``start()`` runs passes on a thread
+of their own every ``every_s`` seconds, so capture never waits for a query.
+A pass:
+
+1. picks the inference requests of this node that *ended* since the last
+   pass (a watermark on ``measures.ENDED_AT``, i.e. resp_end, else the last
+   moment the row saw) and before ``now − settle_s`` (rows land in the store
+   a flush after they end);
+2. re-analyses, with ``pipeline.analyze``, the windows of ``every_s``
+   seconds (aligned to the epoch) from the one where the earliest of them
+   started up to the settle point, for the servers they belong to only.
+   The analytics tables replace what an earlier pass wrote for the same
+   request or window (ReplacingMergeTree), so a window analysed again, or a
+   pass retried after a failure, leaves one result per request and cell;
+3. with ``samples_inflight``, asks the capture thread for a snapshot of the
+   requests still in flight (``offer_inflight``), stores it in
+   ``inflight_samples`` and judges each server's ``inflight_stall``
+   (``analytics/inflight.py``), also when no request ended at all;
+4. hands the result (``LivePass``: the matrix cells and the phases of the
+   requests that ended) to each outlet (``analytics/outlets.py``: the
+   agent's /metrics, OTLP, Alertmanager).
+
+A failed pass leaves the watermark where it was, so the next one covers its
+rows too; failures are counted, and logged once until a pass succeeds again.
+``tokenprobe analyze`` stays the tool for a chosen range.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..contract import measures
+from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
+from ..contract.requests import REQUESTS_TABLE
+from ..store.client import Store
+from .config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
+from .indicators import NO_DATA, OK, Cell
+from .inflight import stall_cells, store_samples
+from .pipeline import AnalysisReport, analyze
+from .scope import Scope, Server
+from .timerange import NS_PER_S, TimeRange, range_condition
+
+log = logging.getLogger("tokenprobe.analytics.live")
+
+DEFAULT_SETTLE_S = 3.0  # the request sink flushes every second; leave it two more
+# A pass re-analyses at most this far back, however long the requests that ended were.
+MAX_SPAN_S = 3600
+# How long a pass waits for the capture thread's snapshot (it looks every second).
+INFLIGHT_WAIT_S = 3.0
+# The phase columns outlets get for each request that ended in a pass.
+PHASE_COLUMNS = ("node", "server_port", "model", "conn_id", "req_seq", "req_end", "first_token",
+                 "queue_ms", "prefill_ms")
+
+
+@dataclass(frozen=True)
+class LivePass:
+    """What one pass found: the analysed range and report (None when no request ended), its matrix cells
+    (the report's and the in-flight ones), and the phases of the requests that ended in it."""
+
+    analysed: TimeRange | None
+    report: AnalysisReport | None
+    cells: list[Cell]
+    phases: list[dict]  # PHASE_COLUMNS; timestamps in Unix ns
+
+    @property
+    def latest_cells(self) -> list[Cell]:
+        """Per server, GPU and indicator, the verdict that holds now: its newest cell with data, else its newest.
+
+        The pass's last window is still filling: a figure it has no data for yet
+        (no request arrived in it) keeps the verdict of the window before.
+        """
+        latest: dict[tuple[str, int, str, str], Cell] = {}
+        for cell in sorted(self.cells, key=lambda cell: cell.window_start_ns):
+            key = (cell.node, cell.server_port, cell.device_id, cell.indicator)
+            if cell.state != NO_DATA or key not in latest or latest[key].state == NO_DATA:
+                latest[key] = cell
+        return list(latest.values())
+
+
+class Outlet(Protocol):
+    """Somewhere a pass's results go besides the store (``analytics/outlets.py``)."""
+
+    name: str
+
+    def publish(self, result: LivePass) -> None: ...
+
+
+class LiveAnalysis:
+    """Analyses ``node``'s servers every ``every_s`` seconds (see the module docstring)."""
+
+    def __init__(self, store: Store, node: str, *, every_s: int = DEFAULT_LIVE_EVERY_S,
+                 settle_s: float = DEFAULT_SETTLE_S, config: AnalyticsConfig = DEFAULT_CONFIG,
+                 outlets: Sequence[Outlet] = (), samples_inflight: bool = False,
+                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+        if not isinstance(every_s, int) or isinstance(every_s, bool) or every_s < 1:
+            raise ValueError(f"the analysis window must be a whole number of seconds ≥ 1, got {every_s!r}")
+        if settle_s < 0:
+            raise ValueError("settle_s must not be negative")
+        self.store, self.node, self.every_s, self.config = store, node, every_s, config
+        self.settle_ns = int(settle_s * NS_PER_S)
+        self.outlets = list(outlets)
+        self.clock_ns = clock_ns
+        # A (re)started agent first covers the window before it: a previous agent may have stopped in it.
+        self.watermark_ns = clock_ns() - self.settle_ns - every_s * NS_PER_S
+        self.passes = self.failures = 0
+        self.outlet_failures: dict[str, int] = {}
+        self.samples_inflight = samples_inflight
+        self._offered: tuple[int, list[dict]] | None = None  # (taken at, Unix ns; samples)
+        self._offer_lock = threading.Lock()
+        self._inflight_wanted, self._inflight_ready = threading.Event(), threading.Event()
+        self._stalled: set[tuple[str, int]] = set()  # servers not ok last pass: judged until they are
+        self._failing = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- one pass ---------------------------------------------------------------------------
+    def run_once(self) -> LivePass | None:
+        """One pass; None when it has nothing to say (no request ended, no server to judge in flight).
+        Raises what the store raised."""
+        started_ns = self.clock_ns()
+        until_ns = started_ns - self.settle_ns
+        if until_ns <= self.watermark_ns:
+            return None
+        inflight = self._fresh_inflight(started_ns)
+        ended = TimeRange(self.watermark_ns, until_ns)
+        new, parameters = self._ended_condition(ended)
+        servers = self.store.query_rows(
+            f"SELECT server_port, min(toUnixTimestamp64Nano(req_start)) FROM {self.store.table(REQUESTS_TABLE)}"
+            f" WHERE {new} GROUP BY server_port ORDER BY server_port", parameters)
+        analysed = report = None
+        cells, phases = [], []
+        if servers:
+            window_ns = self.every_s * NS_PER_S
+            earliest = max(min(int(start) for _, start in servers), until_ns - MAX_SPAN_S * NS_PER_S)
+            analysed = TimeRange(earliest // window_ns * window_ns, until_ns)
+            scope = Scope(tuple(Server(int(port), self.node) for port, _ in servers))
+            report = analyze(self.store, analysed, window_s=self.every_s, scope=scope, config=self.config)
+            cells, phases = list(report.cells), self._ended_phases(new, parameters)
+        if inflight is not None:
+            cells += self._judge_inflight(inflight, {(self.node, int(port)) for port, _ in servers}, until_ns)
+        self.watermark_ns = until_ns
+        if not cells:
+            return None
+        result = LivePass(analysed, report, cells, phases)
+        self._publish(result)
+        return result
+
+    # -- requests in flight -------------------------------------------------------------------
+    def inflight_wanted(self) -> bool:
+        """Whether a pass waits for a snapshot (the capture thread polls this)."""
+        return self._inflight_wanted.is_set()
+
+    def offer_inflight(self, samples: list[dict], taken_ns: int) -> None:
+        """The requests in flight at ``taken_ns`` (Unix ns), from the thread that tracks them."""
+        with self._offer_lock:
+            self._offered = (taken_ns, samples)
+        self._inflight_ready.set()
+
+    def _fresh_inflight(self, since_ns: int) -> list[dict] | None:
+        """A snapshot taken for this pass, or None (not sampling, or the capture thread did not answer)."""
+        if not self.samples_inflight:
+            return None
+        self._inflight_wanted.set()
+        self._inflight_ready.wait(INFLIGHT_WAIT_S)
+        self._inflight_wanted.clear()
+        self._inflight_ready.clear()
+        with self._offer_lock:
+            offered, self._offered = self._offered, None
+        # One offered for an earlier pass that gave up waiting is stale: judge nothing rather than old news.
+        return offered[1] if offered is not None and offered[0] >= since_ns - INFLIGHT_WAIT_S * NS_PER_S else None
+
+    def _judge_inflight(self, samples: list[dict], ended_servers: set[tuple[str, int]], until_ns: int) -> list[Cell]:
+        store_samples(self.store, samples)
+        window_ns = self.every_s * NS_PER_S
+        window = (until_ns // window_ns * window_ns, until_ns)
+        cells = stall_cells(samples, ended_servers | self._stalled, window, self.config.thresholds)
+        if cells:
+            self.store.insert_rows(INDICATOR_MATRIX_TABLE, [cell.row(self.clock_ns()) for cell in cells])
+        self._stalled = {(cell.node, cell.server_port) for cell in cells if cell.state != OK}
+        return cells
+
+    def _ended_condition(self, ended: TimeRange) -> tuple[str, dict]:
+        """This node's inference requests that ended in ``ended`` (and started at most MAX_SPAN_S before)."""
+        in_range, parameters = range_condition(measures.ENDED_AT, "ended", ended)
+        recent, recent_parameters = range_condition(
+            "req_start", "started", ended.extended_back(MAX_SPAN_S))
+        return (f"{measures.IS_INFERENCE} AND node = {{live_node:String}} AND {in_range} AND {recent}",
+                {**parameters, **recent_parameters, "live_node": self.node})
+
+    def _ended_phases(self, new: str, parameters: dict) -> list[dict]:
+        columns = ", ".join(
+            f"toUnixTimestamp64Nano({name}) AS {name}" if name in ("req_end", "first_token") else name
+            for name in PHASE_COLUMNS)
+        rows = self.store.query_rows(
+            f"""SELECT {columns} FROM {self.store.table(REQUEST_PHASES_TABLE)} FINAL
+                WHERE node = {{live_node:String}} AND (server_port, conn_id, req_seq) IN (
+                    SELECT server_port, conn_id, req_seq FROM {self.store.table(REQUESTS_TABLE)} WHERE {new})
+                ORDER BY req_end""", parameters)
+        return [dict(zip(PHASE_COLUMNS, row, strict=True)) for row in rows]
+
+    def _publish(self, result: LivePass) -> None:
+        for outlet in self.outlets:
+            try:
+                outlet.publish(result)
+            except Exception:  # an outlet's failure must not stop analysis nor the other outlets
+                count = self.outlet_failures.get(outlet.name, 0) + 1
+                self.outlet_failures[outlet.name] = count
+                if count == 1:
+                    log.warning("live analysis: publishing to %s failed (logged once; counted after)",
+                                outlet.name, exc_info=True)
+
+    # -- the thread -------------------------------------------------------------------------
+    def tick(self) -> None:
+        """``run_once`` that counts and logs failures instead of raising."""
+        try:
+            self.run_once()
+        except Exception:
+            self.failures += 1
+            if not self._failing:
+                self._failing = True
+                log.warning("live analysis failed (logged once until it recovers; failures are counted)",
+                            exc_info=True)
+            return
+        self.passes += 1
+        if self._failing:
+            self._failing = False
+            log.info("live analysis recovered after %d failed passes", self.failures)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("live analysis already started")
+        self._thread = threading.Thread(target=self._loop, name="tokenprobe-live-analysis", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.tick()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop after the pass in progress, if any."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None

@@ -1,0 +1,161 @@
+"""The agent's live analysis (analytics/live.py) on a real embedded store, pass by pass.
+
+A simulated 4-slot server goes from idle to overloaded; its rows are in the
+store from the start, and a controlled clock moves the passes through the
+traffic window by window, as the agent's thread would every ``every_s``.
+Another node's rows sit beside them: the agent analyses its own node only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import pytest
+from prometheus_client import generate_latest
+from tokenprobe.agent.export.metrics_endpoint import AgentMetrics
+from tokenprobe.agent.sampling.prom_text import parse_exposition
+from tokenprobe.analytics.indicators import CRIT, OK
+from tokenprobe.analytics.live import LiveAnalysis
+from tokenprobe.analytics.outlets import MetricsOutlet
+from tokenprobe.analytics.timerange import NS_PER_S
+from tokenprobe.store.client import Store
+from tokenprobe.store.embedded import open_store
+
+from tests.support.slot_simulation import LoadPhase, SlotServer, simulate
+
+NODE = "live-node"
+EVERY_S = 30
+SETTLE_S = 3.0
+WINDOW_NS = EVERY_S * NS_PER_S
+START_NS = (time.time_ns() // WINDOW_NS - 12) * WINDOW_NS
+SERVER = SlotServer()  # 4 slots, about 17 requests/s
+
+
+class Clock:
+    def __init__(self, now_ns: int) -> None:
+        self.now_ns = now_ns
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    store = open_store(f"chdb://{tmp_path_factory.mktemp('live') / 'store'}", serve=False)
+    store.ensure_schema()
+    quiet_then_overloaded = [LoadPhase(60, 2.0), LoadPhase(60, 30.0)]
+    ours = simulate(SERVER, quiet_then_overloaded, start_ns=START_NS, node=NODE, port=8000, seed=1)
+    theirs = simulate(SERVER, [LoadPhase(120, 2.0)], start_ns=START_NS, node="other-node", port=8000, seed=2)
+    store.insert_rows("requests", [request.row for request in ours + theirs])
+    yield store, [request.row for request in ours]
+    store.close()
+
+
+def live_at(store, clock: Clock, **kwargs) -> LiveAnalysis:
+    return LiveAnalysis(store, NODE, every_s=EVERY_S, settle_s=SETTLE_S, clock_ns=clock, **kwargs)
+
+
+def metrics_page(metrics: AgentMetrics) -> list:
+    return parse_exposition(generate_latest(metrics.registry).decode()).samples
+
+
+def test_passes_cover_every_request_once_window_by_window(store):
+    store, rows = store
+    clock = Clock(START_NS + WINDOW_NS)
+    metrics = AgentMetrics()
+    live = live_at(store, clock, outlets=[MetricsOutlet(metrics)])
+    live.watermark_ns = START_NS  # as if the agent had started with the traffic
+    last_end = max(row["resp_end"] for row in rows)
+    seen, analysed_starts = 0, []
+    while clock.now_ns - SETTLE_S * NS_PER_S <= last_end:
+        clock.now_ns += WINDOW_NS
+        result = live.run_once()
+        if result is None:
+            continue
+        seen += len(result.phases)
+        analysed_starts.append(result.analysed.start_ns)
+        assert all(start % WINDOW_NS == 0 for start in analysed_starts), "windows align to the epoch"
+        assert {phase["node"] for phase in result.phases} == {NODE}
+    assert seen == len(rows), "each request is handed to the outlets in exactly one pass"
+    phases = store.query_rows("SELECT node, count(), countIf(calibration_id != '') "
+                              "FROM tokenprobe.request_phases FINAL GROUP BY node")
+    assert phases == [(NODE, len(rows), len(rows))], "own node only, every request split"
+
+    matrix = dict(store.query_rows(
+        f"SELECT window_start, state FROM tokenprobe.indicator_matrix FINAL "
+        f"WHERE node = '{NODE}' AND indicator = 'queue_wait_p95' ORDER BY window_start"))
+    states = list(matrix.values())
+    assert states[0] == OK and CRIT in states, states  # quiet first, then the queue builds
+
+    page = metrics_page(metrics)
+    lit = {s.labels["indicator"]: s.value for s in page if s.name == "tokenprobe_indicator_state"}
+    assert set(lit) >= {"queue_wait_p95", "knee_proximity", "batch_fill"}
+    queued = [s.value for s in page if s.name == "tokenprobe_request_queue_seconds_count"]
+    prefilled = [s.value for s in page if s.name == "tokenprobe_request_prefill_seconds_count"]
+    assert queued == prefilled == [len(rows)]
+
+
+def test_rerunning_a_window_replaces_its_results(store):
+    store, rows = store
+    counts = ("SELECT (SELECT count() FROM tokenprobe.request_phases FINAL), "
+              "(SELECT count() FROM tokenprobe.indicator_matrix FINAL)")
+    before = store.query_rows(counts)[0]
+    clock = Clock(START_NS + 4 * WINDOW_NS)
+    live = live_at(store, clock)
+    live.watermark_ns = START_NS + WINDOW_NS  # the second window again
+    assert live.run_once() is not None
+    assert store.query_rows(counts)[0] == before
+
+
+def test_nothing_new_is_a_cheap_pass_and_the_watermark_moves(store):
+    store, _ = store
+    clock = Clock(time.time_ns())
+    live = live_at(store, clock)
+    assert live.run_once() is None
+    assert live.watermark_ns == clock.now_ns - int(SETTLE_S * NS_PER_S)
+
+
+def test_failures_are_counted_logged_once_and_retried(store, caplog):
+    store, _ = store
+    # The same real engine, but a database with no tables yet: every query fails until it is created.
+    empty = Store(replace(store.target, database="not_yet"), store.client, store.mode)
+    live = LiveAnalysis(empty, NODE, every_s=EVERY_S)
+    watermark = live.watermark_ns
+    with caplog.at_level(logging.INFO, logger="tokenprobe.analytics.live"):
+        live.tick()
+        live.tick()
+        assert live.failures == 2 and live.passes == 0
+        assert watermark == live.watermark_ns, "a failed pass is retried: its rows are not skipped"
+        empty.ensure_schema()
+        live.tick()
+    assert live.passes == 1 and live.watermark_ns > watermark
+    messages = [record.message for record in caplog.records]
+    assert sum("live analysis failed" in message for message in messages) == 1
+    assert any("recovered after 2 failed passes" in message for message in messages)
+
+
+def test_a_failing_outlet_does_not_stop_the_others(store):
+    store, _ = store
+
+    class Broken:
+        name = "broken"
+
+        def publish(self, result):
+            raise RuntimeError("collector down")
+
+    metrics = AgentMetrics()
+    clock = Clock(START_NS + 3 * WINDOW_NS)
+    live = live_at(store, clock, outlets=[Broken(), MetricsOutlet(metrics)])
+    live.watermark_ns = START_NS
+    live.tick()
+    assert live.passes == 1 and live.outlet_failures == {"broken": 1}
+    assert any(s.name == "tokenprobe_indicator_state" for s in metrics_page(metrics))
+
+
+def test_bad_windows_are_refused():
+    with pytest.raises(ValueError, match="whole number of seconds"):
+        LiveAnalysis(None, NODE, every_s=0)
+    with pytest.raises(ValueError, match="whole number of seconds"):
+        LiveAnalysis(None, NODE, every_s=2.5)
