@@ -249,11 +249,13 @@ def test_bad_lines_are_counted_but_only_the_first_are_kept():
     assert peak < PEAK_BOUND
 
 
-def test_the_dcgm_reader_reports_the_lines_it_did_not_list():
+def test_both_readers_pass_on_the_count_of_lines_not_listed():
     exposition = parse_exposition('DCGM_FI_DEV_GPU_UTIL{UUID="GPU-1"} 5\n' + "garbage\n" * (MAX_PROBLEMS + 7))
     problems = readings_from_exposition(exposition, 1).problems
     assert [problem.message for problem in problems][-1] == "7 more dcgm-exporter lines skipped"
     assert len(problems) == MAX_PROBLEMS + 1
+    reading, _ = reading_from_exposition(exposition, 1, "http://127.0.0.1:8000/metrics", 8000)
+    assert (len(reading.problems), reading.problems_omitted) == (MAX_PROBLEMS, 7)
 
 
 def test_a_problem_quotes_only_the_start_of_a_huge_line():
