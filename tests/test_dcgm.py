@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from tokenprobe.agent.capture.clock import MonotonicWallClock
-from tokenprobe.agent.sampling.dcgm import MIB, DcgmScraper, parse_dcgm_text
+from tokenprobe.agent.sampling.dcgm import MIB, DcgmRead, DcgmScraper, parse_dcgm_text
+from tokenprobe.agent.sampling.gpu import GpuReading
 from tokenprobe.agent.sampling.prom_text import ScrapeError
 from tokenprobe.agent.sampling.samplers import SamplerSet
 from tokenprobe.store.embedded import open_store
@@ -200,15 +201,39 @@ def test_rows_wait_for_a_store_that_cannot_take_them_and_the_oldest_are_dropped(
         assert stats["errors"]["gpu_samples: buffer full"] >= 1
 
 
-def test_rows_that_do_not_fit_the_table_are_dropped_and_sampling_goes_on(exporter, tmp_path):
+def test_a_value_its_column_cannot_hold_is_left_empty_and_the_row_stored(exporter, tmp_path):
     broken = tmp_path / "negative.txt"
-    broken.write_text('DCGM_FI_DEV_FB_USED{gpu="0",UUID="GPU-1",modelName="Tesla T4"} -5\n')
+    broken.write_text('DCGM_FI_DEV_FB_USED{gpu="0",UUID="GPU-1",modelName="Tesla T4"} -5\n'
+                      'DCGM_FI_DEV_SM_CLOCK{gpu="0",UUID="GPU-1"} +Inf\n'
+                      'DCGM_FI_DEV_GPU_TEMP{gpu="0",UUID="GPU-1"} 41\n')
     url = exporter(broken)
     with open_store(f"chdb://{tmp_path / 'store'}", serve=False) as store:
         store.ensure_schema()
         samplers = SamplerSet(
             store, "node-a", MonotonicWallClock(), dcgm=[DcgmScraper(url)], scrape_interval_s=0.02, flush_interval_s=0.1
         )
+        samplers.start()
+        try:
+            wait_for(lambda: samplers.stats()["rows_written"].get("gpu_samples", 0) >= 3, "storing the rows")
+        finally:
+            samplers.stop()
+        rows = store.query_rows(f"SELECT mem_used_bytes, sm_clock_mhz, temp_c FROM {store.table('gpu_samples')}")
+    assert set(rows) == {(None, None, 41.0)}
+    assert samplers.stats()["errors"][f"{url}: dcgm value out of range"] >= 3
+    assert not any(samplers.stats()["rows_dropped"].values())
+
+
+def test_rows_that_do_not_fit_the_table_are_dropped_and_sampling_goes_on(tmp_path):
+    class BrokenScraper(DcgmScraper):
+        """A reader with a bug: a reading no gpu_samples row can hold."""
+
+        def read(self, ts_ns):
+            return DcgmRead([GpuReading(ts_ns, "dcgm", "GPU-1", "GPU-1", mem_used_bytes=-5)], [])
+
+    with open_store(f"chdb://{tmp_path / 'store'}", serve=False) as store:
+        store.ensure_schema()
+        samplers = SamplerSet(store, "node-a", MonotonicWallClock(), dcgm=[BrokenScraper("http://127.0.0.1:1/")],
+                              scrape_interval_s=0.02, flush_interval_s=0.1)
         samplers.start()
         try:
             wait_for(lambda: samplers.stats()["rows_dropped"].get("gpu_samples", 0) >= 3, "dropping bad rows")

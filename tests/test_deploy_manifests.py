@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 import subprocess
 import tomllib
@@ -25,7 +26,10 @@ KUBERNETES = DEPLOY / "kubernetes"
 # The oldest Kubernetes still widely run, and the newest kubernetes-validate knows.
 KUBERNETES_VERSIONS = ("1.29.0", latest_version())
 CRD_KINDS = {"PrometheusRule", "ServiceMonitor"}  # not in kubernetes-validate's schemas: checked below
-AGENT_CAPABILITIES = {"BPF", "PERFMON", "SYS_RESOURCE", "SYS_PTRACE", "DAC_READ_SEARCH"}
+AGENT_CAPABILITIES = {"BPF", "PERFMON", "SYS_RESOURCE", "SYS_PTRACE"}
+SECCOMP_PROFILE = DEPLOY / "seccomp" / "tokenprobe-agent.json"
+# The system call tables of x86-64 and of its 32-bit x86 ABI, both in the profile (Debian's linux-libc-dev).
+SYSCALL_TABLES = [Path(f"/usr/include/x86_64-linux-gnu/asm/unistd_{bits}.h") for bits in (64, 32)]
 
 
 def load_render():
@@ -65,7 +69,7 @@ def test_every_core_manifest_validates_strictly(version):
             path = ".".join(str(part) for part in error.path)
             pytest.fail(f"{name}: {document['kind']} is invalid for Kubernetes {version} at {path}: {error.message}")
         validated.append(document["kind"])
-    assert sorted(validated) == ["ConfigMap", "DaemonSet", "Namespace", "Secret", "Service", "ServiceAccount"]
+    assert sorted(validated) == ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "Service", "ServiceAccount"]
 
 
 def test_strict_validation_catches_a_misspelt_field():
@@ -107,10 +111,53 @@ def test_daemonset_holds_the_fewest_capabilities_and_is_not_privileged():
     assert security["readOnlyRootFilesystem"] is True
     assert security["capabilities"]["drop"] == ["ALL"]
     assert set(security["capabilities"]["add"]) == AGENT_CAPABILITIES
-    # Every capability granted is justified in the README.
+    # Every capability granted, and the ones left out on purpose, are explained in the README.
     readme = (DEPLOY / "README.md").read_text()
-    for capability in AGENT_CAPABILITIES:
-        assert f"CAP_{capability}" in readme, capability
+    for capability in AGENT_CAPABILITIES | {"SYS_ADMIN", "DAC_READ_SEARCH", "DAC_OVERRIDE"}:
+        assert f"`CAP_{capability}`" in readme, capability
+
+
+def test_daemonset_runs_under_the_runtime_default_seccomp_profile():
+    pod = resource("DaemonSet")["spec"]["template"]["spec"]
+    assert agent_container()["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "Unconfined" not in yaml.safe_dump(pod)
+    readme = (DEPLOY / "README.md").read_text()
+    for runtime_version in ("containerd 1.6.9", "Docker 23.0", "CRI-O"):
+        assert runtime_version in readme, runtime_version
+    # The documented fallback: the profile shipped, where the kubelet looks for it.
+    assert "localhostProfile: profiles/tokenprobe-agent.json" in readme
+    assert "/var/lib/kubelet/seccomp/profiles/tokenprobe-agent.json" in readme
+
+
+def seccomp_rules() -> dict[str, dict]:
+    """Each system call the shipped profile names -> its rule."""
+    return {name: rule for rule in json.loads(SECCOMP_PROFILE.read_text())["syscalls"] for name in rule["names"]}
+
+
+def test_the_localhost_seccomp_profile_allows_what_bcc_needs_and_denies_other_processes():
+    profile = json.loads(SECCOMP_PROFILE.read_text())
+    assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
+    rules = seccomp_rules()
+    # BCC: load programs and maps, open perf events (tracepoints, uprobes), map and drive them.
+    for needed in ("bpf", "perf_event_open", "mmap", "ioctl", "setrlimit", "prlimit64", "openat", "readlinkat"):
+        assert needed not in rules, needed
+    # CAP_SYS_PTRACE is held for /proc access checks only: the calls it would open into other processes are shut.
+    for denied in ("ptrace", "process_vm_writev", "pidfd_getfd", "open_by_handle_at", "mount", "setns", "unshare"):
+        assert rules[denied]["action"] == "SCMP_ACT_ERRNO" and rules[denied]["errnoRet"] == 1, denied
+    # clone3 hides its flags from seccomp: ENOSYS sends glibc to clone(), where CLONE_NEWUSER is refused.
+    assert rules["clone3"]["errnoRet"] == 38
+    (new_user_namespace,) = rules["clone"]["args"]
+    assert new_user_namespace == {"index": 0, "value": 0x10000000, "valueTwo": 0x10000000, "op": "SCMP_CMP_MASKED_EQ"}
+    assert all(rule.get("comment") for rule in profile["syscalls"] if rule["names"] != ["clone3"])
+
+
+def test_the_localhost_seccomp_profile_names_only_real_system_calls():
+    if not all(table.exists() for table in SYSCALL_TABLES):
+        pytest.skip(f"{SYSCALL_TABLES} are missing (apt-get install linux-libc-dev)")
+    known = {name for table in SYSCALL_TABLES
+             for name in re.findall(r"^#define __NR_(\w+) \d+$", table.read_text(), re.MULTILINE)}
+    assert {"bpf", "perf_event_open", "clone3", "umount"} <= known  # umount: 32-bit x86 only
+    assert set(seccomp_rules()) - known == set()
 
 
 def test_daemonset_mounts_what_bcc_needs_from_the_host():
@@ -134,19 +181,41 @@ def test_daemonset_limits_resources_and_is_ready_when_it_serves_metrics():
     probe = container["readinessProbe"]["httpGet"]
     assert probe["path"] == "/metrics"
     (port,) = [port for port in container["ports"] if port["name"] == probe["port"]]
-    args = agent_args()
-    assert f"--metrics-port={port['containerPort']}" in args
-    assert "--metrics-host=0.0.0.0" in args  # reachable by the kubelet and Prometheus
+    assert f"--metrics-port={port['containerPort']}" in agent_args()
 
 
-def test_store_url_comes_from_the_secret_not_the_command_line():
+def test_metrics_are_served_on_the_pod_ip_only_and_only_prometheus_may_reach_them():
+    container = agent_container()
+    env = {variable["name"]: variable for variable in container["env"]}
+    # Kubernetes expands $(POD_IP) in args, never inside the ConfigMap's file: the flag must be here.
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert "--metrics-host=$(POD_IP)" in container["args"]
+    assert not any(arg.startswith("--metrics-host") for arg in agent_args())
+    policy = resource("NetworkPolicy")
+    pod_labels = resource("DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    # One peer holding both selectors: Prometheus pods in the monitoring namespace (two peers would admit
+    # every pod of that namespace, and every Prometheus anywhere).
+    (peer,) = rule["from"]
+    assert peer == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    (metrics_port,) = container["ports"]
+    assert rule["ports"] == [{"port": metrics_port["name"], "protocol": "TCP"}]
+
+
+def test_store_url_comes_from_a_secret_the_operator_creates_not_the_command_line():
     env = {variable["name"]: variable for variable in agent_container()["env"]}
-    secret = resource("Secret")
-    assert env["TOKENPROBE_STORE"]["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
-                                                                    "key": "url"}
-    assert set(secret["stringData"]) == {"url"}
+    assert env["TOKENPROBE_STORE"]["valueFrom"]["secretKeyRef"] == {"name": "tokenprobe-store-url", "key": "url"}
     assert env["TOKENPROBE_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert not any("store" in arg for arg in agent_args() + agent_container()["args"])
+    # No Secret is shipped (a placeholder password would be applied as is); the README says how to create it.
+    assert "Secret" not in {document["kind"] for _, document in manifests()}
+    assert not [path.name for path in DEPLOY.rglob("*") if path.is_file() and "CHANGE_ME" in path.read_text()]
+    readme = (DEPLOY / "README.md").read_text()
+    assert re.search(r"kubectl -n tokenprobe create secret generic tokenprobe-store-url \\\n\s+"
+                     r"--from-literal=url='https://", readme)
 
 
 def agent_args() -> list[str]:
@@ -158,12 +227,15 @@ def test_the_agent_command_line_accepts_the_configmap_arguments(tmp_path):
 
     args_file = tmp_path / "agent.args"
     args_file.write_text(resource("ConfigMap")["data"]["agent.args"])
-    (argument,) = agent_container()["args"]
+    argument, *expanded = agent_container()["args"]
     assert argument == "@/etc/tokenprobe/agent.args"
     mounted = {m["name"]: m["mountPath"] for m in agent_container()["volumeMounts"]}
     assert argument.removeprefix("@").startswith(mounted["config"] + "/")
-    parsed = build_parser().parse_args(["agent", f"@{args_file}"])
+    pod_ip = "10.244.3.17"  # what Kubernetes puts in for $(POD_IP)
+    parsed = build_parser().parse_args(["agent", f"@{args_file}", *(arg.replace("$(POD_IP)", pod_ip)
+                                                                     for arg in expanded)])
     assert parsed.port == [8000]
+    assert parsed.metrics_host == pod_ip
 
 
 # --------------------------------------------------------------------------- Prometheus Operator resources

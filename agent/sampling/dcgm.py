@@ -14,11 +14,16 @@ ratios 0..1. Fields without a column of their own are kept in
 ``GpuReading.extra`` under their DCGM name. A series labelled
 ``simulated="true"`` (the reference server's stand-in feed) makes its device's
 reading simulated.
+
+Whatever a page holds, every reading fits the ``gpu_samples`` columns: an
+integer field that is negative, not finite or too large for its column is left
+empty and reported, so one bad value never costs the whole batch its insert.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -43,7 +48,14 @@ _COLUMNS: dict[str, tuple[str, int]] = {
     "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("tensor_active", 1),
     "DCGM_FI_PROF_DRAM_ACTIVE": ("dram_active", 1),
 }
-_INTEGER_COLUMNS = {"mem_total_bytes", "mem_used_bytes", "mem_free_bytes", "mem_reserved_bytes", "sm_clock_mhz"}
+# Integer columns -> one past the largest value their gpu_samples column type holds.
+_UINT16, _UINT32, _UINT64 = 2**16, 2**32, 2**64
+_INTEGER_COLUMNS = {
+    "mem_total_bytes": _UINT64, "mem_used_bytes": _UINT64, "mem_free_bytes": _UINT64, "mem_reserved_bytes": _UINT64,
+    "sm_clock_mhz": _UINT32,
+}  # fmt: skip
+# ASCII digits only: str.isdigit() also takes "²", which int() refuses, and any length, which int() may too.
+_LABEL_INTEGER = re.compile(r"[0-9]{1,10}")
 
 # Labels that say which device (and which pod) a series is about, rather than
 # what it measures. Every "DCGM_FI_*" label is a device attribute too.
@@ -74,6 +86,7 @@ class _Device:
     extra: dict[str, float] = field(default_factory=dict)
     pods: set[tuple[str, str, str]] = field(default_factory=set)
     simulated: bool = False
+    out_of_range: list[str] = field(default_factory=list)  # DCGM fields whose value no column can hold
 
 
 def readings_from_exposition(exposition: Exposition, ts_ns: int) -> DcgmRead:
@@ -87,7 +100,7 @@ def readings_from_exposition(exposition: Exposition, ts_ns: int) -> DcgmRead:
         if not uuid:
             unattributed += 1
             continue
-        mig_gi_id = _integer_label(sample, "GPU_I_ID")
+        mig_gi_id = _integer_label(sample, "GPU_I_ID", _UINT32)
         device = devices.get((uuid, mig_gi_id))
         if device is None:
             device = devices[(uuid, mig_gi_id)] = _Device(uuid, mig_gi_id)
@@ -97,11 +110,20 @@ def readings_from_exposition(exposition: Exposition, ts_ns: int) -> DcgmRead:
         SamplerProblem("dcgm unreadable line", f"dcgm-exporter line {problem.line_number} skipped: {problem.reason}")
         for problem in exposition.problems
     ]
+    if exposition.problems_omitted:
+        problems.append(SamplerProblem("dcgm unreadable line",
+                                       f"{exposition.problems_omitted} more dcgm-exporter lines skipped"))
     if unattributed:
         problems.append(
             SamplerProblem("dcgm series without UUID", f"{unattributed} DCGM series had no UUID label and were skipped")
         )
-    return DcgmRead([_reading(device, ts_ns) for device in devices.values()], problems)
+    readings = [_reading(device, ts_ns) for device in devices.values()]
+    problems += [
+        SamplerProblem("dcgm value out of range",
+                       f"{device.gpu_uuid}: {', '.join(device.out_of_range)} out of range for its column; left empty")
+        for device in devices.values() if device.out_of_range
+    ]  # fmt: skip
+    return DcgmRead(readings, problems)
 
 
 def parse_dcgm_text(text: str, ts_ns: int) -> DcgmRead:
@@ -123,15 +145,22 @@ class DcgmScraper:
         return readings_from_exposition(scrape(self.url, self.timeout_s), ts_ns)
 
 
-def _integer_label(sample: Sample, name: str) -> int | None:
+def _integer_label(sample: Sample, name: str, limit: int) -> int | None:
     text = sample.labels.get(name, "")
-    return int(text) if text.isdigit() else None
+    value = int(text) if _LABEL_INTEGER.fullmatch(text) else None
+    return value if value is not None and value < limit else None
+
+
+def _fits(attribute: str, value: float) -> bool:
+    """Whether ``value`` can be stored in the column ``attribute`` (always, for a float column)."""
+    limit = _INTEGER_COLUMNS.get(attribute)
+    return limit is None or (math.isfinite(value) and 0 <= round(value) < limit)
 
 
 def _absorb(device: _Device, sample: Sample) -> None:
     labels = sample.labels
     if device.gpu_index is None:
-        device.gpu_index = _integer_label(sample, "gpu")
+        device.gpu_index = _integer_label(sample, "gpu", _UINT16)
     device.gpu_name = device.gpu_name or labels.get("modelName", "")
     device.mig_profile = device.mig_profile or labels.get("GPU_I_PROFILE", "")
     device.simulated = device.simulated or labels.get("simulated") == "true"
@@ -143,7 +172,10 @@ def _absorb(device: _Device, sample: Sample) -> None:
     column = _COLUMNS.get(sample.name)
     if column is not None:
         attribute, factor = column
-        device.columns[attribute] = sample.value * factor
+        if _fits(attribute, sample.value * factor):
+            device.columns[attribute] = sample.value * factor
+        else:
+            device.out_of_range.append(sample.name)
         return
     measure_labels = sorted((key, value) for key, value in labels.items() if not _is_identity_label(key))
     key = sample.name
@@ -163,7 +195,9 @@ def _reading(device: _Device, ts_ns: int) -> GpuReading:
     parts = [columns.get(name) for name in ("mem_used_bytes", "mem_free_bytes")]
     if "mem_total_bytes" not in columns and None not in parts:
         # Older default counter sets carry no FB_TOTAL: used + free + reserved is the whole frame buffer.
-        columns["mem_total_bytes"] = sum(parts) + columns.get("mem_reserved_bytes", 0)
+        total = sum(parts) + columns.get("mem_reserved_bytes", 0)
+        if _fits("mem_total_bytes", total):
+            columns["mem_total_bytes"] = total
     pods, namespaces, containers = _joined_pod_labels(device.pods)
     return GpuReading(
         ts_ns=ts_ns,

@@ -146,7 +146,8 @@ class EngineReading:
     itl_mean_s: float | None = None
     raw: dict[str, float] = field(default_factory=dict)
     simulated: bool = False
-    problems: tuple[Problem, ...] = ()  # lines of the page the parser skipped
+    problems: tuple[Problem, ...] = ()  # lines of the page the parser skipped (the first MAX_PROBLEMS)
+    problems_omitted: int = 0  # skipped lines after those
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,7 @@ def reading_from_exposition(
         raw=raw,
         simulated=any(sample.labels.get("simulated") == "true" for sample in engine_samples),
         problems=tuple(exposition.problems),
+        problems_omitted=exposition.problems_omitted,
         **fields,
     )
     return reading, totals

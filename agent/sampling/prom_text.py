@@ -18,17 +18,26 @@ and this parser accepts all of them:
 A line that cannot be read is skipped and recorded in ``Exposition.problems``
 with its line number and the reason, so one bad series never loses a scrape.
 
-``scrape(url, timeout_s)`` fetches a page over HTTP and parses it; a server
-that cannot be read raises ``ScrapeError`` with the reason in plain words.
+Memory stays bounded whatever a server sends: a page over ``MAX_PAGE_BYTES``
+or with more than ``MAX_SERIES`` samples (or families) is refused with a
+``ScrapeError``; only the first ``MAX_PROBLEMS`` bad lines are kept (the rest
+are counted in ``Exposition.problems_omitted``), each quoted in a few dozen
+characters at most.
+
+``parse_page(body)`` parses a body as served (bytes), ``scrape(url, timeout_s)``
+fetches one over HTTP first; a page or server that cannot be read raises
+``ScrapeError`` with the reason in plain words, and nothing else.
 """
 
 from __future__ import annotations
 
+import http.client
 import math
 import re
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 # Series names a TYPE line's family owns besides its own name.
@@ -45,8 +54,15 @@ _LABEL_PAIR = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\\n]|\\.)*
 _ESCAPE = re.compile(r"\\(.)")
 _ESCAPED_CHARS = {"\\": "\\", '"': '"', "n": "\n"}
 
+# Bounds on what one page may make this parser hold. Real pages are far below
+# them: vLLM's is ~600 samples and 60 KB, dcgm-exporter's ~40 samples per GPU.
+MAX_PAGE_BYTES = 16 * 1024 * 1024
+MAX_SERIES = 100_000  # samples, and families, per page
+MAX_PROBLEMS = 100  # bad lines kept with their reasons; the rest are only counted
+_QUOTE_CHARS = 60  # of a bad line or token quoted in a problem
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)  # slots: a page may hold up to MAX_SERIES of these
 class Sample:
     """One series' value: ``name{labels} value [timestamp_ms]``."""
 
@@ -56,7 +72,7 @@ class Sample:
     timestamp_ms: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class MetricFamily:
     """The samples a ``# TYPE`` line announces, or one untyped series name."""
 
@@ -68,7 +84,7 @@ class MetricFamily:
 
 @dataclass(frozen=True)
 class Problem:
-    """A line the parser skipped, and why."""
+    """A line the parser skipped, and why; ``line`` is its first characters."""
 
     line_number: int
     reason: str
@@ -77,10 +93,15 @@ class Problem:
 
 @dataclass
 class Exposition:
-    """A parsed scrape: families in the order first seen, every sample, and skipped lines."""
+    """A parsed scrape: families in the order first seen, every sample, and skipped lines.
+
+    ``problems`` holds the first ``MAX_PROBLEMS`` skipped lines;
+    ``problems_omitted`` counts the skipped lines after those.
+    """
 
     families: dict[str, MetricFamily] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
+    problems_omitted: int = 0
 
     @property
     def samples(self) -> list[Sample]:
@@ -99,12 +120,17 @@ class _LineError(ValueError):
 
 
 def parse_exposition(text: str) -> Exposition:
-    """Parse one scrape's body. Never raises on content; bad lines land in ``problems``."""
+    """Parse one scrape's body; bad lines land in ``problems``.
+
+    Raises ``ScrapeError`` only for a page beyond the bounds above (over
+    ``MAX_PAGE_BYTES`` characters, or more than ``MAX_SERIES`` samples or families).
+    """
+    if len(text) > MAX_PAGE_BYTES:
+        raise ScrapeError(f"metrics page has {len(text)} characters, over the {MAX_PAGE_BYTES} a page may hold")
     exposition = Exposition()
     current: MetricFamily | None = None
-    # Lines end in "\n" only: str.splitlines() would also split on characters
-    # (U+2028, form feed...) that may legally sit inside a HELP text or label value.
-    for line_number, raw_line in enumerate(text.split("\n"), start=1):
+    sample_count = 0
+    for line_number, raw_line in enumerate(_lines(text), start=1):
         line = raw_line.strip()
         if not line:
             continue
@@ -114,8 +140,14 @@ def parse_exposition(text: str) -> Exposition:
                 continue
             sample = _parse_sample(line)
         except _LineError as error:
-            exposition.problems.append(Problem(line_number, str(error), raw_line))
+            if len(exposition.problems) < MAX_PROBLEMS:
+                exposition.problems.append(Problem(line_number, str(error), raw_line[:_QUOTE_CHARS]))
+            else:
+                exposition.problems_omitted += 1
             continue
+        sample_count += 1
+        if sample_count > MAX_SERIES:
+            raise ScrapeError(f"metrics page holds more than {MAX_SERIES} samples; not a page this agent reads")
         if current is not None and _belongs_to(sample.name, current):
             current.samples.append(sample)
         else:
@@ -123,9 +155,31 @@ def parse_exposition(text: str) -> Exposition:
     return exposition
 
 
+def _lines(text: str) -> Iterator[str]:
+    """The lines of ``text`` one at a time: a list of them all would cost ~50 bytes a line.
+
+    Lines end in "\n" only: str.splitlines() would also split on characters
+    (U+2028, form feed...) that may legally sit inside a HELP text or label value.
+    """
+    start = 0
+    while start <= len(text):
+        end = text.find("\n", start)
+        if end < 0:
+            end = len(text)
+        yield text[start:end]
+        start = end + 1
+
+
+def _quote(text: str) -> str:
+    """``text`` for a problem's reason: quoted, and cut short."""
+    return repr(text[:_QUOTE_CHARS]) + ("..." if len(text) > _QUOTE_CHARS else "")
+
+
 def _family(exposition: Exposition, name: str) -> MetricFamily:
     family = exposition.families.get(name)
     if family is None:
+        if len(exposition.families) == MAX_SERIES:
+            raise ScrapeError(f"metrics page holds more than {MAX_SERIES} families; not a page this agent reads")
         family = exposition.families[name] = MetricFamily(name)
     return family
 
@@ -143,7 +197,7 @@ def _parse_comment(line: str, exposition: Exposition, current: MetricFamily | No
         return current  # a plain comment, or OpenMetrics' "# EOF"
     keyword, name = parts[0], parts[1]
     if not _METRIC_NAME.fullmatch(name):
-        raise _LineError(f"{keyword} line names an invalid metric {name!r}")
+        raise _LineError(f"{keyword} line names an invalid metric {_quote(name)}")
     family = _family(exposition, name)
     rest = parts[2] if len(parts) > 2 else ""
     if keyword == "HELP":
@@ -165,9 +219,9 @@ def _parse_sample(line: str) -> Sample:
         labels, position = _parse_labels(line, label_start + 1)
     fields = line[position:].split("#", 1)[0].split()  # drop an OpenMetrics exemplar
     if not fields:
-        raise _LineError(f"series {name!r} has no value")
+        raise _LineError(f"series {_quote(name)} has no value")
     if len(fields) > 2:
-        raise _LineError(f"series {name!r} has unexpected text after its value: {' '.join(fields[2:])!r}")
+        raise _LineError(f"series {_quote(name)} has unexpected text after its value: {_quote(' '.join(fields[2:]))}")
     value = _parse_value(fields[0], name)
     timestamp_ms = _parse_timestamp(fields[1], name) if len(fields) == 2 else None
     return Sample(name, labels, value, timestamp_ms)
@@ -185,13 +239,13 @@ def _parse_labels(line: str, position: int) -> tuple[dict[str, str], int]:
             raise _LineError(f"malformed label set near column {position + 1}")
         label_name, escaped_value = pair.groups()
         if label_name in labels:
-            raise _LineError(f"label {label_name!r} appears twice")
+            raise _LineError(f"label {_quote(label_name)} appears twice")
         labels[label_name] = _unescape(escaped_value)
         position = pair.end()
         if position < len(line) and line[position] == ",":
             position += 1
         elif not (position < len(line) and line[position] == "}"):
-            raise _LineError(f"expected ',' or '}}' after label {label_name!r}")
+            raise _LineError(f"expected ',' or '}}' after label {_quote(label_name)}")
 
 
 def _unescape(text: str) -> str:
@@ -202,13 +256,13 @@ def _parse_value(text: str, name: str) -> float:
     # float() also takes "nan", "inf", "infinity" in any case and "1_000":
     # accept the exposition spellings of the specials, reject underscores.
     if "_" in text:
-        raise _LineError(f"series {name!r} has a value that is not a number: {text!r}")
+        raise _LineError(f"series {_quote(name)} has a value that is not a number: {_quote(text)}")
     try:
         value = float(text)
     except ValueError:
-        raise _LineError(f"series {name!r} has a value that is not a number: {text!r}") from None
+        raise _LineError(f"series {_quote(name)} has a value that is not a number: {_quote(text)}") from None
     if math.isinf(value) and text.lstrip("+-").lower() not in ("inf", "infinity"):
-        raise _LineError(f"series {name!r} has a value out of range: {text!r}")
+        raise _LineError(f"series {_quote(name)} has a value out of range: {_quote(text)}")
     return value
 
 
@@ -216,15 +270,11 @@ def _parse_timestamp(text: str, name: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise _LineError(f"series {name!r} has a timestamp that is not an integer: {text!r}") from None
+        raise _LineError(f"series {_quote(name)} has a timestamp that is not an integer: {_quote(text)}") from None
 
 
 class ScrapeError(Exception):
-    """A /metrics endpoint could not be read; the message says why in plain words."""
-
-
-# A /metrics body beyond this is not an exporter's: refuse it rather than hold it.
-MAX_SCRAPE_BYTES = 32 * 1024 * 1024
+    """A /metrics endpoint or page could not be read; the message says why in plain words."""
 
 
 def check_scrape_url(url: str) -> str:
@@ -235,18 +285,30 @@ def check_scrape_url(url: str) -> str:
     return url
 
 
+def parse_page(body: bytes) -> Exposition:
+    """Parse a body as served. Raises ``ScrapeError`` past ``MAX_PAGE_BYTES`` (or ``MAX_SERIES``).
+
+    The text format is UTF-8 by definition, whatever charset a server names
+    (Prometheus reads it so too); bytes that are not UTF-8 become U+FFFD.
+    """
+    if len(body) > MAX_PAGE_BYTES:
+        raise ScrapeError(f"metrics page is over {MAX_PAGE_BYTES} bytes; not a page this agent reads")
+    return parse_exposition(body.decode("utf-8", errors="replace"))
+
+
 def scrape(url: str, timeout_s: float) -> Exposition:
     """GET ``url`` asking for the 0.0.4 text format, and parse the body."""
     request = urllib.request.Request(url, headers={"Accept": "text/plain; version=0.0.4"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body = response.read(MAX_SCRAPE_BYTES + 1)
-            charset = response.headers.get_content_charset() or "utf-8"
+            body = response.read(MAX_PAGE_BYTES + 1)  # one byte over tells a page too large
     except urllib.error.HTTPError as error:
         raise ScrapeError(f"{url} answered HTTP {error.code} {error.reason}") from None
-    except (urllib.error.URLError, OSError) as error:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+        # HTTPException: a response that is not HTTP (bad status line, overlong header, short body).
         reason = getattr(error, "reason", error)
         raise ScrapeError(f"{url} could not be read: {reason}") from None
-    if len(body) > MAX_SCRAPE_BYTES:
-        raise ScrapeError(f"{url} sent more than {MAX_SCRAPE_BYTES} bytes; not a metrics page")
-    return parse_exposition(body.decode(charset, errors="replace"))
+    try:
+        return parse_page(body)
+    except ScrapeError as error:
+        raise ScrapeError(f"{url}: {error}") from None
