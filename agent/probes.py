@@ -209,6 +209,7 @@ class Probes:
         cflags = [f"-DHEAD_CAP={HEAD_CAP}", f"-DTAIL_CAP={TAIL_CAP}", f"-DRINGBUF_PAGES={ringbuf_pages}",
                   "-w"]
         BPF = _bpf_class()
+        log.info("compiling and loading the BPF program")
         try:
             self.bpf = BPF(text=source, cflags=cflags)
         except Exception as exc:  # BCC raises bare Exceptions on compile/load failure
