@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from tokenprobe.agent.kernel_btf import BtfError, socket_offset_flags
 from tokenprobe.agent.kernel_headers import HeaderChoice, choose_headers
 from tokenprobe.agent.procfs import target_port_sockets
 
@@ -208,6 +209,10 @@ class Probes:
             raise ValueError("ring buffer pages must be a power of two")
         cflags = [f"-DHEAD_CAP={HEAD_CAP}", f"-DTAIL_CAP={TAIL_CAP}", f"-DRINGBUF_PAGES={ringbuf_pages}",
                   "-w"]
+        try:
+            cflags += socket_offset_flags()
+        except BtfError as exc:
+            log.warning("%s: accepted sockets' addresses are read from /proc instead of the kernel", exc)
         BPF = _bpf_class()
         log.info("compiling and loading the BPF program")
         try:

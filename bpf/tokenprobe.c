@@ -1,7 +1,6 @@
 // tokenprobe kernel side: per-connection I/O of target HTTP servers.
 //
-// Only syscall tracepoints, sock:inet_sock_set_state, sched tracepoints and
-// libssl uprobes: many kernels (this one included) have no kprobes, and
+// Only syscall tracepoints, sched tracepoints and libssl uprobes: many kernels (this one included) have no kprobes, and
 // tracepoint layouts are read from tracefs at load time, so the program does
 // not depend on the kernel headers matching the running kernel exactly.
 //
@@ -37,10 +36,6 @@
 // needs is applied to the very register used for the memory access.
 #define OPAQUE(x) asm volatile("" : "+r"(x))
 
-#define TCP_ESTABLISHED 1
-#define TCP_SYN_RECV 3
-#define TCP_CLOSE 7
-
 enum event_kind {
     EV_ACCEPT = 1,
     EV_CONNECT = 2,
@@ -67,17 +62,11 @@ struct conn_key {
 struct conn_info {
     u64 accept_ns;      // also the connection's generation: fds are reused
     u8 peer_addr[16];   // IPv6 or IPv4-mapped IPv6
-    u16 local_port;     // 0 when unknown (accept without a peer address)
+    u16 local_port;     // 0 when unknown (no socket offsets, see socket_endpoints)
     u16 peer_port;
     u8 role;
     u8 tls;
     u8 pad[2];
-};
-
-struct peer_key {
-    u8 addr[16];
-    u16 port;
-    u16 pad;
 };
 
 // One record in the ring buffer; only the used part of data[] is sent.
@@ -145,9 +134,6 @@ BPF_TABLE("lru_hash", u32, u8, target_tgids, 16384);
 // Processes that own a tracked connection: the libssl uprobes return at once
 // for every other process on the node.
 BPF_TABLE("lru_hash", u32, u8, active_tgids, 16384);
-// Passive opens seen by inet_sock_set_state: peer address → local port, read
-// back at accept() to learn which listening port the connection came in on.
-BPF_TABLE("lru_hash", struct peer_key, u16, passive_peers, 65536);
 
 // Listening sockets of target ports: (tgid, fd) → port. Filled from bind()
 // here and from /proc by the agent (sockets bound before it started, and
@@ -297,18 +283,49 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
 
 // ---------------------------------------------------------------- sockets
 
-TRACEPOINT_PROBE(sock, inet_sock_set_state) {
-    if (args->protocol != IPPROTO_TCP)
+// Reads a socket fd's addresses from the kernel's own struct sock, through
+// the task's fd table: the one source that needs no help from the caller
+// (accept4(fd, NULL, NULL) gives no peer; the new socket's state change may
+// be traced on another CPU after accept returns). The offsets come from the
+// running kernel's BTF (agent/kernel_btf.py); without BTF they are not
+// defined and the agent reads /proc instead.
+static __always_inline int socket_endpoints(u32 fd, struct conn_info *ci) {
+#ifdef OFF_SK_NUM
+    void *task = (void *)bpf_get_current_task();
+    void *files = 0, *fdt = 0, *fds = 0, *file = 0, *sock = 0, *sk = 0;
+    u32 max_fds = 0;
+    if (bpf_probe_read_kernel(&files, sizeof(files), task + OFF_TASK_FILES) || !files)
         return 0;
-    // A passive open completing: remember which local port this peer reached.
-    if (args->oldstate == TCP_SYN_RECV && args->newstate == TCP_ESTABLISHED) {
-        struct peer_key pk = {};
-        to_v6(pk.addr, args->family, args->daddr, args->daddr_v6);
-        pk.port = args->dport;
-        u16 lport = args->sport;
-        passive_peers.update(&pk, &lport);
-    }
+    if (bpf_probe_read_kernel(&fdt, sizeof(fdt), files + OFF_FILES_FDT) || !fdt)
+        return 0;
+    if (bpf_probe_read_kernel(&max_fds, sizeof(max_fds), fdt + OFF_FDT_MAX_FDS) || fd >= max_fds)
+        return 0;
+    if (bpf_probe_read_kernel(&fds, sizeof(fds), fdt + OFF_FDT_FD) || !fds)
+        return 0;
+    if (bpf_probe_read_kernel(&file, sizeof(file), fds + (u64)fd * sizeof(void *)) || !file)
+        return 0;
+    if (bpf_probe_read_kernel(&sock, sizeof(sock), file + OFF_FILE_PRIVATE) || !sock)
+        return 0;
+    if (bpf_probe_read_kernel(&sk, sizeof(sk), sock + OFF_SOCKET_SK) || !sk)
+        return 0;
+    u16 family = 0, dport = 0, num = 0;
+    bpf_probe_read_kernel(&family, sizeof(family), sk + OFF_SK_FAMILY);
+    bpf_probe_read_kernel(&dport, sizeof(dport), sk + OFF_SK_DPORT);
+    bpf_probe_read_kernel(&num, sizeof(num), sk + OFF_SK_NUM);
+    u8 v4[4] = {}, v6[16] = {};
+    if (family == AF_INET)
+        bpf_probe_read_kernel(v4, sizeof(v4), sk + OFF_SK_DADDR);
+    else if (family == AF_INET6)
+        bpf_probe_read_kernel(v6, sizeof(v6), sk + OFF_SK_V6_DADDR);
+    else
+        return 0;
+    to_v6(ci->peer_addr, family, v4, v6);
+    ci->peer_port = ntohs(dport);
+    ci->local_port = num; // an accepted socket's local port is its listener's
+    return num != 0;
+#else
     return 0;
+#endif
 }
 
 static __always_inline int accept_enter(int fd, struct sockaddr *addr) {
@@ -337,37 +354,21 @@ static __always_inline int accept_exit(long ret) {
     struct conn_info ci = {};
     ci.accept_ns = bpf_ktime_get_ns();
     ci.role = ROLE_SERVER;
-    if (a) {
-        if (read_sockaddr(saved.addr, ci.peer_addr, &ci.peer_port)) {
-            struct peer_key pk = {};
-            __builtin_memcpy(pk.addr, ci.peer_addr, 16);
-            pk.port = ci.peer_port;
-            u16 *lport = passive_peers.lookup(&pk);
-            if (lport) {
-                ci.local_port = *lport;
-                passive_peers.delete(&pk);
-            }
-        }
-        // accept() can return before the new socket's state change is
-        // traced (another CPU finishes the handshake): the listener names
-        // the port then.
-        if (!ci.local_port) {
-            struct conn_key lk = {.tgid = tgid, .fd = saved.listen_fd};
-            u16 *lport = listeners.lookup(&lk);
-            if (lport)
-                ci.local_port = *lport;
-        }
+    if (!socket_endpoints((u32)ret, &ci) && a) {
+        // No socket offsets: the caller's sockaddr names the peer, if it
+        // asked for one, and the listener the port.
+        read_sockaddr(saved.addr, ci.peer_addr, &ci.peer_port);
+        struct conn_key lk = {.tgid = tgid, .fd = saved.listen_fd};
+        u16 *lport = listeners.lookup(&lk);
+        if (lport)
+            ci.local_port = *lport;
     }
-    // Without the entry (a thread already blocked in accept() when the
-    // probes attached) neither peer nor port is known here: keep the
-    // connection if this process listens on a target port and let the agent
-    // read both from /proc.
     int wanted = target_tgids.lookup(&tgid) != 0;
     if (!wanted && ci.local_port)
         wanted = target_ports.lookup(&ci.local_port) != 0;
-    // No peer address given to accept(): the port is unknown here. Keep the
-    // connection if this process already serves a target port; the agent
-    // resolves the port from /proc and drops it if it is not a target.
+    // The port is unknown here: keep the connection if this process already
+    // serves a target port; the agent resolves the port from /proc and drops
+    // it if it is not a target.
     if (!wanted && !ci.local_port)
         wanted = listener_tgids.lookup(&tgid) != 0 || active_tgids.lookup(&tgid) != 0;
     if (!wanted)

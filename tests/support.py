@@ -25,13 +25,13 @@ def wait_until(predicate: Callable[[], object], timeout: float = WAIT_S) -> None
         time.sleep(0.05)
 
 
-def port_open(port: int) -> bool:
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        with socket.create_connection((host, port), timeout=0.5):
             return True
     except OSError:
         return False
 
 
-def wait_for_port(port: int, timeout: float = 20.0) -> None:
-    wait_until(lambda: port_open(port), timeout)
+def wait_for_port(port: int, timeout: float = 20.0, host: str = "127.0.0.1") -> None:
+    wait_until(lambda: port_open(port, host), timeout)
