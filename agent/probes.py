@@ -32,7 +32,7 @@ MAX_EXES = 4
 EXE_PATH_LEN = 256
 
 # Must match struct event in bpf/tokenprobe.c, up to data[].
-_HEADER = struct.Struct("<QQIIBBBBiIHHHH16s16s")
+_HEADER = struct.Struct("<QQQQIIIIBBBBiIHHHH16s16s")
 HEADER_SIZE = _HEADER.size
 
 EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC = 1, 2, 3, 4, 5, 6
@@ -60,6 +60,10 @@ class KernelEvent:
     kind: int
     ts_ns: int
     conn_ns: int
+    # The connection's counters before this event, per direction (DIR_READ,
+    # DIR_WRITE): bytes moved and data events emitted by the kernel.
+    bytes_before: tuple[int, int]
+    events_before: tuple[int, int]
     tgid: int
     fd: int
     dir: int
@@ -96,8 +100,8 @@ def decode_event(buf: bytes) -> KernelEvent:
     """One ring-buffer record → KernelEvent; EventDecodeError if malformed."""
     if len(buf) < HEADER_SIZE:
         raise EventDecodeError(f"record of {len(buf)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    (ts, conn_ns, tgid, fd, kind, direction, tls, role, ret, total, head_len, tail_len,
-     lport, pport, addr, comm) = _HEADER.unpack_from(buf)
+    (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, direction, tls, role, ret,
+     total, head_len, tail_len, lport, pport, addr, comm) = _HEADER.unpack_from(buf)
     if not EV_ACCEPT <= kind <= EV_EXEC:
         raise EventDecodeError(f"unknown event kind {kind}")
     end = HEADER_SIZE + head_len + tail_len
@@ -105,7 +109,7 @@ def decode_event(buf: bytes) -> KernelEvent:
         raise EventDecodeError(
             f"inconsistent lengths: head {head_len} + tail {tail_len} of {total} in a {len(buf)}-byte record")
     return KernelEvent(
-        kind, ts, conn_ns, tgid, fd, direction, bool(tls), role, ret, total,
+        kind, ts, conn_ns, (bytes_rd, bytes_wr), (events_rd, events_wr), tgid, fd, direction, bool(tls), role, ret, total,
         buf[HEADER_SIZE:HEADER_SIZE + head_len], buf[HEADER_SIZE + head_len:end],
         lport, pport, _peer_text(addr), comm.split(b"\0", 1)[0].decode("utf-8", "replace"))
 

@@ -86,6 +86,8 @@ REQUEST_SCHEMA: tuple[Column, ...] = (
     Column("body_fp", "UInt64", OPAQUE_CODEC),
     Column("outcome", "LowCardinality(String)", OPAQUE_CODEC),
     Column("error", "String", OPAQUE_CODEC),
+    Column("capture", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("bytes_unseen", "UInt64", INTEGER_CODEC),
 )
 
 REQUESTS_TABLE = "requests"

@@ -61,6 +61,11 @@ struct conn_key {
 
 struct conn_info {
     u64 accept_ns;      // also the connection's generation: fds are reused
+    // Per direction (DIR_READ, DIR_WRITE): bytes moved and data events
+    // emitted so far, whether or not the ring buffer took them. Every event
+    // carries them, so the agent knows exactly what it did not receive.
+    u64 bytes[2];
+    u32 events[2];
     u8 peer_addr[16];   // IPv6 or IPv4-mapped IPv6
     u16 local_port;     // 0 when unknown (no socket offsets, see socket_endpoints)
     u16 peer_port;
@@ -73,8 +78,10 @@ struct conn_info {
 struct event {
     u64 ts_ns;          // CLOCK_MONOTONIC
     u64 conn_ns;        // the connection's accept_ns
+    u64 bytes[2];       // the connection's counters before this event
     u32 tgid;
     u32 fd;
+    u32 events[2];
     u8 kind;
     u8 dir;
     u8 tls;
@@ -174,6 +181,8 @@ static __always_inline struct event *new_event(u8 kind, u32 tgid, u32 fd,
         return 0;
     e->ts_ns = ts;
     e->conn_ns = ci->accept_ns;
+    __builtin_memcpy(e->bytes, ci->bytes, sizeof(e->bytes));
+    __builtin_memcpy(e->events, ci->events, sizeof(e->events));
     e->tgid = tgid;
     e->fd = fd;
     e->kind = kind;
@@ -189,6 +198,16 @@ static __always_inline struct event *new_event(u8 kind, u32 tgid, u32 fd,
     __builtin_memcpy(e->peer_addr, ci->peer_addr, 16);
     e->comm[0] = 0;
     return e;
+}
+
+// Counts a data event against its connection, before it is submitted: a
+// record the ring buffer refuses still advances the sequence. (Two threads
+// moving bytes the same way on one socket at once could race here; HTTP/1
+// servers do not.)
+static __always_inline void sequence(struct conn_info *ci, u8 dir, u32 moved) {
+    dir &= 1;
+    ci->bytes[dir] += moved;
+    ci->events[dir] += 1;
 }
 
 static __always_inline void submit(struct event *e, u32 data_len) {
@@ -537,6 +556,7 @@ static __always_inline int io_exit(long ret) {
         return 0;
     e->dir = saved.dir;
     e->ret = ret;
+    sequence(ci, saved.dir, ret > 0 ? ret : 0);
     u32 len = 0;
     if (ret > 0) {
         e->total_len = ret;
@@ -677,6 +697,7 @@ static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
     e->tls = 1;
     e->ret = n;
     e->total_len = n;
+    sequence(ci, dir, n);
     u32 len = capture_flat(e, a.buf, n);
     submit(e, len);
     return 0;

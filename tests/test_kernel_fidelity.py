@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import subprocess
 import sys
+import threading
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,10 +40,11 @@ def shapes_server(*args: str, host: str = "127.0.0.1") -> Iterator[int]:
         proc.wait(timeout=20)
 
 
-def stream(conn: http.client.HTTPConnection, tokens: int) -> str:
+def stream(conn: http.client.HTTPConnection, tokens: int, delay_ms: float = 0) -> str:
     """One streamed request; returns the response id the server used."""
     rid = f"cmpl-{uuid.uuid4().hex}"
-    conn.request("POST", "/v1/completions", body=json.dumps({"id": rid, "max_tokens": tokens}),
+    conn.request("POST", "/v1/completions",
+                 body=json.dumps({"id": rid, "max_tokens": tokens, "delay_ms": delay_ms}),
                  headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     body = response.read()
@@ -68,3 +71,45 @@ def test_peer_read_from_the_socket_when_accept_gives_no_address(tmp_path: Path, 
     for row in rows:
         assert (row["client_addr"], row["client_port"]) == clients[row["response_id"]], row
         assert row["server_port"] == port and row["outcome"] == "complete", row
+
+
+def test_rows_that_lost_kernel_events_say_dropped(tmp_path: Path):
+    """A ring buffer far too small for a burst makes the kernel drop events:
+    every row that lost some says `dropped`, and every row that says `exact`
+    matches what the server sent. Paced streams before and after the burst
+    lose nothing and stay exact."""
+    with shapes_server() as port, agent(tmp_path, "--ringbuf-kb", "16", ports=[port]) as handle:
+        sent: dict[str, int] = {}  # response id → token events sent
+
+        def paced() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            for _ in range(3):
+                sent[stream(conn, 10, delay_ms=3)] = 10
+            conn.close()
+
+        def burst() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            for _ in range(3):
+                sent[stream(conn, 150)] = 150
+            conn.close()
+
+        paced()
+        threads = [threading.Thread(target=burst) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        paced()
+        assert handle.stop() == 0, handle.log()
+    drops = int(re.search(r"; (\d+) events dropped by the kernel", handle.log()).group(1))
+    assert drops > 0, handle.log()
+    rows = read_rows(handle.store_url)
+    by_capture = {c: [r for r in rows if r["capture"] == c] for c in ("exact", "gaps", "dropped")}
+    assert len(rows) == sum(map(len, by_capture.values())), {r["capture"] for r in rows}
+    assert by_capture["dropped"], f"{drops} events dropped and no row says so"
+    assert sum(r["bytes_unseen"] for r in by_capture["dropped"]) > 0
+    assert by_capture["exact"], "the paced streams lost nothing"
+    for row in by_capture["exact"]:
+        expected = sent.get(row["response_id"])
+        assert (row["token_events"], row["completion_tokens"], row["outcome"], row["bytes_unseen"]) == (
+            expected, expected, "complete", 0), row

@@ -51,7 +51,7 @@ def make_row(**overrides) -> dict:
         "model": "small", "response_id": "chatcmpl-90137e70dd9c3d12", "streamed": True, "token_events": 3,
         "sse_events": 5, "token_offsets_us": [0, 30_000, 60_000], "prompt_tokens": 12, "completion_tokens": 3,
         "inflight_at_arrival": 1, "bytes_in": 512, "bytes_out": 3419, "body_fp": 2**64 - 1,
-        "outcome": "complete", "error": "",
+        "outcome": "complete", "error": "", "capture": "exact", "bytes_unseen": 0,
     }
     row.update(overrides)
     return row
@@ -137,7 +137,7 @@ def test_unreachable_server_is_store_unavailable_naming_the_url():
 def test_requests_columns_match_row_schema_doc(owner):
     documented = re.findall(r"^\| (\w+) \| ([A-Za-z0-9()]+(?:\([^|]*\))?) \|", ROW_SCHEMA_DOC.read_text(), re.M)
     documented = [(name, ch_type.replace("DateTime64(9)", "DateTime64(9, 'UTC')")) for name, ch_type in documented]
-    assert len(documented) == 36
+    assert len(documented) == 38
     assert schema.REQUEST_COLUMNS == [name for name, _ in documented]
     described = owner.query_rows("SELECT name, type FROM system.columns"
                                  " WHERE database = 'tokenprobe' AND table = 'requests' ORDER BY position")

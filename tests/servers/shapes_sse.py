@@ -12,7 +12,8 @@ Run: python shapes_sse.py PORT [--host ADDR] [--null-accept] [--shape event|writ
   buffered server flushes it.
 - --pad N: N bytes of generated text per event.
 
-A POST's JSON body names max_tokens (events) and id (the response id); every
+A POST's JSON body names max_tokens (events), id (the response id) and
+optionally delay_ms (a pause before each event, with --shape event); every
 stream ends with a usage event and [DONE]. Connections are kept alive."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import socket
 import threading
+import time
 
 WRITEV_EVENTS = 16
 
@@ -83,6 +85,7 @@ def respond(conn: socket.socket, request: dict, shape: str, pad: int) -> None:
     conn.sendall(head)
     if shape == "event":
         for event in body:
+            time.sleep(request.get("delay_ms", 0) / 1000)
             conn.sendall(b"".join(chunk(event)))
     else:
         for start in range(0, len(body), WRITEV_EVENTS):
