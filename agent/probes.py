@@ -25,14 +25,14 @@ from tokenprobe.agent.procfs import target_port_sockets
 
 log = logging.getLogger("tokenprobe.probes")
 
-HEAD_CAP = 8192
-TAIL_CAP = 1024
+HEAD_CAP = 65536  # a call up to this size is captured whole (see bpf/tokenprobe.c)
+TAIL_CAP = 4096
 MAX_EXE_PATHS = 8  # up to MAX_EXES executables, each as given and resolved
 MAX_EXES = 4
 EXE_PATH_LEN = 256
 
 # Must match struct event in bpf/tokenprobe.c, up to data[].
-_HEADER = struct.Struct("<QQQQIIIIBBBBiIHHHH16s16s")
+_HEADER = struct.Struct("<QQQQIIIIBBBBiIIIHH16s16s")
 HEADER_SIZE = _HEADER.size
 
 EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC = 1, 2, 3, 4, 5, 6
@@ -185,13 +185,14 @@ def libssl_paths(pids: Iterable[int] | None = None) -> list[str]:
     return list(found.values())
 
 
-def _bpf_class():
+def _bcc():
     try:
-        from bcc import BPF  # Debian's python3-bpfcc, linked into the venv
+        import bcc  # Debian's python3-bpfcc, linked into the venv
+        import bcc.utils
     except ImportError as exc:
         raise ProbeError("BCC's Python module is missing: install Debian's python3-bpfcc "
                          "(scripts/install.sh links it into the venv)") from exc
-    return BPF
+    return bcc
 
 
 class Probes:
@@ -211,16 +212,17 @@ class Probes:
         source = importlib.resources.files("tokenprobe.bpf").joinpath("tokenprobe.c").read_text()
         if ringbuf_pages & (ringbuf_pages - 1):
             raise ValueError("ring buffer pages must be a power of two")
+        bcc = _bcc()
+        cpus = max(bcc.utils.get_possible_cpus()) + 1  # the scratch records are indexed by CPU id
         cflags = [f"-DHEAD_CAP={HEAD_CAP}", f"-DTAIL_CAP={TAIL_CAP}", f"-DRINGBUF_PAGES={ringbuf_pages}",
-                  "-w"]
+                  f"-DNR_CPUS_POSSIBLE={cpus}", "-w"]
         try:
             cflags += socket_offset_flags()
         except BtfError as exc:
             log.warning("%s: accepted sockets' addresses are read from /proc instead of the kernel", exc)
-        BPF = _bpf_class()
         log.info("compiling and loading the BPF program")
         try:
-            self.bpf = BPF(text=source, cflags=cflags)
+            self.bpf = bcc.BPF(text=source, cflags=cflags)
         except Exception as exc:  # BCC raises bare Exceptions on compile/load failure
             raise ProbeError(f"the BPF program did not load: {exc}. {self.headers.note}") from exc
         self._configure()

@@ -16,11 +16,17 @@
 #include <linux/in6.h>
 #include <linux/uio.h>
 
+// Calls up to HEAD_CAP bytes are captured whole: servers coalesce a stream's
+// events into one large send or writev (20–40 KiB are common), and every byte
+// of it is needed to count token events exactly.
 #ifndef HEAD_CAP
-#define HEAD_CAP 8192 // bytes captured from the start of each read/write (power of two)
+#define HEAD_CAP 65536 // bytes captured from the start of each read/write (power of two)
 #endif
 #ifndef TAIL_CAP
-#define TAIL_CAP 1024 // bytes captured from the end of a call larger than HEAD_CAP
+#define TAIL_CAP 4096 // bytes captured from the end of a flat call larger than HEAD_CAP
+#endif
+#ifndef NR_CPUS_POSSIBLE
+#define NR_CPUS_POSSIBLE 1024
 #endif
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 4096
@@ -28,7 +34,7 @@
 #ifndef MAX_CONNS
 #define MAX_CONNS 65536
 #endif
-#define MAX_IOV 8
+#define MAX_IOV 64 // hyper and libuv gather a stream's chunks: three iovecs per chunk
 #define MAX_EXE_PATHS 8 // up to 4 executables, each as given and resolved
 #define EXE_PATH_LEN 256
 
@@ -88,8 +94,8 @@ struct event {
     u8 role;
     s32 ret;            // syscall/SSL return value: bytes, or -errno
     u32 total_len;      // bytes moved by the call
-    u16 head_len;       // bytes of data[] from the call's start
-    u16 tail_len;       // bytes of data[] (after head) from the call's end
+    u32 head_len;       // bytes of data[] from the call's start
+    u32 tail_len;       // bytes of data[] (after head) from the call's end
     u16 local_port;
     u16 peer_port;
     u8 peer_addr[16];
@@ -130,7 +136,9 @@ struct exe_path {
 };
 
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
-BPF_PERCPU_ARRAY(scratch, struct event, 1);
+// One record under construction per CPU. A plain array indexed by CPU, not a
+// per-CPU array: per-CPU map values are limited to 32 KiB.
+BPF_ARRAY(scratch, struct event, NR_CPUS_POSSIBLE);
 BPF_PERCPU_ARRAY(drops, u64, 1);
 BPF_ARRAY(config, u32, CFG_SLOTS);
 BPF_ARRAY(exe_paths, struct exe_path, MAX_EXE_PATHS);
@@ -175,8 +183,8 @@ static __always_inline void count_drop(void) {
 
 static __always_inline struct event *new_event(u8 kind, u32 tgid, u32 fd,
                                                struct conn_info *ci, u64 ts) {
-    int zero = 0;
-    struct event *e = scratch.lookup(&zero);
+    u32 cpu = bpf_get_smp_processor_id();
+    struct event *e = scratch.lookup(&cpu);
     if (!e)
         return 0;
     e->ts_ns = ts;
@@ -734,8 +742,8 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     u32 *npaths = config.lookup(&slot);
     if (!npaths || !*npaths)
         return 0;
-    int zero = 0;
-    struct event *e = scratch.lookup(&zero);
+    u32 cpu = bpf_get_smp_processor_id();
+    struct event *e = scratch.lookup(&cpu);
     if (!e)
         return 0;
     // Borrow the scratch event's data area for the path.

@@ -113,3 +113,27 @@ def test_rows_that_lost_kernel_events_say_dropped(tmp_path: Path):
         expected = sent.get(row["response_id"])
         assert (row["token_events"], row["completion_tokens"], row["outcome"], row["bytes_unseen"]) == (
             expected, expected, "complete", 0), row
+
+
+@pytest.mark.parametrize("shape, pad, tokens", [
+    ("writev", 200, 40),     # 16 events (48 iovecs, ~5 KiB) per writev()
+    ("flat", 2000, 10),      # one send() of ~22 KiB
+    ("flat", 2000, 18),      # one send() of ~38 KiB
+], ids=["writev-48-iovecs", "flat-22KiB", "flat-38KiB"])
+def test_write_shapes_keep_every_token_event(tmp_path: Path, shape: str, pad: int, tokens: int):
+    """Coalesced writes (hyper and libuv's writev of many iovecs, a buffered
+    server's one large send) are captured whole: every row's token events and
+    usage match what the server sent, and the row says `exact`."""
+    with shapes_server("--shape", shape, "--pad", str(pad)) as port, agent(tmp_path, ports=[port]) as handle:
+        sent = []
+        for _ in range(3):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            sent += [stream(conn, tokens) for _ in range(3)]
+            conn.close()
+        assert handle.stop() == 0, handle.log()
+    rows = read_rows(handle.store_url)
+    assert sorted(r["response_id"] for r in rows) == sorted(sent)
+    for row in rows:
+        assert (row["token_events"], row["completion_tokens"], row["sse_events"], row["outcome"]) == (
+            tokens, tokens, tokens + 2, "complete"), row
+        assert (row["capture"], row["bytes_unseen"]) == ("exact", 0), row

@@ -22,7 +22,7 @@ from tokenprobe.agent.probes import (DIR_READ, DIR_WRITE, EV_ACCEPT, EV_CLOSE, E
 from tokenprobe.agent.schema import REQUEST_COLUMNS
 from tokenprobe.agent.tracker import ConnectionTracker
 
-HEADER = struct.Struct("<QQQQIIIIBBBBiIHHHH16s16s")
+HEADER = struct.Struct("<QQQQIIIIBBBBiIIIHH16s16s")
 V4_MAPPED_LOOPBACK = bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1])
 
 
