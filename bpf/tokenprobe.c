@@ -110,6 +110,7 @@ struct io_args {
     u32 iovcnt;
     u32 fd;
     u8 dir;
+    u8 ciphertext;            // TLS: only the call's EOF or error is reported
 };
 
 struct accept_args {
@@ -522,7 +523,7 @@ static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *i
     u64 tid = (u32)id;
     if (dir == DIR_READ)
         thread_last_fd.update(&tid, &fd);
-    // Inside a libssl call this is ciphertext: learn SSL* → fd, emit nothing.
+    // Inside a libssl call this is ciphertext: learn SSL* → fd.
     struct ssl_args *sa = ssl_pending.lookup(&id);
     if (sa) {
         struct ssl_key sk = {.ssl = (u64)sa->ssl, .tgid = id >> 32};
@@ -530,12 +531,12 @@ static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *i
         sa->bound_in_call = 1;
         if (!ci->tls)
             ci->tls = 1;
-        return 0;
     }
-    if (ci->tls)
-        return 0; // ciphertext; the plaintext comes from the SSL uprobes
+    // Ciphertext's bytes are not reported (the plaintext comes from the SSL
+    // uprobes), but its EOF and errors are the connection's: libssl's return
+    // values cannot tell them from "try again", whatever BIO it reads through.
     struct io_args a = {.enter_ns = bpf_ktime_get_ns(), .buf = buf, .iov = iov,
-                        .iovcnt = iovcnt, .fd = fd, .dir = dir};
+                        .iovcnt = iovcnt, .fd = fd, .dir = dir, .ciphertext = ci->tls};
     io_pending.update(&id, &a);
     return 0;
 }
@@ -552,6 +553,8 @@ static __always_inline int io_exit(long ret) {
         return 0;
     if (ret == -11 || ret == -4)
         return 0;
+    if (saved.ciphertext && ret > 0)
+        return 0;
     struct conn_key k = {.tgid = id >> 32, .fd = saved.fd};
     struct conn_info *ci = conns.lookup(&k);
     if (!ci)
@@ -564,6 +567,7 @@ static __always_inline int io_exit(long ret) {
         return 0;
     e->dir = saved.dir;
     e->ret = ret;
+    e->tls |= saved.ciphertext;
     sequence(ci, saved.dir, ret > 0 ? ret : 0);
     u32 len = 0;
     if (ret > 0) {
@@ -693,7 +697,10 @@ static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
             return 0;
         n = moved;
     } else {
-        if (ret <= 0)
+        // SSL_read's 0 is the peer closing the session (close_notify or EOF);
+        // its negative values mix errors with "try again", so the socket's
+        // own EOF and errors speak for those (io_exit).
+        if (ret < 0 || (ret == 0 && fn != SSL_FN_READ))
             return 0;
         n = ret;
     }

@@ -6,9 +6,11 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Iterator
 import pytest
 
 from tests.kernel_harness import agent, free_port, read_rows, require_kernel, wait_for_port
+from tokenprobe.refserver.tls import make_self_signed_cert
 
 pytestmark = pytest.mark.kernel
 
@@ -137,3 +140,59 @@ def test_write_shapes_keep_every_token_event(tmp_path: Path, shape: str, pad: in
         assert (row["token_events"], row["completion_tokens"], row["sse_events"], row["outcome"]) == (
             tokens, tokens, tokens + 2, "complete"), row
         assert (row["capture"], row["bytes_unseen"]) == ("exact", 0), row
+
+
+def read_until(sock, marker: bytes) -> bytes:
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(4096)
+        assert chunk, data
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("tls, server", [
+    (False, "refserver"), (True, "refserver"), (False, "asyncio"), (True, "asyncio"),
+], ids=["plain-threads", "tls-socket-bio", "plain-asyncio", "tls-memory-bio"])
+def test_client_gone_mid_stream_is_an_outcome_over_tls_too(tmp_path: Path, tls: bool, server: str):
+    """A client that disconnects mid-stream shows as client_closed or reset,
+    over TLS as over plain sockets: the socket's EOF and errors are seen under
+    libssl (socket BIOs: the threaded reference server) and beside it (memory
+    BIOs: asyncio), never left to read as the server cutting the stream."""
+    cert, key = make_self_signed_cert(tmp_path)
+    port = free_port()
+    if server == "refserver":
+        cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(port), "--decode-ms", "20",
+               "--log-level", "WARNING"] + (["--tls-self-signed"] if tls else [])
+    else:
+        cmd = [sys.executable, str(Path(__file__).parent / "servers" / "asyncio_sse.py"), str(port)]
+        cmd += [str(cert), str(key)] if tls else []
+    proc = subprocess.Popen(cmd, cwd=tmp_path)
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, ports=[port]) as handle:
+            for _ in range(3):
+                raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+                sock = ssl_client_context().wrap_socket(raw) if tls else raw
+                body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 200, "stream": True}).encode()
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                read_until(sock, b"data: ")
+                sock.close()
+            time.sleep(1.0)  # the server notices when it next reads or writes
+            assert handle.stop() == 0, handle.log()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    rows = read_rows(handle.store_url)
+    assert len(rows) == 3 and all(r["tls"] == tls for r in rows), rows
+    assert all(r["outcome"] in ("client_closed", "reset") for r in rows), [r["outcome"] for r in rows]
+
+
+def ssl_client_context():
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context

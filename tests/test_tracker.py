@@ -183,10 +183,12 @@ def test_fd_reuse_without_a_seen_close_ends_the_old_connection():
 
 @pytest.mark.parametrize("error, outcome", [(-errno.ECONNRESET, "reset"), (-errno.EPIPE, "client_closed"),
                                             (0, "client_closed")])
-def test_outcome_follows_how_the_connection_ended(error, outcome):
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_outcome_follows_how_the_connection_ended(error, outcome, tls):
     tracker, rows = make_tracker()
-    tracker.handle(ev(EV_DATA, 1000, data=REQUEST))
-    tracker.handle(ev(EV_DATA, 2000, direction=DIR_WRITE if error == -errno.EPIPE else DIR_READ, ret=error))
+    tracker.handle(ev(EV_DATA, 1000, data=REQUEST, tls=tls))
+    tracker.handle(ev(EV_DATA, 2000, direction=DIR_WRITE if error == -errno.EPIPE else DIR_READ, ret=error,
+                      tls=tls))
     tracker.handle(ev(EV_CLOSE, 3000))
     assert [r["outcome"] for r in rows.rows] == [outcome]
 
