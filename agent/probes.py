@@ -35,7 +35,7 @@ EXE_PATH_LEN = 256
 _HEADER = struct.Struct("<QQQQIIIIBBBBiIIIHH16s16s")
 HEADER_SIZE = _HEADER.size
 
-EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC = 1, 2, 3, 4, 5, 6
+EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC, EV_EXIT = 1, 2, 3, 4, 5, 6, 7
 DIR_READ, DIR_WRITE = 0, 1
 ROLE_SERVER, ROLE_CLIENT = 0, 1
 CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
@@ -102,7 +102,7 @@ def decode_event(buf: bytes) -> KernelEvent:
         raise EventDecodeError(f"record of {len(buf)} bytes is shorter than the {HEADER_SIZE}-byte header")
     (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, direction, tls, role, ret,
      total, head_len, tail_len, lport, pport, addr, comm) = _HEADER.unpack_from(buf)
-    if not EV_ACCEPT <= kind <= EV_EXEC:
+    if not EV_ACCEPT <= kind <= EV_EXIT:
         raise EventDecodeError(f"unknown event kind {kind}")
     end = HEADER_SIZE + head_len + tail_len
     if end > len(buf) or head_len + tail_len > total or head_len > HEAD_CAP or tail_len > TAIL_CAP:
@@ -205,6 +205,7 @@ class Probes:
         self.headers = headers or choose_headers()
         self.attached_ssl: list[str] = []
         self.decode_errors = 0
+        self._full_maps: set[str] = set()
         ensure_tracefs()
         if self.headers.kernel_source is not None:
             os.environ["BCC_KERNEL_SOURCE"] = str(self.headers.kernel_source)
@@ -267,10 +268,17 @@ class Probes:
         (started before us, forked workers, exec'd through another path)."""
         listening, _ = target_port_sockets(set(self.targets.ports))
         listeners, listener_tgids = self.bpf["listeners"], self.bpf["listener_tgids"]
+        # Pruned to what listens now: bind() adds entries in the kernel that
+        # outlive their sockets and processes.
+        now = {(sock.pid, sock.fd): sock for sock in listening}
+        for key in list(listeners.keys()):
+            if (key.tgid, key.fd) not in now:
+                self._delete(listeners, key)
         for sock in listening:
             key = listeners.Key()
             key.tgid, key.fd = sock.pid, sock.fd
-            listeners[key] = ctypes.c_uint16(sock.local_port)
+            if not self._put("listeners", key, ctypes.c_uint16(sock.local_port)):
+                break
             listener_tgids[ctypes.c_uint32(sock.pid)] = ctypes.c_uint8(1)
         if not self.targets.exes:
             return []
@@ -356,9 +364,25 @@ class Probes:
         table = self.bpf["conns"]
         key = table.Key()
         key.tgid, key.fd = tgid, fd
+        self._delete(table, key)
+
+    def _put(self, name: str, key, leaf) -> bool:
+        """Writes a map entry; False (logged once per map) when the map is full."""
+        try:
+            self.bpf[name][key] = leaf
+            return True
+        except Exception as exc:  # BCC raises a bare Exception with the errno's text
+            if name not in self._full_maps:
+                self._full_maps.add(name)
+                log.warning("BPF map %s refused an entry (%s): some sockets are resolved from /proc only",
+                            name, exc)
+            return False
+
+    @staticmethod
+    def _delete(table, key) -> None:
         try:
             del table[key]
-        except KeyError:
+        except KeyError:  # already gone (closed, or evicted from an LRU map)
             pass
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ from tokenprobe.agent.clock import MonotonicWallClock
 from tokenprobe.agent.http_assembler import (DEFAULT_TENANT_HEADER, Exchange, HttpConnectionAssembler,
                                              tenant_header_name)
 from tokenprobe.agent.probes import (DIR_READ, DIR_WRITE, EV_ACCEPT, EV_CLOSE, EV_CONNECT, EV_DATA, EV_EXEC,
-                                     EV_TLS_DONE, ROLE_CLIENT, KernelEvent)
+                                     EV_EXIT, EV_TLS_DONE, ROLE_CLIENT, KernelEvent)
 from tokenprobe.agent.procfs import comm_of, socket_endpoints
 
 log = logging.getLogger("tokenprobe.tracker")
@@ -120,6 +120,7 @@ class ConnectionTracker:
         self._handlers = {
             EV_ACCEPT: self._on_open, EV_CONNECT: self._on_open, EV_DATA: self._on_data,
             EV_CLOSE: self._on_close, EV_TLS_DONE: self._on_tls_done, EV_EXEC: self._on_exec,
+            EV_EXIT: self._on_exit,
         }
 
     # -- event dispatch --------------------------------------------------
@@ -257,6 +258,14 @@ class ConnectionTracker:
 
     def _on_exec(self, ev: KernelEvent) -> None:
         log.info("new target process %d (%s)", ev.tgid, ev.comm)
+
+    def _on_exit(self, ev: KernelEvent) -> None:
+        """The process died: the kernel closed its sockets without close()."""
+        for key in [key for key in self.connections if key[0] == ev.tgid]:
+            conn = self.connections.pop(key)
+            if self.forget_connection:
+                self.forget_connection(conn.tgid, conn.fd)
+            self._finish(conn, conn.assembler.close(ev.ts_ns, "server_closed"))
 
     def close_all(self, ts_ns: int) -> None:
         """Agent stop: every exchange still open is written, marked truncated."""

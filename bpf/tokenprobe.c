@@ -49,6 +49,7 @@ enum event_kind {
     EV_CLOSE = 4,
     EV_TLS_DONE = 5,
     EV_EXEC = 6,
+    EV_EXIT = 7,
 };
 
 enum direction { DIR_READ = 0, DIR_WRITE = 1 };
@@ -740,6 +741,25 @@ TRACEPOINT_PROBE(sched, sched_process_fork) {
     u32 child = args->child_pid;
     u8 one = 1;
     target_tgids.update(&child, &one);
+    return 0;
+}
+
+// A process that dies closes its sockets without close(): tell the agent, so
+// that its connections end (and stop counting as in flight), and forget it.
+TRACEPOINT_PROBE(sched, sched_process_exit) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if ((u32)id != tgid) // a thread, not the process
+        return 0;
+    target_tgids.delete(&tgid);
+    listener_tgids.delete(&tgid);
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    active_tgids.delete(&tgid);
+    struct conn_info none = {};
+    struct event *e = new_event(EV_EXIT, tgid, 0, &none, bpf_ktime_get_ns());
+    if (e)
+        submit(e, 0);
     return 0;
 }
 

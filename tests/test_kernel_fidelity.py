@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Iterator
 import pytest
 
 from tests.kernel_harness import agent, free_port, read_rows, require_kernel, wait_for_port
+from tests.support import wait_until
 from tokenprobe.refserver.tls import make_self_signed_cert
 
 pytestmark = pytest.mark.kernel
@@ -196,3 +198,74 @@ def ssl_client_context():
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     return context
+
+
+def agent_gauge(metrics_port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return float(re.search(rf"^tokenprobe_agent_{name} (\S+)$", text, re.M).group(1))
+
+
+def test_a_server_that_dies_ends_its_connections(tmp_path: Path):
+    """A killed server closes its sockets without close(): its streams end as
+    truncated rows while the agent runs, and stop counting as in flight."""
+    metrics_port = free_port()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SHAPES_SERVER), str(port)])
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, "--metrics-port", str(metrics_port), ports=[port]) as handle:
+            conns = []
+            for _ in range(2):
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                conn.request("POST", "/v1/completions", body=json.dumps(
+                    {"id": f"cmpl-{uuid.uuid4().hex}", "max_tokens": 1000, "delay_ms": 20}))
+                conn.getresponse().read1(100)
+                conns.append(conn)
+            wait_until(lambda: agent_gauge(metrics_port, "inflight_requests") == 2, timeout=10)
+            proc.kill()
+            proc.wait(timeout=20)
+            wait_until(lambda: agent_gauge(metrics_port, "open_connections") == 0
+                       and agent_gauge(metrics_port, "inflight_requests") == 0, timeout=10)
+            assert handle.stop() == 0, handle.log()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=20)
+    rows = read_rows(handle.store_url)
+    assert [r["outcome"] for r in rows] == ["truncated", "truncated"], rows
+    assert all(r["token_events"] > 0 for r in rows)
+
+
+def test_listeners_map_follows_what_listens_now():
+    """The kernel's listener map is pruned to the sockets that listen now:
+    entries of dead processes (and stale ones) go at the next rescan."""
+    from tokenprobe.agent.probes import Probes, Targets
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SHAPES_SERVER), str(port)])
+    probes = None
+    try:
+        wait_for_port(port)
+        probes = Probes(Targets(ports=[port]))
+        listeners = probes.bpf["listeners"]
+
+        def owners() -> set[int]:
+            return {key.tgid for key in listeners.keys()}
+
+        assert proc.pid in owners()
+        stale = listeners.Key()
+        stale.tgid, stale.fd = proc.pid, 999
+        listeners[stale] = listeners.Leaf(port)
+        probes.rescan_processes()
+        assert 999 not in {key.fd for key in listeners.keys()}
+        proc.kill()
+        proc.wait(timeout=20)
+        probes.rescan_processes()
+        assert proc.pid not in owners()
+    finally:
+        if probes is not None:
+            probes.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=20)

@@ -17,7 +17,7 @@ from tokenprobe.actuator.asgi import ActuatorMiddleware
 from tokenprobe.agent.clock import MonotonicWallClock, measure_offset
 from tokenprobe.agent.http_assembler import DEFAULT_TENANT_HEADER
 from tokenprobe.agent.kernel_headers import choose_headers
-from tokenprobe.agent.probes import (DIR_READ, DIR_WRITE, EV_ACCEPT, EV_CLOSE, EV_DATA, EV_TLS_DONE,
+from tokenprobe.agent.probes import (DIR_READ, DIR_WRITE, EV_ACCEPT, EV_CLOSE, EV_DATA, EV_EXIT, EV_TLS_DONE,
                                      HEADER_SIZE, EventDecodeError, KernelEvent, decode_event)
 from tokenprobe.agent.schema import REQUEST_COLUMNS
 from tokenprobe.agent.tracker import ConnectionTracker
@@ -276,6 +276,19 @@ def test_capture_gaps_in_a_response_make_the_row_gaps_but_a_sized_request_body_d
     conn.send(DIR_WRITE, response[:8192], tail=response[-1024:], total=len(response))
     assert [(r["capture"], r["bytes_unseen"], r["outcome"]) for r in rows.rows] == [
         ("exact", len(request) - 9216, "complete"), ("gaps", len(response) - 9216, "complete")]
+
+
+def test_process_exit_ends_its_connections_and_their_inflight_count():
+    forgotten = []
+    tracker, rows = make_tracker(forget_connection=lambda tgid, fd: forgotten.append((tgid, fd)))
+    for fd in (7, 8):
+        tracker.handle(ev(EV_ACCEPT, 500, fd=fd))
+        tracker.handle(ev(EV_DATA, 1000, fd=fd, data=REQUEST))
+    assert tracker.stats.inflight == {8000: 2}
+    tracker.handle(ev(EV_EXIT, 2000, fd=0))
+    assert [r["outcome"] for r in rows.rows] == ["truncated", "truncated"]
+    assert tracker.stats.inflight == {8000: 0} and not tracker.connections
+    assert sorted(forgotten) == [(42, 7), (42, 8)]
 
 
 def test_clock_offset_maps_monotonic_to_wall():
