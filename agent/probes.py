@@ -40,15 +40,20 @@ DIR_READ, DIR_WRITE = 0, 1
 ROLE_SERVER, ROLE_CLIENT = 0, 1
 CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
 
-# (symbol, entry handler, return handler). Both OpenSSL call families:
-# CPython calls the _ex forms, nginx and most C servers the classic ones.
+# (symbol, entry handler, return handler or None). Both OpenSSL call
+# families: CPython calls the _ex forms, nginx and most C servers the classic
+# ones. SSL_set_fd and SSL_set_bio bind an SSL object to its socket.
 SSL_PROBES = (
     ("SSL_read", "uprobe_ssl_read", "uretprobe_ssl_read"),
     ("SSL_read_ex", "uprobe_ssl_read_ex", "uretprobe_ssl_read_ex"),
     ("SSL_write", "uprobe_ssl_write", "uretprobe_ssl_write"),
     ("SSL_write_ex", "uprobe_ssl_write_ex", "uretprobe_ssl_write_ex"),
     ("SSL_do_handshake", "uprobe_ssl_handshake", "uretprobe_ssl_handshake"),
+    ("SSL_set_fd", "uprobe_ssl_set_fd", None),
+    ("SSL_set_bio", "uprobe_ssl_set_bio", None),
 )
+# In libcrypto, next to its libssl: memory BIOs are fed with BIO_write.
+CRYPTO_PROBES = (("BIO_write", "uprobe_bio_write", None),)
 
 
 class ProbeError(RuntimeError):
@@ -324,15 +329,24 @@ class Probes:
             if real in self.attached_ssl:
                 continue
             try:
-                for sym, entry, ret in SSL_PROBES:
-                    self.bpf.attach_uprobe(name=path, sym=sym, fn_name=entry)
-                    self.bpf.attach_uretprobe(name=path, sym=sym, fn_name=ret)
+                self._attach(path, SSL_PROBES)
             except Exception as exc:  # a libssl without one of the symbols
                 log.warning("libssl %s not probed: %s", path, exc)
                 continue
+            crypto = os.path.join(os.path.dirname(path), os.path.basename(path).replace("libssl", "libcrypto"))
+            try:
+                self._attach(crypto, CRYPTO_PROBES)
+            except Exception as exc:
+                log.warning("%s not probed (%s): TLS through memory BIOs (asyncio) is not followed", crypto, exc)
             self.attached_ssl.append(real)
             new.append(path)
         return new
+
+    def _attach(self, path: str, probes: tuple) -> None:
+        for sym, entry, ret in probes:
+            self.bpf.attach_uprobe(name=path, sym=sym, fn_name=entry)
+            if ret:
+                self.bpf.attach_uretprobe(name=path, sym=sym, fn_name=ret)
 
     # -- events --------------------------------------------------------
     def open(self, on_event: Callable[[KernelEvent], None]) -> None:

@@ -130,7 +130,6 @@ struct ssl_args {
     const u8 *buf;
     size_t *len_out;        // SSL_*_ex's size_t* result
     u8 fn;
-    u8 bound_in_call;       // a socket syscall inside this call named the fd
 };
 
 struct exe_path {
@@ -163,18 +162,20 @@ BPF_HASH(io_pending, u64, struct io_args, 16384);
 BPF_HASH(accept_pending, u64, struct accept_args, 4096);
 BPF_HASH(connect_pending, u64, struct sockaddr_args, 4096);
 BPF_HASH(ssl_pending, u64, struct ssl_args, 16384);
-// SSL* → fd, learnt from socket syscalls made inside libssl calls (socket
-// BIOs: nginx, CPython's ssl), or from the thread's last socket read
-// (memory BIOs: asyncio, uvicorn).
+// SSL* → fd, only ever from what names the fd itself: SSL_set_fd, a socket
+// syscall made inside a libssl call (socket BIOs: nginx, CPython's ssl), or,
+// for memory BIOs (asyncio, uvicorn), the bytes' own path: the buffer a
+// socket read filled is the one BIO_write then feeds to the SSL's read BIO.
 // Keyed by process too: forked workers (nginx) share an address layout, so
-// the same SSL* value names different objects in different processes.
-struct ssl_key {
-    u64 ssl;
+// the same pointer names different objects in different processes.
+struct ptr_key {
+    u64 ptr;
     u32 tgid;
     u32 pad;
 };
-BPF_TABLE("lru_hash", struct ssl_key, u32, ssl_fd, MAX_CONNS);
-BPF_TABLE("lru_hash", u64, u32, thread_last_fd, 16384);
+BPF_TABLE("lru_hash", struct ptr_key, u32, ssl_fd, MAX_CONNS);
+BPF_TABLE("lru_hash", struct ptr_key, u64, rbio_ssl, MAX_CONNS);  // read BIO → SSL*
+BPF_TABLE("lru_hash", struct ptr_key, u32, read_buf_fd, 16384);   // buffer last read into → fd
 
 static __always_inline void count_drop(void) {
     int zero = 0;
@@ -521,15 +522,11 @@ static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *i
     struct conn_info *ci = conns.lookup(&k);
     if (!ci)
         return 0;
-    u64 tid = (u32)id;
-    if (dir == DIR_READ)
-        thread_last_fd.update(&tid, &fd);
     // Inside a libssl call this is ciphertext: learn SSL* → fd.
     struct ssl_args *sa = ssl_pending.lookup(&id);
     if (sa) {
-        struct ssl_key sk = {.ssl = (u64)sa->ssl, .tgid = id >> 32};
+        struct ptr_key sk = {.ptr = (u64)sa->ssl, .tgid = id >> 32};
         ssl_fd.update(&sk, &fd);
-        sa->bound_in_call = 1;
         if (!ci->tls)
             ci->tls = 1;
     }
@@ -554,6 +551,10 @@ static __always_inline int io_exit(long ret) {
         return 0;
     if (ret == -11 || ret == -4)
         return 0;
+    if (saved.dir == DIR_READ && saved.buf && ret > 0) {
+        struct ptr_key bk = {.ptr = (u64)saved.buf, .tgid = id >> 32};
+        read_buf_fd.update(&bk, &saved.fd);
+    }
     if (saved.ciphertext && ret > 0)
         return 0;
     struct conn_key k = {.tgid = id >> 32, .fd = saved.fd};
@@ -647,19 +648,8 @@ static __always_inline int ssl_enter(struct pt_regs *ctx, u8 fn) {
 // Finds the connection an SSL* belongs to; 0 if none is tracked.
 static __always_inline struct conn_info *ssl_conn(struct ssl_args *a, u64 id,
                                                   struct conn_key *k) {
-    struct ssl_key sk = {.ssl = (u64)a->ssl, .tgid = id >> 32};
+    struct ptr_key sk = {.ptr = (u64)a->ssl, .tgid = id >> 32};
     u32 *fdp = ssl_fd.lookup(&sk);
-    u64 tid = (u32)id;
-    // Memory BIOs: no socket call inside libssl; the ciphertext was read
-    // just before on this thread. A handshake always rebinds (SSL* reuse).
-    if (!a->bound_in_call && (!fdp || a->fn == SSL_FN_HANDSHAKE)) {
-        u32 *last = thread_last_fd.lookup(&tid);
-        if (!last)
-            return 0;
-        u32 fd = *last;
-        ssl_fd.update(&sk, &fd);
-        fdp = ssl_fd.lookup(&sk);
-    }
     if (!fdp)
         return 0;
     k->tgid = id >> 32;
@@ -716,6 +706,50 @@ static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
     sequence(ci, dir, n);
     u32 len = capture_flat(e, a.buf, n);
     submit(e, len);
+    return 0;
+}
+
+// SSL_set_fd(ssl, fd): a socket BIO on fd (a reused SSL* is rebound here).
+int uprobe_ssl_set_fd(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    struct ptr_key sk = {.ptr = PT_REGS_PARM1(ctx), .tgid = tgid};
+    u32 fd = PT_REGS_PARM2(ctx);
+    ssl_fd.update(&sk, &fd);
+    return 0;
+}
+
+// SSL_set_bio(ssl, rbio, wbio): remember whose read BIO rbio is.
+int uprobe_ssl_set_bio(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    struct ptr_key bk = {.ptr = PT_REGS_PARM2(ctx), .tgid = tgid};
+    u64 ssl = PT_REGS_PARM1(ctx);
+    rbio_ssl.update(&bk, &ssl);
+    return 0;
+}
+
+// BIO_write(bio, buf, n) into an SSL's read BIO, from a buffer a socket read
+// just filled: that socket is the SSL's.
+int uprobe_bio_write(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    struct ptr_key bk = {.ptr = PT_REGS_PARM1(ctx), .tgid = tgid};
+    u64 *ssl = rbio_ssl.lookup(&bk);
+    if (!ssl)
+        return 0;
+    struct ptr_key rk = {.ptr = PT_REGS_PARM2(ctx), .tgid = tgid};
+    u32 *fd = read_buf_fd.lookup(&rk);
+    if (!fd)
+        return 0;
+    struct ptr_key sk = {.ptr = *ssl, .tgid = tgid};
+    ssl_fd.update(&sk, fd);
     return 0;
 }
 

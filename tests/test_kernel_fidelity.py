@@ -269,3 +269,42 @@ def test_listeners_map_follows_what_listens_now():
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=20)
+
+
+def test_memory_bio_tls_is_bound_to_its_own_socket(tmp_path: Path):
+    """A server that reads every ready socket before it runs any SSL object
+    (memory BIOs): each SSL object is still tied to its own connection, by the
+    bytes' path from socket to BIO, so every stream is whole on its own row."""
+    cert, key = make_self_signed_cert(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "servers" / "memory_bio_interleaved.py"),
+                             str(port), str(cert), str(key)])
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, ports=[port]) as handle:
+            sent: dict[str, tuple[str, int]] = {}
+            start = threading.Barrier(3)
+
+            def client() -> None:
+                conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=30, context=ssl_client_context())
+                start.wait()
+                conn.connect()
+                me = conn.sock.getsockname()[:2]
+                for _ in range(3):
+                    sent[stream(conn, 5)] = me
+                conn.close()
+
+            threads = [threading.Thread(target=client) for _ in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert handle.stop() == 0, handle.log()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    rows = read_rows(handle.store_url)
+    assert sorted(r["response_id"] for r in rows) == sorted(sent), rows
+    for row in rows:
+        assert (row["client_addr"], row["client_port"]) == sent[row["response_id"]], row
+        assert (row["tls"], row["token_events"], row["outcome"], row["capture"]) == (True, 5, "complete", "exact"), row
