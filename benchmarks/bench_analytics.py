@@ -55,7 +55,7 @@ SELECT
     length(offsets) AS token_events, length(offsets) + 3 AS sse_events, offsets AS token_offsets_us,
     if(n % 2 = 0, prompt, NULL) AS prompt_tokens, if(n % 2 = 0, length(offsets), NULL) AS completion_tokens,
     inflight AS inflight_at_arrival, 300 + prompt * 4 AS bytes_in, 200 + 60 * length(offsets) AS bytes_out,
-    cityHash64(n) AS body_fp, 'complete' AS outcome, '' AS error
+    cityHash64(n) AS body_fp, 'complete' AS outcome, '' AS error, 'exact' AS capture, toUInt64(0) AS bytes_unseen
 FROM (
     SELECT number AS n,
         {start_ns} + toInt64(n * ({span_ns} / {requests})) AS start_ns,

@@ -105,7 +105,9 @@ SELECT
     toUInt64(200 + token_events * 140) AS bytes_out,
     cityHash64(number, {seed}, 8) AS body_fp,
     'complete' AS outcome,
-    '' AS error
+    '' AS error,
+    'exact' AS capture,
+    toUInt64(0) AS bytes_unseen
 FROM (
     SELECT
         number,
