@@ -290,7 +290,9 @@ CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
     `bytes_out` UInt64 CODEC(T64, ZSTD(1)),
     `body_fp` UInt64 CODEC(ZSTD(1)),
     `outcome` LowCardinality(String) CODEC(ZSTD(1)),
-    `error` String CODEC(ZSTD(1))
+    `error` String CODEC(ZSTD(1)),
+    `capture` LowCardinality(String) CODEC(ZSTD(1)),
+    `bytes_unseen` UInt64 CODEC(T64, ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(req_start)
