@@ -32,8 +32,9 @@ def _check_root() -> Check:
 def _check_btf() -> Check:
     if Path("/sys/kernel/btf/vmlinux").exists():
         return Check("BTF", OK, "kernel type information at /sys/kernel/btf/vmlinux")
-    return Check("BTF", WARN, "no /sys/kernel/btf/vmlinux; tokenprobe does not need it (BCC compiles "
-                 "against headers) but other BPF tools may", "use a kernel built with CONFIG_DEBUG_INFO_BTF")
+    return Check("BTF", WARN, "no /sys/kernel/btf/vmlinux: the probes cannot read an accepted socket's "
+                 "addresses in the kernel, so the agent reads them from /proc (short-lived "
+                 "connections may be missed)", "use a kernel built with CONFIG_DEBUG_INFO_BTF")
 
 
 def _check_tracefs() -> Check:
@@ -41,13 +42,12 @@ def _check_tracefs() -> Check:
         events = Path(path) / "events"
         if events.is_dir():
             missing = [tp for tp in ("syscalls/sys_enter_read", "syscalls/sys_exit_accept4",
-                                     "syscalls/sys_enter_sendto", "sock/inet_sock_set_state",
-                                     "sched/sched_process_exec")
+                                     "syscalls/sys_enter_sendto", "sched/sched_process_exec")
                        if not (events / tp).is_dir()]
             if missing:
                 return Check("tracepoints", FAIL, f"tracefs at {path} lacks {', '.join(missing)}",
                              "use a kernel with CONFIG_FTRACE_SYSCALLS")
-            return Check("tracepoints", OK, f"tracefs mounted at {path}; syscall, sock and sched "
+            return Check("tracepoints", OK, f"tracefs mounted at {path}; syscall and sched "
                          "tracepoints present")
     return Check("tracepoints", WARN, "tracefs is not mounted (the agent mounts it itself when root)",
                  "mount -t tracefs nodev /sys/kernel/tracing")

@@ -62,7 +62,8 @@ SELECT
     inflight AS inflight_at_arrival, 300 + prompt * 4 AS bytes_in, 200 + 60 * length(offsets) AS bytes_out,
     cityHash64(n) AS body_fp, 'complete' AS outcome, '' AS error, 'openai.chat' AS api,
     first_token AS first_content_token, 1 AS choices, token_events AS choice_events,
-    NULL AS engine_prompt_ms, NULL AS engine_decode_ms
+    NULL AS engine_prompt_ms, NULL AS engine_decode_ms,
+    'exact' AS capture, toUInt64(0) AS bytes_unseen
 FROM (
     SELECT number AS n,
         {start_ns} + toInt64(n * ({span_ns} / {requests})) AS start_ns,

@@ -1,7 +1,6 @@
 // tokenprobe kernel side: per-connection I/O of target HTTP servers.
 //
-// Only syscall tracepoints, sock:inet_sock_set_state, sched tracepoints and
-// libssl uprobes: many kernels (this one included) have no kprobes, and
+// Only syscall tracepoints, sched tracepoints and libssl uprobes: many kernels (this one included) have no kprobes, and
 // tracepoint layouts are read from tracefs at load time, so the program does
 // not depend on the kernel headers matching the running kernel exactly.
 //
@@ -17,11 +16,17 @@
 #include <linux/in6.h>
 #include <linux/uio.h>
 
+// Calls up to HEAD_CAP bytes are captured whole: servers coalesce a stream's
+// events into one large send or writev (20–40 KiB are common), and every byte
+// of it is needed to count token events exactly.
 #ifndef HEAD_CAP
-#define HEAD_CAP 8192 // bytes captured from the start of each read/write (power of two)
+#define HEAD_CAP 65536 // bytes captured from the start of each read/write (power of two)
 #endif
 #ifndef TAIL_CAP
-#define TAIL_CAP 1024 // bytes captured from the end of a call larger than HEAD_CAP
+#define TAIL_CAP 4096 // bytes captured from the end of a flat call larger than HEAD_CAP
+#endif
+#ifndef NR_CPUS_POSSIBLE
+#define NR_CPUS_POSSIBLE 1024
 #endif
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 4096
@@ -29,17 +34,13 @@
 #ifndef MAX_CONNS
 #define MAX_CONNS 65536
 #endif
-#define MAX_IOV 8
+#define MAX_IOV 64 // hyper and libuv gather a stream's chunks: three iovecs per chunk
 #define MAX_EXE_PATHS 8 // up to 4 executables, each as given and resolved
 #define EXE_PATH_LEN 256
 
 // Hides a value from the compiler so that the bounds check the verifier
 // needs is applied to the very register used for the memory access.
 #define OPAQUE(x) asm volatile("" : "+r"(x))
-
-#define TCP_ESTABLISHED 1
-#define TCP_SYN_RECV 3
-#define TCP_CLOSE 7
 
 enum event_kind {
     EV_ACCEPT = 1,
@@ -48,6 +49,7 @@ enum event_kind {
     EV_CLOSE = 4,
     EV_TLS_DONE = 5,
     EV_EXEC = 6,
+    EV_EXIT = 7,
 };
 
 enum direction { DIR_READ = 0, DIR_WRITE = 1 };
@@ -66,34 +68,35 @@ struct conn_key {
 
 struct conn_info {
     u64 accept_ns;      // also the connection's generation: fds are reused
+    // Per direction (DIR_READ, DIR_WRITE): bytes moved and data events
+    // emitted so far, whether or not the ring buffer took them. Every event
+    // carries them, so the agent knows exactly what it did not receive.
+    u64 bytes[2];
+    u32 events[2];
     u8 peer_addr[16];   // IPv6 or IPv4-mapped IPv6
-    u16 local_port;     // 0 when unknown (accept without a peer address)
+    u16 local_port;     // 0 when unknown (no socket offsets, see socket_endpoints)
     u16 peer_port;
     u8 role;
     u8 tls;
     u8 pad[2];
 };
 
-struct peer_key {
-    u8 addr[16];
-    u16 port;
-    u16 pad;
-};
-
 // One record in the ring buffer; only the used part of data[] is sent.
 struct event {
     u64 ts_ns;          // CLOCK_MONOTONIC
     u64 conn_ns;        // the connection's accept_ns
+    u64 bytes[2];       // the connection's counters before this event
     u32 tgid;
     u32 fd;
+    u32 events[2];
     u8 kind;
     u8 dir;
     u8 tls;
     u8 role;
     s32 ret;            // syscall/SSL return value: bytes, or -errno
     u32 total_len;      // bytes moved by the call
-    u16 head_len;       // bytes of data[] from the call's start
-    u16 tail_len;       // bytes of data[] (after head) from the call's end
+    u32 head_len;       // bytes of data[] from the call's start
+    u32 tail_len;       // bytes of data[] (after head) from the call's end
     u16 local_port;
     u16 peer_port;
     u8 peer_addr[16];
@@ -108,6 +111,7 @@ struct io_args {
     u32 iovcnt;
     u32 fd;
     u8 dir;
+    u8 ciphertext;            // TLS: only the call's EOF or error is reported
 };
 
 struct accept_args {
@@ -126,7 +130,6 @@ struct ssl_args {
     const u8 *buf;
     size_t *len_out;        // SSL_*_ex's size_t* result
     u8 fn;
-    u8 bound_in_call;       // a socket syscall inside this call named the fd
 };
 
 struct exe_path {
@@ -134,7 +137,9 @@ struct exe_path {
 };
 
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
-BPF_PERCPU_ARRAY(scratch, struct event, 1);
+// One record under construction per CPU. A plain array indexed by CPU, not a
+// per-CPU array: per-CPU map values are limited to 32 KiB.
+BPF_ARRAY(scratch, struct event, NR_CPUS_POSSIBLE);
 BPF_PERCPU_ARRAY(drops, u64, 1);
 BPF_ARRAY(config, u32, CFG_SLOTS);
 BPF_ARRAY(exe_paths, struct exe_path, MAX_EXE_PATHS);
@@ -145,9 +150,6 @@ BPF_TABLE("lru_hash", u32, u8, target_tgids, 16384);
 // Processes that own a tracked connection: the libssl uprobes return at once
 // for every other process on the node.
 BPF_TABLE("lru_hash", u32, u8, active_tgids, 16384);
-// Passive opens seen by inet_sock_set_state: peer address → local port, read
-// back at accept() to learn which listening port the connection came in on.
-BPF_TABLE("lru_hash", struct peer_key, u16, passive_peers, 65536);
 
 // Listening sockets of target ports: (tgid, fd) → port. Filled from bind()
 // here and from /proc by the agent (sockets bound before it started, and
@@ -160,18 +162,20 @@ BPF_HASH(io_pending, u64, struct io_args, 16384);
 BPF_HASH(accept_pending, u64, struct accept_args, 4096);
 BPF_HASH(connect_pending, u64, struct sockaddr_args, 4096);
 BPF_HASH(ssl_pending, u64, struct ssl_args, 16384);
-// SSL* → fd, learnt from socket syscalls made inside libssl calls (socket
-// BIOs: nginx, CPython's ssl), or from the thread's last socket read
-// (memory BIOs: asyncio, uvicorn).
+// SSL* → fd, only ever from what names the fd itself: SSL_set_fd, a socket
+// syscall made inside a libssl call (socket BIOs: nginx, CPython's ssl), or,
+// for memory BIOs (asyncio, uvicorn), the bytes' own path: the buffer a
+// socket read filled is the one BIO_write then feeds to the SSL's read BIO.
 // Keyed by process too: forked workers (nginx) share an address layout, so
-// the same SSL* value names different objects in different processes.
-struct ssl_key {
-    u64 ssl;
+// the same pointer names different objects in different processes.
+struct ptr_key {
+    u64 ptr;
     u32 tgid;
     u32 pad;
 };
-BPF_TABLE("lru_hash", struct ssl_key, u32, ssl_fd, MAX_CONNS);
-BPF_TABLE("lru_hash", u64, u32, thread_last_fd, 16384);
+BPF_TABLE("lru_hash", struct ptr_key, u32, ssl_fd, MAX_CONNS);
+BPF_TABLE("lru_hash", struct ptr_key, u64, rbio_ssl, MAX_CONNS);  // read BIO → SSL*
+BPF_TABLE("lru_hash", struct ptr_key, u32, read_buf_fd, 16384);   // buffer last read into → fd
 
 static __always_inline void count_drop(void) {
     int zero = 0;
@@ -182,12 +186,14 @@ static __always_inline void count_drop(void) {
 
 static __always_inline struct event *new_event(u8 kind, u32 tgid, u32 fd,
                                                struct conn_info *ci, u64 ts) {
-    int zero = 0;
-    struct event *e = scratch.lookup(&zero);
+    u32 cpu = bpf_get_smp_processor_id();
+    struct event *e = scratch.lookup(&cpu);
     if (!e)
         return 0;
     e->ts_ns = ts;
     e->conn_ns = ci->accept_ns;
+    __builtin_memcpy(e->bytes, ci->bytes, sizeof(e->bytes));
+    __builtin_memcpy(e->events, ci->events, sizeof(e->events));
     e->tgid = tgid;
     e->fd = fd;
     e->kind = kind;
@@ -203,6 +209,16 @@ static __always_inline struct event *new_event(u8 kind, u32 tgid, u32 fd,
     __builtin_memcpy(e->peer_addr, ci->peer_addr, 16);
     e->comm[0] = 0;
     return e;
+}
+
+// Counts a data event against its connection, before it is submitted: a
+// record the ring buffer refuses still advances the sequence. (Two threads
+// moving bytes the same way on one socket at once could race here; HTTP/1
+// servers do not.)
+static __always_inline void sequence(struct conn_info *ci, u8 dir, u32 moved) {
+    dir &= 1;
+    ci->bytes[dir] += moved;
+    ci->events[dir] += 1;
 }
 
 static __always_inline void submit(struct event *e, u32 data_len) {
@@ -297,18 +313,49 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
 
 // ---------------------------------------------------------------- sockets
 
-TRACEPOINT_PROBE(sock, inet_sock_set_state) {
-    if (args->protocol != IPPROTO_TCP)
+// Reads a socket fd's addresses from the kernel's own struct sock, through
+// the task's fd table: the one source that needs no help from the caller
+// (accept4(fd, NULL, NULL) gives no peer; the new socket's state change may
+// be traced on another CPU after accept returns). The offsets come from the
+// running kernel's BTF (agent/kernel_btf.py); without BTF they are not
+// defined and the agent reads /proc instead.
+static __always_inline int socket_endpoints(u32 fd, struct conn_info *ci) {
+#ifdef OFF_SK_NUM
+    void *task = (void *)bpf_get_current_task();
+    void *files = 0, *fdt = 0, *fds = 0, *file = 0, *sock = 0, *sk = 0;
+    u32 max_fds = 0;
+    if (bpf_probe_read_kernel(&files, sizeof(files), task + OFF_TASK_FILES) || !files)
         return 0;
-    // A passive open completing: remember which local port this peer reached.
-    if (args->oldstate == TCP_SYN_RECV && args->newstate == TCP_ESTABLISHED) {
-        struct peer_key pk = {};
-        to_v6(pk.addr, args->family, args->daddr, args->daddr_v6);
-        pk.port = args->dport;
-        u16 lport = args->sport;
-        passive_peers.update(&pk, &lport);
-    }
+    if (bpf_probe_read_kernel(&fdt, sizeof(fdt), files + OFF_FILES_FDT) || !fdt)
+        return 0;
+    if (bpf_probe_read_kernel(&max_fds, sizeof(max_fds), fdt + OFF_FDT_MAX_FDS) || fd >= max_fds)
+        return 0;
+    if (bpf_probe_read_kernel(&fds, sizeof(fds), fdt + OFF_FDT_FD) || !fds)
+        return 0;
+    if (bpf_probe_read_kernel(&file, sizeof(file), fds + (u64)fd * sizeof(void *)) || !file)
+        return 0;
+    if (bpf_probe_read_kernel(&sock, sizeof(sock), file + OFF_FILE_PRIVATE) || !sock)
+        return 0;
+    if (bpf_probe_read_kernel(&sk, sizeof(sk), sock + OFF_SOCKET_SK) || !sk)
+        return 0;
+    u16 family = 0, dport = 0, num = 0;
+    bpf_probe_read_kernel(&family, sizeof(family), sk + OFF_SK_FAMILY);
+    bpf_probe_read_kernel(&dport, sizeof(dport), sk + OFF_SK_DPORT);
+    bpf_probe_read_kernel(&num, sizeof(num), sk + OFF_SK_NUM);
+    u8 v4[4] = {}, v6[16] = {};
+    if (family == AF_INET)
+        bpf_probe_read_kernel(v4, sizeof(v4), sk + OFF_SK_DADDR);
+    else if (family == AF_INET6)
+        bpf_probe_read_kernel(v6, sizeof(v6), sk + OFF_SK_V6_DADDR);
+    else
+        return 0;
+    to_v6(ci->peer_addr, family, v4, v6);
+    ci->peer_port = ntohs(dport);
+    ci->local_port = num; // an accepted socket's local port is its listener's
+    return num != 0;
+#else
     return 0;
+#endif
 }
 
 static __always_inline int accept_enter(int fd, struct sockaddr *addr) {
@@ -337,37 +384,21 @@ static __always_inline int accept_exit(long ret) {
     struct conn_info ci = {};
     ci.accept_ns = bpf_ktime_get_ns();
     ci.role = ROLE_SERVER;
-    if (a) {
-        if (read_sockaddr(saved.addr, ci.peer_addr, &ci.peer_port)) {
-            struct peer_key pk = {};
-            __builtin_memcpy(pk.addr, ci.peer_addr, 16);
-            pk.port = ci.peer_port;
-            u16 *lport = passive_peers.lookup(&pk);
-            if (lport) {
-                ci.local_port = *lport;
-                passive_peers.delete(&pk);
-            }
-        }
-        // accept() can return before the new socket's state change is
-        // traced (another CPU finishes the handshake): the listener names
-        // the port then.
-        if (!ci.local_port) {
-            struct conn_key lk = {.tgid = tgid, .fd = saved.listen_fd};
-            u16 *lport = listeners.lookup(&lk);
-            if (lport)
-                ci.local_port = *lport;
-        }
+    if (!socket_endpoints((u32)ret, &ci) && a) {
+        // No socket offsets: the caller's sockaddr names the peer, if it
+        // asked for one, and the listener the port.
+        read_sockaddr(saved.addr, ci.peer_addr, &ci.peer_port);
+        struct conn_key lk = {.tgid = tgid, .fd = saved.listen_fd};
+        u16 *lport = listeners.lookup(&lk);
+        if (lport)
+            ci.local_port = *lport;
     }
-    // Without the entry (a thread already blocked in accept() when the
-    // probes attached) neither peer nor port is known here: keep the
-    // connection if this process listens on a target port and let the agent
-    // read both from /proc.
     int wanted = target_tgids.lookup(&tgid) != 0;
     if (!wanted && ci.local_port)
         wanted = target_ports.lookup(&ci.local_port) != 0;
-    // No peer address given to accept(): the port is unknown here. Keep the
-    // connection if this process already serves a target port; the agent
-    // resolves the port from /proc and drops it if it is not a target.
+    // The port is unknown here: keep the connection if this process already
+    // serves a target port; the agent resolves the port from /proc and drops
+    // it if it is not a target.
     if (!wanted && !ci.local_port)
         wanted = listener_tgids.lookup(&tgid) != 0 || active_tgids.lookup(&tgid) != 0;
     if (!wanted)
@@ -491,23 +522,19 @@ static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *i
     struct conn_info *ci = conns.lookup(&k);
     if (!ci)
         return 0;
-    u64 tid = (u32)id;
-    if (dir == DIR_READ)
-        thread_last_fd.update(&tid, &fd);
-    // Inside a libssl call this is ciphertext: learn SSL* → fd, emit nothing.
+    // Inside a libssl call this is ciphertext: learn SSL* → fd.
     struct ssl_args *sa = ssl_pending.lookup(&id);
     if (sa) {
-        struct ssl_key sk = {.ssl = (u64)sa->ssl, .tgid = id >> 32};
+        struct ptr_key sk = {.ptr = (u64)sa->ssl, .tgid = id >> 32};
         ssl_fd.update(&sk, &fd);
-        sa->bound_in_call = 1;
         if (!ci->tls)
             ci->tls = 1;
-        return 0;
     }
-    if (ci->tls)
-        return 0; // ciphertext; the plaintext comes from the SSL uprobes
+    // Ciphertext's bytes are not reported (the plaintext comes from the SSL
+    // uprobes), but its EOF and errors are the connection's: libssl's return
+    // values cannot tell them from "try again", whatever BIO it reads through.
     struct io_args a = {.enter_ns = bpf_ktime_get_ns(), .buf = buf, .iov = iov,
-                        .iovcnt = iovcnt, .fd = fd, .dir = dir};
+                        .iovcnt = iovcnt, .fd = fd, .dir = dir, .ciphertext = ci->tls};
     io_pending.update(&id, &a);
     return 0;
 }
@@ -524,6 +551,12 @@ static __always_inline int io_exit(long ret) {
         return 0;
     if (ret == -11 || ret == -4)
         return 0;
+    if (saved.dir == DIR_READ && saved.buf && ret > 0) {
+        struct ptr_key bk = {.ptr = (u64)saved.buf, .tgid = id >> 32};
+        read_buf_fd.update(&bk, &saved.fd);
+    }
+    if (saved.ciphertext && ret > 0)
+        return 0;
     struct conn_key k = {.tgid = id >> 32, .fd = saved.fd};
     struct conn_info *ci = conns.lookup(&k);
     if (!ci)
@@ -536,6 +569,8 @@ static __always_inline int io_exit(long ret) {
         return 0;
     e->dir = saved.dir;
     e->ret = ret;
+    e->tls |= saved.ciphertext;
+    sequence(ci, saved.dir, ret > 0 ? ret : 0);
     u32 len = 0;
     if (ret > 0) {
         e->total_len = ret;
@@ -613,19 +648,8 @@ static __always_inline int ssl_enter(struct pt_regs *ctx, u8 fn) {
 // Finds the connection an SSL* belongs to; 0 if none is tracked.
 static __always_inline struct conn_info *ssl_conn(struct ssl_args *a, u64 id,
                                                   struct conn_key *k) {
-    struct ssl_key sk = {.ssl = (u64)a->ssl, .tgid = id >> 32};
+    struct ptr_key sk = {.ptr = (u64)a->ssl, .tgid = id >> 32};
     u32 *fdp = ssl_fd.lookup(&sk);
-    u64 tid = (u32)id;
-    // Memory BIOs: no socket call inside libssl; the ciphertext was read
-    // just before on this thread. A handshake always rebinds (SSL* reuse).
-    if (!a->bound_in_call && (!fdp || a->fn == SSL_FN_HANDSHAKE)) {
-        u32 *last = thread_last_fd.lookup(&tid);
-        if (!last)
-            return 0;
-        u32 fd = *last;
-        ssl_fd.update(&sk, &fd);
-        fdp = ssl_fd.lookup(&sk);
-    }
     if (!fdp)
         return 0;
     k->tgid = id >> 32;
@@ -664,7 +688,10 @@ static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
             return 0;
         n = moved;
     } else {
-        if (ret <= 0)
+        // SSL_read's 0 is the peer closing the session (close_notify or EOF);
+        // its negative values mix errors with "try again", so the socket's
+        // own EOF and errors speak for those (io_exit).
+        if (ret < 0 || (ret == 0 && fn != SSL_FN_READ))
             return 0;
         n = ret;
     }
@@ -676,8 +703,53 @@ static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
     e->tls = 1;
     e->ret = n;
     e->total_len = n;
+    sequence(ci, dir, n);
     u32 len = capture_flat(e, a.buf, n);
     submit(e, len);
+    return 0;
+}
+
+// SSL_set_fd(ssl, fd): a socket BIO on fd (a reused SSL* is rebound here).
+int uprobe_ssl_set_fd(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    struct ptr_key sk = {.ptr = PT_REGS_PARM1(ctx), .tgid = tgid};
+    u32 fd = PT_REGS_PARM2(ctx);
+    ssl_fd.update(&sk, &fd);
+    return 0;
+}
+
+// SSL_set_bio(ssl, rbio, wbio): remember whose read BIO rbio is.
+int uprobe_ssl_set_bio(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    struct ptr_key bk = {.ptr = PT_REGS_PARM2(ctx), .tgid = tgid};
+    u64 ssl = PT_REGS_PARM1(ctx);
+    rbio_ssl.update(&bk, &ssl);
+    return 0;
+}
+
+// BIO_write(bio, buf, n) into an SSL's read BIO, from a buffer a socket read
+// just filled: that socket is the SSL's.
+int uprobe_bio_write(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    struct ptr_key bk = {.ptr = PT_REGS_PARM1(ctx), .tgid = tgid};
+    u64 *ssl = rbio_ssl.lookup(&bk);
+    if (!ssl)
+        return 0;
+    struct ptr_key rk = {.ptr = PT_REGS_PARM2(ctx), .tgid = tgid};
+    u32 *fd = read_buf_fd.lookup(&rk);
+    if (!fd)
+        return 0;
+    struct ptr_key sk = {.ptr = *ssl, .tgid = tgid};
+    ssl_fd.update(&sk, fd);
     return 0;
 }
 
@@ -706,14 +778,33 @@ TRACEPOINT_PROBE(sched, sched_process_fork) {
     return 0;
 }
 
+// A process that dies closes its sockets without close(): tell the agent, so
+// that its connections end (and stop counting as in flight), and forget it.
+TRACEPOINT_PROBE(sched, sched_process_exit) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if ((u32)id != tgid) // a thread, not the process
+        return 0;
+    target_tgids.delete(&tgid);
+    listener_tgids.delete(&tgid);
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    active_tgids.delete(&tgid);
+    struct conn_info none = {};
+    struct event *e = new_event(EV_EXIT, tgid, 0, &none, bpf_ktime_get_ns());
+    if (e)
+        submit(e, 0);
+    return 0;
+}
+
 // A newly executed program whose path is a target executable becomes a target.
 TRACEPOINT_PROBE(sched, sched_process_exec) {
     int slot = CFG_EXE_PATHS;
     u32 *npaths = config.lookup(&slot);
     if (!npaths || !*npaths)
         return 0;
-    int zero = 0;
-    struct event *e = scratch.lookup(&zero);
+    u32 cpu = bpf_get_smp_processor_id();
+    struct event *e = scratch.lookup(&cpu);
     if (!e)
         return 0;
     // Borrow the scratch event's data area for the path.

@@ -212,11 +212,11 @@ class StatusLine:
         self.tty = stream.isatty()
         self._last_plain = 0.0
 
-    def show(self, text: str) -> None:
+    def show(self, text: str, *, final: bool = False) -> None:
         if self.tty:
             self.stream.write("\r\x1b[2K" + text)
             self.stream.flush()
-        elif time.monotonic() - self._last_plain >= 10:
+        elif final or time.monotonic() - self._last_plain >= 10:
             self._last_plain = time.monotonic()
             print(text, file=self.stream, flush=True)
 
@@ -235,6 +235,16 @@ class Agent:
         self._stop = True
 
     def run(self) -> AgentSummary:
+        # Handlers first: a stop asked for while the store opens or the BPF
+        # program compiles ends the run as cleanly as one asked for later.
+        previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _run(self) -> AgentSummary:
         cfg = self.config
         clock = MonotonicWallClock()
         node = node_name()
@@ -301,7 +311,6 @@ class Agent:
                  t.exes or "-", ", ".join(probes.attached_ssl) or "none")
         if cfg.on_ready:
             cfg.on_ready()
-        previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         status = StatusLine() if cfg.status else None
         started = time.monotonic()
         deadline = started + cfg.duration_s if cfg.duration_s else None
@@ -322,10 +331,11 @@ class Agent:
                 if now - last_tick >= 1.0:
                     rate = (tracker.stats.events - last_events) / (now - last_tick)
                     last_tick, last_events = now, tracker.stats.events
-                    exporters.agent_stats(tracker, probes.drops(), lag.seconds(), rate, sink)
+                    drops = probes.drops()
+                    exporters.agent_stats(tracker, drops, lag.seconds(), rate, sink)
                     offer_inflight(exporters.live, tracker)
                     if status:
-                        status.show(self._status_text(tracker, probes, sink, rate, now - started))
+                        status.show(self._status_text(tracker, drops, sink, rate, now - started))
             # Drain what the kernel already produced before closing connections.
             for _ in range(50):
                 before = tracker.stats.events
@@ -334,12 +344,12 @@ class Agent:
                     break
             tracker.close_all(time.monotonic_ns())
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            # Read before close(): the program's maps go with it.
             drops = probes.drops()
             probes.close()
             if status:
-                status.show(self._status_text(tracker, probes, sink, 0.0, time.monotonic() - started))
+                status.show(self._status_text(tracker, drops, sink, 0.0, time.monotonic() - started),
+                            final=True)
                 status.end()
         return AgentSummary(
             requests=tracker.stats.requests, events=tracker.stats.events, drops=drops,
@@ -347,12 +357,12 @@ class Agent:
             seconds=time.monotonic() - started)
 
     @staticmethod
-    def _status_text(tracker: ConnectionTracker, probes: Probes, sink: RequestSink,
+    def _status_text(tracker: ConnectionTracker, drops: int, sink: RequestSink,
                      rate: float, elapsed: float) -> str:
         stats = tracker.stats
         inflight = sum(stats.inflight.values())
         text = (f"tokenprobe agent {elapsed:6.0f}s | requests {stats.requests} | {rate:7.0f} ev/s | "
-                f"drops {probes.drops()} | conns {len(tracker.connections)} | in flight {inflight} | "
+                f"drops {drops} | conns {len(tracker.connections)} | in flight {inflight} | "
                 f"stored {sink.rows_written}")
         if sink.rows_spooled:
             text += f" (spooled {sink.rows_spooled})"

@@ -64,8 +64,12 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
     live.add_argument("--alertmanager", action="append", default=[], metavar="URL",
                       help="post the live analysis' lit indicators to this Alertmanager (API v2), labelled as "
                            "the Prometheus rules label them (repeatable: every member of an HA cluster)")
-    p.add_argument("--ringbuf-mb", type=int, default=16,
-                   help="kernel ring buffer size in MiB, a power of two (default %(default)s)")
+    ring = p.add_mutually_exclusive_group()
+    ring.add_argument("--ringbuf-mb", type=int, default=16,
+                      help="kernel ring buffer size in MiB, a power of two (default %(default)s)")
+    ring.add_argument("--ringbuf-kb", type=int, metavar="KB",
+                      help="kernel ring buffer size in KiB, a power of two of at least 4: a small one makes "
+                           "the kernel drop events, to see how rows report it")
     gpu = p.add_argument_group("GPU and engine state, joined to every request")
     gpu.add_argument("--nvml-hz", type=float, default=10.0,
                      help="NVML samples per second; 0 leaves NVML out (default %(default)s)")
@@ -119,9 +123,10 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tokenprobe agent: {exc}", file=sys.stderr)
         return 2
-    pages = args.ringbuf_mb * 256
-    if pages & (pages - 1):
-        print("tokenprobe agent: --ringbuf-mb must be a power of two", file=sys.stderr)
+    pages = args.ringbuf_kb // 4 if args.ringbuf_kb else args.ringbuf_mb * 256
+    if pages < 1 or pages & (pages - 1) or (args.ringbuf_kb and args.ringbuf_kb % 4):
+        print("tokenprobe agent: the ring buffer size must be a power of two (--ringbuf-kb: at least 4)",
+              file=sys.stderr)
         return 2
     os.nice(max(0, args.nice))
     if not 0 <= args.metrics_port < 65536:

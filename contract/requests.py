@@ -62,6 +62,9 @@ REQUEST_SCHEMA: tuple[Column, ...] = (
     Column("choice_events", "UInt32", INTEGER_CODEC, default="0"),
     Column("engine_prompt_ms", "Nullable(Float32)", OPAQUE_CODEC),
     Column("engine_decode_ms", "Nullable(Float32)", OPAQUE_CODEC),
+    # Added with capture fidelity: how the row was seen (exact, gaps, dropped) and the bytes not seen.
+    Column("capture", "LowCardinality(String)", OPAQUE_CODEC),
+    Column("bytes_unseen", "UInt64", INTEGER_CODEC),
 )
 
 REQUESTS = Table(

@@ -119,7 +119,9 @@ SELECT
     toUInt16(1) AS choices,
     token_events AS choice_events,
     NULL AS engine_prompt_ms,
-    NULL AS engine_decode_ms
+    NULL AS engine_decode_ms,
+    'exact' AS capture,
+    toUInt64(0) AS bytes_unseen
 FROM (
     SELECT
         number,

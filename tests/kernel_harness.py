@@ -101,11 +101,16 @@ class AgentProcess:
 
 
 @contextmanager
-def agent(tmp: Path, *extra: str, ports: list[int]) -> Iterator[AgentProcess]:
-    """`tokenprobe agent` on the given ports, into a fresh embedded store."""
+def agent(tmp: Path, *extra: str, ports: list[int], quiet: bool = True,
+          ready: str = "tracing ports") -> Iterator[AgentProcess]:
+    """`tokenprobe agent` on the given ports, into a fresh embedded store,
+    yielded once its log shows `ready`; quiet=False keeps its status line on,
+    as an operator runs it."""
     store_url = f"chdb://{tmp / 'store'}"
     log_path = tmp / "agent.log"
-    cmd = [sys.executable, "-m", "tokenprobe", "agent", "--store", store_url, "--quiet", *extra]
+    cmd = [sys.executable, "-m", "tokenprobe", "agent", "--store", store_url, *extra]
+    if quiet:
+        cmd.append("--quiet")
     for port in ports:
         cmd += ["--port", str(port)]
     # HOME: a spool for server stores (~/.cache) stays inside the test.
@@ -115,7 +120,7 @@ def agent(tmp: Path, *extra: str, ports: list[int]) -> Iterator[AgentProcess]:
     handle = AgentProcess(proc, log_path, store_url)
     try:
         deadline = time.monotonic() + 180  # first compile of the BPF program takes a while
-        while "tracing ports" not in handle.log():
+        while ready not in handle.log():
             if proc.poll() is not None:
                 raise RuntimeError(f"agent exited with {proc.returncode}:\n{handle.log()}")
             if time.monotonic() > deadline:
@@ -184,6 +189,7 @@ def read_rows(store_url: str) -> list[dict]:
     try:
         df = store.query_df("""
             SELECT response_id, path, status, outcome, error, tls, req_seq, conn_id, token_events, role, server_port,
+                   client_addr, client_port, sse_events, capture, bytes_unseen,
                    completion_tokens, prompt_tokens, model, inflight_at_arrival, bytes_in, bytes_out,
                    toUnixTimestamp64Nano(req_start) AS req_start_ns,
                    toUnixTimestamp64Nano(req_end) AS req_end_ns,

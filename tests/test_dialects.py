@@ -19,10 +19,12 @@ from tokenprobe.agent.capture import dialects
 from tokenprobe.agent.capture.assembler import Exchange, HttpConnectionAssembler
 from tokenprobe.agent.capture.clock import MonotonicWallClock
 from tokenprobe.agent.capture.dialects.base import MAX_ENGINE_MS
-from tokenprobe.agent.capture.probes import DIR_READ, DIR_WRITE, EV_DATA, KernelEvent
+from tokenprobe.agent.capture.probes import DIR_READ, DIR_WRITE, EV_DATA
 from tokenprobe.agent.capture.tracker import ConnectionTracker
 from tokenprobe.contract.requests import REQUEST_COLUMN_TYPES
 from tokenprobe.store.rows import RowSchema
+
+from tests.test_tracker import ev
 
 DATA = Path(__file__).parent / "data"
 KEY = b"dialect-test-key"
@@ -434,8 +436,7 @@ def tracked_rows(streams) -> tuple[ConnectionTracker, list[dict]]:
         segments += [(EVENT_T0 + i, DIR_WRITE, chunk(event)) for i, event in enumerate(events)]
         segments.append((EVENT_T0 + len(events), DIR_WRITE, b"0\r\n\r\n"))
         for ts, direction, data in segments:
-            tracker.handle(KernelEvent(EV_DATA, ts, 500, 42, fd, direction, False, 0, len(data), len(data),
-                                       data, b"", 8000, 50000, "127.0.0.1", "server"))
+            tracker.handle(ev(EV_DATA, ts, fd=fd, direction=direction, data=data))
     return tracker, rows
 
 

@@ -101,10 +101,11 @@ def test_connection_opened_before_the_agent(tmp_path: Path):
 
 
 def test_sigint_mid_stream_writes_the_open_request(tmp_path: Path):
-    """Stopping the agent while a stream is open loses nothing: the request
-    is stored, marked truncated, with the tokens seen so far."""
+    """Stopping the agent (status line on, as an operator runs it) while a
+    stream is open loses nothing: the request is stored, marked truncated,
+    with the tokens seen so far, and the summary is printed."""
     with reference_server(tmp_path, decode_ms=50.0) as (port, _truth), \
-            agent(tmp_path, ports=[port]) as handle:
+            agent(tmp_path, ports=[port], quiet=False) as handle:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         body = json.dumps({"prompt": "x", "max_tokens": 200, "stream": True})
         conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
@@ -117,6 +118,19 @@ def test_sigint_mid_stream_writes_the_open_request(tmp_path: Path):
     rows = read_rows(handle.store_url)
     assert len(rows) == 1
     assert rows[0]["outcome"] == "truncated" and rows[0]["token_events"] >= 3
+    log = handle.log()
+    assert re.search(r"tokenprobe agent +\d+s \| requests 1 \|", log), log
+    assert "done: 1 requests" in log and "1 rows stored" in log, log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_stop_while_the_program_loads(tmp_path: Path, sig: int):
+    """A stop that arrives while the BPF program compiles ends the run
+    cleanly too: summary printed, exit 0."""
+    with agent(tmp_path, ports=[free_port()], quiet=False, ready="compiling and loading") as handle:
+        handle.proc.send_signal(sig)
+        assert handle.proc.wait(timeout=120) == 0, handle.log()
+    assert "done: 0 requests" in handle.log(), handle.log()
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls-memory-bio"])

@@ -19,7 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenprobe.agent.sampling.dcgm import readings_from_exposition
-from tokenprobe.agent.sampling.engine_metrics import ENGINES, histogram_totals, reading_from_exposition
+from tokenprobe.agent.sampling.engine_metrics import (
+    ENGINES,
+    histogram_totals,
+    reading_from_exposition,
+)
 from tokenprobe.agent.sampling.prom_text import (
     MAX_PAGE_BYTES,
     MAX_PROBLEMS,

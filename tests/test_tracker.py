@@ -21,6 +21,7 @@ from tokenprobe.agent.capture.probes import (
     EV_ACCEPT,
     EV_CLOSE,
     EV_DATA,
+    EV_EXIT,
     EV_TLS_DONE,
     HEADER_SIZE,
     EventDecodeError,
@@ -31,22 +32,25 @@ from tokenprobe.agent.capture.tracker import ConnectionTracker
 from tokenprobe.contract.requests import REQUEST_COLUMNS
 from tokenprobe.contract.tenant import DEFAULT_TENANT_HEADER
 
-HEADER = struct.Struct("<QQIIBBBBiIHHHH16s16s")
+HEADER = struct.Struct("<QQQQIIIIBBBBiIIIHH16s16s")
 V4_MAPPED_LOOPBACK = bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1])
 
 
 def record(kind=EV_DATA, ts=1000, conn_ns=500, tgid=42, fd=7, direction=DIR_READ, tls=0, role=0, ret=None,
-           head=b"", tail=b"", total=None, lport=8000, pport=50000, comm=b"server") -> bytes:
+           head=b"", tail=b"", total=None, lport=8000, pport=50000, comm=b"server",
+           bytes_before=(0, 0), events_before=(0, 0)) -> bytes:
     total = len(head) + len(tail) if total is None else total
     ret = total if ret is None else ret
-    return HEADER.pack(ts, conn_ns, tgid, fd, kind, direction, tls, role, ret, total, len(head), len(tail),
-                       lport, pport, V4_MAPPED_LOOPBACK, comm) + head + tail
+    return HEADER.pack(ts, conn_ns, *bytes_before, tgid, fd, *events_before, kind, direction, tls, role, ret,
+                       total, len(head), len(tail), lport, pport, V4_MAPPED_LOOPBACK, comm) + head + tail
 
 
 def test_decode_round_trip():
     ev = decode_event(record(head=b"GET / HTTP/1.1\r\n", tail=b"", total=16))
     assert (ev.kind, ev.tgid, ev.fd, ev.local_port, ev.peer_addr) == (EV_DATA, 42, 7, 8000, "127.0.0.1")
     assert ev.head == b"GET / HTTP/1.1\r\n" and ev.total_len == 16 and ev.comm == "server"
+    counted = decode_event(record(bytes_before=(10, 2**40), events_before=(3, 7)))
+    assert (counted.bytes_before, counted.events_before) == ((10, 2**40), (3, 7))
     big = decode_event(record(head=b"a" * 8192, tail=b"z" * 1024, total=100_000))
     assert len(big.head) == 8192 and big.tail == b"z" * 1024 and big.total_len == 100_000
 
@@ -87,9 +91,13 @@ def make_tracker(**kwargs):
     return tracker, rows
 
 
-def ev(kind, ts, *, fd=7, conn_ns=500, direction=DIR_READ, data=b"", ret=None, tls=False, lport=8000) -> KernelEvent:
-    return KernelEvent(kind, ts, conn_ns, 42, fd, direction, tls, 0, len(data) if ret is None else ret,
-                       len(data), data, b"", lport, 50000, "127.0.0.1", "server")
+def ev(kind, ts, *, fd=7, conn_ns=500, direction=DIR_READ, data=b"", ret=None, tls=False, lport=8000,
+       bytes_before=(0, 0), events_before=(0, 0), total=None, tail=b"") -> KernelEvent:
+    """A kernel event; the counters default to "not numbered", which the tracker
+    reads as nothing lost."""
+    total = len(data) + len(tail) if total is None else total
+    return KernelEvent(kind, ts, conn_ns, bytes_before, events_before, 42, fd, direction, tls, 0,
+                       total if ret is None else ret, total, data, tail, lport, 50000, "127.0.0.1", "server")
 
 
 REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -185,10 +193,12 @@ def test_fd_reuse_without_a_seen_close_ends_the_old_connection():
 
 @pytest.mark.parametrize("error, outcome", [(-errno.ECONNRESET, "reset"), (-errno.EPIPE, "client_closed"),
                                             (0, "client_closed")])
-def test_outcome_follows_how_the_connection_ended(error, outcome):
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_outcome_follows_how_the_connection_ended(error, outcome, tls):
     tracker, rows = make_tracker()
-    tracker.handle(ev(EV_DATA, 1000, data=REQUEST))
-    tracker.handle(ev(EV_DATA, 2000, direction=DIR_WRITE if error == -errno.EPIPE else DIR_READ, ret=error))
+    tracker.handle(ev(EV_DATA, 1000, data=REQUEST, tls=tls))
+    tracker.handle(ev(EV_DATA, 2000, direction=DIR_WRITE if error == -errno.EPIPE else DIR_READ, ret=error,
+                      tls=tls))
     tracker.handle(ev(EV_CLOSE, 3000))
     assert [r["outcome"] for r in rows.rows] == [outcome]
 
@@ -206,6 +216,89 @@ def test_agent_stop_writes_open_requests_as_truncated():
     tracker.handle(ev(EV_DATA, 1000, data=REQUEST))
     tracker.close_all(5000)
     assert [r["outcome"] for r in rows.rows] == ["truncated"] and not tracker.connections
+
+
+class Numbered:
+    """Events of one connection numbered as the kernel numbers them; `lose`
+    skips one, as a full ring buffer does."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+        self.bytes, self.events = [0, 0], [0, 0]
+        self.ts = 1_000_000
+
+    def send(self, direction, data=b"", *, total=None, tail=b"", lose=False, kind=EV_DATA):
+        self.ts += 1_000_000
+        total = len(data) + len(tail) if total is None else total
+        event = ev(kind, self.ts, direction=direction, data=data, tail=tail, total=total,
+                   bytes_before=tuple(self.bytes), events_before=tuple(self.events))
+        if kind == EV_DATA:
+            self.bytes[direction] += total
+            self.events[direction] += 1
+        if not lose:
+            self.tracker.handle(event)
+
+
+def stream_tokens(conn: Numbered, n: int, lose: int | None = None) -> None:
+    conn.send(DIR_READ, REQUEST)
+    conn.send(DIR_WRITE, HEAD)
+    for i in range(n):
+        conn.send(DIR_WRITE, sse_chunk(b'{"id":"cmpl-1","choices":[{"text":"w%d"}]}' % i), lose=i == lose)
+    conn.send(DIR_WRITE, sse_chunk(b"[DONE]") + b"0\r\n\r\n")
+
+
+def test_sequence_gap_marks_the_open_exchange_dropped_and_keeps_the_next_exact():
+    tracker, rows = make_tracker()
+    tracker.handle(ev(EV_ACCEPT, 500))
+    conn = Numbered(tracker)
+    stream_tokens(conn, 5, lose=2)
+    stream_tokens(conn, 5)
+    conn.send(DIR_READ, kind=EV_CLOSE)
+    lost = len(sse_chunk(b'{"id":"cmpl-1","choices":[{"text":"w2"}]}'))
+    assert [(r["capture"], r["bytes_unseen"]) for r in rows.rows] == [("dropped", lost), ("exact", 0)]
+    assert rows.rows[1]["token_events"] == 5 and rows.rows[1]["outcome"] == "complete"
+    assert (tracker.stats.lost_events, tracker.stats.bytes_unseen) == (1, lost)
+
+
+def test_lost_last_events_are_found_at_close():
+    tracker, rows = make_tracker()
+    tracker.handle(ev(EV_ACCEPT, 500))
+    conn = Numbered(tracker)
+    conn.send(DIR_READ, REQUEST)
+    conn.send(DIR_WRITE, HEAD, lose=True)
+    conn.send(DIR_READ, kind=EV_CLOSE)
+    assert [(r["capture"], r["bytes_unseen"]) for r in rows.rows] == [("dropped", len(HEAD))]
+
+
+def test_capture_gaps_in_a_response_make_the_row_gaps_but_a_sized_request_body_does_not():
+    tracker, rows = make_tracker()
+    tracker.handle(ev(EV_ACCEPT, 500))
+    conn = Numbered(tracker)
+    body = b'{"model": "m", "stream": true, "prompt": "' + b"p" * 20_000 + b'"}'
+    head = b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body)
+    request = head + body
+    conn.send(DIR_READ, request[:8192], tail=request[-1024:], total=len(request))
+    conn.send(DIR_WRITE, HEAD)
+    conn.send(DIR_WRITE, sse_chunk(b'{"id":"c","choices":[{"text":"a"}]}') + sse_chunk(b"[DONE]") + b"0\r\n\r\n")
+    event = sse_chunk(b'{"id":"c","choices":[{"text":"' + b"x" * 20_000 + b'"}]}')
+    conn.send(DIR_READ, REQUEST)
+    response = HEAD + event + sse_chunk(b"[DONE]") + b"0\r\n\r\n"
+    conn.send(DIR_WRITE, response[:8192], tail=response[-1024:], total=len(response))
+    assert [(r["capture"], r["bytes_unseen"], r["outcome"]) for r in rows.rows] == [
+        ("exact", len(request) - 9216, "complete"), ("gaps", len(response) - 9216, "complete")]
+
+
+def test_process_exit_ends_its_connections_and_their_inflight_count():
+    forgotten = []
+    tracker, rows = make_tracker(forget_connection=lambda tgid, fd: forgotten.append((tgid, fd)))
+    for fd in (7, 8):
+        tracker.handle(ev(EV_ACCEPT, 500, fd=fd))
+        tracker.handle(ev(EV_DATA, 1000, fd=fd, data=REQUEST))
+    assert tracker.stats.inflight == {8000: 2}
+    tracker.handle(ev(EV_EXIT, 2000, fd=0))
+    assert [r["outcome"] for r in rows.rows] == ["truncated", "truncated"]
+    assert tracker.stats.inflight == {8000: 0} and not tracker.connections
+    assert sorted(forgotten) == [(42, 7), (42, 8)]
 
 
 def test_clock_offset_maps_monotonic_to_wall():

@@ -19,35 +19,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .kernel_btf import BtfError, socket_offset_flags
 from .kernel_headers import HeaderChoice, choose_headers
 from .procfs import target_port_sockets
 
 log = logging.getLogger("tokenprobe.probes")
 
-HEAD_CAP = 8192
-TAIL_CAP = 1024
+HEAD_CAP = 65536  # a call up to this size is captured whole (see bpf/tokenprobe.c)
+TAIL_CAP = 4096
 MAX_EXE_PATHS = 8  # up to MAX_EXES executables, each as given and resolved
 MAX_EXES = 4
 EXE_PATH_LEN = 256
 
 # Must match struct event in bpf/tokenprobe.c, up to data[].
-_HEADER = struct.Struct("<QQIIBBBBiIHHHH16s16s")
+_HEADER = struct.Struct("<QQQQIIIIBBBBiIIIHH16s16s")
 HEADER_SIZE = _HEADER.size
 
-EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC = 1, 2, 3, 4, 5, 6
+EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC, EV_EXIT = 1, 2, 3, 4, 5, 6, 7
 DIR_READ, DIR_WRITE = 0, 1
 ROLE_SERVER, ROLE_CLIENT = 0, 1
 CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
 
-# (symbol, entry handler, return handler). Both OpenSSL call families:
-# CPython calls the _ex forms, nginx and most C servers the classic ones.
+# (symbol, entry handler, return handler or None). Both OpenSSL call
+# families: CPython calls the _ex forms, nginx and most C servers the classic
+# ones. SSL_set_fd and SSL_set_bio bind an SSL object to its socket.
 SSL_PROBES = (
     ("SSL_read", "uprobe_ssl_read", "uretprobe_ssl_read"),
     ("SSL_read_ex", "uprobe_ssl_read_ex", "uretprobe_ssl_read_ex"),
     ("SSL_write", "uprobe_ssl_write", "uretprobe_ssl_write"),
     ("SSL_write_ex", "uprobe_ssl_write_ex", "uretprobe_ssl_write_ex"),
     ("SSL_do_handshake", "uprobe_ssl_handshake", "uretprobe_ssl_handshake"),
+    ("SSL_set_fd", "uprobe_ssl_set_fd", None),
+    ("SSL_set_bio", "uprobe_ssl_set_bio", None),
 )
+# In libcrypto, next to its libssl: memory BIOs are fed with BIO_write.
+CRYPTO_PROBES = (("BIO_write", "uprobe_bio_write", None),)
 
 
 class ProbeError(RuntimeError):
@@ -59,6 +65,10 @@ class KernelEvent:
     kind: int
     ts_ns: int
     conn_ns: int
+    # The connection's counters before this event, per direction (DIR_READ,
+    # DIR_WRITE): bytes moved and data events emitted by the kernel.
+    bytes_before: tuple[int, int]
+    events_before: tuple[int, int]
     tgid: int
     fd: int
     dir: int
@@ -95,16 +105,16 @@ def decode_event(buf: bytes) -> KernelEvent:
     """One ring-buffer record → KernelEvent; EventDecodeError if malformed."""
     if len(buf) < HEADER_SIZE:
         raise EventDecodeError(f"record of {len(buf)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    (ts, conn_ns, tgid, fd, kind, direction, tls, role, ret, total, head_len, tail_len,
-     lport, pport, addr, comm) = _HEADER.unpack_from(buf)
-    if not EV_ACCEPT <= kind <= EV_EXEC:
+    (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, direction, tls, role, ret,
+     total, head_len, tail_len, lport, pport, addr, comm) = _HEADER.unpack_from(buf)
+    if not EV_ACCEPT <= kind <= EV_EXIT:
         raise EventDecodeError(f"unknown event kind {kind}")
     end = HEADER_SIZE + head_len + tail_len
     if end > len(buf) or head_len + tail_len > total or head_len > HEAD_CAP or tail_len > TAIL_CAP:
         raise EventDecodeError(
             f"inconsistent lengths: head {head_len} + tail {tail_len} of {total} in a {len(buf)}-byte record")
     return KernelEvent(
-        kind, ts, conn_ns, tgid, fd, direction, bool(tls), role, ret, total,
+        kind, ts, conn_ns, (bytes_rd, bytes_wr), (events_rd, events_wr), tgid, fd, direction, bool(tls), role, ret, total,
         buf[HEADER_SIZE:HEADER_SIZE + head_len], buf[HEADER_SIZE + head_len:end],
         lport, pport, _peer_text(addr), comm.split(b"\0", 1)[0].decode("utf-8", "replace"))
 
@@ -180,13 +190,14 @@ def libssl_paths(pids: Iterable[int] | None = None) -> list[str]:
     return list(found.values())
 
 
-def _bpf_class():
+def _bcc():
     try:
-        from bcc import BPF  # Debian's python3-bpfcc, linked into the venv
+        import bcc  # Debian's python3-bpfcc, linked into the venv
+        import bcc.utils
     except ImportError as exc:
         raise ProbeError("BCC's Python module is missing: install Debian's python3-bpfcc "
                          "(scripts/install.sh links it into the venv)") from exc
-    return BPF
+    return bcc
 
 
 class Probes:
@@ -199,6 +210,7 @@ class Probes:
         self.headers = headers or choose_headers()
         self.attached_ssl: list[str] = []
         self.decode_errors = 0
+        self._full_maps: set[str] = set()
         ensure_tracefs()
         if self.headers.kernel_source is not None:
             os.environ["BCC_KERNEL_SOURCE"] = str(self.headers.kernel_source)
@@ -206,11 +218,17 @@ class Probes:
         source = importlib.resources.files("tokenprobe.bpf").joinpath("tokenprobe.c").read_text()
         if ringbuf_pages & (ringbuf_pages - 1):
             raise ValueError("ring buffer pages must be a power of two")
+        bcc = _bcc()
+        cpus = max(bcc.utils.get_possible_cpus()) + 1  # the scratch records are indexed by CPU id
         cflags = [f"-DHEAD_CAP={HEAD_CAP}", f"-DTAIL_CAP={TAIL_CAP}", f"-DRINGBUF_PAGES={ringbuf_pages}",
-                  "-w"]
-        BPF = _bpf_class()
+                  f"-DNR_CPUS_POSSIBLE={cpus}", "-w"]
         try:
-            self.bpf = BPF(text=source, cflags=cflags)
+            cflags += socket_offset_flags()
+        except BtfError as exc:
+            log.warning("%s: accepted sockets' addresses are read from /proc instead of the kernel", exc)
+        log.info("compiling and loading the BPF program")
+        try:
+            self.bpf = bcc.BPF(text=source, cflags=cflags)
         except Exception as exc:  # BCC raises bare Exceptions on compile/load failure
             raise ProbeError(f"the BPF program did not load: {exc}. {self.headers.note}") from exc
         self._configure()
@@ -255,10 +273,17 @@ class Probes:
         (started before us, forked workers, exec'd through another path)."""
         listening, _ = target_port_sockets(set(self.targets.ports))
         listeners, listener_tgids = self.bpf["listeners"], self.bpf["listener_tgids"]
+        # Pruned to what listens now: bind() adds entries in the kernel that
+        # outlive their sockets and processes.
+        now = {(sock.pid, sock.fd): sock for sock in listening}
+        for key in list(listeners.keys()):
+            if (key.tgid, key.fd) not in now:
+                self._delete(listeners, key)
         for sock in listening:
             key = listeners.Key()
             key.tgid, key.fd = sock.pid, sock.fd
-            listeners[key] = ctypes.c_uint16(sock.local_port)
+            if not self._put("listeners", key, ctypes.c_uint16(sock.local_port)):
+                break
             listener_tgids[ctypes.c_uint32(sock.pid)] = ctypes.c_uint8(1)
         if not self.targets.exes:
             return []
@@ -304,15 +329,24 @@ class Probes:
             if real in self.attached_ssl:
                 continue
             try:
-                for sym, entry, ret in SSL_PROBES:
-                    self.bpf.attach_uprobe(name=path, sym=sym, fn_name=entry)
-                    self.bpf.attach_uretprobe(name=path, sym=sym, fn_name=ret)
+                self._attach(path, SSL_PROBES)
             except Exception as exc:  # a libssl without one of the symbols
                 log.warning("libssl %s not probed: %s", path, exc)
                 continue
+            crypto = os.path.join(os.path.dirname(path), os.path.basename(path).replace("libssl", "libcrypto"))
+            try:
+                self._attach(crypto, CRYPTO_PROBES)
+            except Exception as exc:
+                log.warning("%s not probed (%s): TLS through memory BIOs (asyncio) is not followed", crypto, exc)
             self.attached_ssl.append(real)
             new.append(path)
         return new
+
+    def _attach(self, path: str, probes: tuple) -> None:
+        for sym, entry, ret in probes:
+            self.bpf.attach_uprobe(name=path, sym=sym, fn_name=entry)
+            if ret:
+                self.bpf.attach_uretprobe(name=path, sym=sym, fn_name=ret)
 
     # -- events --------------------------------------------------------
     def open(self, on_event: Callable[[KernelEvent], None]) -> None:
@@ -344,9 +378,25 @@ class Probes:
         table = self.bpf["conns"]
         key = table.Key()
         key.tgid, key.fd = tgid, fd
+        self._delete(table, key)
+
+    def _put(self, name: str, key, leaf) -> bool:
+        """Writes a map entry; False (logged once per map) when the map is full."""
+        try:
+            self.bpf[name][key] = leaf
+            return True
+        except Exception as exc:  # BCC raises a bare Exception with the errno's text
+            if name not in self._full_maps:
+                self._full_maps.add(name)
+                log.warning("BPF map %s refused an entry (%s): some sockets are resolved from /proc only",
+                            name, exc)
+            return False
+
+    @staticmethod
+    def _delete(table, key) -> None:
         try:
             del table[key]
-        except KeyError:
+        except KeyError:  # already gone (closed, or evicted from an LRU map)
             pass
 
     def close(self) -> None:

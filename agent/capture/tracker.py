@@ -5,6 +5,15 @@ the bytes in the right direction (a server reads requests and writes
 responses; an outbound client the reverse), counts requests in flight per
 server port, and turns each finished exchange into a `tokenprobe.requests`
 row (docs/ROW_SCHEMA.md) with wall-clock timestamps.
+
+Every row says how completely it was seen (`capture`). The kernel numbers
+each connection's data events and bytes per direction, whether or not the
+ring buffer took them, so a jump in those numbers names exactly the events
+and bytes that were dropped: the exchanges open at that moment are
+`dropped`, and the assembler is told the size of the hole so that its
+framing stays in step. Bytes a delivered event did not carry (beyond its
+head and tail) are counted too: a response with any, or a request whose
+framing they broke, is `gaps`. Everything else is `exact`.
 """
 
 from __future__ import annotations
@@ -21,11 +30,13 @@ from .assembler import Exchange, HttpConnectionAssembler
 from .clock import MonotonicWallClock
 from .probes import (
     DIR_READ,
+    DIR_WRITE,
     EV_ACCEPT,
     EV_CLOSE,
     EV_CONNECT,
     EV_DATA,
     EV_EXEC,
+    EV_EXIT,
     EV_TLS_DONE,
     ROLE_CLIENT,
     KernelEvent,
@@ -54,6 +65,15 @@ def connection_id(tgid: int, fd: int, opened_ns: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+@dataclass(slots=True)
+class Fidelity:
+    """What the capture missed of one exchange while it was open."""
+
+    dropped: bool = False       # kernel events lost (sequence gap)
+    request_unseen: int = 0     # bytes towards the server not captured
+    response_unseen: int = 0    # bytes towards the client not captured
+
+
 @dataclass
 class Connection:
     tgid: int
@@ -65,14 +85,18 @@ class Connection:
     peer_addr: str
     peer_port: int
     comm: str
-    assembler: HttpConnectionAssembler
     conn_id: int
+    assembler: HttpConnectionAssembler | None = None
     tls: bool = False
     tls_done_ns: int | None = None
     ciphertext_only: bool = False   # raw TLS bytes seen and no plaintext probe yet
     peer_eof: bool = False
     reset: bool = False
     client_gone: bool = False
+    # Next expected kernel counters per direction (DIR_READ, DIR_WRITE).
+    next_event: list[int] = field(default_factory=lambda: [0, 0])
+    next_byte: list[int] = field(default_factory=lambda: [0, 0])
+    open: dict[int, Fidelity] = field(default_factory=dict)  # exchange seq → what it missed
 
 
 @dataclass
@@ -83,6 +107,8 @@ class TrackerStats:
     parse_errors: int = 0
     dropped_connections: int = 0   # tracked by the kernel but not a target after all
     unknown_api_streams: int = 0   # event streams in no known API shape (rows with api 'unknown')
+    lost_events: int = 0           # data events the kernel numbered and the agent never received
+    bytes_unseen: int = 0          # bytes moved on tracked connections and not captured
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -106,6 +132,7 @@ class ConnectionTracker:
         self._handlers = {
             EV_ACCEPT: self._on_open, EV_CONNECT: self._on_open, EV_DATA: self._on_data,
             EV_CLOSE: self._on_close, EV_TLS_DONE: self._on_tls_done, EV_EXEC: self._on_exec,
+            EV_EXIT: self._on_exit,
         }
 
     # -- event dispatch --------------------------------------------------
@@ -114,16 +141,14 @@ class ConnectionTracker:
         self._handlers[ev.kind](ev)
 
     def _new_connection(self, ev: KernelEvent, accept_seen: bool) -> Connection:
-        server_port = ev.peer_port if ev.role == ROLE_CLIENT else ev.local_port
-        assembler = HttpConnectionAssembler(
-            fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
-            on_request_start=lambda exchange: self._request_started(server_port, exchange))
         opened_ns = ev.conn_ns if accept_seen else ev.ts_ns
         conn = Connection(
             tgid=ev.tgid, fd=ev.fd, opened_ns=opened_ns, accept_seen=accept_seen, role=ev.role,
             local_port=ev.local_port, peer_addr=ev.peer_addr, peer_port=ev.peer_port,
-            comm=ev.comm or comm_of(ev.tgid), assembler=assembler,
-            conn_id=connection_id(ev.tgid, ev.fd, opened_ns))
+            comm=ev.comm or comm_of(ev.tgid), conn_id=connection_id(ev.tgid, ev.fd, opened_ns))
+        conn.assembler = HttpConnectionAssembler(
+            fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
+            on_request_start=lambda exchange: self._request_started(conn, exchange))
         self.connections[(ev.tgid, ev.fd)] = conn
         self.stats.connections += 1
         return conn
@@ -156,8 +181,48 @@ class ConnectionTracker:
             conn = self._new_connection(ev, accept_seen=bool(ev.conn_ns))
         return conn
 
+    def _is_request(self, conn: Connection, direction: int) -> bool:
+        return (direction == DIR_READ) != (conn.role == ROLE_CLIENT)
+
+    def _check_sequence(self, conn: Connection, ev: KernelEvent) -> None:
+        """Accounts for data events the kernel numbered before `ev` that never
+        arrived: the open exchanges lost them, and the assembler skips their
+        bytes as a gap."""
+        for direction in (DIR_READ, DIR_WRITE):
+            lost = ev.events_before[direction] - conn.next_event[direction]
+            if lost <= 0:  # nothing missing (or a counter the agent already passed)
+                continue
+            nbytes = max(0, ev.bytes_before[direction] - conn.next_byte[direction])
+            conn.next_event[direction] = ev.events_before[direction]
+            conn.next_byte[direction] = ev.bytes_before[direction]
+            self.stats.lost_events += lost
+            self.stats.bytes_unseen += nbytes
+            is_request = self._is_request(conn, direction)
+            for fidelity in conn.open.values():
+                fidelity.dropped = True
+            self._note_unseen(conn, is_request, nbytes)
+            if nbytes:
+                feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
+                self._finish(conn, feed(ev.ts_ns, b"", nbytes))
+
+    @staticmethod
+    def _note_unseen(conn: Connection, is_request: bool, nbytes: int) -> None:
+        """Books unseen bytes to the exchange they belong to: a request's to the
+        newest open exchange (the one being read), a response's to the oldest
+        (the one being answered)."""
+        if not nbytes or not conn.open:
+            return
+        if is_request:
+            conn.open[next(reversed(conn.open))].request_unseen += nbytes
+        else:
+            conn.open[next(iter(conn.open))].response_unseen += nbytes
+
     def _on_data(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
+        self._check_sequence(conn, ev)
+        direction = ev.dir & 1
+        conn.next_event[direction] = max(conn.next_event[direction], ev.events_before[direction] + 1)
+        conn.next_byte[direction] = max(conn.next_byte[direction], ev.bytes_before[direction] + max(ev.ret, 0))
         if ev.tls:
             conn.tls = True
             conn.ciphertext_only = False
@@ -174,14 +239,21 @@ class ConnectionTracker:
         if ev.ret == 0:
             conn.peer_eof = True
             return
-        is_request = (ev.dir == DIR_READ) != (conn.role == ROLE_CLIENT)
+        is_request = self._is_request(conn, direction)
         feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
-        self._finish(conn, feed(ev.ts_ns, ev.head, ev.total_len, ev.tail))
+        exchanges = feed(ev.ts_ns, ev.head, ev.total_len, ev.tail)
+        # Booked after feeding: the segment may itself open the exchange it belongs to.
+        unseen = max(0, ev.total_len - len(ev.head) - len(ev.tail))
+        if unseen:
+            self.stats.bytes_unseen += unseen
+            self._note_unseen(conn, is_request, unseen)
+        self._finish(conn, exchanges)
 
     def _on_close(self, ev: KernelEvent) -> None:
         conn = self.connections.pop((ev.tgid, ev.fd), None)
         if conn is None:
             return
+        self._check_sequence(conn, ev)  # the last data events may be the ones lost
         if conn.reset:
             reason = "reset"
         elif conn.peer_eof or conn.client_gone:
@@ -192,11 +264,20 @@ class ConnectionTracker:
 
     def _on_tls_done(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
+        self._check_sequence(conn, ev)
         conn.tls = True
         conn.tls_done_ns = ev.ts_ns
 
     def _on_exec(self, ev: KernelEvent) -> None:
         log.info("new target process %d (%s)", ev.tgid, ev.comm)
+
+    def _on_exit(self, ev: KernelEvent) -> None:
+        """The process died: the kernel closed its sockets without close()."""
+        for key in [key for key in self.connections if key[0] == ev.tgid]:
+            conn = self.connections.pop(key)
+            if self.forget_connection:
+                self.forget_connection(conn.tgid, conn.fd)
+            self._finish(conn, conn.assembler.close(ev.ts_ns, "server_closed"))
 
     def close_all(self, ts_ns: int) -> None:
         """Agent stop: every exchange still open is written, marked truncated."""
@@ -205,13 +286,19 @@ class ConnectionTracker:
         self.connections.clear()
 
     # -- requests --------------------------------------------------------
-    def _request_started(self, server_port: int, exchange: Exchange) -> None:
+    @staticmethod
+    def _server_port(conn: Connection) -> int:
+        return conn.peer_port if conn.role == ROLE_CLIENT else conn.local_port
+
+    def _request_started(self, conn: Connection, exchange: Exchange) -> None:
         inflight = self.stats.inflight
+        server_port = self._server_port(conn)
         exchange.inflight_at_arrival = inflight.get(server_port, 0)
         inflight[server_port] = exchange.inflight_at_arrival + 1
+        conn.open[exchange.seq] = Fidelity()
 
     def _finish(self, conn: Connection, exchanges: list[Exchange]) -> None:
-        server_port = conn.peer_port if conn.role == ROLE_CLIENT else conn.local_port
+        server_port = self._server_port(conn)
         for exchange in exchanges:
             inflight = self.stats.inflight
             inflight[server_port] = max(0, inflight.get(server_port, 0) - 1)
@@ -220,9 +307,19 @@ class ConnectionTracker:
                 self.stats.parse_errors += 1
             if exchange.api == "unknown":
                 self.stats.unknown_api_streams += 1
-            self.emit_row(self._row(conn, exchange))
+            self.emit_row(self._row(conn, exchange, conn.open.pop(exchange.seq, Fidelity())))
 
-    def _row(self, conn: Connection, ex: Exchange) -> dict:
+    @staticmethod
+    def _capture(ex: Exchange, fidelity: Fidelity) -> str:
+        if fidelity.dropped:
+            return "dropped"
+        # Unseen request bytes matter only where they broke the framing; a
+        # skipped stretch of a sized body leaves every figure of the row intact.
+        if fidelity.response_unseen or (fidelity.request_unseen and ex.error and "capture gap" in ex.error):
+            return "gaps"
+        return "exact"
+
+    def _row(self, conn: Connection, ex: Exchange, fidelity: Fidelity) -> dict:
         wall = self.clock.to_wall_ns
 
         def ts(mono: int | None) -> int | None:
@@ -273,4 +370,6 @@ class ConnectionTracker:
             "choice_events": ex.choice_events,
             "engine_prompt_ms": ex.engine_prompt_ms,
             "engine_decode_ms": ex.engine_decode_ms,
+            "capture": self._capture(ex, fidelity),
+            "bytes_unseen": fidelity.request_unseen + fidelity.response_unseen,
         }

@@ -58,7 +58,9 @@ CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
     `choices` UInt16 DEFAULT 0 CODEC(T64, ZSTD(1)),
     `choice_events` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1)),
     `engine_prompt_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `engine_decode_ms` Nullable(Float32) CODEC(ZSTD(1))
+    `engine_decode_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `capture` LowCardinality(String) CODEC(ZSTD(1)),
+    `bytes_unseen` UInt64 CODEC(T64, ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(req_start)

@@ -1,0 +1,316 @@
+"""Capture fidelity in the kernel: what real servers do to accepts and
+writes, checked per row against what the client saw and the server sent."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from tokenprobe.refserver.tls import make_self_signed_cert
+
+from tests.kernel_harness import (
+    agent,
+    free_port,
+    read_rows,
+    require_kernel,
+    wait_for_port,
+)
+from tests.support import wait_until
+
+pytestmark = pytest.mark.kernel
+
+SHAPES_SERVER = Path(__file__).parent / "servers" / "shapes_sse.py"
+
+
+@pytest.fixture(autouse=True)
+def _kernel():
+    require_kernel()
+
+
+@contextmanager
+def shapes_server(*args: str, host: str = "127.0.0.1") -> Iterator[int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SHAPES_SERVER), str(port), "--host", host, *args])
+    try:
+        wait_for_port(port, host=host)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def stream(conn: http.client.HTTPConnection, tokens: int, delay_ms: float = 0) -> str:
+    """One streamed request; returns the response id the server used."""
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    conn.request("POST", "/v1/completions",
+                 body=json.dumps({"id": rid, "max_tokens": tokens, "delay_ms": delay_ms}),
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    body = response.read()
+    assert response.status == 200 and body.endswith(b"data: [DONE]\n\n"), body[-200:]
+    return rid
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
+def test_peer_read_from_the_socket_when_accept_gives_no_address(tmp_path: Path, host: str):
+    """accept4(fd, NULL, NULL, 0) (libuv, cpp-httplib): every row still names
+    the client's own address and port, and the listening port."""
+    with shapes_server("--null-accept", host=host) as port, agent(tmp_path, ports=[port]) as handle:
+        clients: dict[str, tuple[str, int]] = {}
+        for _ in range(4):
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+            conn.connect()
+            me = conn.sock.getsockname()[:2]
+            for _ in range(2):
+                clients[stream(conn, 3)] = me
+            conn.close()
+        assert handle.stop() == 0, handle.log()
+    rows = read_rows(handle.store_url)
+    assert sorted(r["response_id"] for r in rows) == sorted(clients)
+    for row in rows:
+        assert (row["client_addr"], row["client_port"]) == clients[row["response_id"]], row
+        assert row["server_port"] == port and row["outcome"] == "complete", row
+
+
+def test_rows_that_lost_kernel_events_say_dropped(tmp_path: Path):
+    """A ring buffer far too small for a burst makes the kernel drop events:
+    every row that lost some says `dropped`, and every row that says `exact`
+    matches what the server sent. Paced streams before and after the burst
+    lose nothing and stay exact."""
+    with shapes_server() as port, agent(tmp_path, "--ringbuf-kb", "16", ports=[port]) as handle:
+        sent: dict[str, int] = {}  # response id → token events sent
+
+        def paced() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            for _ in range(3):
+                sent[stream(conn, 10, delay_ms=3)] = 10
+            conn.close()
+
+        def burst() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            for _ in range(3):
+                sent[stream(conn, 150)] = 150
+            conn.close()
+
+        paced()
+        threads = [threading.Thread(target=burst) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        paced()
+        assert handle.stop() == 0, handle.log()
+    drops = int(re.search(r"; (\d+) events dropped by the kernel", handle.log()).group(1))
+    assert drops > 0, handle.log()
+    rows = read_rows(handle.store_url)
+    by_capture = {c: [r for r in rows if r["capture"] == c] for c in ("exact", "gaps", "dropped")}
+    assert len(rows) == sum(map(len, by_capture.values())), {r["capture"] for r in rows}
+    assert by_capture["dropped"], f"{drops} events dropped and no row says so"
+    assert sum(r["bytes_unseen"] for r in by_capture["dropped"]) > 0
+    assert by_capture["exact"], "the paced streams lost nothing"
+    for row in by_capture["exact"]:
+        expected = sent.get(row["response_id"])
+        assert (row["token_events"], row["completion_tokens"], row["outcome"], row["bytes_unseen"]) == (
+            expected, expected, "complete", 0), row
+
+
+@pytest.mark.parametrize("shape, pad, tokens", [
+    ("writev", 200, 40),     # 16 events (48 iovecs, ~5 KiB) per writev()
+    ("flat", 2000, 10),      # one send() of ~22 KiB
+    ("flat", 2000, 18),      # one send() of ~38 KiB
+], ids=["writev-48-iovecs", "flat-22KiB", "flat-38KiB"])
+def test_write_shapes_keep_every_token_event(tmp_path: Path, shape: str, pad: int, tokens: int):
+    """Coalesced writes (hyper and libuv's writev of many iovecs, a buffered
+    server's one large send) are captured whole: every row's token events and
+    usage match what the server sent, and the row says `exact`."""
+    with shapes_server("--shape", shape, "--pad", str(pad)) as port, agent(tmp_path, ports=[port]) as handle:
+        sent = []
+        for _ in range(3):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            sent += [stream(conn, tokens) for _ in range(3)]
+            conn.close()
+        assert handle.stop() == 0, handle.log()
+    rows = read_rows(handle.store_url)
+    assert sorted(r["response_id"] for r in rows) == sorted(sent)
+    for row in rows:
+        assert (row["token_events"], row["completion_tokens"], row["sse_events"], row["outcome"]) == (
+            tokens, tokens, tokens + 2, "complete"), row
+        assert (row["capture"], row["bytes_unseen"]) == ("exact", 0), row
+
+
+def read_until(sock, marker: bytes) -> bytes:
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(4096)
+        assert chunk, data
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("tls, server", [
+    (False, "refserver"), (True, "refserver"), (False, "asyncio"), (True, "asyncio"),
+], ids=["plain-threads", "tls-socket-bio", "plain-asyncio", "tls-memory-bio"])
+def test_client_gone_mid_stream_is_an_outcome_over_tls_too(tmp_path: Path, tls: bool, server: str):
+    """A client that disconnects mid-stream shows as client_closed or reset,
+    over TLS as over plain sockets: the socket's EOF and errors are seen under
+    libssl (socket BIOs: the threaded reference server) and beside it (memory
+    BIOs: asyncio), never left to read as the server cutting the stream."""
+    cert, key = make_self_signed_cert(tmp_path)
+    port = free_port()
+    if server == "refserver":
+        cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(port), "--decode-ms", "20",
+               "--log-level", "WARNING"] + (["--tls-self-signed"] if tls else [])
+    else:
+        cmd = [sys.executable, str(Path(__file__).parent / "servers" / "asyncio_sse.py"), str(port)]
+        cmd += [str(cert), str(key)] if tls else []
+    proc = subprocess.Popen(cmd, cwd=tmp_path)
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, ports=[port]) as handle:
+            for _ in range(3):
+                raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+                sock = ssl_client_context().wrap_socket(raw) if tls else raw
+                body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 200, "stream": True}).encode()
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                read_until(sock, b"data: ")
+                sock.close()
+            time.sleep(1.0)  # the server notices when it next reads or writes
+            assert handle.stop() == 0, handle.log()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    rows = read_rows(handle.store_url)
+    assert len(rows) == 3 and all(r["tls"] == tls for r in rows), rows
+    assert all(r["outcome"] in ("client_closed", "reset") for r in rows), [r["outcome"] for r in rows]
+
+
+def ssl_client_context():
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def agent_gauge(metrics_port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return float(re.search(rf"^tokenprobe_agent_{name} (\S+)$", text, re.M).group(1))
+
+
+def test_a_server_that_dies_ends_its_connections(tmp_path: Path):
+    """A killed server closes its sockets without close(): its streams end as
+    truncated rows while the agent runs, and stop counting as in flight."""
+    metrics_port = free_port()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SHAPES_SERVER), str(port)])
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, "--metrics-port", str(metrics_port), ports=[port]) as handle:
+            conns = []
+            for _ in range(2):
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                conn.request("POST", "/v1/completions", body=json.dumps(
+                    {"id": f"cmpl-{uuid.uuid4().hex}", "max_tokens": 1000, "delay_ms": 20}))
+                conn.getresponse().read1(100)
+                conns.append(conn)
+            wait_until(lambda: agent_gauge(metrics_port, "inflight_requests") == 2, timeout=10)
+            proc.kill()
+            proc.wait(timeout=20)
+            wait_until(lambda: agent_gauge(metrics_port, "open_connections") == 0
+                       and agent_gauge(metrics_port, "inflight_requests") == 0, timeout=10)
+            assert handle.stop() == 0, handle.log()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=20)
+    rows = read_rows(handle.store_url)
+    assert [r["outcome"] for r in rows] == ["truncated", "truncated"], rows
+    assert all(r["token_events"] > 0 for r in rows)
+
+
+def test_listeners_map_follows_what_listens_now():
+    """The kernel's listener map is pruned to the sockets that listen now:
+    entries of dead processes (and stale ones) go at the next rescan."""
+    from tokenprobe.agent.capture.probes import Probes, Targets
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SHAPES_SERVER), str(port)])
+    probes = None
+    try:
+        wait_for_port(port)
+        probes = Probes(Targets(ports=[port]))
+        listeners = probes.bpf["listeners"]
+
+        def owners() -> set[int]:
+            return {key.tgid for key in listeners.keys()}
+
+        assert proc.pid in owners()
+        stale = listeners.Key()
+        stale.tgid, stale.fd = proc.pid, 999
+        listeners[stale] = listeners.Leaf(port)
+        probes.rescan_processes()
+        assert 999 not in {key.fd for key in listeners.keys()}
+        proc.kill()
+        proc.wait(timeout=20)
+        probes.rescan_processes()
+        assert proc.pid not in owners()
+    finally:
+        if probes is not None:
+            probes.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+def test_memory_bio_tls_is_bound_to_its_own_socket(tmp_path: Path):
+    """A server that reads every ready socket before it runs any SSL object
+    (memory BIOs): each SSL object is still tied to its own connection, by the
+    bytes' path from socket to BIO, so every stream is whole on its own row."""
+    cert, key = make_self_signed_cert(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "servers" / "memory_bio_interleaved.py"),
+                             str(port), str(cert), str(key)])
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, ports=[port]) as handle:
+            sent: dict[str, tuple[str, int]] = {}
+            start = threading.Barrier(3)
+
+            def client() -> None:
+                conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=30, context=ssl_client_context())
+                start.wait()
+                conn.connect()
+                me = conn.sock.getsockname()[:2]
+                for _ in range(3):
+                    sent[stream(conn, 5)] = me
+                conn.close()
+
+            threads = [threading.Thread(target=client) for _ in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert handle.stop() == 0, handle.log()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    rows = read_rows(handle.store_url)
+    assert sorted(r["response_id"] for r in rows) == sorted(sent), rows
+    for row in rows:
+        assert (row["client_addr"], row["client_port"]) == sent[row["response_id"]], row
+        assert (row["tls"], row["token_events"], row["outcome"], row["capture"]) == (True, 5, "complete", "exact"), row
