@@ -12,5 +12,6 @@ test: install
 
 bench: install
 	.venv/bin/python -m benchmarks.bench_agent_overhead
+	.venv/bin/python -m benchmarks.bench_hot_path
 	.venv/bin/python -m benchmarks.bench_actuator
 	.venv/bin/python -m benchmarks.bench_control_loop

@@ -24,9 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from tokenprobe.refserver.harness import agent, free_port, reference_server
 from tokenprobe.refserver.loadgen import LoadConfig, burst
-
-from tests.kernel_harness import agent, free_port, reference_server
 
 SSE_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
 CHUNK = b"%x\r\n%s\r\n" % (len(SSE_EVENT), SSE_EVENT)

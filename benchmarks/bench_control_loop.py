@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 
 from tokenprobe.cli.stack import closed_loop
-
-from tests.actuator_loop_support import (
+from tokenprobe.refserver.harness import agent, free_port, reference_server
+from tokenprobe.refserver.overload import (
     DECODE_MS,
     OVERLOAD_POLICY,
     SLOTS,
@@ -31,7 +31,6 @@ from tests.actuator_loop_support import (
     load_together,
     percentile,
 )
-from tests.kernel_harness import agent, free_port, reference_server
 
 
 def phase_figures(results: dict, seconds: float) -> dict:

@@ -33,9 +33,13 @@ from tokenprobe.refserver.groundtruth import (
     run_levels,
     sweep_concurrency,
 )
+from tokenprobe.refserver.harness import (
+    agent,
+    kernel_unavailable,
+    read_truth,
+    reference_server,
+)
 from tokenprobe.store.embedded import open_store
-
-from tests.kernel_harness import agent, kernel_unavailable, read_truth, reference_server
 
 TARGET = 0.10
 PROMPT_TOKENS = (16, 512)

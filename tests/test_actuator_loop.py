@@ -17,9 +17,7 @@ import pytest
 from tokenprobe.actuator.server import ActuatorServer
 from tokenprobe.cli.stack import closed_loop
 from tokenprobe.contract.decisions import BreakerState
-from tokenprobe.store.embedded import open_store
-
-from tests.actuator_loop_support import (
+from tokenprobe.refserver.overload import (
     DECODE_MS,
     OVERLOAD_POLICY,
     SLOTS,
@@ -27,6 +25,8 @@ from tests.actuator_loop_support import (
     load_together,
     percentile,
 )
+from tokenprobe.store.embedded import open_store
+
 from tests.kernel_harness import agent, reference_server, require_kernel
 from tests.support import free_port
 

@@ -73,3 +73,12 @@ def test_product_imports_are_relative_so_the_tree_alone_resolves_them():
                              if name == "tokenprobe" or name.startswith("tokenprobe.")]
     assert absolute == []
 
+
+
+def test_benchmarks_never_import_the_tests():
+    """Benchmarks print figures for anyone to run; what they share with the tests lives in refserver/."""
+    for source in (ROOT / "benchmarks").glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                     [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            assert not any(name == "tests" or name.startswith("tests.") for name in names), source.name

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from tokenprobe.actuator.breaker import BreakerPolicy
-from tokenprobe.actuator.controller import ControllerPolicy
-from tokenprobe.refserver.loadgen import LoadConfig, LoadResult, run_load
+from ..actuator.breaker import BreakerPolicy
+from ..actuator.controller import ControllerPolicy
+from .loadgen import LoadConfig, LoadResult, run_load
 
 SLOTS = 2
 DECODE_MS = 20.0
