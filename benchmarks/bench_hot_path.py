@@ -102,6 +102,19 @@ class AgentProcess:
             time.sleep(0.2)
         wait_for_port(self.metrics_port)
 
+    def settled_figures(self) -> tuple[float, float, float, int]:
+        """The figures once the agent has handled what the kernel holds (they stop moving; the agent
+        publishes them every second, so two publications apart)."""
+        time.sleep(2.5)
+        previous = self.figures()
+        for _ in range(20):
+            time.sleep(2.5)
+            current = self.figures()
+            if current[:2] == previous[:2]:
+                return current
+            previous = current
+        return previous
+
     def figures(self) -> tuple[float, float, float, int]:
         """(events handled, kernel drops, CPU seconds, RSS bytes) so far."""
         page = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
@@ -126,16 +139,33 @@ class LoadFigures:
     ttft_ms: list[float]
 
 
+class Firehose:
+    """benchmarks/firehose.c on CPU 0, listening before the agent starts; its rate set on stdin."""
+
+    def __init__(self, binary: Path, port: int, tokens: int):
+        self.proc = subprocess.Popen(["taskset", "-c", LOAD_CPU, str(binary), str(port), str(tokens)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "listening":
+            raise RuntimeError("the firehose did not start")
+
+    def rate(self, events_per_s: float) -> None:
+        self.proc.stdin.write(f"{events_per_s}\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
 @contextmanager
-def firehose(binary: Path, port: int, rate: float, tokens: int, seconds: float) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(["taskset", "-c", LOAD_CPU, str(binary), str(port), str(rate), str(tokens),
-                             str(seconds + 30)], stdout=subprocess.PIPE, text=True)
+def streaming_server(binary: Path, port: int, tokens: int) -> Iterator[Firehose]:
+    hose = Firehose(binary, port, tokens)
     try:
-        assert proc.stdout.readline().strip() == "listening"
-        yield proc
+        yield hose
     finally:
-        proc.kill()
-        proc.wait()
+        if hose.proc.poll() is None:
+            hose.proc.kill()
+            hose.proc.wait()
 
 
 def drive(port: int, streams: int, seconds: float) -> LoadFigures:
@@ -175,28 +205,29 @@ def drive(port: int, streams: int, seconds: float) -> LoadFigures:
 
 def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], seconds: float) -> None:
     print(f"\n== {impl.name}: agent on CPU {AGENT_CPU}, server and clients on CPU {LOAD_CPU}, {seconds:.0f} s a rate")
-    print(f"{'streams':>8}{'offered ev/s':>14}{'written ev/s':>14}{'agent ev/s':>12}{'dropped':>9}"
+    print(f"{'streams':>8}{'offered ev/s':>14}{'served ev/s':>14}{'agent ev/s':>12}{'dropped':>9}"
           f"{'CPU ms/1k ev':>14}{'RSS MiB':>9}")
     for streams in (1, 64, 512):
         port = free_port()
-        agent = AgentProcess(impl, port, tmp)
-        kept_up = 0.0
-        try:
-            for rate in rates:
-                with firehose(binary, port, rate, tokens=4000 if streams == 1 else 200, seconds=seconds):
-                    before = agent.figures()
+        with streaming_server(binary, port, tokens=4000 if streams == 1 else 200) as hose:
+            agent = AgentProcess(impl, port, tmp)
+            kept_up = 0.0
+            try:
+                for rate in rates:
+                    before = agent.settled_figures()
+                    hose.rate(rate)
                     load = drive(port, streams, seconds)
-                    time.sleep(1.0)  # the agent drains what the ring buffer still holds
-                    after = agent.figures()
-                events, drops, cpu = (after[i] - before[i] for i in range(3))
-                share = drops / max(1.0, events + drops)
-                per_1k = 1000 * cpu / max(1.0, events) * 1000
-                print(f"{streams:8}{rate:14.0f}{load.events_per_s:14.0f}{events / seconds:12.0f}{share:9.1%}"
-                      f"{per_1k:14.2f}{after[3] / 2**20:9.0f}")
-                if drops == 0:
-                    kept_up = max(kept_up, events / seconds)
-        finally:
-            agent.stop()
+                    hose.rate(0)
+                    after = agent.settled_figures()
+                    events, drops, cpu = (after[i] - before[i] for i in range(3))
+                    share = drops / max(1.0, events + drops)
+                    per_1k = cpu * 1e6 / max(1.0, events)
+                    print(f"{streams:8}{rate:14.0f}{load.events_per_s:14.0f}{events / seconds:12.0f}{share:9.1%}"
+                          f"{per_1k:14.2f}{after[3] / 2**20:9.0f}")
+                    if drops == 0:
+                        kept_up = max(kept_up, events / seconds)
+            finally:
+                agent.stop()
         print(f"{'':8}highest rate with no drops: {kept_up:.0f} events/s")
 
 
@@ -205,13 +236,14 @@ def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: floa
     rows = []
     for impl in [None, *impls]:
         port = free_port()
-        agent = AgentProcess(impl, port, tmp) if impl else None
-        try:
-            with firehose(binary, port, rate, tokens=200, seconds=seconds):
+        with streaming_server(binary, port, tokens=200) as hose:
+            agent = AgentProcess(impl, port, tmp) if impl else None
+            try:
+                hose.rate(rate)
                 load = drive(port, 64, seconds)
-        finally:
-            if agent:
-                agent.stop()
+            finally:
+                if agent:
+                    agent.stop()
         ttfts = sorted(load.ttft_ms)
         rows.append((impl.name if impl else "no agent", load.events_per_s, statistics.median(ttfts),
                      ttfts[int(0.99 * (len(ttfts) - 1))]))

@@ -3,10 +3,11 @@
 // Serves keep-alive POSTs on 127.0.0.1:PORT. Each response is an SSE stream of
 // TOKENS OpenAI chat-completion chunks, chunked transfer encoding, one write()
 // per chunk (what uvicorn and most servers do at low load), paced so that all
-// connections together write RATE events per second. It stops after SECONDS
-// and prints one line: "written EVENTS RESPONSES".
+// connections together write RATE events per second. Each line read on stdin
+// sets a new RATE (0 pauses); at the end of stdin it prints one line,
+// "written EVENTS RESPONSES", and exits.
 //
-//   cc -O2 -o firehose firehose.c && ./firehose PORT RATE TOKENS SECONDS
+//   cc -O2 -o firehose firehose.c && ./firehose PORT TOKENS
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -50,12 +51,12 @@ static int send_chunk(int fd, const char *data, int len) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 5) {
-        fprintf(stderr, "usage: %s PORT RATE TOKENS SECONDS\n", argv[0]);
+    if (argc != 3) {
+        fprintf(stderr, "usage: %s PORT TOKENS (rates on stdin)\n", argv[0]);
         return 2;
     }
-    int port = atoi(argv[1]), tokens = atoi(argv[3]);
-    double rate = atof(argv[2]), seconds = atof(argv[4]);
+    int port = atoi(argv[1]), tokens = atoi(argv[2]);
+    double rate = 0;
     int listener = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons(port)};
@@ -68,18 +69,27 @@ int main(int argc, char **argv) {
     fflush(stdout);
 
     struct stream streams[MAX_CONNECTIONS];
-    struct pollfd fds[MAX_CONNECTIONS + 1];
+    struct pollfd fds[MAX_CONNECTIONS + 2];
     int count = 0;
     long written = 0, responses = 0;
     char request[65536], last[512];
-    double started = now_s(), next_at = started;
+    double next_at = now_s();
     int turn = 0;
-    while (now_s() - started < seconds) {
-        // Accept and read without blocking; write on schedule.
+    for (;;) {
+        // Accept, read requests and rates without blocking; write on schedule.
         fds[0] = (struct pollfd){.fd = listener, .events = POLLIN};
         for (int i = 0; i < count; i++) fds[i + 1] = (struct pollfd){.fd = streams[i].fd, .events = POLLIN};
+        fds[count + 1] = (struct pollfd){.fd = STDIN_FILENO, .events = POLLIN};
         double wait = next_at - now_s();
-        poll(fds, count + 1, wait > 0.001 ? 1 : 0);
+        poll(fds, count + 2, rate > 0 && wait <= 0.001 ? 0 : 1);
+        if (fds[count + 1].revents & (POLLIN | POLLHUP)) {
+            char line[64];
+            ssize_t n = read(STDIN_FILENO, line, sizeof line - 1);
+            if (n <= 0) break;
+            line[n] = 0;
+            rate = atof(line);
+            next_at = now_s();
+        }
         if ((fds[0].revents & POLLIN) && count < MAX_CONNECTIONS) {
             int fd = accept(listener, NULL, NULL);
             if (fd >= 0) {
@@ -98,7 +108,7 @@ int main(int argc, char **argv) {
             if (send(streams[i].fd, HEADERS, sizeof HEADERS - 1, MSG_NOSIGNAL) > 0) streams[i].remaining = tokens;
         }
         // Events due by now, round-robin over the streams that have a response in flight.
-        for (double t = now_s(); next_at <= t && count > 0; next_at += 1.0 / rate) {
+        for (double t = now_s(); rate > 0 && next_at <= t && count > 0; next_at += 1.0 / rate) {
             int busy = -1;
             for (int k = 0; k < count; k++) {
                 int i = (turn + k) % count;
