@@ -23,33 +23,19 @@ from tokenprobe.agent.capture import json_scan, sse
 from tokenprobe.agent.capture.assembler import HttpConnectionAssembler
 from tokenprobe.agent.capture.dialects import openai
 
+from benchmarks import bench_assembler
 from tests.support.twin_assembler import TwinAssembler, comparable
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = Path(__file__).parent / "data" / "fixtures"
 KEY = b"fast-path-test-key"
 CAPTURES = ("chat", "completions")
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def capture(name: str) -> tuple[bytes, bytes]:
-    body = (FIXTURES / f"vllm_sse_{name}.request.json").read_bytes()
-    path = "/v1/chat/completions" if name == "chat" else "/v1/completions"
-    request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:8300\r\ncontent-type: application/json\r\n"
-               f"content-length: {len(body)}\r\n\r\n").encode() + body
-    return request, (FIXTURES / f"vllm_sse_{name}.bin").read_bytes()
-
-
-def chunk_writes(response: bytes) -> list[bytes]:
-    """The response as the server wrote it: the header block, then one chunk a write."""
-    head_end = response.index(b"\r\n\r\n") + 4
-    writes, pos = [response[:head_end]], head_end
-    while pos < len(response):
-        size_end = response.index(b"\r\n", pos)
-        stop = size_end + 2 + int(response[pos:size_end], 16) + 2
-        writes.append(response[pos:stop])
-        pos = stop
-    return writes
+def capture(name: str) -> tuple[bytes, list[bytes]]:
+    """A real vLLM capture: its request, and its response as the server wrote it (one chunk a write)."""
+    request, writes, _ = bench_assembler.captured(name)
+    return request, writes
 
 
 def run(request: bytes, writes) -> list[dict]:
@@ -85,12 +71,11 @@ def test_the_assembler_and_dialect_corpus_on_both_paths():
 def test_captures_as_written_take_the_fast_path(name, monkeypatch):
     """One chunk a write: only the events that name id and model, carry a finish
     reason or usage are parsed; the rest are counted from their bytes."""
-    request, response = capture(name)
+    request, writes = capture(name)
     parsed = []
     monkeypatch.setattr(sse, "json_object", lambda data: parsed.append(data) or json_scan.json_object(data))
     fast = HttpConnectionAssembler(fingerprint_key=KEY)
     fast.feed_request_bytes(1, request, len(request))
-    writes = chunk_writes(response)
     (exchange,) = [e for ts, w in enumerate(writes, start=10) for e in fast.feed_response_bytes(ts, w, len(w))]
     assert exchange.outcome == "complete" and exchange.completion_tokens == len(exchange.token_event_ns) == 12
     assert len(parsed) == 3  # the first event (id and model), the one with a finish reason, usage
@@ -99,8 +84,7 @@ def test_captures_as_written_take_the_fast_path(name, monkeypatch):
 @pytest.mark.parametrize("name", CAPTURES)
 @pytest.mark.parametrize("per_write", [2, 3, 16])
 def test_captures_with_several_chunks_a_write(name, per_write):
-    request, response = capture(name)
-    writes = chunk_writes(response)
+    request, writes = capture(name)
     batched = [writes[0]] + [b"".join(writes[i:i + per_write]) for i in range(1, len(writes), per_write)]
     (exchange,) = run(request, batched)
     assert exchange["outcome"] == "complete"
@@ -109,8 +93,7 @@ def test_captures_with_several_chunks_a_write(name, per_write):
 @pytest.mark.parametrize("name", CAPTURES)
 def test_captures_cut_at_every_offset(name):
     """Each write cut in two at every offset: the fast path must hand each half back."""
-    request, response = capture(name)
-    writes = chunk_writes(response)
+    request, writes = capture(name)
     for index, write in enumerate(writes):
         for offset in range(1, len(write)):
             run(request, writes[:index] + [write[:offset], write[offset:]] + writes[index + 1:])
@@ -119,8 +102,7 @@ def test_captures_cut_at_every_offset(name):
 @pytest.mark.parametrize("name", CAPTURES)
 def test_captures_with_capture_gaps(name):
     """Writes seen only in part (head and tail, the middle a gap) at every head size."""
-    request, response = capture(name)
-    writes = chunk_writes(response)
+    request, writes = capture(name)
     for head in range(0, 240, 7):
         run(request, [writes[0]] + [(write[:head], len(write)) for write in writes[1:]])
 
@@ -129,7 +111,8 @@ def test_captures_with_capture_gaps(name):
 @SETTINGS
 @given(data=st.data())
 def test_captures_at_random_segmentations(name, data):
-    request, response = capture(name)
+    request, writes = capture(name)
+    response = b"".join(writes)
     cuts = data.draw(st.lists(st.integers(1, len(response) - 1), max_size=40))
     run(request, cut(response, cuts))
 
@@ -202,12 +185,21 @@ def test_random_chunks_and_writes(data):
     assert exchange["sse_events"] == len(events)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("per_write", [1, 16])
+def test_the_benchmark_streams(n, per_write):
+    """What benchmarks/bench_assembler.py measures is the same on both paths."""
+    request, writes, events = bench_assembler.synthetic(24, n, per_write)
+    (exchange,) = run(request, writes)
+    assert exchange["sse_events"] == events and exchange["completion_tokens"] == exchange["choice_events"] == 24 * n
+
+
 def test_the_twin_notices_a_fast_path_that_reads_differently(monkeypatch):
     """The proof above can fail: a scan that calls visible text hidden is caught."""
     monkeypatch.setattr(openai, "_scanned_output", lambda choice: openai._HIDDEN)
-    request, response = capture("chat")
+    request, writes = capture("chat")
     with pytest.raises(AssertionError, match="fast path returned other exchanges"):
-        run(request, chunk_writes(response))
+        run(request, writes)
 
 
 def test_a_feed_with_nothing_ready_returns_the_shared_empty_list():

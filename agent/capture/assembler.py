@@ -224,6 +224,9 @@ class HttpConnectionAssembler:
 
 def normalise_segment(ts_ns, head, total_len, tail) -> tuple[int, bytes, int, bytes] | None:
     """(ts, head, gap, tail) of a segment description, or None if it is malformed."""
+    if type(head) is bytes and type(total_len) is int and total_len == len(head) and type(ts_ns) is int \
+            and tail == b"":  # the common case, whole: nothing to check further or copy
+        return ts_ns, head, 0, b""
     if not isinstance(ts_ns, int) or not isinstance(total_len, int):
         return None
     if not (isinstance(head, (bytes, bytearray, memoryview))

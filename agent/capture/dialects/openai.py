@@ -69,32 +69,34 @@ _CHUNK_START = re.compile(rb'\{"id":' + _STRING + rb',"object":' + _STRING + rb'
 _CHUNK_END = re.compile(rb'\]' + _nulls(rb'choices|content', rb'null|' + _STRING) + rb'\}')
 
 
-def _scanned_choices(payload: bytes) -> list[re.Match] | None:
-    """The choices of a chunk of the common shape, or None if it has another shape."""
+def _scanned_output(choice: re.Match) -> tuple[int, int]:
+    """(_choice_output, JSON index) of a choice matched by _CHOICE: a JSON string is text iff it is not `""`."""
+    text = choice[4]
+    if text is not None:
+        output = _VISIBLE if len(text) > 2 else _NONE
+    elif len(choice[3]) == 2:
+        output = _NONE
+    else:
+        output = _VISIBLE if choice[2] == b"content" else _HIDDEN
+    return output, int(choice[1])
+
+
+def _scanned_choices(payload: bytes) -> list[tuple[int, int]] | None:
+    """(output, JSON index) of each choice of a chunk of the common shape; None if it has another shape."""
     choice = _CHUNK_START.match(payload)
     if choice is None:
         return None
     pos = choice.end()
     choices = []
     if choice[1] is not None:
-        choices.append(choice)
+        choices.append(_scanned_output(choice))
         while payload[pos:pos + 1] == b",":
             choice = _CHOICE.match(payload, pos + 1)
             if choice is None:
                 return None
-            choices.append(choice)
+            choices.append(_scanned_output(choice))
             pos = choice.end()
     return choices if _CHUNK_END.fullmatch(payload, pos) else None
-
-
-def _scanned_output(choice: re.Match) -> int:
-    """_choice_output of a choice matched by _CHOICE: a JSON string is text iff it is not `""`."""
-    text = choice[4]
-    if text is not None:
-        return _VISIBLE if len(text) > 2 else _NONE
-    if len(choice[3]) == 2:
-        return _NONE
-    return _VISIBLE if choice[2] == b"content" else _HIDDEN
 
 
 def _is_utf8(data: bytes) -> bool:
@@ -146,7 +148,7 @@ class ChoicesDialect(Dialect):
         choices = _scanned_choices(payload)
         if choices is None or not (payload.isascii() or _is_utf8(payload)):  # json.loads refuses bad UTF-8
             return False
-        _record_choices(exchange, ts, ((_scanned_output(choice), int(choice[1])) for choice in choices))
+        _record_choices(exchange, ts, choices)
         return True
 
 
