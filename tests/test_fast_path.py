@@ -136,6 +136,14 @@ _CHUNK = st.fixed_dictionaries(
               "system_fingerprint": st.none() | _TEXT, "content": _TEXT, "token": _TEXT})
 
 
+# vLLM's own shape, which the fast path reads: drawn as often as the rest.
+_COMMON_CHUNK = st.builds(
+    lambda text, index, key: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "small",
+                              "choices": [{"index": index, "delta": {key: text}, "logprobs": None,
+                                           "finish_reason": None}]},
+    _TEXT, st.integers(0, 2), st.sampled_from(["content", "reasoning_content", "reasoning"]))
+
+
 def _mutations(draw, payload: bytes) -> bytes:
     """A byte changed, dropped, or a key repeated: shapes near the fast one that are not it."""
     kind = draw(st.sampled_from(["none", "none", "byte", "drop", "repeat", "space", "bad_utf8"]))
@@ -161,8 +169,10 @@ def _mutations(draw, payload: bytes) -> bytes:
 def test_random_chunks_and_writes(data):
     path = data.draw(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/relay"]))
     request = (f"POST {path} HTTP/1.1\r\ncontent-length: 2\r\n\r\n{{}}").encode()
-    events = []
-    for obj in data.draw(st.lists(_CHUNK, min_size=1, max_size=6)):
+    # Now and then a first event that names no API, or another one: later chunks must not be scanned.
+    first = data.draw(st.sampled_from([b"", b'{"id":"r","model":"m"}', b'{"type":"ping"}', b'{"token":{"text":"a"}}']))
+    events = [b"data: " + first + b"\n\n"] if first else []
+    for obj in data.draw(st.lists(_COMMON_CHUNK | _CHUNK, min_size=1, max_size=6)):
         payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=data.draw(st.booleans())).encode()
         events.append(b"data: " + _mutations(data.draw, payload) + b"\n\n")
     events.append(b"data: [DONE]\n\n")
@@ -192,6 +202,30 @@ def test_the_benchmark_streams(n, per_write):
     request, writes, events = bench_assembler.synthetic(24, n, per_write)
     (exchange,) = run(request, writes)
     assert exchange["sse_events"] == events and exchange["completion_tokens"] == exchange["choice_events"] == 24 * n
+
+
+def event_write(payload: bytes) -> bytes:
+    """One write of one chunk of one event."""
+    event = b"data: " + payload + b"\n\n"
+    return b"%x\r\n" % len(event) + event + b"\r\n"
+
+
+@pytest.mark.parametrize("first", [b'{"id":"a","model":"m","object":"x"}', b'{"id":"a","model":"m","choices":null}'])
+def test_common_chunks_after_an_unknown_first_event_count_nothing(first):
+    """A stream whose first event names no API stays `unknown`: its later chunks are not scanned."""
+    _, writes = capture("chat")
+    request = b"POST /relay HTTP/1.1\r\ncontent-length: 0\r\n\r\n"
+    (exchange,) = run(request, [writes[0], event_write(first), *writes[2:]])
+    assert exchange["api"] == "unknown" and exchange["choice_events"] == 0 and exchange["completion_tokens"] == 12
+
+
+def test_an_index_json_loads_refuses_is_not_scanned():
+    """More than 4300 digits: json.loads refuses the event, which is then read by its regexes."""
+    request, writes = capture("chat")
+    payload = writes[3].split(b"\r\n", 1)[1].removeprefix(b"data: ").removesuffix(b"\n\n\r\n")
+    huge = payload.replace(b'"index":0', b'"index":1' + b"0" * 5000)
+    (exchange,) = run(request, [*writes[:3], event_write(huge), *writes[4:]])
+    assert exchange["outcome"] == "complete" and exchange["choice_events"] == 12
 
 
 def test_the_twin_notices_a_fast_path_that_reads_differently(monkeypatch):

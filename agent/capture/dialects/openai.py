@@ -48,7 +48,7 @@ _HIDDEN_VALUE = text_value(b"reasoning_content", b"reasoning") + rb'|[{,]\s*"too
 # for byte: where it matches, it is valid JSON (the strings as json.loads takes them, no
 # whitespace, no key that the parse reads twice) and says all `event` would read from it.
 _STRING = rb'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9A-Fa-f]{4})[^"\\\x00-\x1f]*)*"'
-_INT = rb'-?(?:0|[1-9][0-9]*)'
+_INT = rb'-?(?:0|[1-9][0-9]{0,30})'  # json.loads refuses integers of more than 4300 digits
 _KEY = rb'"[a-z_]{1,32}"'
 
 
