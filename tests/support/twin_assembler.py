@@ -23,9 +23,12 @@ def comparable(exchange) -> dict:
 
 
 class TwinAssembler(HttpConnectionAssembler):
+    made = 0  # twins constructed in this process
+
     def __init__(self, **kwargs) -> None:
         kwargs.pop("fast_path", None)
         super().__init__(**kwargs)
+        TwinAssembler.made += 1
         self.general = HttpConnectionAssembler(**dict(kwargs, on_request_start=None), fast_path=False)
 
     def feed_request_bytes(self, *args, **kwargs):
