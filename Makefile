@@ -11,6 +11,7 @@ test: install
 	.venv/bin/python -m pytest -q -rs
 
 bench: install
+	.venv/bin/python -m benchmarks.bench_assembler
 	.venv/bin/python -m benchmarks.bench_agent_overhead
 	.venv/bin/python -m benchmarks.bench_hot_path
 	.venv/bin/python -m benchmarks.bench_actuator

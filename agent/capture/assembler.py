@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 MAX_OPEN_EXCHANGES = 1024
 # No read()/write() is this large; bigger lengths are malformed input.
 MAX_SEGMENT_BYTES = 1 << 40
+# What a feed returns when no exchange became complete, as most do: one shared list,
+# never a new one per call. Callers only read what feeds return.
+_NOTHING: list[Exchange] = []
 
 
 class Txn:
@@ -53,17 +56,21 @@ class Txn:
         self.response_done = False
 
 
-
 class HttpConnectionAssembler:
     """Assembles the exchanges of ONE HTTP/1.1 connection from its two byte streams.
 
     Feed methods and close() never raise on any input; they return the exchanges
-    that became complete (response finished, or cut off by close), in order.
+    that became complete (response finished, or cut off by close), in order, in a
+    list the caller must not change.
+
+    `fast_path=False` reads every segment with the general framing and parses every
+    event: the exchanges are the same (tests/test_fast_path.py proves it), only
+    slower. It exists for that proof and for benchmarks/bench_assembler.py.
     """
 
     def __init__(self, *, fingerprint_key: bytes, max_header_bytes: int = 65536,
                  on_request_start: Callable[[Exchange], None] | None = None,
-                 tenant_header: str | None = DEFAULT_TENANT_HEADER) -> None:
+                 tenant_header: str | None = DEFAULT_TENANT_HEADER, fast_path: bool = True) -> None:
         if not isinstance(fingerprint_key, (bytes, bytearray)) or len(fingerprint_key) > 64:
             raise ValueError("fingerprint_key must be bytes of at most 64 bytes (a BLAKE2b key)")
         if not isinstance(max_header_bytes, int) or max_header_bytes < 64:
@@ -78,7 +85,7 @@ class HttpConnectionAssembler:
         self._error: str | None = None
         self._closed = False
         self._request = RequestStream(self, max_header_bytes)
-        self._response = ResponseStream(self, max_header_bytes)
+        self._response = ResponseStream(self, max_header_bytes, fast_path=fast_path)
 
     def open_exchanges(self) -> list[Exchange]:
         """The exchanges started and not yet returned, oldest first; for looking at, never changing."""
@@ -106,7 +113,7 @@ class HttpConnectionAssembler:
         so ts_ns only marks the call; a close-delimited body ends at its last
         segment. Later feeds are ignored."""
         if self._closed:
-            return []
+            return _NOTHING
         self._closed = True
         try:
             outcome = OUTCOME_BY_CLOSE_REASON.get(reason) if isinstance(reason, str) else None
@@ -130,7 +137,7 @@ class HttpConnectionAssembler:
 
     def _feed(self, stream: MessageStream, ts_ns, head, total_len, tail) -> list[Exchange]:
         if self._closed:
-            return []
+            return _NOTHING
         try:
             segment = normalise_segment(ts_ns, head, total_len, tail)
             if segment is None:
@@ -142,7 +149,10 @@ class HttpConnectionAssembler:
         return self._take_ready()
 
     def _take_ready(self) -> list[Exchange]:
-        ready, self._ready = self._ready, []
+        ready = self._ready
+        if not ready:
+            return _NOTHING
+        self._ready = []
         return ready
 
     def _set_error(self, message: str) -> None:
@@ -214,6 +224,9 @@ class HttpConnectionAssembler:
 
 def normalise_segment(ts_ns, head, total_len, tail) -> tuple[int, bytes, int, bytes] | None:
     """(ts, head, gap, tail) of a segment description, or None if it is malformed."""
+    if type(head) is bytes and type(total_len) is int and total_len == len(head) and type(ts_ns) is int \
+            and tail == b"":  # the common case, whole: nothing to check further or copy
+        return ts_ns, head, 0, b""
     if not isinstance(ts_ns, int) or not isinstance(total_len, int):
         return None
     if not (isinstance(head, (bytes, bytearray, memoryview))

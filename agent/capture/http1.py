@@ -58,6 +58,7 @@ _BLANK_LINE = re.compile(rb"\n\r?\n")
 _NOT_CRLF = re.compile(rb"[^\r\n]")
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})\r\n")  # the plain form: no extension, no blanks
 _DIGITS = re.compile(r"[0-9]{1,18}")
 _REQUEST_LINE = re.compile(rb"([A-Z][A-Z0-9_-]{0,31}) ([^\x00-\x20\x7f]+) HTTP/1\.[01]")
 _REQUEST_LINE_AT_START = re.compile(rb"[A-Z][A-Z0-9_-]{0,31} [^\x00-\x20\x7f]+ HTTP/1\.[01]\r?\n")
@@ -463,9 +464,39 @@ class ResponseStream(MessageStream):
     _mid_stream_note = ("response stream picked up in the middle of a message; "
                         "waiting for the next status line")
 
-    def __init__(self, conn: HttpConnectionAssembler, max_header_bytes: int) -> None:
+    def __init__(self, conn: HttpConnectionAssembler, max_header_bytes: int, *, fast_path: bool = True) -> None:
         super().__init__(conn, max_header_bytes)
         self._awaiting_final = False  # an interim 1xx was seen: the final response follows
+        self._fast_path = fast_path
+
+    def feed(self, ts: int, head: bytes, gap: int, tail: bytes) -> None:
+        # The fast path: a streamed response's write is whole chunks of whole SSE events.
+        if (self._fast_path and not gap and not tail and self._state == _CHUNK_SIZE and not self._buf
+                and type(self._body) is SseBody):
+            done = self._whole_chunks(ts, head)
+            if done:
+                self.last_ts = ts
+                if done == len(head):
+                    return
+                head = head[done:]
+        super().feed(ts, head, gap, tail)
+
+    def _whole_chunks(self, ts: int, data: bytes) -> int:
+        """Read the whole chunks of whole events that start data, each in one step
+        (SseBody.whole_events), as the general path would; return the bytes read."""
+        pos, end = 0, len(data)
+        while pos < end:
+            size_line = _CHUNK_SIZE_LINE.match(data, pos)
+            if size_line is None:
+                break
+            start = size_line.end()
+            stop = start + int(size_line[1], 16)
+            if (stop == start or data[stop:stop + 2] != b"\r\n"
+                    or not self._body.whole_events(ts, data, start, stop)):
+                break
+            self._count(stop + 2 - pos)
+            pos = stop + 2
+        return pos
 
     def _starts_message(self, data: bytes) -> bool:
         # A segment may also be shorter than "HTTP/1." (a server writing in pieces).
@@ -510,7 +541,7 @@ class ResponseStream(MessageStream):
             return _STOP, 0
         if exchange is not None:
             exchange.status = status
-            self._body = response_body_reader(exchange, headers)
+            self._body = response_body_reader(exchange, headers, scan=self._fast_path)
         if method == "HEAD" or status in (204, 304):
             return _NO_BODY, 0
         return _body_framing(headers, is_request=False)
@@ -603,10 +634,11 @@ def path_of(target: bytes) -> str:
     return target.split(b"?", 1)[0].split(b"#", 1)[0].decode("utf-8", "replace")
 
 
-def response_body_reader(exchange: Exchange, headers: dict[str, str]):
+def response_body_reader(exchange: Exchange, headers: dict[str, str], *, scan: bool = True):
     """The reader of a response body, or None when its content is not read. The
     API dialect is chosen here, once per response: by the request path when it
-    names one, else by the readers from the first event or the body itself."""
+    names one, else by the readers from the first event or the body itself.
+    `scan`: event streams let the dialect read events without parsing them."""
     dialect = dialects.for_path(exchange.path)
     if dialect is not None:
         exchange.api = dialect.name
@@ -619,9 +651,9 @@ def response_body_reader(exchange: Exchange, headers: dict[str, str]):
         exchange.error = f"response body is {printable(encoding)}-encoded; its content was not read"
         return None
     if event_stream:
-        return SseBody(exchange, dialect)
+        return SseBody(exchange, dialect, scan=scan)
     if ndjson:
-        return NdjsonBody(exchange, dialect)
+        return NdjsonBody(exchange, dialect, scan=scan)
     if not content_type or "json" in content_type:
         return JsonBody(exchange, dialect)
     return None

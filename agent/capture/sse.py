@@ -30,11 +30,12 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 class _LineEvents:
     """Line splitting across pieces and gaps, and the dispatch of events to the dialect."""
 
-    __slots__ = ("_exchange", "_dialect", "_line", "_cr_ts", "_gap_bytes")
+    __slots__ = ("_exchange", "_dialect", "_scan", "_line", "_cr_ts", "_gap_bytes")
 
-    def __init__(self, exchange: Exchange, dialect: dialects.Dialect | None) -> None:
+    def __init__(self, exchange: Exchange, dialect: dialects.Dialect | None, *, scan: bool = True) -> None:
         self._exchange = exchange
         self._dialect = dialect  # None until the first event names one
+        self._scan = scan  # let the dialect read events without parsing them (Dialect.scan)
         self._line = HeadTailSample(SSE_EVENT_JSON_MAX, SSE_EVENT_TAIL)  # a line split across pieces
         self._cr_ts: int | None = None  # a piece ended in CR: it may be the first half of CRLF
         self._gap_bytes = 0
@@ -108,6 +109,9 @@ class _LineEvents:
 
     def _event(self, ts: int, payload: bytes) -> None:
         """A whole event's payload."""
+        dialect = self._dialect
+        if self._scan and dialect is not None and dialect.scan(self._exchange, payload, ts):
+            return
         obj = json_object(payload)
         if obj is None:
             self._partial_event(ts, payload, b"")
@@ -132,8 +136,8 @@ class SseBody(_LineEvents):
 
     __slots__ = ("_event_data", "_event_has_data")
 
-    def __init__(self, exchange: Exchange, dialect: dialects.Dialect | None) -> None:
-        super().__init__(exchange, dialect)
+    def __init__(self, exchange: Exchange, dialect: dialects.Dialect | None, *, scan: bool = True) -> None:
+        super().__init__(exchange, dialect, scan=scan)
         self._event_data = HeadTailSample(SSE_EVENT_JSON_MAX, SSE_EVENT_TAIL)
         self._event_has_data = False
 
@@ -171,21 +175,43 @@ class SseBody(_LineEvents):
         event.add(tail)
         self._event_has_data = True
 
+    def whole_events(self, ts: int, data, start: int, stop: int) -> bool:
+        """data[start:stop], read in one step if it is whole events of one `data:` line
+        each, LF-terminated, and no event or line is pending: what one write of vLLM or
+        SGLang holds. False, with nothing read, otherwise: then `data` reads it."""
+        if self._line.length or self._cr_ts is not None or self._event_has_data:
+            return False
+        if stop - start < 7 or data[stop - 2:stop] != b"\n\n" or data.find(b"\r", start, stop) >= 0:
+            return False
+        events = data[start:stop - 2].split(b"\n\n")
+        for line in events:  # all checked before any is read
+            # Longer values are read from their samples by _dispatch.
+            if not line.startswith(b"data:") or b"\n" in line or len(line) - 5 > SSE_EVENT_JSON_MAX:
+                return False
+        exchange = self._exchange
+        for line in events:
+            exchange.sse_events += 1
+            self._payload(ts, line[6:] if line[5:6] == b" " else line[5:])
+        return True
+
     def _dispatch(self, ts: int) -> None:
         if not self._event_has_data:  # a blank line after comments only: no event
             return
-        exchange = self._exchange
-        exchange.sse_events += 1
+        self._exchange.sse_events += 1
         event = self._event_data
         payload = event.whole()
         if payload is None:
             self._partial_event(ts, bytes(event.head), bytes(event.tail))
-        elif payload.strip() == b"[DONE]":
-            exchange.done_seen = True
         else:
-            self._event(ts, payload)
+            self._payload(ts, payload)
         event.reset()
         self._event_has_data = False
+
+    def _payload(self, ts: int, payload: bytes) -> None:
+        if payload.strip() == b"[DONE]":
+            self._exchange.done_seen = True
+        else:
+            self._event(ts, payload)
 
 
 class NdjsonBody(_LineEvents):

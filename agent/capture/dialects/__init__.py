@@ -32,6 +32,8 @@ class _Unknown(ChoicesDialect):
         set_id_model(exchange, obj.get("id"), obj.get("model"))
         set_usage(exchange, *self.usage(obj))
 
+    scan = Dialect.scan  # its events count no output: every one is parsed
+
 
 UNKNOWN = _Unknown("unknown", counts=USAGE)
 

@@ -101,6 +101,12 @@ class Dialect:
         """One streamed event (an SSE event's data, an NDJSON line), parsed, at ts."""
         raise NotImplementedError
 
+    def scan(self, exchange: Exchange, payload: bytes, ts: int) -> bool:
+        """Read an event without parsing it, where its bytes alone say exactly what
+        `event` would record; False (nothing done) when they do not, or the dialect
+        has no such reading: then the event is parsed."""
+        return False
+
     def usage(self, obj: dict) -> tuple[int | None, int | None]:
         """(prompt, completion) tokens that an event or body reports, None where it does not."""
         inner = obj.get(self._wrapper) if self._wrapper else None

@@ -10,6 +10,8 @@ completions choice holds `text`. `usage` comes in a final chunk with
 
 from __future__ import annotations
 
+import re
+
 from ..exchange import Exchange
 from ..json_scan import is_text, text_value
 from . import llamacpp, tgi
@@ -42,6 +44,86 @@ _TEXT_VALUE = text_value(b"content", b"text")
 _HIDDEN_VALUE = text_value(b"reasoning_content", b"reasoning") + rb'|[{,]\s*"tool_calls"\s*:\s*\[\s*\{'
 
 
+# The shape of a vLLM/SGLang chunk with no usage, no finish reason and no tool call, byte
+# for byte: where it matches, it is valid JSON (the strings as json.loads takes them, no
+# whitespace, no key that the parse reads twice) and says all `event` would read from it.
+_STRING = rb'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9A-Fa-f]{4})[^"\\\x00-\x1f]*)*"'
+_INT = rb'-?(?:0|[1-9][0-9]{0,30})'  # json.loads refuses integers of more than 4300 digits
+_KEY = rb'"[a-z_]{1,32}"'
+
+
+def _nulls(but: bytes, values: bytes = b"null") -> bytes:
+    """Further `"key": value` members, none of them the keys in `but` (a regex alternation)."""
+    return rb'(?:,(?!"(?:' + but + rb')")' + _KEY + rb':(?:' + values + rb'))*'
+
+
+# A delta's text key may be followed by nulls (SGLang), never by the same key again.
+_CHOICE = re.compile(rb'\{"index":(' + _INT + rb'),(?:"delta":\{(?:"role":(?:"assistant"|null),)?'
+                     rb'"(content|reasoning_content|reasoning)":(' + _STRING + rb')' + _nulls(rb'\2') + rb'\}'
+                     rb'|"text":(' + _STRING + rb'))' + _nulls(rb'index|delta|text') + rb'\}')
+# The start of a chunk with its first choice, if any, in one match: the groups are _CHOICE's.
+_CHUNK_START = re.compile(rb'\{"id":' + _STRING + rb',"object":' + _STRING + rb',"created":' + _INT
+                          + rb',"model":' + _STRING + rb',"choices":\[(?:' + _CHOICE.pattern + rb')?')
+# Top-level members after `choices` hold null or a string: never a usage object, never
+# llama.cpp's top-level `content`.
+_CHUNK_END = re.compile(rb'\]' + _nulls(rb'choices|content', rb'null|' + _STRING) + rb'\}')
+
+
+def _scanned_output(choice: re.Match) -> tuple[int, int]:
+    """(_choice_output, JSON index) of a choice matched by _CHOICE: a JSON string is text iff it is not `""`."""
+    text = choice[4]
+    if text is not None:
+        output = _VISIBLE if len(text) > 2 else _NONE
+    elif len(choice[3]) == 2:
+        output = _NONE
+    else:
+        output = _VISIBLE if choice[2] == b"content" else _HIDDEN
+    return output, int(choice[1])
+
+
+def _scanned_choices(payload: bytes) -> list[tuple[int, int]] | None:
+    """(output, JSON index) of each choice of a chunk of the common shape; None if it has another shape."""
+    choice = _CHUNK_START.match(payload)
+    if choice is None:
+        return None
+    pos = choice.end()
+    choices = []
+    if choice[1] is not None:
+        choices.append(_scanned_output(choice))
+        while payload[pos:pos + 1] == b",":
+            choice = _CHOICE.match(payload, pos + 1)
+            if choice is None:
+                return None
+            choices.append(_scanned_output(choice))
+            pos = choice.end()
+    return choices if _CHUNK_END.fullmatch(payload, pos) else None
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _record_choices(exchange: Exchange, ts: int, outputs) -> bool:
+    """Record (output, JSON index) pairs of a chunk's choices; True if any carried output."""
+    first = _NONE  # choice 0's output in this chunk: recorded once, however many entries
+    others = False
+    for output, raw_index in outputs:
+        if output:
+            index = choice_index(raw_index)
+            if index:
+                exchange.record_output(ts, index)
+                others = True
+            elif output > first:
+                first = output
+    if first:
+        exchange.record_output(ts, 0, first == _VISIBLE)
+    return bool(first) or others
+
+
 class ChoicesDialect(Dialect):
     __slots__ = ()
 
@@ -50,27 +132,24 @@ class ChoicesDialect(Dialect):
         if isinstance(obj.get("usage"), dict):  # the last chunk or two: the rest of the time, one lookup
             set_usage(exchange, *self.usage(obj))
             llamacpp.set_timings(exchange, obj.get("timings"))
-        first = _NONE  # choice 0's output in this chunk: recorded once, however many entries
-        others = False
         choices = obj.get("choices")
-        if isinstance(choices, list):
-            for choice in choices:
-                if not isinstance(choice, dict):
-                    continue
-                output = _choice_output(choice)
-                if output:
-                    index = choice_index(choice.get("index"))
-                    if index:
-                        exchange.record_output(ts, index)
-                        others = True
-                    elif output > first:
-                        first = output
-        if first:
-            exchange.record_output(ts, 0, first == _VISIBLE)
-        elif not others and (tgi.token_text(obj) or llamacpp.content_text(obj)):
+        recorded = isinstance(choices, list) and _record_choices(
+            exchange, ts, ((_choice_output(choice), choice.get("index"))
+                           for choice in choices if isinstance(choice, dict)))
+        if not recorded and (tgi.token_text(obj) or llamacpp.content_text(obj)):
             # Native chunks on an OpenAI route (relayed by a proxy, or mixed in by a
             # server): their text is still generated output, as before dialects.
             exchange.record_output(ts)
+
+    def scan(self, exchange: Exchange, payload: bytes, ts: int) -> bool:
+        # Once id and model are known, a chunk of the common shape only counts output.
+        if exchange.response_id is None or exchange.resp_model is None:
+            return False
+        choices = _scanned_choices(payload)
+        if choices is None or not (payload.isascii() or _is_utf8(payload)):  # json.loads refuses bad UTF-8
+            return False
+        _record_choices(exchange, ts, choices)
+        return True
 
 
 CHAT = ChoicesDialect("openai.chat", counts=USAGE, visible=_TEXT_VALUE, hidden=_HIDDEN_VALUE)
