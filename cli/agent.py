@@ -15,6 +15,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,13 +175,10 @@ class Exporters:
             self.metrics.close()
 
 
-def start_live_analysis(cfg: AgentConfig, store: Store | None, node: str,
+def start_live_analysis(cfg: AgentConfig, store: Store, node: str,
                         exporters: Exporters) -> LiveAnalysis | None:
     """The node's own analysis every ``cfg.analyze_every_s``, on its thread, into every outlet configured."""
     if not cfg.analyze_every_s:
-        return None
-    if store is None:
-        log.warning("live analysis is off: the store did not answer at start")
         return None
     outlets = []
     if exporters.metrics:
@@ -195,6 +193,67 @@ def start_live_analysis(cfg: AgentConfig, store: Store | None, node: str,
     log.info("analysing this node's servers every %d s (%s)", cfg.analyze_every_s,
              ", ".join(["store", *(outlet.name for outlet in outlets)]))
     return live
+
+
+class StoreServices:
+    """What needs an open store beside the request sink: the schema, the GPU join view, the samplers
+    and the live analysis. Started with the store when it answers at start; otherwise a background
+    thread keeps trying (backing off to 30 s), so a store that was down when the agent started does not
+    leave sampling and analysis off for the life of the process."""
+
+    RETRY_MAX_S = 30.0
+
+    def __init__(self, cfg: AgentConfig, node: str, clock: MonotonicWallClock, exporters: Exporters) -> None:
+        self._cfg, self._node, self._clock, self._exporters = cfg, node, clock, exporters
+        self._samplers: SamplerSet | None = None
+        self._live: LiveAnalysis | None = None
+        self._opened: Store | None = None  # a store this object opened itself, closed by stop()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, store: Store | None) -> None:
+        if store is not None:
+            self._bring_up(store)
+            return
+        self._thread = threading.Thread(target=self._wait_for_store, name="tokenprobe-store-wait", daemon=True)
+        self._thread.start()
+
+    def _bring_up(self, store: Store) -> None:
+        store.ensure_schema()
+        create_request_gpu_state_view(store)
+        self._samplers = self._cfg.samplers.build(store, self._node, self._clock)
+        self._samplers.start()
+        self._live = start_live_analysis(self._cfg, store, self._node, self._exporters)
+
+    def _wait_for_store(self) -> None:
+        delay = 1.0
+        while not self._stopping.wait(delay):
+            try:
+                store = open_store(self._cfg.store_url)
+            except StoreUnavailable:
+                delay = min(delay * 2, self.RETRY_MAX_S)
+                continue
+            try:
+                self._bring_up(store)
+            except Exception as error:  # gone again between opening and creating the tables, or refused
+                log.warning("the store answered but sampling and analysis could not start (%s); retrying", error)
+                store.close()
+                delay = min(delay * 2, self.RETRY_MAX_S)
+                continue
+            self._opened = store
+            log.info("the store answers: GPU and engine sampling and live analysis started")
+            return
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        if self._live is not None:
+            self._live.stop()
+        if self._samplers is not None:
+            self._samplers.stop()
+        if self._opened is not None:
+            self._opened.close()
 
 
 def offer_inflight(live: LiveAnalysis | None, tracker: ConnectionTracker) -> None:
@@ -253,29 +312,19 @@ class Agent:
         except StoreUnavailable as exc:
             # Tracing must not wait for a database: rows go to the disk spool
             # and the sink creates the tables once the store answers.
-            log.warning("%s; tracing anyway: requests are spooled to disk until it answers, "
-                        "GPU and engine samples are not taken", exc)
+            log.warning("%s; tracing anyway: requests are spooled to disk, and sampling and analysis start "
+                        "once it answers", exc)
             store = None
-        samplers = None
+        sink = RequestSink(store or cfg.store_url, spool_max_bytes=cfg.spool_max_bytes)
+        exporters = Exporters(cfg, node)
+        services = StoreServices(cfg, node, clock, exporters)
         try:
-            if store is not None:
-                store.ensure_schema()
-                create_request_gpu_state_view(store)
-                samplers = cfg.samplers.build(store, node, clock)
-                samplers.start()
-            sink = RequestSink(store or cfg.store_url, spool_max_bytes=cfg.spool_max_bytes)
-            exporters = Exporters(cfg, node)
-            live = start_live_analysis(cfg, store, node, exporters)
-            try:
-                summary = self._run_probes(sink, clock, node, exporters)
-            finally:
-                if live is not None:
-                    live.stop()
-                exporters.close()
-                if samplers is not None:
-                    samplers.stop()
-                sink.close()
+            services.start(store)
+            summary = self._run_probes(sink, clock, node, exporters)
         finally:
+            services.stop()
+            exporters.close()
+            sink.close()
             if store is not None:
                 store.close()
         # Counted after close(): it flushes (or spools) the last batch.

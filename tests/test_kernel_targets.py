@@ -28,6 +28,7 @@ from tests.kernel_harness import (
     require_kernel,
     wait_for_port,
 )
+from tests.support import wait_until
 
 pytestmark = pytest.mark.kernel
 
@@ -207,3 +208,29 @@ def test_prometheus_endpoint_counts_what_was_traced(tmp_path: Path):
         assert handle.stop() == 0, handle.log()
     assert sum(float(c) for c in counts) == len(sent), text
     assert re.search(r"^tokenprobe_agent_events_total \d", text, re.M), text
+
+
+def test_sampling_and_analysis_start_when_a_store_down_at_start_comes_back(tmp_path: Path):
+    """The store is unreachable when the agent starts: requests spool, and the engine samples and the
+    live analysis begin once it answers, with no restart."""
+    from tokenprobe.store import open_store
+    from tokenprobe.store.server import StoreServer
+
+    store_port = free_port()
+    url = f"http://default:late-token@127.0.0.1:{store_port}/"
+    with reference_server(tmp_path, simulated_metrics=True) as (port, _truth), \
+            agent(tmp_path, "--store", url, "--engine", f"http://127.0.0.1:{port}/metrics",
+                  "--scrape-interval", "0.5", "--analyze-every", "2", ports=[port]) as handle:
+        response_id = stream_once(http.client.HTTPConnection("127.0.0.1", port, timeout=30))
+        with open_store(f"chdb://{tmp_path / 'late-store'}", serve=False) as owner:
+            server = StoreServer(str(tmp_path / "late-store"), "late-token", port=store_port)
+            try:
+                wait_until(lambda: owner.command("EXISTS TABLE tokenprobe.engine_samples") == 1
+                           and owner.command("SELECT count() FROM tokenprobe.engine_samples") > 0, timeout=90)
+                # Spooled while the store was away, replayed once it answers (beside the agent's own scrapes).
+                wait_until(lambda: owner.command("SELECT count() FROM tokenprobe.requests WHERE response_id = "
+                                                 "{id:String}", {"id": response_id}) == 1, timeout=60)
+                assert handle.stop() == 0, handle.log()
+            finally:
+                server.close()
+    assert "sampling and live analysis started" in handle.log()
