@@ -35,6 +35,9 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # A JSON response bigger than this is passed through without reading its usage.
 MAX_JSON_RESPONSE_BYTES = 4 * 1024 * 1024
 MAX_LABEL_LENGTH = 256
+# An SSE line longer than this cannot be a usage event: it is skipped, not held, so a response without
+# line ends cannot grow the gateway's memory.
+MAX_EVENT_LINE_BYTES = 1 << 20
 
 
 class ActuatorMiddleware:
@@ -170,6 +173,7 @@ class UsageScanner:
     def __init__(self) -> None:
         self._sse = False
         self._partial = b""
+        self._skipping_line = False  # inside a line over MAX_EVENT_LINE_BYTES
         self._json_body: list[bytes] | None = []
         self._json_size = 0
         self._usage: tuple[int, int] | None = None  # (prompt, completion) tokens
@@ -181,6 +185,11 @@ class UsageScanner:
         if self._sse:
             lines = (self._partial + chunk).split(b"\n")
             self._partial = lines.pop()
+            if self._skipping_line and lines:
+                lines.pop(0)  # the end of the overlong line
+                self._skipping_line = False
+            if len(self._partial) > MAX_EVENT_LINE_BYTES:
+                self._partial, self._skipping_line = b"", True
             for line in lines:
                 self._read_event_line(line.rstrip(b"\r"))
         elif self._json_body is not None:
