@@ -487,7 +487,10 @@ class StoreServer:
 
 class _StoreRequestHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as clickhouse-connect's connection pool expects
+    # Garbage is answered with a status line too: no HTTP/0.9 bare bodies.
+    default_request_version = "HTTP/1.1"
     server_version = "tokenprobe-store"
+
     @property
     def _store(self) -> StoreServer:
         return self.server.store_server  # type: ignore[attr-defined]

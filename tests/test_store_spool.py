@@ -1,4 +1,5 @@
-"""The sink's spool under faults: replays stored once, bounded in bytes, compressed, durable.
+"""The sink's spool under faults (replays stored once, bounded in bytes, compressed, durable), and the
+store server under garbage.
 
 The fault test runs the sink in a real writer process against the embedded
 store's real HTTP interface: the store goes away for a few seconds under load,
@@ -9,11 +10,15 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenprobe.store.server import StoreServer
 from tokenprobe.store.sink import RequestSink
 from tokenprobe.store.spool import Spool, new_batch_token
@@ -186,3 +191,45 @@ def test_outage_then_sigkill_then_restart_loses_at_most_the_memory_window_and_du
     assert spooled_during_outage > 0
     assert total == distinct
     assert 0 <= lost <= window
+
+
+@pytest.fixture(scope="module")
+def garbage_target(tmp_path_factory):
+    """One store server for all the fuzzed requests (a fresh one per example would cost a chDB start)."""
+    from tokenprobe.store import open_store
+
+    directory = tmp_path_factory.mktemp("fuzzed-store")
+    with open_store(f"chdb://{directory}", serve=False) as store:
+        store.ensure_schema()
+        server = StoreServer(str(directory), "fuzz-token", port=free_port())
+        yield server
+        server.close()
+
+
+def raw_request(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(data)
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(10)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+        return answer
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(
+    st.binary(max_size=4096),
+    st.builds(lambda method, target, headers, body: b"%s %s HTTP/1.1\r\n%s\r\n%s" % (method, target, headers, body),
+              st.sampled_from([b"GET", b"POST", b"PUT", b"BREW", b""]),
+              st.sampled_from([b"/", b"/ping", b"/?query=SELECT+1", b"/?query=DROP+TABLE+tokenprobe.requests", b"*"]),
+              st.lists(st.sampled_from([b"Content-Length: -1\r\n", b"Content-Length: 99999999999\r\n",
+                                        b"Transfer-Encoding: chunked\r\n", b"Content-Encoding: gzip\r\n",
+                                        b"Authorization: Basic ZGVmYXVsdDpmdXp6LXRva2Vu\r\n",
+                                        b"X-ClickHouse-Key: fuzz-token\r\n", b"Host: x\r\n"]), max_size=5).map(b"".join),
+              st.binary(max_size=1024)),
+))
+def test_any_bytes_get_an_http_answer_or_a_close_and_the_server_lives_on(garbage_target, data):
+    answer = raw_request(garbage_target.port, data)
+    assert answer == b"" or answer.startswith(b"HTTP/1."), answer[:80]
+    assert raw_request(garbage_target.port, b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
