@@ -127,6 +127,8 @@ def test_put_spools_when_the_queue_outgrows_its_byte_bound(tmp_path):
         sink.close(timeout=WAIT_S)
 
 
+# The outage the issue names: a minute of store downtime under load.
+OUTAGE_S = 60.0
 WRITER = """
 import sys, time
 sys.path.insert(0, sys.argv[4])
@@ -168,10 +170,10 @@ def test_outage_then_sigkill_then_restart_loses_at_most_the_memory_window_and_du
     try:
         read_progress(2.0)  # ~2000 rows/s into a live store
         server.close()
-        read_progress(4.0)  # the store is gone: the writer spools
+        read_progress(OUTAGE_S)  # the store is gone: the writer spools
         spooled_during_outage = len(list((tmp_path / "spool").glob("*.arrow")))
         server = StoreServer(str(store_dir), "fault-token", port=port)
-        read_progress(1.5)  # back: the spool replays while new rows arrive
+        read_progress(5.0)  # back: the spool replays while new rows arrive
         os.kill(writer.pid, signal.SIGKILL)
         put_before_kill = put[0]
         writer.wait(timeout=WAIT_S)
