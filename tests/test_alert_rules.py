@@ -16,9 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 from prometheus_client import generate_latest
+from tokenprobe.actuator.auth import ClientAuth
+from tokenprobe.actuator.gateway import GatewayGuard
 from tokenprobe.agent.export.metrics_endpoint import AgentMetrics
 from tokenprobe.agent.sampling.prom_text import parse_exposition
 from tokenprobe.store.sink import SinkStats
+
+from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "tokenprobe-rules.yml"
@@ -88,8 +92,18 @@ def test_the_unit_tests_catch_a_changed_threshold(tmp_path):
     assert "TokenprobeTTFTBudgetBurnFast" in result.stdout + result.stderr
 
 
-def test_every_metric_the_rules_read_is_one_the_agent_exposes():
-    exposed = {sample.name for sample in agent_exposition().samples}
+def gateway_exposition():
+    """What a gateway hook exposes once it has failed open (its actuator is not there)."""
+    guard = GatewayGuard(f"127.0.0.1:{free_port()}", ClientAuth(bearer_token="t" * 32), deadline_s=0.2)
+    try:
+        guard.check("upstream", "m", "tenant", 10)
+        return parse_exposition(generate_latest(guard.metrics).decode())
+    finally:
+        guard.close()
+
+
+def test_every_metric_the_rules_read_is_one_the_agent_or_the_gateway_exposes():
+    exposed = {sample.name for sample in agent_exposition().samples + gateway_exposition().samples}
     referenced = {name for expr in rule_expressions() for name in re.findall(r"\btokenprobe_[a-z_]+\b", expr)}
     assert referenced, "no agent metric found in the rules"
     assert referenced <= exposed, referenced - exposed
