@@ -44,7 +44,7 @@ BRACKET_SLACK_NS = 100_000     # timestamps are taken a few instructions away fr
 @dataclass
 class Launch:
     """How a stack is started and reached."""
-    argv: Callable[[int, "Paths"], list[str]]
+    argv: Callable[[int, "Paths"], list[str]]  # (port, paths) -> command line, run in tests/servers
     scheme: str = "http"
     http2: bool = False        # the client speaks only HTTP/2 (ALPN h2, or prior knowledge over http)
 
@@ -58,36 +58,41 @@ class Paths:
 
 
 PY = sys.executable
+Argv = Callable[[int, Paths], list[str]]
 
 
-def _uvicorn(app: str, *tls: str) -> Callable[[int, Paths], list[str]]:
-    return lambda port, p: [PY, "-m", "uvicorn", app, "--port", str(port), "--loop", "uvloop", "--http", "httptools",
-                            "--log-level", "warning", "--no-access-log",
-                            *(a.format(cert=p.cert, key=p.key) for a in tls)]
+def _argv(*template: str) -> Argv:
+    """A command line with {port}, {cert}, {key} and {go} filled in at launch."""
+    return lambda port, p: [a.format(port=port, cert=p.cert, key=p.key, go=p.go_binary) for a in template]
 
 
-UVICORN_TLS = ("--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}")
+def _uvicorn(app: str, *extra: str) -> Argv:
+    return _argv(PY, "-m", "uvicorn", app, "--port", "{port}", "--loop", "uvloop", "--http", "httptools",
+                 "--log-level", "warning", "--no-access-log", *extra)
+
+
+def _granian(*extra: str) -> Argv:
+    return _argv(PY, "-m", "granian", "--interface", "asgi", "--port", "{port}", "--no-ws", "--log-level", "warning",
+                 *extra, "asgi_sse:app")
+
+
+GO_TLS = ("-cert", "{cert}", "-key", "{key}")
 
 LAUNCHES = {
     "uvicorn": Launch(_uvicorn("asgi_sse:app")),
-    "uvicorn-tls": Launch(_uvicorn("asgi_sse:app", *UVICORN_TLS), "https"),
-    "granian": Launch(lambda port, p: [PY, "-m", "granian", "--interface", "asgi", "--port", str(port),
-                                       "--no-ws", "--log-level", "warning", "asgi_sse:app"]),
-    "granian-tls": Launch(lambda port, p: [PY, "-m", "granian", "--interface", "asgi", "--port", str(port),
-                                           "--no-ws", "--log-level", "warning", "--ssl-certificate", str(p.cert),
-                                           "--ssl-keyfile", str(p.key), "asgi_sse:app"], "https"),
-    "aiohttp": Launch(lambda port, p: [PY, "aiohttp_sse.py", str(port)]),
+    "uvicorn-tls": Launch(_uvicorn("asgi_sse:app", "--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}"), "https"),
+    "granian": Launch(_granian()),
+    "granian-burst": Launch(_granian()),
+    "granian-tls": Launch(_granian("--ssl-certificate", "{cert}", "--ssl-keyfile", "{key}"), "https"),
+    "aiohttp": Launch(_argv(PY, "aiohttp_sse.py", "{port}")),
     "gateway": Launch(_uvicorn("gateway:app")),
-    "go": Launch(lambda port, p: [str(p.go_binary), "-port", str(port)]),
-    "go-tls": Launch(lambda port, p: [str(p.go_binary), "-port", str(port), "-cert", str(p.cert), "-key", str(p.key)],
-                     "https"),
-    "go-tls-h2": Launch(lambda port, p: [str(p.go_binary), "-port", str(port), "-cert", str(p.cert),
-                                         "-key", str(p.key)], "https", http2=True),
-    "node-tls": Launch(lambda port, p: ["/usr/bin/node", "node_sse.js", str(port), str(p.cert), str(p.key)], "https"),
-    "hypercorn-h2": Launch(lambda port, p: [PY, "-m", "hypercorn", "--bind", f"127.0.0.1:{port}", "--certfile",
-                                            str(p.cert), "--keyfile", str(p.key), "asgi_sse:app"], "https", http2=True),
-    "hypercorn-h2c": Launch(lambda port, p: [PY, "-m", "hypercorn", "--bind", f"127.0.0.1:{port}", "asgi_sse:app"],
-                            http2=True),
+    "go": Launch(_argv("{go}", "-port", "{port}")),
+    "go-tls": Launch(_argv("{go}", "-port", "{port}", *GO_TLS), "https"),
+    "go-tls-h2": Launch(_argv("{go}", "-port", "{port}", *GO_TLS), "https", http2=True),
+    "node-tls": Launch(_argv("/usr/bin/node", "node_sse.js", "{port}", "{cert}", "{key}"), "https"),
+    "hypercorn-h2": Launch(_argv(PY, "-m", "hypercorn", "--bind", "127.0.0.1:{port}", "--certfile", "{cert}",
+                                 "--keyfile", "{key}", "asgi_sse:app"), "https", http2=True),
+    "hypercorn-h2c": Launch(_argv(PY, "-m", "hypercorn", "--bind", "127.0.0.1:{port}", "asgi_sse:app"), http2=True),
 }
 
 
@@ -115,13 +120,15 @@ def _client(launch: Launch, port: int) -> httpx.Client:
 
 def drive(run: StackRun, launch: Launch) -> None:
     """REQUESTS_PER_STACK streamed requests over CLIENTS_PER_STACK keep-alive connections;
-    dialects, lengths and usage requests vary from request to request."""
-    plan = list(itertools.islice(zip(itertools.cycle(run.stack.apis), itertools.cycle((3, 7, 5, 10, 4)),
-                                     itertools.cycle((True, False, True))), REQUESTS_PER_STACK))
+    dialects, lengths, usage and pacing vary from request to request."""
+    bursts = [i % run.stack.burst_every == run.stack.burst_every - 1 if run.stack.burst_every else False
+              for i in range(REQUESTS_PER_STACK)]
+    plan = list(zip(itertools.cycle(run.stack.apis), itertools.cycle((3, 7, 5, 30, 4)),
+                    itertools.cycle((True, False, True)), bursts))
 
     def one_client(share: list) -> list[ClientView]:
         with _client(launch, run.port) as client:
-            return [stream(client, api, tokens, include_usage=usage) for api, tokens, usage in share]
+            return [stream(client, api, tokens, include_usage=usage, burst=burst) for api, tokens, usage, burst in share]
 
     with ThreadPoolExecutor(CLIENTS_PER_STACK) as pool:
         for views in pool.map(one_client, [plan[i::CLIENTS_PER_STACK] for i in range(CLIENTS_PER_STACK)]):
@@ -131,10 +138,15 @@ def drive(run: StackRun, launch: Launch) -> None:
 
 
 @contextmanager
-def serving(argv: list[str], port: int, env: dict[str, str]) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(argv, cwd=SERVERS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def serving(argv: list[str], port: int, env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
+    """A server process, its output in `log` (a pipe nobody reads could stall it)."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=SERVERS, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_for_port(port, timeout=60)
+        try:
+            wait_for_port(port, timeout=60)
+        except AssertionError:
+            raise AssertionError(f"{argv} did not listen on {port}:\n{log.read_text(errors='replace')}") from None
         yield proc
     finally:
         proc.terminate()
@@ -172,11 +184,13 @@ def matrix(tmp_path_factory) -> MatrixRun:
     env = dict(os.environ, PYTHONPATH=str(SERVERS), UPSTREAM=f"https://127.0.0.1:{paths.upstream}")
     with ExitStack() as servers:
         # The gateway's upstream: the same TLS stack, traced only through the gateway's outbound side.
-        servers.enter_context(serving(LAUNCHES["uvicorn-tls"].argv(paths.upstream, paths), paths.upstream, env))
+        servers.enter_context(serving(LAUNCHES["uvicorn-tls"].argv(paths.upstream, paths), paths.upstream, env,
+                                      tmp / "upstream.log"))
         runs = {}
         for stack in STACKS:
             port = free_port()
-            proc = servers.enter_context(serving(LAUNCHES[stack.key].argv(port, paths), port, env))
+            proc = servers.enter_context(serving(LAUNCHES[stack.key].argv(port, paths), port, env,
+                                                 tmp / f"{stack.key}.log"))
             runs[stack.key] = StackRun(stack, port, [proc.pid])
         for run in runs.values():
             warm_up(LAUNCHES[run.stack.key], run.port, run.stack.apis)

@@ -15,12 +15,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     script = llm_script.reply(request.path, await request.read())
     if script is None:
         raise web.HTTPNotFound()
-    content_type, frames = script
+    content_type, frames, gap = script
     response = web.StreamResponse(headers={"Content-Type": content_type})
     await response.prepare(request)
     for frame in frames:
         await response.write(frame)
-        await asyncio.sleep(llm_script.FRAME_GAP_S)
+        await asyncio.sleep(gap)
     await response.write_eof()
     return response
 

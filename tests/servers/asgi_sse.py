@@ -19,12 +19,12 @@ async def generate(request: Request) -> Response:
     script = llm_script.reply(request.url.path, await request.body())
     if script is None:
         return Response(status_code=404)
-    content_type, frames = script
+    content_type, frames, gap = script
 
     async def paced():
         for frame in frames:
             yield frame
-            await asyncio.sleep(llm_script.FRAME_GAP_S)
+            await asyncio.sleep(gap)
 
     return StreamingResponse(paced(), media_type=content_type)
 

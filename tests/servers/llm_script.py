@@ -3,7 +3,9 @@
 Every server stack (Starlette under uvicorn, granian and hypercorn, aiohttp)
 writes exactly these frames, one write per frame with a short pause between,
 so that what differs between stacks is only how they put the bytes on the
-wire. The reply follows the request: `max_tokens` (`options.num_predict` for
+wire. A request with `"burst": true` gets its frames without pauses, as an
+engine catching up sends them: events microseconds apart, which a server may
+coalesce into fewer writes. The reply follows the request: `max_tokens` (`options.num_predict` for
 Ollama) text events, the request's `model` echoed (the tests use it as the
 request's key), usage counted from the prompt's words.
 
@@ -88,12 +90,13 @@ ROUTES = {
 }
 
 
-def reply(path: str, body: bytes) -> tuple[str, list[bytes]] | None:
-    """(content type, frames) for a request to `path`, or None for an unknown path."""
+def reply(path: str, body: bytes) -> tuple[str, list[bytes], float] | None:
+    """(content type, frames, pause after each) for a request to `path`, or None for an unknown path."""
     route = ROUTES.get(path)
     if route is None:
         return None
     content_type, frames_of, tokens_key = route
     request = json.loads(body or b"{}")
     tokens = int((request.get("options") or request).get(tokens_key, 4))
-    return content_type, frames_of(request, tokens, _words(request))
+    gap = 0.0 if request.get("burst") else FRAME_GAP_S
+    return content_type, frames_of(request, tokens, _words(request)), gap

@@ -39,13 +39,18 @@ class ClientView:
         return None if self.first_text_ns is None else self.first_text_ns - self.send_ns
 
 
-def request_body(api: str, model: str, max_tokens: int, prompt: str, include_usage: bool) -> dict:
+def request_body(api: str, model: str, max_tokens: int, prompt: str, include_usage: bool,
+                 burst: bool = False) -> dict:
+    """`burst` asks the matrix's scripted servers (tests/servers/llm_script.py) for unpaced frames."""
     messages = [{"role": "user", "content": prompt}]
     if api == OLLAMA:
-        return {"model": model, "messages": messages, "stream": True, "options": {"num_predict": max_tokens}}
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True}
+        body = {"model": model, "messages": messages, "stream": True, "options": {"num_predict": max_tokens}}
+    else:
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True}
     if api == OPENAI and include_usage:
         body["stream_options"] = {"include_usage": True}
+    if burst:
+        body["burst"] = True
     return body
 
 
@@ -85,11 +90,11 @@ def _events(buffer: bytearray, api: str):
                 yield json.loads(line[5:])
 
 
-def stream(client: httpx.Client, api: str, max_tokens: int, *, include_usage: bool = True,
+def stream(client: httpx.Client, api: str, max_tokens: int, *, include_usage: bool = True, burst: bool = False,
            prompt: str = "how many tokens does this prompt have") -> ClientView:
     """One streamed request on `client` (its base URL names the server)."""
     view = ClientView(model=f"m-{uuid.uuid4().hex[:12]}", api=api)
-    body = request_body(api, view.model, max_tokens, prompt, include_usage)
+    body = request_body(api, view.model, max_tokens, prompt, include_usage, burst)
     view.send_ns = time.monotonic_ns()
     with client.stream("POST", PATHS[api], json=body) as response:
         view.status, view.http_version = response.status_code, response.http_version
