@@ -43,8 +43,8 @@ TLS_NOT_PROBED = "TLS outside libssl: the probes see ciphertext only"
 HTTP2_NOT_WIRED = "HTTP/2: agent/capture/http2.py is not wired into the tracker yet"
 WIDE_WRITEV = ("a writev of more than 8 iovecs is captured only in part (MAX_IOV 8 in bpf/tokenprobe.c): "
                "the row's chunked framing breaks")
-MEMORY_BIO_CLIENT = ("a memory-BIO TLS client's SSL* is bound to the thread's last socket read: "
-                     "another connection's (upstream plaintext lands on one connection, an inbound one loses rows)")
+MEMORY_BIO_CLIENT = ("a memory-BIO TLS client's SSL* is bound to the thread's last socket read, another "
+                     "connection's: an inbound connection is marked TLS and loses its rows, upstream connections merge")
 
 STACKS = (
     Stack("uvicorn", "uvicorn + uvloop + httptools, Starlette", "—", "HTTP/1.1",

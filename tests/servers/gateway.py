@@ -18,8 +18,10 @@ from starlette.routing import Route
 
 import llm_script
 
-# verify=False: the upstream's certificate is the test's self-signed one.
-upstream = httpx.AsyncClient(base_url=os.environ["UPSTREAM"], verify=False, timeout=60)
+# verify=False: the upstream's certificate is the test's self-signed one. No pooled upstream
+# connections: each request's TLS handshake upstream follows its own inbound read on this thread.
+upstream = httpx.AsyncClient(base_url=os.environ["UPSTREAM"], verify=False, timeout=60,
+                             limits=httpx.Limits(max_keepalive_connections=0))
 
 
 async def relay(request: Request) -> StreamingResponse:
