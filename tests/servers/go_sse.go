@@ -47,7 +47,7 @@ func chat(w http.ResponseWriter, r *http.Request) {
 		data, _ := json.Marshal(obj)
 		fmt.Fprintf(w, "data: %s\n\n", data)
 		flusher.Flush()
-		time.Sleep(2 * time.Millisecond)
+		time.Sleep(10 * time.Millisecond) // llm_script.py's FRAME_GAP_S
 	}
 	choice := func(delta map[string]any, finish any) map[string]any {
 		return map[string]any{"choices": []any{map[string]any{"index": 0, "delta": delta, "finish_reason": finish}}}

@@ -17,7 +17,7 @@ async function chat(req, res, body) {
   res.writeHead(200, { "Content-Type": "text/event-stream" });
   const send = async (obj) => {
     res.write(`data: ${JSON.stringify({ id, object: "chat.completion.chunk", model: request.model, ...obj })}\n\n`);
-    await sleep(2);
+    await sleep(10); // llm_script.py's FRAME_GAP_S
   };
   const choice = (delta, finish) => ({ choices: [{ index: 0, delta, finish_reason: finish }] });
   await send(choice({ role: "assistant", content: "" }, null));
