@@ -131,7 +131,10 @@ def drive(run: StackRun, launch: Launch) -> None:
             return [stream(client, api, tokens, include_usage=usage, burst=burst) for api, tokens, usage, burst in share]
 
     with ThreadPoolExecutor(CLIENTS_PER_STACK) as pool:
-        for views in pool.map(one_client, [plan[i::CLIENTS_PER_STACK] for i in range(CLIENTS_PER_STACK)]):
+        # Consecutive requests per connection: each connection carries every dialect the stack serves.
+        per_client = len(plan) // CLIENTS_PER_STACK
+        shares = [plan[i * per_client:(i + 1) * per_client] for i in range(CLIENTS_PER_STACK)]
+        for views in pool.map(one_client, shares):
             run.views += views
     expected_version = "HTTP/2" if launch.http2 else "HTTP/1.1"
     assert all(v.status == 200 and v.http_version == expected_version and v.text_chunks for v in run.views), run.views
