@@ -44,7 +44,8 @@ HTTP2_NOT_WIRED = "HTTP/2: agent/capture/http2.py is not wired into the tracker 
 WIDE_WRITEV = ("a writev of more than 8 iovecs is captured only in part (MAX_IOV 8 in bpf/tokenprobe.c): "
                "the row's chunked framing breaks (64 iovecs on branch capture, 6a988fc)")
 MEMORY_BIO_CLIENT = ("a memory-BIO TLS client's SSL* is bound to the thread's last socket read, another "
-                     "connection's: an inbound connection is marked TLS and loses its rows, upstream connections merge")
+                     "connection's: an inbound connection is marked TLS and loses its rows, upstream connections merge "
+                     "(the guess is gone on branch capture, 4e03285)")
 
 STACKS = (
     Stack("uvicorn", "uvicorn + uvloop + httptools, Starlette", "—", "HTTP/1.1",
