@@ -9,7 +9,6 @@ import tracemalloc
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from tokenprobe.actuator.asgi import UsageScanner
 from tokenprobe.actuator.engine import DEFAULT_CONTEXT_TOKENS, MAX_CHOICES
 from tokenprobe.actuator.gateway import InvalidRequest, estimate_request
