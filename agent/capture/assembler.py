@@ -28,10 +28,10 @@ from collections import deque
 from collections.abc import Callable
 
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
-from .exchange import CLOSE_REASONS, OUTCOME_BY_CLOSE_REASON, Exchange
+from .exchange import CLOSE_REASONS, OUTCOME_BY_CLOSE_REASON, Exchange, Txn
 from .http1 import MessageStream, RequestStream, ResponseStream
 
-__all__ = ["CLOSE_REASONS", "Exchange", "HttpConnectionAssembler", "MAX_OPEN_EXCHANGES", "Txn"]
+__all__ = ["CLOSE_REASONS", "Exchange", "HttpConnectionAssembler", "MAX_OPEN_EXCHANGES"]
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +43,6 @@ MAX_SEGMENT_BYTES = 1 << 40
 # What a feed returns when no exchange became complete, as most do: one shared list,
 # never a new one per call. Callers only read what feeds return.
 _NOTHING: list[Exchange] = []
-
-
-class Txn:
-    """An exchange being assembled, with the progress of its two halves."""
-
-    __slots__ = ("exchange", "request_done", "response_done")
-
-    def __init__(self, exchange: Exchange) -> None:
-        self.exchange = exchange
-        self.request_done = False
-        self.response_done = False
 
 
 class HttpConnectionAssembler:

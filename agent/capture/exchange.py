@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["CLOSE_REASONS", "OUTCOME_BY_CLOSE_REASON", "Exchange", "MAX_TOKEN_EVENTS"]
+__all__ = ["CLOSE_REASONS", "OUTCOME_BY_CLOSE_REASON", "Exchange", "MAX_TOKEN_EVENTS", "Txn"]
 
 CLOSE_REASONS = ("server_closed", "client_closed", "reset", "agent_stop")
 # The outcome of an exchange whose response had not finished when the connection closed.
@@ -74,3 +74,14 @@ class Exchange:
             events.append(ts)
         else:
             self.error = f"more than {MAX_TOKEN_EVENTS} token events; later ones not recorded"
+
+
+class Txn:
+    """An exchange being assembled, with the progress of its two halves."""
+
+    __slots__ = ("exchange", "request_done", "response_done")
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self.request_done = False
+        self.response_done = False

@@ -16,16 +16,28 @@ segment ends before the line does).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ...contract.tenant import FRAMING_HEADERS, printable, tenant_id
 from . import dialects
 from .bodies import JsonBody, RequestBody
+from .exchange import Exchange, Txn
 from .sse import NdjsonBody, SseBody
 
-if TYPE_CHECKING:
-    from .assembler import HttpConnectionAssembler, Txn
-    from .exchange import Exchange
+
+class Connection(Protocol):
+    """What a message stream asks of the connection that pairs its messages (assembler.py's
+    HttpConnectionAssembler): opening and claiming exchanges, and reporting what went wrong."""
+
+    _tenant_header: str | None
+    _fingerprint_key: bytes
+
+    def _open_exchange(self, ts: int) -> Txn | None: ...
+    def _claim_response(self, ts: int) -> Txn | None: ...
+    def _abandon(self, txn: Txn, reason: str, *, request_side: bool) -> None: ...
+    def _settle(self) -> None: ...
+    def _set_error(self, message: str) -> None: ...
+    def _stop(self, reason: str) -> None: ...
 
 __all__ = ["FramingError", "RequestStream", "ResponseStream", "foreign_protocol",
            "response_body_reader"]
@@ -93,7 +105,7 @@ class MessageStream:
     # Set as the connection's error when the stream's first bytes are not a message start.
     _mid_stream_note = ""
 
-    def __init__(self, conn: HttpConnectionAssembler, max_header_bytes: int) -> None:
+    def __init__(self, conn: Connection, max_header_bytes: int) -> None:
         self._conn = conn
         self._max_header_bytes = max_header_bytes
         self._state = _RESYNC  # a connection may have been picked up mid-stream
@@ -464,7 +476,7 @@ class ResponseStream(MessageStream):
     _mid_stream_note = ("response stream picked up in the middle of a message; "
                         "waiting for the next status line")
 
-    def __init__(self, conn: HttpConnectionAssembler, max_header_bytes: int, *, fast_path: bool = True) -> None:
+    def __init__(self, conn: Connection, max_header_bytes: int, *, fast_path: bool = True) -> None:
         super().__init__(conn, max_header_bytes)
         self._awaiting_final = False  # an interim 1xx was seen: the final response follows
         self._fast_path = fast_path
