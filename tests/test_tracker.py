@@ -383,14 +383,15 @@ def test_http2_picked_up_midway_is_one_unsupported_row():
     assert row["bytes_in"] + row["bytes_out"] > 0 and tracker.stats.unreadable_connections == 1
 
 
-@pytest.mark.parametrize("data, tls, reason", [
-    (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", False, "tls_unprobed"),  # a ClientHello, then nothing
-    (b"SSH-2.0-OpenSSH_9.2\r\n", False, "unknown_protocol"),
+@pytest.mark.parametrize("data, reason", [
+    (b"\x16\x03\x01\x02\x00", "tls_unprobed"),  # a ClientHello's record header, read alone
+    (b"SSH-2.0-OpenSSH_9.2\r\n", "unknown_protocol"),
 ])
-def test_connections_that_cannot_be_read_are_one_unsupported_row(data, tls, reason):
+def test_connections_that_cannot_be_read_are_one_unsupported_row(data, reason):
     tracker, rows = make_tracker()
     tracker.handle(ev(EV_ACCEPT, 500))
-    tracker.handle(ev(EV_DATA, 900, data=data, tls=tls))
+    tracker.handle(ev(EV_DATA, 900, data=data))
+    tracker.handle(ev(EV_DATA, 920, data=b"\x01\x00\x01\xfc\x03\x03" + bytes(16)))  # the record's payload
     tracker.handle(ev(EV_DATA, 950, direction=DIR_WRITE, data=b"\x17\x03\x03\x00\x10" + bytes(16)))
     tracker.handle(ev(EV_CLOSE, 3000))
     [row] = rows.rows

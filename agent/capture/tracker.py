@@ -249,8 +249,9 @@ class ConnectionTracker:
         if ev.tls:
             conn.tls = True
             conn.ciphertext_only = False
-        elif conn.tls or ev.head.startswith(TLS_RECORD_START):
-            # Ciphertext read before libssl's probes named the connection.
+        elif conn.tls or conn.ciphertext_only or ev.head.startswith(TLS_RECORD_START):
+            # Ciphertext: read before libssl's probes named the connection, or TLS no probe
+            # sees at all (whose reads may split a record's header from its payload).
             conn.ciphertext_only = True
             return
         if ev.ret < 0:
