@@ -8,8 +8,8 @@ cd "$(dirname "$0")/.."
 
 log() { printf '[install] %s\n' "$*"; }
 # BCC for the probes; nginx, Prometheus, Alertmanager and chromium (driven by
-# Playwright against the dashboard) for the tests.
-APT_PACKAGES="bpfcc-tools python3-bpfcc python3-seccomp nginx-light prometheus prometheus-alertmanager chromium"
+# Playwright against the dashboard) and Go (a crypto/tls server: TLS no probe reads) for the tests.
+APT_PACKAGES="bpfcc-tools python3-bpfcc python3-seccomp nginx-light prometheus prometheus-alertmanager chromium golang-go"
 # Remembers what apt installed, so a second run skips apt until the list changes.
 stamp=.venv/.apt-done
 

@@ -125,3 +125,39 @@ def test_go_crypto_tls_server_is_counted_as_tls_unprobed(tmp_path: Path):
     assert [(r["outcome"], r["unreadable_reason"], r["tls"], r["status"]) for r in rows] == [
         ("unsupported", "tls_unprobed", False, 0)] * 2, rows
     assert all(r["bytes_in"] and r["bytes_out"] for r in rows)
+
+
+NODE_SSE_SERVER = r'''
+const https = require("https"), fs = require("fs");
+const [port, cert, key] = process.argv.slice(1);
+https.createServer({cert: fs.readFileSync(cert), key: fs.readFileSync(key)}, (req, res) => {
+  res.writeHead(200, {"content-type": "text/event-stream", "connection": "close"});
+  for (let i = 0; i < 5; i++) res.write(`data: {"choices":[{"index":0,"delta":{"content":"t${i}"}}]}\n\n`);
+  res.end("data: [DONE]\n\n");
+}).listen(Number(port), "127.0.0.1");
+'''
+
+
+def test_node_with_openssl_linked_in_is_named_and_counted_as_tls_unprobed(tmp_path: Path):
+    """The image's Node.js 20 carries OpenSSL inside `node`: not probed yet, so named and counted."""
+    port = free_port()
+    cert, key = make_self_signed_cert(tmp_path)
+    server = subprocess.Popen(["/usr/bin/node", "-e", NODE_SSE_SERVER, str(port), str(cert), str(key)])
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, ports=[port]) as handle:
+            for _ in range(2):
+                request = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=b"{}")
+                with urllib.request.urlopen(request, context=context, timeout=10) as response:
+                    assert b"[DONE]" in response.read()
+            time.sleep(0.5)  # the server's close
+            assert handle.stop() == 0, handle.log()
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    assert f"TLS of pid {server.pid} (/usr/bin/node) cannot be read: static OpenSSL" in handle.log()
+    rows = read_rows(handle.store_url)
+    assert [(r["outcome"], r["unreadable_reason"], r["status"]) for r in rows] == [
+        ("unsupported", "tls_unprobed", 0)] * 2, rows
