@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import ssl  # noqa: F401  (maps libssl into this process)
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ NODE = "/usr/bin/node"
 
 
 def test_libssl_is_found_by_its_soname_whatever_its_file_is_called(tmp_path: Path):
-    import _ssl
+    import _ssl  # maps libssl into this process
 
     libssl = next(line.split()[-1] for line in open("/proc/self/maps") if "libssl" in line)
     renamed = tmp_path / "libtls-vendored.so"

@@ -352,19 +352,16 @@ class ConnectionTracker:
         if is_h2 is None and not closing and len(head) < _PROTOCOL_PROBE_BYTES:
             return False
         if is_h2:
-            conn.protocol = "h2" if conn.tls else "h2c"
-            conn.assembler = Http2ConnectionAssembler(
-                fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
-                on_request_start=lambda exchange: self._request_started(conn, exchange))
-            return True
-        if from_start and head and not (_HTTP1_REQUEST_START.match(head) if is_request
-                                        else head.startswith(_HTTP1_RESPONSE_START)):
+            conn.protocol, assembler = ("h2" if conn.tls else "h2c"), Http2ConnectionAssembler
+        elif from_start and head and not (_HTTP1_REQUEST_START.match(head) if is_request
+                                          else head.startswith(_HTTP1_RESPONSE_START)):
             self._mark_unreadable(conn, "unknown_protocol", "the connection's first bytes are "
                                   "neither HTTP/1, HTTP/2 nor TLS")
             conn.pending.clear()
             return False
-        conn.protocol = "http/1.1"
-        conn.assembler = HttpConnectionAssembler(
+        else:
+            conn.protocol, assembler = "http/1.1", HttpConnectionAssembler
+        conn.assembler = assembler(
             fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
             on_request_start=lambda exchange: self._request_started(conn, exchange))
         return True
@@ -381,9 +378,8 @@ class ConnectionTracker:
             self._finish(conn, self._decide(conn, closing=True))
         if conn.assembler is not None:
             self._finish(conn, conn.assembler.close(ts, reason))
-            h2_reason = getattr(conn.assembler, "unreadable", None)
-            if h2_reason:
-                self._mark_unreadable(conn, h2_reason, conn.assembler.error or h2_reason)
+            if isinstance(conn.assembler, Http2ConnectionAssembler) and conn.assembler.unreadable:
+                self._mark_unreadable(conn, conn.assembler.unreadable, conn.assembler.error)
         elif conn.ciphertext_only and not conn.tls:
             self._mark_unreadable(conn, "tls_unprobed", "TLS records on a connection no libssl "
                                   "probe saw (a TLS library the agent does not probe)")
