@@ -398,3 +398,16 @@ def test_connections_that_cannot_be_read_are_one_unsupported_row(data, reason):
     assert (row["outcome"], row["unreadable_reason"], row["status"], row["req_seq"]) == (
         "unsupported", reason, 0, 0)
     assert reason.split("_")[0] in row["error"].lower() or "neither" in row["error"]
+
+
+def test_traffic_after_a_websocket_upgrade_is_one_unsupported_row():
+    tracker, rows = make_tracker()
+    tracker.handle(ev(EV_ACCEPT, 500))
+    tracker.handle(ev(EV_DATA, 1000, data=b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                                           b"Connection: Upgrade\r\n\r\n"))
+    tracker.handle(ev(EV_DATA, 2000, direction=DIR_WRITE, data=b"HTTP/1.1 101 Switching Protocols\r\n"
+                                                                b"Upgrade: websocket\r\nConnection: Upgrade\r\n\r\n"))
+    tracker.handle(ev(EV_DATA, 3000, direction=DIR_WRITE, data=b"\x81\x05hello"))
+    tracker.handle(ev(EV_CLOSE, 4000))
+    assert [(r["req_seq"], r["status"], r["outcome"], r["unreadable_reason"]) for r in rows.rows] == [
+        (0, 101, "complete", ""), (1, 0, "unsupported", "websocket")]

@@ -417,6 +417,9 @@ class ConnectionTracker:
                 self.stats.parse_errors += 1
             if exchange.api == "unknown":
                 self.stats.unknown_api_streams += 1
+            if exchange.status == 101:  # what follows the upgrade is not HTTP (the HTTP/1 reader stopped)
+                upgraded_to = "websocket" if "upgraded to websocket" in (exchange.error or "").lower() else "upgraded"
+                self._mark_unreadable(conn, upgraded_to, exchange.error or "connection upgraded")
             conn.rows += 1
             self.emit_row(self._row(conn, exchange, conn.open.pop(exchange.seq, Fidelity())))
 
