@@ -21,9 +21,9 @@ direction (a server's SETTINGS may precede the client's preface): HTTP/2
 held until the next one. A connection picked up mid-way whose bytes read as
 HTTP/2 frames goes to the HTTP/2 assembler, which names it `h2_midstream`.
 A connection that cannot be read (HTTP/2 it lost track of, TLS no libssl
-probe saw, bytes of no known protocol) becomes one `unsupported` row at its
-close, with the reason in `unreadable_reason`: missing data never reads as
-health.
+probe saw, what follows a 101 upgrade, bytes of no known protocol) becomes one
+`unsupported` row at its close, with the reason in `unreadable_reason`:
+missing data never reads as health.
 """
 
 from __future__ import annotations
