@@ -57,6 +57,16 @@ def test_hypercorn_http2_every_stream_is_a_row_matching_the_client(tmp_path: Pat
         assert row["token_events"] == len(client["token_seen_ns"]) == row["completion_tokens"]
 
 
+def post_twice_over_tls(port: int) -> None:
+    """Two streamed chats, one connection each, the server's certificate not checked."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    for _ in range(2):
+        request = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=b"{}")
+        with urllib.request.urlopen(request, context=context, timeout=10) as response:
+            assert b"[DONE]" in response.read()  # the client read it all; the agent cannot
+
+
 GO_SSE_SERVER = r'''
 package main
 
@@ -95,18 +105,13 @@ def test_go_crypto_tls_server_is_counted_as_tls_unprobed(tmp_path: Path):
     port = free_port()
     cert, key = make_self_signed_cert(tmp_path)
     server = subprocess.Popen([str(binary), str(port), str(cert), str(key)])
-    context = ssl.create_default_context()
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     metrics_port = free_port()
     counted = rf'^tokenprobe_agent_unreadable_connections_total{{(?=[^}}]*reason="tls_unprobed")' \
               rf'(?=[^}}]*server_port="{port}")[^}}]*}} (\S+)'
     try:
         wait_for_port(port)
         with agent(tmp_path, "--metrics-port", str(metrics_port), ports=[port]) as handle:
-            for _ in range(2):
-                request = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=b"{}")
-                with urllib.request.urlopen(request, context=context, timeout=10) as response:
-                    assert b"[DONE]" in response.read()  # the client read it; the agent cannot
+            post_twice_over_tls(port)
             deadline = time.monotonic() + 20
             while True:
                 with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
@@ -143,15 +148,10 @@ def test_node_with_openssl_linked_in_is_named_and_counted_as_tls_unprobed(tmp_pa
     port = free_port()
     cert, key = make_self_signed_cert(tmp_path)
     server = subprocess.Popen(["/usr/bin/node", "-e", NODE_SSE_SERVER, str(port), str(cert), str(key)])
-    context = ssl.create_default_context()
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     try:
         wait_for_port(port)
         with agent(tmp_path, ports=[port]) as handle:
-            for _ in range(2):
-                request = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=b"{}")
-                with urllib.request.urlopen(request, context=context, timeout=10) as response:
-                    assert b"[DONE]" in response.read()
+            post_twice_over_tls(port)
             time.sleep(0.5)  # the server's close
             assert handle.stop() == 0, handle.log()
     finally:
