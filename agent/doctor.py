@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .capture.kernel_headers import choose_headers
 from .capture.probes import ProbeError, Probes, Targets, libssl_paths
+from .capture.tls_libraries import unreadable_tls
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -98,6 +99,17 @@ def _check_libssl() -> Check:
     return Check("libssl", OK, f"{len(paths)} found: {shown}")
 
 
+def _check_tls_reach() -> Check:
+    blind = unreadable_tls(int(p) for p in os.listdir("/proc") if p.isdigit())
+    if not blind:
+        return Check("TLS reach", OK, "no process uses a TLS library the probes cannot read")
+    named = "; ".join(f"pid {r.pid} ({r.exe}): {r.library}" for r in blind[:8])
+    more = f" and {len(blind) - 8} more" if len(blind) > 8 else ""
+    return Check("TLS reach", WARN, f"TLS not readable in {len(blind)} process(es): {named}{more}; their "
+                 "connections are counted as unsupported rows (reason tls_unprobed)",
+                 "serve TLS with a shared OpenSSL (libssl), or terminate TLS in a proxy that uses one")
+
+
 def _check_nvml() -> Check:
     try:
         import pynvml
@@ -131,7 +143,7 @@ def _check_load() -> Check:
 def run_checks(load: bool = True) -> list[Check]:
     checks = [Check("kernel", OK, f"{platform.release()} on {platform.machine()}"),
               _check_root(), _check_btf(), _check_tracefs(), _check_headers(), *_check_probe_types(),
-              _check_bcc(), _check_libssl(), _check_nvml()]
+              _check_bcc(), _check_libssl(), _check_tls_reach(), _check_nvml()]
     if load and os.geteuid() == 0:
         checks.append(_check_load())
     return checks

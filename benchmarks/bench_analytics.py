@@ -63,7 +63,8 @@ SELECT
     cityHash64(n) AS body_fp, 'complete' AS outcome, '' AS error, 'openai.chat' AS api,
     first_token AS first_content_token, 1 AS choices, token_events AS choice_events,
     NULL AS engine_prompt_ms, NULL AS engine_decode_ms,
-    'exact' AS capture, toUInt64(0) AS bytes_unseen
+    'exact' AS capture, toUInt64(0) AS bytes_unseen, 'http/1.1' AS protocol, toUInt32(0) AS stream_id,
+    NULL AS grpc_status, '' AS unreadable_reason
 FROM (
     SELECT number AS n,
         {start_ns} + toInt64(n * ({span_ns} / {requests})) AS start_ns,

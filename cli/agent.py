@@ -24,6 +24,8 @@ from typing import Callable
 from ..agent.capture.clock import MonotonicWallClock
 from ..agent.capture.inflight import inflight_snapshot
 from ..agent.capture.probes import Probes, Targets
+from ..agent.capture.procfs import target_port_sockets
+from ..agent.capture.tls_libraries import unreadable_tls
 from ..agent.capture.tracker import ConnectionTracker
 from ..agent.export.metrics_endpoint import AgentMetrics
 from ..agent.export.otel_export import OtelExporter
@@ -358,6 +360,9 @@ class Agent:
         t = cfg.targets
         log.info("tracing ports %s pids %s exes %s; libssl probed: %s", t.ports or "-", t.pids or "-",
                  t.exes or "-", ", ".join(probes.attached_ssl) or "none")
+        for reach in unreadable_tls([*t.pids, *(owner.pid for owner in target_port_sockets(set(t.ports))[0])]):
+            log.warning("TLS of pid %d (%s) cannot be read: %s; its connections are written as unsupported "
+                        "rows (tls_unprobed)", reach.pid, reach.exe, reach.library)
         if cfg.on_ready:
             cfg.on_ready()
         status = StatusLine() if cfg.status else None

@@ -65,6 +65,12 @@ REQUEST_SCHEMA: tuple[Column, ...] = (
     # Added with capture fidelity: how the row was seen (exact, gaps, dropped) and the bytes not seen.
     Column("capture", "LowCardinality(String)", OPAQUE_CODEC),
     Column("bytes_unseen", "UInt64", INTEGER_CODEC),
+    # Added with HTTP/2 and blind spots: the protocol read, the HTTP/2 stream, gRPC's status, and for an
+    # `unsupported` row (a connection that could not be read) why not.
+    Column("protocol", "LowCardinality(String)", OPAQUE_CODEC, default="'http/1.1'"),
+    Column("stream_id", "UInt32", INTEGER_CODEC, default="0"),
+    Column("grpc_status", "Nullable(UInt16)", INTEGER_CODEC),
+    Column("unreadable_reason", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
 )
 
 REQUESTS = Table(

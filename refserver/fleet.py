@@ -121,7 +121,11 @@ SELECT
     NULL AS engine_prompt_ms,
     NULL AS engine_decode_ms,
     'exact' AS capture,
-    toUInt64(0) AS bytes_unseen
+    toUInt64(0) AS bytes_unseen,
+    'http/1.1' AS protocol,
+    toUInt32(0) AS stream_id,
+    NULL AS grpc_status,
+    '' AS unreadable_reason
 FROM (
     SELECT
         number,

@@ -40,8 +40,14 @@ class Stack:
     burst_every: int = 4  # every Nth request asks for unpaced frames (llm_script.py); 0: none
 
 
-TLS_NOT_PROBED = "TLS outside libssl: the probes see ciphertext only"
-HTTP2_NOT_WIRED = "HTTP/2: agent/capture/http2.py is not wired into the tracker yet"
+# A TLS library no probe reads: one `unsupported` row per connection (unreadable_reason tls_unprobed),
+# counted in tokenprobe_agent_unreadable_connections_total, and the process named by doctor.
+TLS_UNPROBED_ERROR = "TLS records on a connection no libssl probe saw"
+
+
+def tls_unprobed(library: str) -> Outcome:
+    return Outcome(UNREADABLE, f"tls_unprobed ({library}): one `unsupported` row per connection", TLS_UNPROBED_ERROR)
+
 OUTBOUND_MEMORY_BIO = ("a memory-BIO TLS client's own requests (the gateway's httpx to its TLS upstream, traced "
                        "with --outbound) give no rows: the SSL* is never bound to its socket on the client side")
 
@@ -57,22 +63,21 @@ STACKS = (
     Stack("granian-burst", "granian (Rust hyper), Starlette, frames unpaced", "—", "HTTP/1.1",
           (OPENAI, ANTHROPIC, OLLAMA), Outcome(READ), burst_every=1),
     Stack("granian-tls", "granian (Rust hyper), Starlette", "rustls", "HTTP/1.1", (OPENAI,),
-          Outcome(SILENT, TLS_NOT_PROBED)),
+          tls_unprobed("rustls")),
     Stack("aiohttp", "aiohttp web server", "—", "HTTP/1.1", (OPENAI, ANTHROPIC, OLLAMA), Outcome(READ)),
     Stack("gateway", "httpx gateway on uvicorn, both sides (`--outbound`)",
           "— in; OpenSSL via CPython ssl (memory BIO) to its upstream", "HTTP/1.1", (OPENAI, ANTHROPIC),
           Outcome(READ), outbound_bug=OUTBOUND_MEMORY_BIO),
     Stack("go", "Go 1.19 net/http", "—", "HTTP/1.1", (OPENAI,), Outcome(READ)),
-    Stack("go-tls", "Go 1.19 net/http", "Go crypto/tls", "HTTP/1.1", (OPENAI,),
-          Outcome(SILENT, TLS_NOT_PROBED)),
+    Stack("go-tls", "Go 1.19 net/http", "Go crypto/tls", "HTTP/1.1", (OPENAI,), tls_unprobed("Go crypto/tls")),
     Stack("go-tls-h2", "Go 1.19 net/http", "Go crypto/tls", "HTTP/2 (ALPN h2)", (OPENAI,),
-          Outcome(SILENT, TLS_NOT_PROBED)),
+          tls_unprobed("Go crypto/tls")),
     Stack("node-tls", "Node.js 20 `https`", "OpenSSL linked into the node binary", "HTTP/1.1", (OPENAI,),
-          Outcome(SILENT, "only libssl.so is probed, not the SSL_read/SSL_write the node binary exports")),
+          tls_unprobed("OpenSSL linked into node: its exported SSL_read/SSL_write are not probed yet")),
     Stack("hypercorn-h2", "hypercorn, Starlette", "OpenSSL via CPython ssl (memory BIO)", "HTTP/2 (ALPN h2)",
-          (OPENAI,), Outcome(SILENT, HTTP2_NOT_WIRED)),
+          (OPENAI,), Outcome(READ)),
     Stack("hypercorn-h2c", "hypercorn, Starlette", "—", "HTTP/2 (h2c prior knowledge)", (OPENAI,),
-          Outcome(SILENT, HTTP2_NOT_WIRED)),
+          Outcome(READ)),
 )
 
 API_NAMES = {OPENAI: "OpenAI chat (SSE)", ANTHROPIC: "Anthropic Messages (SSE `event:`)",

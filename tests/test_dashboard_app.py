@@ -86,7 +86,7 @@ def request_row(conn_id: int, start_ns: int, *, ttft_ms: float | None, tpot_ms: 
         "response_id": f"chatcmpl-{conn_id}", "streamed": True, "token_events": tokens, "sse_events": tokens + 2,
         "token_offsets_us": offsets, "prompt_tokens": 10, "completion_tokens": tokens, "inflight_at_arrival": 0,
         "bytes_in": 500, "bytes_out": 1000, "body_fp": conn_id, "outcome": outcome, "error": "",
-        "capture": "exact", "bytes_unseen": 0,
+        "capture": "exact", "bytes_unseen": 0, "protocol": "http/1.1", "stream_id": 0, "unreadable_reason": "",
     }
 
 

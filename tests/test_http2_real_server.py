@@ -21,34 +21,11 @@ import grpc
 import httpx
 import pytest
 from hypercorn.asyncio import serve
-from hypercorn.config import Config
 from tokenprobe.agent.capture.http2 import Http2ConnectionAssembler
 
-from tests.support import asgi_body, free_port, wait_for_port
+from tests.servers.hypercorn_sse import config, sse_app
+from tests.support import free_port, wait_for_port
 from tests.support.h2_wire import assemble
-
-TOKENS = 12
-
-
-async def sse_app(scope, receive, send):
-    """A streamed chat completion: role chunk, TOKENS text chunks, usage, [DONE]."""
-    if scope["type"] != "http":
-        return
-    request = json.loads(await asgi_body(receive))
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")]})
-
-    async def event(obj) -> None:
-        await send({"type": "http.response.body", "body": b"data: " + json.dumps(obj).encode() + b"\n\n",
-                    "more_body": True})
-        await asyncio.sleep(0.002)
-
-    chunk = {"id": f"chatcmpl-{request['n']}", "object": "chat.completion.chunk", "model": request["model"]}
-    await event(chunk | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-    for i in range(TOKENS + request["n"]):
-        await event(chunk | {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]})
-    await event(chunk | {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": TOKENS + request["n"]}})
-    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
 class Relay:
@@ -96,16 +73,12 @@ class Relay:
 @pytest.fixture
 def hypercorn_h2c():
     port = free_port()
-    config = Config()
-    config.bind = [f"127.0.0.1:{port}"]
-    config.accesslog = config.errorlog = None
-    config.keep_alive_timeout = 0.2  # it closes a half-closed idle connection only then
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        loop.run_until_complete(serve(sse_app, config, shutdown_trigger=stop.wait))
+        loop.run_until_complete(serve(sse_app, config(port), shutdown_trigger=stop.wait))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -115,14 +88,16 @@ def hypercorn_h2c():
     thread.join(10)
 
 
-async def stream_chats(port: int, count: int) -> dict[str, dict]:
-    """Concurrent streamed requests on one HTTP/2 connection; what the client saw of each."""
+async def stream_chats(port: int, count: int, *, tls: bool = False) -> dict[str, dict]:
+    """Concurrent streamed requests on one HTTP/2 connection (h2c with prior knowledge, or
+    TLS with ALPN h2, the server's certificate not checked); what the client saw of each."""
     seen: dict[str, dict] = {}
-    async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as client:
+    scheme = "https" if tls else "http"
+    async with httpx.AsyncClient(http1=False, http2=True, timeout=30, verify=not tls) as client:
         async def one(n: int) -> None:
             body = {"model": "llama-3-8b", "stream": True, "n": n, "messages": [{"role": "user", "content": "hi"}]}
             sent_ns = time.monotonic_ns()
-            async with client.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions?x=1",
+            async with client.stream("POST", f"{scheme}://127.0.0.1:{port}/v1/chat/completions?x=1",
                                      json=body, headers={"x-tenant-id": f"tenant-{n}"}) as response:
                 assert response.http_version == "HTTP/2"
                 texts, events = [], 0

@@ -97,6 +97,20 @@ def test_health_checks_are_counted_but_not_timed(metrics):
     assert value(page, "tokenprobe_request_duration_seconds_count", model="llama-3-8b") == 1
 
 
+def test_connections_that_could_not_be_read_are_counted_by_port_and_reason(metrics):
+    blind = dict(method="", path="", model="", status=0, outcome="unsupported", streamed=False, token_events=0,
+                 first_token=None, last_token=None, resp_start=None, resp_end=None)
+    for reason, port in (("tls_unprobed", 8443), ("tls_unprobed", 8443), ("h2_midstream", 8000)):
+        metrics.observe_request(row(**blind, server_port=port, unreadable_reason=reason))
+    metrics.observe_request(row())
+    page = read(metrics)
+    name = "tokenprobe_agent_unreadable_connections_total"
+    assert value(page, name, server_port="8443", reason="tls_unprobed") == 2
+    assert value(page, name, server_port="8000", reason="h2_midstream") == 1
+    assert len(series(page, name)) == 2
+    assert series(page, "tokenprobe_request_duration_seconds_count")[0].value == 1  # blind spots are not timed
+
+
 def test_model_names_from_clients_are_capped_per_port(metrics):
     for model in ("a", "b", "c", "d", "e"):
         metrics.observe_request(row(model=model))

@@ -54,7 +54,7 @@ def make_row(**overrides) -> dict:
         "inflight_at_arrival": 1, "bytes_in": 512, "bytes_out": 3419, "body_fp": 2**64 - 1,
         "outcome": "complete", "error": "", "api": "openai.chat", "first_content_token": start + 30_000_007,
         "choices": 1, "choice_events": 3, "engine_prompt_ms": None, "engine_decode_ms": None,
-        "capture": "exact", "bytes_unseen": 0,
+        "capture": "exact", "bytes_unseen": 0, "protocol": "http/1.1", "stream_id": 0, "unreadable_reason": "",
     }
     row.update(overrides)
     return row
@@ -127,7 +127,7 @@ def test_unreachable_server_is_store_unavailable_naming_the_url():
 def test_requests_columns_match_row_schema_doc(owner):
     documented = re.findall(r"^\| (\w+) \| ([A-Za-z0-9()]+(?:\([^|]*\))?) \|", ROW_SCHEMA_DOC.read_text(), re.M)
     documented = [(name, ch_type.replace("DateTime64(9)", "DateTime64(9, 'UTC')")) for name, ch_type in documented]
-    assert len(documented) == 44
+    assert len(documented) == 48
     assert schema.REQUEST_COLUMNS == [name for name, _ in documented]
     described = owner.query_rows("SELECT name, type FROM system.columns"
                                  " WHERE database = 'tokenprobe' AND table = 'requests' ORDER BY position")

@@ -32,6 +32,9 @@ from tokenprobe.agent.capture.tracker import ConnectionTracker
 from tokenprobe.contract.requests import REQUEST_COLUMNS
 from tokenprobe.contract.tenant import DEFAULT_TENANT_HEADER
 
+from tests.support.h2_wire import SSE_DONE, SSE_RESPONSE, H2Wire, chat_request
+from tests.support.h2_wire import sse_chunk as h2_sse_chunk
+
 HEADER = struct.Struct("<QQQQIIIIBBBBiIIIHH16s16s")
 V4_MAPPED_LOOPBACK = bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1])
 
@@ -328,3 +331,83 @@ def test_headers_fall_back_to_the_nearest_debian_pair(tmp_path: Path):
 def test_headers_say_what_to_do_when_none_exist(tmp_path: Path):
     choice = choose_headers("6.18.0", cache_dir=tmp_path, modules_dir=tmp_path, src_dir=tmp_path)
     assert choice.kernel_source is None and "install" in choice.note
+
+
+def h2_wire_with_two_streams() -> H2Wire:
+    """Two streamed chats on one h2c connection; the server's SETTINGS written first."""
+    wire = H2Wire()
+    for stream_id in (1, 3):
+        headers, body = chat_request([("x-tenant-id", f"t{stream_id}")])
+        wire.request(stream_id, headers, body)
+        wire.respond(stream_id, SSE_RESPONSE)
+        wire.send(stream_id, h2_sse_chunk("hi"))
+        wire.send(stream_id, SSE_DONE, end_stream=True)
+    return wire
+
+
+def feed_wire(tracker, segments, *, accept=True, split_first=False, tls=False) -> None:
+    """Feeds (ts, is_request, bytes) segments; without accept, as a connection the kernel
+    picked up mid-way (no accept time)."""
+    conn_ns = 500 if accept else 0
+    if accept:
+        tracker.handle(ev(EV_ACCEPT, conn_ns))
+    for ts, is_request, data in segments:
+        direction = DIR_READ if is_request else DIR_WRITE
+        pieces = [data[:3], data[3:]] if split_first and is_request and data.startswith(b"PRI") else [data]
+        for piece in pieces:
+            tracker.handle(ev(EV_DATA, ts, conn_ns=conn_ns, direction=direction, data=piece, tls=tls))
+    tracker.handle(ev(EV_CLOSE, segments[-1][0] + 1, conn_ns=conn_ns))
+
+
+@pytest.mark.parametrize("split_first, tls, protocol", [(False, False, "h2c"), (True, True, "h2")])
+def test_http2_connections_become_one_row_per_stream(split_first, tls, protocol):
+    """The protocol is chosen at the first bytes, whichever side wrote them (here the
+    server's SETTINGS), and a preface too short to tell is held for the next segment."""
+    tracker, rows = make_tracker()
+    feed_wire(tracker, h2_wire_with_two_streams().segments, split_first=split_first, tls=tls)
+    assert [(r["stream_id"], r["req_seq"], r["tenant"], r["protocol"], r["status"], r["token_events"],
+             r["outcome"], r["unreadable_reason"], r["tls"]) for r in rows.rows] == [
+        (1, 0, "t1", protocol, 200, 1, "complete", "", tls), (3, 1, "t3", protocol, 200, 1, "complete", "", tls)]
+    assert list(rows.rows[0]) == REQUEST_COLUMNS and tracker.stats.inflight == {8000: 0}
+
+
+def test_http2_picked_up_midway_is_one_unsupported_row():
+    segments = h2_wire_with_two_streams().segments
+    first_response = next(i for i, (_, is_request, data) in enumerate(segments)
+                          if not is_request and b"text/event-stream" not in data and i > 2)
+    tracker, rows = make_tracker()
+    feed_wire(tracker, segments[first_response:], accept=False)
+    [row] = rows.rows
+    assert (row["outcome"], row["unreadable_reason"], row["protocol"], row["method"]) == (
+        "unsupported", "h2_midstream", "h2c", "")
+    assert row["bytes_in"] + row["bytes_out"] > 0 and tracker.stats.unreadable_connections == 1
+
+
+@pytest.mark.parametrize("data, reason", [
+    (b"\x16\x03\x01\x02\x00", "tls_unprobed"),  # a ClientHello's record header, read alone
+    (b"SSH-2.0-OpenSSH_9.2\r\n", "unknown_protocol"),
+])
+def test_connections_that_cannot_be_read_are_one_unsupported_row(data, reason):
+    tracker, rows = make_tracker()
+    tracker.handle(ev(EV_ACCEPT, 500))
+    tracker.handle(ev(EV_DATA, 900, data=data))
+    tracker.handle(ev(EV_DATA, 920, data=b"\x01\x00\x01\xfc\x03\x03" + bytes(16)))  # the record's payload
+    tracker.handle(ev(EV_DATA, 950, direction=DIR_WRITE, data=b"\x17\x03\x03\x00\x10" + bytes(16)))
+    tracker.handle(ev(EV_CLOSE, 3000))
+    [row] = rows.rows
+    assert (row["outcome"], row["unreadable_reason"], row["status"], row["req_seq"]) == (
+        "unsupported", reason, 0, 0)
+    assert reason.split("_")[0] in row["error"].lower() or "neither" in row["error"]
+
+
+def test_traffic_after_a_websocket_upgrade_is_one_unsupported_row():
+    tracker, rows = make_tracker()
+    tracker.handle(ev(EV_ACCEPT, 500))
+    tracker.handle(ev(EV_DATA, 1000, data=b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                                           b"Connection: Upgrade\r\n\r\n"))
+    tracker.handle(ev(EV_DATA, 2000, direction=DIR_WRITE, data=b"HTTP/1.1 101 Switching Protocols\r\n"
+                                                                b"Upgrade: websocket\r\nConnection: Upgrade\r\n\r\n"))
+    tracker.handle(ev(EV_DATA, 3000, direction=DIR_WRITE, data=b"\x81\x05hello"))
+    tracker.handle(ev(EV_CLOSE, 4000))
+    assert [(r["req_seq"], r["status"], r["outcome"], r["unreadable_reason"]) for r in rows.rows] == [
+        (0, 101, "complete", ""), (1, 0, "unsupported", "websocket")]

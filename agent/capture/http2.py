@@ -208,6 +208,10 @@ class Http2ConnectionAssembler:
         """The last per-connection error, in plain words; None if there was none."""
         return self._error
 
+    def open_exchanges(self) -> list[H2Exchange]:
+        """The streams started and not yet returned, oldest first; for looking at, never changing."""
+        return [stream.exchange for stream in self._streams.values()]
+
     def feed_request_bytes(self, ts_ns: int, head: bytes, total_len: int,
                            tail: bytes = b"") -> list[H2Exchange]:
         """One segment travelling towards the server."""

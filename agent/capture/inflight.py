@@ -16,6 +16,8 @@ def inflight_snapshot(tracker: ConnectionTracker, now_ns: int) -> list[dict]:
     wall = tracker.clock.to_wall_ns
     rows = []
     for conn in tracker.connections.values():
+        if conn.assembler is None:  # protocol not chosen yet, or not readable
+            continue
         client = conn.role == ROLE_CLIENT
         for exchange in conn.assembler.open_exchanges():
             tokens = exchange.token_event_ns

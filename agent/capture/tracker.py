@@ -14,6 +14,16 @@ and bytes that were dropped: the exchanges open at that moment are
 framing stays in step. Bytes a delivered event did not carry (beyond its
 head and tail) are counted too: a response with any, or a request whose
 framing they broke, is `gaps`. Everything else is `exact`.
+
+The protocol is chosen per connection at its first captured bytes, in either
+direction (a server's SETTINGS may precede the client's preface): HTTP/2
+(`starts_http2`), else HTTP/1; too few bytes to tell and the segments are
+held until the next one. A connection picked up mid-way whose bytes read as
+HTTP/2 frames goes to the HTTP/2 assembler, which names it `h2_midstream`.
+A connection that cannot be read (HTTP/2 it lost track of, TLS no libssl
+probe saw, what follows a 101 upgrade, bytes of no known protocol) becomes one
+`unsupported` row at its close, with the reason in `unreadable_reason`:
+missing data never reads as health.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import re
 import socket
 from dataclasses import dataclass, field
 from typing import Callable
@@ -28,6 +39,12 @@ from typing import Callable
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from .assembler import Exchange, HttpConnectionAssembler
 from .clock import MonotonicWallClock
+from .http2 import (
+    H2Exchange,
+    Http2ConnectionAssembler,
+    resembles_http2_frames,
+    starts_http2,
+)
 from .probes import (
     DIR_READ,
     DIR_WRITE,
@@ -46,6 +63,11 @@ from .procfs import comm_of, socket_endpoints
 log = logging.getLogger("tokenprobe.tracker")
 
 TLS_RECORD_START = (b"\x16\x03", b"\x17\x03", b"\x15\x03")  # handshake, data, alert
+# How an HTTP/1 connection's first bytes begin: a request line's method, or a status line.
+_HTTP1_REQUEST_START = re.compile(rb"[A-Z][A-Z_-]{2,19} ")
+_HTTP1_RESPONSE_START = b"HTTP/1."
+# What a connection's first bytes must hold before HTTP/1 or HTTP/2 can be told apart.
+_PROTOCOL_PROBE_BYTES = 24
 
 
 def _boot_id() -> bytes:
@@ -86,7 +108,15 @@ class Connection:
     peer_port: int
     comm: str
     conn_id: int
-    assembler: HttpConnectionAssembler | None = None
+    # Chosen at the first captured bytes (None until then, and for a connection not read).
+    assembler: HttpConnectionAssembler | Http2ConnectionAssembler | None = None
+    protocol: str = ""              # 'http/1.1', 'h2' or 'h2c' once chosen
+    # Segments (is_request, ts, head, total_len, tail) held while the protocol is undecided.
+    pending: list[tuple[bool, int, bytes, int, bytes]] = field(default_factory=list)
+    unreadable: str | None = None   # why the connection is not read (a blind spot), if so
+    unreadable_words: str = ""
+    first_ns: int = 0               # the first data event's time
+    rows: int = 0                   # rows written for the connection so far
     tls: bool = False
     tls_done_ns: int | None = None
     ciphertext_only: bool = False   # raw TLS bytes seen and no plaintext probe yet
@@ -109,6 +139,7 @@ class TrackerStats:
     unknown_api_streams: int = 0   # event streams in no known API shape (rows with api 'unknown')
     lost_events: int = 0           # data events the kernel numbered and the agent never received
     bytes_unseen: int = 0          # bytes moved on tracked connections and not captured
+    unreadable_connections: int = 0  # connections written as one `unsupported` row (blind spots)
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -145,10 +176,8 @@ class ConnectionTracker:
         conn = Connection(
             tgid=ev.tgid, fd=ev.fd, opened_ns=opened_ns, accept_seen=accept_seen, role=ev.role,
             local_port=ev.local_port, peer_addr=ev.peer_addr, peer_port=ev.peer_port,
-            comm=ev.comm or comm_of(ev.tgid), conn_id=connection_id(ev.tgid, ev.fd, opened_ns))
-        conn.assembler = HttpConnectionAssembler(
-            fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
-            on_request_start=lambda exchange: self._request_started(conn, exchange))
+            comm=ev.comm or comm_of(ev.tgid), conn_id=connection_id(ev.tgid, ev.fd, opened_ns),
+            first_ns=ev.ts_ns)
         self.connections[(ev.tgid, ev.fd)] = conn
         self.stats.connections += 1
         return conn
@@ -156,7 +185,7 @@ class ConnectionTracker:
     def _on_open(self, ev: KernelEvent) -> None:
         old = self.connections.pop((ev.tgid, ev.fd), None)
         if old is not None:  # the fd was reused and its close() was not seen
-            self._finish(old, old.assembler.close(ev.ts_ns, "server_closed"))
+            self._close(old, ev.ts_ns, "server_closed")
         if ev.role != ROLE_CLIENT and ev.local_port == 0:
             # The kernel could not name the port (see accept_exit in the BPF
             # program): read it, and the peer, from /proc.
@@ -174,7 +203,7 @@ class ConnectionTracker:
         conn = self.connections.get((ev.tgid, ev.fd))
         if conn is not None and conn.accept_seen and ev.conn_ns and conn.opened_ns != ev.conn_ns:
             # A newer connection on the same fd whose accept event was lost.
-            self._finish(conn, conn.assembler.close(ev.ts_ns, "server_closed"))
+            self._close(conn, ev.ts_ns, "server_closed")
             conn = None
         if conn is None:
             # Opened before the agent started, or its accept event was lost.
@@ -202,8 +231,7 @@ class ConnectionTracker:
                 fidelity.dropped = True
             self._note_unseen(conn, is_request, nbytes)
             if nbytes:
-                feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
-                self._finish(conn, feed(ev.ts_ns, b"", nbytes))
+                self._finish(conn, self._feed(conn, is_request, ev.ts_ns, b"", nbytes))
 
     @staticmethod
     def _note_unseen(conn: Connection, is_request: bool, nbytes: int) -> None:
@@ -226,8 +254,9 @@ class ConnectionTracker:
         if ev.tls:
             conn.tls = True
             conn.ciphertext_only = False
-        elif conn.tls or ev.head.startswith(TLS_RECORD_START):
-            # Ciphertext read before libssl's probes named the connection.
+        elif conn.tls or conn.ciphertext_only or ev.head.startswith(TLS_RECORD_START):
+            # Ciphertext: read before libssl's probes named the connection, or TLS no probe
+            # sees at all (whose reads may split a record's header from its payload).
             conn.ciphertext_only = True
             return
         if ev.ret < 0:
@@ -240,8 +269,7 @@ class ConnectionTracker:
             conn.peer_eof = True
             return
         is_request = self._is_request(conn, direction)
-        feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
-        exchanges = feed(ev.ts_ns, ev.head, ev.total_len, ev.tail)
+        exchanges = self._feed(conn, is_request, ev.ts_ns, ev.head, ev.total_len, ev.tail)
         # Booked after feeding: the segment may itself open the exchange it belongs to.
         unseen = max(0, ev.total_len - len(ev.head) - len(ev.tail))
         if unseen:
@@ -260,7 +288,7 @@ class ConnectionTracker:
             reason = "client_closed"
         else:
             reason = "server_closed"
-        self._finish(conn, conn.assembler.close(ev.ts_ns, reason))
+        self._close(conn, ev.ts_ns, reason)
 
     def _on_tls_done(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
@@ -277,13 +305,100 @@ class ConnectionTracker:
             conn = self.connections.pop(key)
             if self.forget_connection:
                 self.forget_connection(conn.tgid, conn.fd)
-            self._finish(conn, conn.assembler.close(ev.ts_ns, "server_closed"))
+            self._close(conn, ev.ts_ns, "server_closed")
 
     def close_all(self, ts_ns: int) -> None:
         """Agent stop: every exchange still open is written, marked truncated."""
         for conn in list(self.connections.values()):
-            self._finish(conn, conn.assembler.close(ts_ns, "agent_stop"))
+            self._close(conn, ts_ns, "agent_stop")
         self.connections.clear()
+
+    # -- protocols ---------------------------------------------------------
+    def _feed(self, conn: Connection, is_request: bool, ts: int, head: bytes, total_len: int,
+              tail: bytes = b"") -> list[Exchange]:
+        """One segment (or a gap: no head, no tail) to the connection's assembler,
+        choosing the assembler first if this is among the connection's first bytes."""
+        if conn.unreadable:
+            return []
+        if conn.assembler is None:
+            conn.pending.append((is_request, ts, head, total_len, tail))
+            return self._decide(conn, closing=False)
+        feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
+        return feed(ts, head, total_len, tail)
+
+    def _decide(self, conn: Connection, *, closing: bool) -> list[Exchange]:
+        """Chooses the connection's assembler and feeds it the held segments; [] while undecided."""
+        if not self._choose_protocol(conn, closing=closing):
+            return []
+        segments, conn.pending = conn.pending, []
+        exchanges: list[Exchange] = []
+        for is_request, *segment in segments:
+            feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
+            exchanges += feed(*segment)
+        return exchanges
+
+    def _choose_protocol(self, conn: Connection, *, closing: bool) -> bool:
+        """Picks the assembler from the held segments; False while they cannot tell yet
+        (on `closing` they must), or when the connection is not read at all."""
+        pending = conn.pending
+        # Nothing lost before the first bytes held: the connection is seen from its start.
+        from_start = conn.accept_seen and bool(pending[0][2])
+        first = next((segment for segment in pending if segment[2]), None)
+        if first is None:  # only gaps so far
+            if not closing:
+                return False
+            is_request, head = True, b""
+        else:
+            is_request = first[0]
+            head = b"".join(segment[2] for segment in pending if segment[0] == is_request)
+        is_h2 = starts_http2(head[:_PROTOCOL_PROBE_BYTES], is_request=is_request)
+        if not is_h2 and not from_start and resembles_http2_frames(head):
+            is_h2 = True  # picked up mid-way: the HTTP/2 assembler says so (h2_midstream)
+        if is_h2 is None and not closing and len(head) < _PROTOCOL_PROBE_BYTES:
+            return False
+        if is_h2:
+            conn.protocol, assembler = ("h2" if conn.tls else "h2c"), Http2ConnectionAssembler
+        elif from_start and head and not (_HTTP1_REQUEST_START.match(head) if is_request
+                                          else head.startswith(_HTTP1_RESPONSE_START)):
+            self._mark_unreadable(conn, "unknown_protocol", "the connection's first bytes are "
+                                  "neither HTTP/1, HTTP/2 nor TLS")
+            conn.pending.clear()
+            return False
+        else:
+            conn.protocol, assembler = "http/1.1", HttpConnectionAssembler
+        conn.assembler = assembler(
+            fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
+            on_request_start=lambda exchange: self._request_started(conn, exchange))
+        return True
+
+    @staticmethod
+    def _mark_unreadable(conn: Connection, reason: str, words: str) -> None:
+        if conn.unreadable is None:
+            conn.unreadable, conn.unreadable_words = reason, words
+
+    def _close(self, conn: Connection, ts: int, reason: str) -> None:
+        """The connection ended: its open exchanges are written, and if it could not
+        be read, one `unsupported` row says why."""
+        if conn.assembler is None and conn.pending:
+            self._finish(conn, self._decide(conn, closing=True))
+        if conn.assembler is not None:
+            self._finish(conn, conn.assembler.close(ts, reason))
+            if isinstance(conn.assembler, Http2ConnectionAssembler) and conn.assembler.unreadable:
+                self._mark_unreadable(conn, conn.assembler.unreadable, conn.assembler.error)
+        elif conn.ciphertext_only and not conn.tls:
+            self._mark_unreadable(conn, "tls_unprobed", "TLS records on a connection no libssl "
+                                  "probe saw (a TLS library the agent does not probe)")
+        if conn.unreadable:
+            self._unsupported_row(conn, ts)
+
+    def _unsupported_row(self, conn: Connection, ts: int) -> None:
+        exchange = Exchange(seq=conn.rows, req_start_ns=conn.first_ns, req_end_ns=ts, outcome="unsupported",
+                            error=conn.unreadable_words)
+        exchange.req_bytes, exchange.resp_bytes = (conn.next_byte[DIR_READ], conn.next_byte[DIR_WRITE]) \
+            if conn.role != ROLE_CLIENT else (conn.next_byte[DIR_WRITE], conn.next_byte[DIR_READ])
+        self.stats.unreadable_connections += 1
+        conn.rows += 1
+        self.emit_row(self._row(conn, exchange, Fidelity()))
 
     # -- requests --------------------------------------------------------
     @staticmethod
@@ -307,6 +422,10 @@ class ConnectionTracker:
                 self.stats.parse_errors += 1
             if exchange.api == "unknown":
                 self.stats.unknown_api_streams += 1
+            if exchange.status == 101:  # what follows the upgrade is not HTTP (the HTTP/1 reader stopped)
+                upgraded_to = "websocket" if "upgraded to websocket" in (exchange.error or "").lower() else "upgraded"
+                self._mark_unreadable(conn, upgraded_to, exchange.error or "connection upgraded")
+            conn.rows += 1
             self.emit_row(self._row(conn, exchange, conn.open.pop(exchange.seq, Fidelity())))
 
     @staticmethod
@@ -326,6 +445,7 @@ class ConnectionTracker:
             return None if mono is None else wall(mono)
 
         first = ex.token_event_ns[0] if ex.token_event_ns else None
+        h2 = ex if isinstance(ex, H2Exchange) else None
         return {
             "node": self.node,
             "conn_id": conn.conn_id,
@@ -372,4 +492,8 @@ class ConnectionTracker:
             "engine_decode_ms": ex.engine_decode_ms,
             "capture": self._capture(ex, fidelity),
             "bytes_unseen": fidelity.request_unseen + fidelity.response_unseen,
+            "protocol": conn.protocol,
+            "stream_id": h2.stream_id if h2 else 0,
+            "grpc_status": h2.grpc_status if h2 else None,
+            "unreadable_reason": (conn.unreadable or "") if ex.outcome == "unsupported" else "",
         }

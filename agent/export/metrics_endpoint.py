@@ -295,6 +295,10 @@ class AgentMetrics:
                                  registry=self.registry)
         self._requests = Counter("tokenprobe_requests", "Requests finished, by status class and outcome",
                                 (*_REQUEST_LABELS, "status_class", "outcome"), registry=self.registry)
+        # Blind spots: connections written as one `unsupported` row, by why they could not be read.
+        self._unreadable = Counter("tokenprobe_agent_unreadable_connections",
+                                   "Connections the agent could not read, by server port and reason",
+                                   ("server_port", "reason"), registry=self.registry)
         self._indicators = _IndicatorCollector(indicator_ttl_s)
         self._agent_stats = _AgentStatsCollector()
         self.registry.register(self._indicators)
@@ -309,6 +313,8 @@ class AgentMetrics:
         model = self._models.label(row["server_port"], row.get("model") or "")
         labels = (str(row["server_port"]), model, row.get("role") or "server")
         self._requests.labels(*labels, status_class(row.get("status") or 0), row.get("outcome") or "").inc()
+        if row.get("outcome") == "unsupported":
+            self._unreadable.labels(str(row["server_port"]), row.get("unreadable_reason") or "").inc()
         if not measures.is_inference(row):
             return
         timings = RequestTimings.from_row(row)

@@ -60,7 +60,11 @@ CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
     `engine_prompt_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `engine_decode_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `capture` LowCardinality(String) CODEC(ZSTD(1)),
-    `bytes_unseen` UInt64 CODEC(T64, ZSTD(1))
+    `bytes_unseen` UInt64 CODEC(T64, ZSTD(1)),
+    `protocol` LowCardinality(String) DEFAULT 'http/1.1' CODEC(ZSTD(1)),
+    `stream_id` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1)),
+    `grpc_status` Nullable(UInt16) CODEC(T64, ZSTD(1)),
+    `unreadable_reason` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(req_start)

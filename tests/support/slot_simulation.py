@@ -104,7 +104,7 @@ def simulate(server: SlotServer, phases: Sequence[LoadPhase], *, start_ns: int, 
             "streamed": True, "token_events": tokens, "sse_events": tokens + 3, "token_offsets_us": offsets_us,
             "prompt_tokens": prompt if usage else None, "completion_tokens": tokens if usage else None,
             "inflight_at_arrival": 0, "bytes_in": bytes_in, "bytes_out": 200 + 60 * tokens,
-            "body_fp": body_fp, "outcome": "complete", "error": "", "capture": "exact", "bytes_unseen": 0,
+            "body_fp": body_fp, "outcome": "complete", "error": "", "capture": "exact", "bytes_unseen": 0, "protocol": "http/1.1", "stream_id": 0, "unreadable_reason": "",
         }  # fmt: skip
         requests.append(SimulatedRequest(row, (slot - req_end) / MS, prefill_ns / MS, phase))
     _count_in_flight([request.row for request in requests])

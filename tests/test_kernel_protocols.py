@@ -1,0 +1,169 @@
+"""Protocols and blind spots with real BPF: HTTP/2 from hypercorn (h2c with prior
+knowledge, and TLS with ALPN h2 read at libssl) read stream by stream, and a Go
+`crypto/tls` server (TLS the agent cannot probe) named at start-up, counted on
+/metrics and stored as `unsupported` rows with the reason, never as missing data."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tokenprobe.refserver.tls import make_self_signed_cert
+
+from tests.kernel_harness import (
+    agent,
+    free_port,
+    read_rows,
+    require_kernel,
+    wait_for_port,
+)
+from tests.test_http2_real_server import stream_chats
+
+pytestmark = pytest.mark.kernel
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _kernel():
+    require_kernel()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["h2c", "h2-alpn"])
+def test_hypercorn_http2_every_stream_is_a_row_matching_the_client(tmp_path: Path, tls: bool):
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.servers.hypercorn_sse", str(port)]
+    if tls:
+        cmd += [str(p) for p in make_self_signed_cert(tmp_path)]
+    server = subprocess.Popen(cmd, cwd=REPO)
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, ports=[port]) as handle:
+            seen = asyncio.run(stream_chats(port, 3, tls=tls))
+            assert handle.stop() == 0, handle.log()
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    rows = read_rows(handle.store_url)
+    assert sorted(r["tenant"] for r in rows) == sorted(seen), rows
+    assert sorted(r["stream_id"] for r in rows) == [1, 3, 5]
+    for row in rows:
+        client = seen[row["tenant"]]
+        assert (row["protocol"], row["tls"], row["outcome"], row["error"], row["capture"], row["path"],
+                row["status"], row["unreadable_reason"]) == (
+            "h2" if tls else "h2c", tls, "complete", "", "exact", "/v1/chat/completions", 200, ""), row
+        assert row["response_id"] == client["id"] and row["sse_events"] == client["events"]
+        assert row["token_events"] == len(client["token_seen_ns"]) == row["completion_tokens"]
+
+
+def post_twice_over_tls(port: int) -> None:
+    """Two streamed chats, one connection each, the server's certificate not checked."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    for _ in range(2):
+        request = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=b"{}")
+        with urllib.request.urlopen(request, context=context, timeout=10) as response:
+            assert b"[DONE]" in response.read()  # the client read it all; the agent cannot
+
+
+GO_SSE_SERVER = r'''
+package main
+
+import (
+	"fmt"
+	"net/http"
+	"os"
+)
+
+func main() {
+	http.HandleFunc("/v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := 0; i < 5; i++ {
+			fmt.Fprintf(w, "data: {\"id\":\"chatcmpl-go\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"t%d\"}}]}\n\n", i)
+			w.(http.Flusher).Flush()
+		}
+		fmt.Fprint(w, "data: [DONE]\n\n")
+	})
+	server := &http.Server{Addr: "127.0.0.1:" + os.Args[1]}
+	server.SetKeepAlivesEnabled(false)
+	if err := server.ListenAndServeTLS(os.Args[2], os.Args[3]); err != nil {
+		panic(err)
+	}
+}
+'''
+
+
+def test_go_crypto_tls_server_is_counted_as_tls_unprobed(tmp_path: Path):
+    go = shutil.which("go")
+    assert go, "Go is not installed (apt-get install golang-go; scripts/install.sh does)"
+    (tmp_path / "main.go").write_text(GO_SSE_SERVER)
+    binary = tmp_path / "gosse"
+    subprocess.run([go, "build", "-o", str(binary), "main.go"], cwd=tmp_path, check=True, timeout=120,
+                   env={"HOME": str(tmp_path), "GOCACHE": str(tmp_path / "gocache"), "GO111MODULE": "off",
+                        "PATH": "/usr/bin:/bin"})
+    port = free_port()
+    cert, key = make_self_signed_cert(tmp_path)
+    server = subprocess.Popen([str(binary), str(port), str(cert), str(key)])
+    metrics_port = free_port()
+    counted = rf'^tokenprobe_agent_unreadable_connections_total{{(?=[^}}]*reason="tls_unprobed")' \
+              rf'(?=[^}}]*server_port="{port}")[^}}]*}} (\S+)'
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, "--metrics-port", str(metrics_port), ports=[port]) as handle:
+            post_twice_over_tls(port)
+            deadline = time.monotonic() + 20
+            while True:
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
+                    text = page.read().decode()
+                    found = re.findall(counted, text, re.M)
+                if found == ["2.0"] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+            assert handle.stop() == 0, handle.log()
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    assert f"TLS of pid {server.pid} ({binary}) cannot be read: Go crypto/tls" in handle.log()
+    rows = read_rows(handle.store_url)
+    assert found == ["2.0"], [line for line in text.splitlines() if "unreadable_connections_total{" in line]
+    assert [(r["outcome"], r["unreadable_reason"], r["tls"], r["status"]) for r in rows] == [
+        ("unsupported", "tls_unprobed", False, 0)] * 2, rows
+    assert all(r["bytes_in"] and r["bytes_out"] for r in rows)
+
+
+NODE_SSE_SERVER = r'''
+const https = require("https"), fs = require("fs");
+const [port, cert, key] = process.argv.slice(1);
+https.createServer({cert: fs.readFileSync(cert), key: fs.readFileSync(key)}, (req, res) => {
+  res.writeHead(200, {"content-type": "text/event-stream", "connection": "close"});
+  for (let i = 0; i < 5; i++) res.write(`data: {"choices":[{"index":0,"delta":{"content":"t${i}"}}]}\n\n`);
+  res.end("data: [DONE]\n\n");
+}).listen(Number(port), "127.0.0.1");
+'''
+
+
+def test_node_with_openssl_linked_in_is_named_and_counted_as_tls_unprobed(tmp_path: Path):
+    """The image's Node.js 20 carries OpenSSL inside `node`: not probed yet, so named and counted."""
+    port = free_port()
+    cert, key = make_self_signed_cert(tmp_path)
+    server = subprocess.Popen(["/usr/bin/node", "-e", NODE_SSE_SERVER, str(port), str(cert), str(key)])
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, ports=[port]) as handle:
+            post_twice_over_tls(port)
+            time.sleep(0.5)  # the server's close
+            assert handle.stop() == 0, handle.log()
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    assert f"TLS of pid {server.pid} (/usr/bin/node) cannot be read: static OpenSSL" in handle.log()
+    rows = read_rows(handle.store_url)
+    assert [(r["outcome"], r["unreadable_reason"], r["status"]) for r in rows] == [
+        ("unsupported", "tls_unprobed", 0)] * 2, rows
