@@ -51,7 +51,9 @@ def record(kind=EV_DATA, ts=1000, conn_ns=500, tgid=42, fd=7, direction=DIR_READ
 def test_decode_round_trip():
     ev = decode_event(record(head=b"GET / HTTP/1.1\r\n", tail=b"", total=16))
     assert (ev.kind, ev.tgid, ev.fd, ev.local_port, ev.peer_addr) == (EV_DATA, 42, 7, 8000, "127.0.0.1")
-    assert ev.head == b"GET / HTTP/1.1\r\n" and ev.total_len == 16 and ev.comm == "server"
+    assert ev.head == b"GET / HTTP/1.1\r\n" and ev.total_len == 16
+    # The command name is decoded where a connection begins, not on every data event.
+    assert decode_event(record(kind=EV_ACCEPT)).comm == "server" and ev.comm == ""
     counted = decode_event(record(bytes_before=(10, 2**40), events_before=(3, 7)))
     assert (counted.bytes_before, counted.events_before) == ((10, 2**40), (3, 7))
     big = decode_event(record(head=b"a" * 8192, tail=b"z" * 1024, total=100_000))

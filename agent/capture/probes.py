@@ -113,10 +113,13 @@ def decode_event(buf: bytes) -> KernelEvent:
     if end > len(buf) or head_len + tail_len > total or head_len > HEAD_CAP or tail_len > TAIL_CAP:
         raise EventDecodeError(
             f"inconsistent lengths: head {head_len} + tail {tail_len} of {total} in a {len(buf)}-byte record")
+    # The command name matters where a connection or process begins; on the per-token data events it
+    # is left undecoded (the tracker reads /proc for a connection first seen through its data).
+    name = "" if kind == EV_DATA else comm.split(b"\0", 1)[0].decode("utf-8", "replace")
     return KernelEvent(
         kind, ts, conn_ns, (bytes_rd, bytes_wr), (events_rd, events_wr), tgid, fd, direction, bool(tls), role, ret, total,
         buf[HEADER_SIZE:HEADER_SIZE + head_len], buf[HEADER_SIZE + head_len:end],
-        lport, pport, _peer_text(addr), comm.split(b"\0", 1)[0].decode("utf-8", "replace"))
+        lport, pport, _peer_text(addr), name)
 
 
 @dataclass
