@@ -78,7 +78,8 @@ struct conn_info {
     u16 peer_port;
     u8 role;
     u8 tls;
-    u8 pad[2];
+    u8 plain;           // its first bytes were not a TLS handshake: no SSL object is looked for
+    u8 pad;
 };
 
 // One record in the ring buffer; only the used part of data[] is sent.
@@ -164,8 +165,12 @@ BPF_HASH(connect_pending, u64, struct sockaddr_args, 4096);
 BPF_HASH(ssl_pending, u64, struct ssl_args, 16384);
 // SSL* → fd, only ever from what names the fd itself: SSL_set_fd, a socket
 // syscall made inside a libssl call (socket BIOs: nginx, CPython's ssl), or,
-// for memory BIOs (asyncio, uvicorn), the bytes' own path: the buffer a
-// socket read filled is the one BIO_write then feeds to the SSL's read BIO.
+// for memory BIOs (asyncio, uvicorn, httpx/anyio clients), the ciphertext's
+// own path: the bytes a socket read delivered are the ones BIO_write feeds to
+// a BIO (matched by content: event loops copy them between buffers), and the
+// BIO libssl reads inside an SSL call is that SSL object's. Nothing depends
+// on having seen the SSL object created, so connections opened before the
+// agent started are bound at their next read too.
 // Keyed by process too: forked workers (nginx) share an address layout, so
 // the same pointer names different objects in different processes.
 struct ptr_key {
@@ -173,9 +178,22 @@ struct ptr_key {
     u32 tgid;
     u32 pad;
 };
+// A connection by fd and generation: an fd reused by a newer connection is not it.
+struct conn_ref {
+    u64 conn_ns;
+    u32 fd;
+    u32 pad;
+};
+// Ciphertext's first bytes: within a record header they are followed by the
+// record's random-looking AEAD output or handshake random, so they name one read.
+#define CIPHER_KEY_LEN 16
+struct cipher_key {
+    u32 tgid;
+    u8 head[CIPHER_KEY_LEN];
+};
 BPF_TABLE("lru_hash", struct ptr_key, u32, ssl_fd, MAX_CONNS);
-BPF_TABLE("lru_hash", struct ptr_key, u64, rbio_ssl, MAX_CONNS);  // read BIO → SSL*
-BPF_TABLE("lru_hash", struct ptr_key, u32, read_buf_fd, 16384);   // buffer last read into → fd
+BPF_TABLE("lru_hash", struct ptr_key, struct conn_ref, bio_conn, MAX_CONNS);       // memory BIO → its socket
+BPF_TABLE("lru_hash", struct cipher_key, struct conn_ref, cipher_read, 16384);   // bytes just read → socket
 
 static __always_inline void count_drop(void) {
     int zero = 0;
@@ -512,6 +530,25 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
 
 #define MSG_PEEK_FLAG 2
 
+// A captured call on a connection no SSL object is bound to yet. Its first
+// bytes, if the connection is seen from its start, tell TLS from cleartext
+// for good (cleartext costs nothing more); on a TLS candidate, a read's first
+// bytes are remembered for BIO_write to find (uprobe_bio_write).
+static __always_inline void note_cleartext_or_cipher(struct event *e, struct conn_info *ci, u8 dir) {
+    if (ci->plain || e->head_len < 2)
+        return;
+    if (ci->accept_ns && ci->events[0] + ci->events[1] == 1 && !(e->data[0] == 0x16 && e->data[1] == 0x03)) {
+        ci->plain = 1;
+        return;
+    }
+    if (dir != DIR_READ || e->head_len < CIPHER_KEY_LEN)
+        return;
+    struct cipher_key ck = {.tgid = e->tgid};
+    __builtin_memcpy(ck.head, e->data, CIPHER_KEY_LEN);
+    struct conn_ref ref = {.conn_ns = ci->accept_ns, .fd = e->fd};
+    cipher_read.update(&ck, &ref);
+}
+
 static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *iov,
                                     u32 iovcnt, u8 dir, u32 flags) {
     // A peek leaves the bytes queued: they are read again, and counted then.
@@ -551,10 +588,6 @@ static __always_inline int io_exit(long ret) {
         return 0;
     if (ret == -11 || ret == -4)
         return 0;
-    if (saved.dir == DIR_READ && saved.buf && ret > 0) {
-        struct ptr_key bk = {.ptr = (u64)saved.buf, .tgid = id >> 32};
-        read_buf_fd.update(&bk, &saved.fd);
-    }
     if (saved.ciphertext && ret > 0)
         return 0;
     struct conn_key k = {.tgid = id >> 32, .fd = saved.fd};
@@ -578,6 +611,7 @@ static __always_inline int io_exit(long ret) {
             len = capture_iov(e, saved.iov, saved.iovcnt, ret);
         else
             len = capture_flat(e, saved.buf, ret);
+        note_cleartext_or_cipher(e, ci, saved.dir);
     }
     submit(e, len);
     return 0;
@@ -721,35 +755,61 @@ int uprobe_ssl_set_fd(struct pt_regs *ctx) {
     return 0;
 }
 
-// SSL_set_bio(ssl, rbio, wbio): remember whose read BIO rbio is.
+// SSL_set_bio(ssl, rbio, wbio): rbio is a new read BIO; whatever its address
+// named before (a freed BIO's socket) is forgotten.
 int uprobe_ssl_set_bio(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     if (!active_tgids.lookup(&tgid))
         return 0;
     struct ptr_key bk = {.ptr = PT_REGS_PARM2(ctx), .tgid = tgid};
-    u64 ssl = PT_REGS_PARM1(ctx);
-    rbio_ssl.update(&bk, &ssl);
+    bio_conn.delete(&bk);
     return 0;
 }
 
-// BIO_write(bio, buf, n) into an SSL's read BIO, from a buffer a socket read
-// just filled: that socket is the SSL's.
+// BIO_write(bio, buf, n) outside libssl, of bytes a socket read just
+// delivered: bio is fed by that socket. (Inside an SSL call BIO_write is
+// libssl's own output.)
 int uprobe_bio_write(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!active_tgids.lookup(&tgid) || ssl_pending.lookup(&id))
+        return 0;
+    if ((int)PT_REGS_PARM3(ctx) < CIPHER_KEY_LEN)
+        return 0;
+    struct cipher_key ck = {.tgid = tgid};
+    if (bpf_probe_read_user(ck.head, CIPHER_KEY_LEN, (void *)PT_REGS_PARM2(ctx)) != 0)
+        return 0;
+    struct conn_ref *ref = cipher_read.lookup(&ck);
+    if (!ref)
+        return 0;
+    struct ptr_key bk = {.ptr = PT_REGS_PARM1(ctx), .tgid = tgid};
+    bio_conn.update(&bk, ref);
+    cipher_read.delete(&ck);
+    return 0;
+}
+
+// BIO_read(bio, ...) made by libssl inside an SSL call: bio is that SSL
+// object's read BIO, so the SSL object is the socket's that feeds bio.
+int uprobe_bio_read(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     if (!active_tgids.lookup(&tgid))
         return 0;
+    struct ssl_args *sa = ssl_pending.lookup(&id);
+    if (!sa)
+        return 0;
     struct ptr_key bk = {.ptr = PT_REGS_PARM1(ctx), .tgid = tgid};
-    u64 *ssl = rbio_ssl.lookup(&bk);
-    if (!ssl)
+    struct conn_ref *ref = bio_conn.lookup(&bk);
+    if (!ref)
         return 0;
-    struct ptr_key rk = {.ptr = PT_REGS_PARM2(ctx), .tgid = tgid};
-    u32 *fd = read_buf_fd.lookup(&rk);
-    if (!fd)
-        return 0;
-    struct ptr_key sk = {.ptr = *ssl, .tgid = tgid};
-    ssl_fd.update(&sk, fd);
+    struct conn_key k = {.tgid = tgid, .fd = ref->fd};
+    struct conn_info *ci = conns.lookup(&k);
+    if (!ci || ci->accept_ns != ref->conn_ns)
+        return 0; // that connection is gone: its fd may be another's now
+    struct ptr_key sk = {.ptr = (u64)sa->ssl, .tgid = tgid};
+    u32 fd = ref->fd;
+    ssl_fd.update(&sk, &fd);
     return 0;
 }
 

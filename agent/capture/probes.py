@@ -42,7 +42,7 @@ CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
 
 # (symbol, entry handler, return handler or None). Both OpenSSL call
 # families: CPython calls the _ex forms, nginx and most C servers the classic
-# ones. SSL_set_fd and SSL_set_bio bind an SSL object to its socket.
+# ones. SSL_set_fd binds an SSL object to its socket; SSL_set_bio names a fresh read BIO.
 SSL_PROBES = (
     ("SSL_read", "uprobe_ssl_read", "uretprobe_ssl_read"),
     ("SSL_read_ex", "uprobe_ssl_read_ex", "uretprobe_ssl_read_ex"),
@@ -52,8 +52,10 @@ SSL_PROBES = (
     ("SSL_set_fd", "uprobe_ssl_set_fd", None),
     ("SSL_set_bio", "uprobe_ssl_set_bio", None),
 )
-# In libcrypto, next to its libssl: memory BIOs are fed with BIO_write.
-CRYPTO_PROBES = (("BIO_write", "uprobe_bio_write", None),)
+# In libcrypto, next to its libssl: memory BIOs are fed with BIO_write, and
+# libssl reads an SSL object's read BIO with BIO_read (bpf/tokenprobe.c ties
+# the two to bind the SSL object to its socket).
+CRYPTO_PROBES = (("BIO_write", "uprobe_bio_write", None), ("BIO_read", "uprobe_bio_read", None))
 
 
 class ProbeError(RuntimeError):
