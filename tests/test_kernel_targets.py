@@ -8,11 +8,14 @@ import http.client
 import json
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pandas as pd
 import pytest
@@ -84,11 +87,44 @@ def test_exe_target_started_later_with_forked_workers(tmp_path: Path):
     assert all(r["tls"] for r in rows)
 
 
-def test_connection_opened_before_the_agent(tmp_path: Path):
+@contextmanager
+def asyncio_server(tmp_path: Path, tls: bool) -> Iterator[int]:
+    """tests/servers/asyncio_sse.py (5 tokens a stream); over TLS, asyncio's ssl transport: memory BIOs."""
+    port = free_port()
+    cmd = [sys.executable, str(Path(__file__).parent / "servers" / "asyncio_sse.py"), str(port)]
+    if tls:
+        cmd += [str(p) for p in make_self_signed_cert(tmp_path)]
+    server = subprocess.Popen(cmd)
+    try:
+        wait_for_port(port)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+
+
+@contextmanager
+def adoptable_server(tmp_path: Path, kind: str) -> Iterator[tuple[int, int]]:
+    """(port, token events a stream) of the server a kept-alive connection is adopted on."""
+    if kind == "tls-memory-bio":
+        with asyncio_server(tmp_path, tls=True) as port:
+            yield port, 5
+    else:
+        with reference_server(tmp_path, tls=kind == "tls-socket-bio", decode_ms=2.0) as (port, _truth):
+            yield port, 4
+
+
+@pytest.mark.parametrize("kind", ["plain", "tls-socket-bio", "tls-memory-bio"])
+def test_connection_opened_before_the_agent(tmp_path: Path, kind: str):
     """A keep-alive connection from before the agent started is adopted from
-    /proc; requests on it afterwards are captured (accept time unknown)."""
-    with reference_server(tmp_path, decode_ms=2.0) as (port, _truth):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    /proc; requests on it afterwards are captured whole (accept time
+    unknown). Over TLS its SSL object, created before the agent, is bound at
+    its next read: a socket BIO by libssl's own socket call, a memory BIO by
+    the ciphertext's path from the socket to BIO_write and libssl's BIO_read."""
+    tls = kind != "plain"
+    with adoptable_server(tmp_path, kind) as (port, tokens):
+        conn = (http.client.HTTPSConnection("127.0.0.1", port, timeout=30, context=ssl._create_unverified_context())
+                if tls else http.client.HTTPConnection("127.0.0.1", port, timeout=30))
         before = stream_once(conn)
         with agent(tmp_path, ports=[port]) as handle:
             after = [stream_once(conn) for _ in range(3)]
@@ -98,7 +134,10 @@ def test_connection_opened_before_the_agent(tmp_path: Path):
     ids = [r["response_id"] for r in rows]
     assert before not in ids
     assert sorted(ids) == sorted(after)
-    assert all(pd.isna(r["accept_ns"]) for r in rows)
+    for row in rows:
+        assert pd.isna(row["accept_ns"]), row
+        assert (row["tls"], row["token_events"], row["outcome"], row["capture"], row["error"]) == (
+            tls, tokens, "complete", "exact", ""), row
 
 
 def test_sigint_mid_stream_writes_the_open_request(tmp_path: Path):
@@ -138,22 +177,12 @@ def test_stop_while_the_program_loads(tmp_path: Path, sig: int):
 def test_asyncio_server(tmp_path: Path, tls: bool):
     """uvicorn-style asyncio serving; over TLS, asyncio's ssl transport uses
     memory BIOs, so the probes tie SSL* to the connection through the
-    thread's last socket read instead of a socket call inside libssl."""
-    port = free_port()
-    cmd = [sys.executable, str(Path(__file__).parent / "servers" / "asyncio_sse.py"), str(port)]
-    if tls:
-        cmd += [str(p) for p in make_self_signed_cert(tmp_path)]
-    server = subprocess.Popen(cmd)
-    try:
-        wait_for_port(port)
-        with agent(tmp_path, ports=[port]) as handle:
-            config = LoadConfig(port=port, tls=tls, requests=20, duration_s=None, seed=5)
-            result = burst(config, n=20, concurrency=4, per_connection=5)
-            assert not result.errors, result.errors[0].error
-            assert handle.stop() == 0, handle.log()
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
+    ciphertext's path from the socket into the BIO, not a socket call inside libssl."""
+    with asyncio_server(tmp_path, tls) as port, agent(tmp_path, ports=[port]) as handle:
+        config = LoadConfig(port=port, tls=tls, requests=20, duration_s=None, seed=5)
+        result = burst(config, n=20, concurrency=4, per_connection=5)
+        assert not result.errors, result.errors[0].error
+        assert handle.stop() == 0, handle.log()
     rows = read_rows(handle.store_url)
     assert sorted(r["response_id"] for r in rows) == sorted(r.response_id for r in result.records)
     assert all(r["token_events"] == 5 and r["outcome"] == "complete" and r["tls"] == tls for r in rows), rows

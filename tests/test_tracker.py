@@ -402,6 +402,23 @@ def test_connections_that_cannot_be_read_are_one_unsupported_row(data, reason):
     assert reason.split("_")[0] in row["error"].lower() or "neither" in row["error"]
 
 
+@pytest.mark.parametrize("accept_seen, reason", [(True, "tls_unprobed"), (False, "tls_midstream")],
+                         ids=["from-its-accept", "opened-before-the-agent"])
+def test_ciphertext_never_named_by_libssl_is_one_unsupported_row(accept_seen: bool, reason: str):
+    """A TLS connection that ends with no plaintext from libssl is named: a library the probes
+    do not read, or, for one opened before the agent, a connection that ended before its next
+    libssl read bound it."""
+    tracker, rows = make_tracker()
+    conn_ns = 500 if accept_seen else 0
+    if accept_seen:
+        tracker.handle(ev(EV_ACCEPT, 500))
+    tracker.handle(ev(EV_DATA, 950, conn_ns=conn_ns, direction=DIR_WRITE, data=b"\x17\x03\x03\x00\x10" + bytes(16)))
+    tracker.handle(ev(EV_CLOSE, 3000, conn_ns=conn_ns))
+    [row] = rows.rows
+    assert (row["outcome"], row["unreadable_reason"], row["tls"]) == ("unsupported", reason, False), row
+    assert "TLS records" in row["error"] and tracker.stats.unreadable_connections == 1
+
+
 def test_traffic_after_a_websocket_upgrade_is_one_unsupported_row():
     tracker, rows = make_tracker()
     tracker.handle(ev(EV_ACCEPT, 500))

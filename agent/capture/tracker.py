@@ -21,7 +21,8 @@ direction (a server's SETTINGS may precede the client's preface): HTTP/2
 held until the next one. A connection picked up mid-way whose bytes read as
 HTTP/2 frames goes to the HTTP/2 assembler, which names it `h2_midstream`.
 A connection that cannot be read (HTTP/2 it lost track of, TLS no libssl
-probe saw, what follows a 101 upgrade, bytes of no known protocol) becomes one
+probe saw, TLS picked up mid-way that ended before libssl named it, what
+follows a 101 upgrade, bytes of no known protocol) becomes one
 `unsupported` row at its close, with the reason in `unreadable_reason`:
 missing data never reads as health.
 """
@@ -385,9 +386,15 @@ class ConnectionTracker:
             self._finish(conn, conn.assembler.close(ts, reason))
             if isinstance(conn.assembler, Http2ConnectionAssembler) and conn.assembler.unreadable:
                 self._mark_unreadable(conn, conn.assembler.unreadable, conn.assembler.error)
-        elif conn.ciphertext_only and not conn.tls:
+        elif conn.ciphertext_only and not conn.tls and conn.accept_seen:
             self._mark_unreadable(conn, "tls_unprobed", "TLS records on a connection no libssl "
                                   "probe saw (a TLS library the agent does not probe)")
+        elif conn.ciphertext_only and not conn.tls:
+            # Opened before the agent: libssl binds its SSL object at the next read the
+            # agent sees, and this one ended first (or its TLS library is not probed).
+            self._mark_unreadable(conn, "tls_midstream", "TLS records on a connection opened before "
+                                  "the agent started, which ended before any libssl read on it "
+                                  "was seen (or whose TLS library the agent does not probe)")
         if conn.unreadable:
             self._unsupported_row(conn, ts)
 
