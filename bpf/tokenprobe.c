@@ -827,14 +827,17 @@ int uretprobe_ssl_handshake(struct pt_regs *ctx) { return ssl_exit(ctx, SSL_FN_H
 // ---------------------------------------------------------------- processes
 
 // Children of target processes are targets too (pre-fork servers: nginx
-// workers, gunicorn).
+// workers, gunicorn), and children of a process that listens on a target port
+// inherit its listeners: their first accept is kept even where the socket's
+// port cannot be read in the kernel (the agent reads it from /proc).
 TRACEPOINT_PROBE(sched, sched_process_fork) {
     u32 parent = args->parent_pid;
-    if (!target_tgids.lookup(&parent))
-        return 0;
     u32 child = args->child_pid;
     u8 one = 1;
-    target_tgids.update(&child, &one);
+    if (target_tgids.lookup(&parent))
+        target_tgids.update(&child, &one);
+    if (listener_tgids.lookup(&parent))
+        listener_tgids.update(&child, &one);
     return 0;
 }
 

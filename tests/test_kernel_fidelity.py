@@ -40,12 +40,13 @@ def _kernel():
 
 
 @contextmanager
-def shapes_server(*args: str, host: str = "127.0.0.1") -> Iterator[int]:
+def shapes_server(*args: str, host: str = "127.0.0.1") -> Iterator[tuple[int, int]]:
+    """tests/servers/shapes_sse.py started with `args`; yields (port, pid)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(SHAPES_SERVER), str(port), "--host", host, *args])
     try:
         wait_for_port(port, host=host)
-        yield port
+        yield port, proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -67,7 +68,7 @@ def stream(conn: http.client.HTTPConnection, tokens: int, delay_ms: float = 0) -
 def test_peer_read_from_the_socket_when_accept_gives_no_address(tmp_path: Path, host: str):
     """accept4(fd, NULL, NULL, 0) (libuv, cpp-httplib): every row still names
     the client's own address and port, and the listening port."""
-    with shapes_server("--null-accept", host=host) as port, agent(tmp_path, ports=[port]) as handle:
+    with shapes_server("--null-accept", host=host) as (port, _), agent(tmp_path, ports=[port]) as handle:
         clients: dict[str, tuple[str, int]] = {}
         for _ in range(4):
             conn = http.client.HTTPConnection(host, port, timeout=30)
@@ -89,7 +90,7 @@ def test_rows_that_lost_kernel_events_say_dropped(tmp_path: Path):
     every row that lost some says `dropped`, and every row that says `exact`
     matches what the server sent. Paced streams before and after the burst
     lose nothing and stay exact."""
-    with shapes_server() as port, agent(tmp_path, "--ringbuf-kb", "16", ports=[port]) as handle:
+    with shapes_server() as (port, _), agent(tmp_path, "--ringbuf-kb", "16", ports=[port]) as handle:
         sent: dict[str, int] = {}  # response id → token events sent
 
         def paced() -> None:
@@ -126,28 +127,68 @@ def test_rows_that_lost_kernel_events_say_dropped(tmp_path: Path):
             expected, expected, "complete", 0), row
 
 
-@pytest.mark.parametrize("shape, pad, tokens", [
-    ("writev", 200, 40),     # 16 events (48 iovecs, ~5 KiB) per writev()
-    ("flat", 2000, 10),      # one send() of ~22 KiB
-    ("flat", 2000, 18),      # one send() of ~38 KiB
-], ids=["writev-48-iovecs", "flat-22KiB", "flat-38KiB"])
-def test_write_shapes_keep_every_token_event(tmp_path: Path, shape: str, pad: int, tokens: int):
+def connect(port: int, tls: bool) -> http.client.HTTPConnection:
+    if tls:
+        return http.client.HTTPSConnection("127.0.0.1", port, timeout=30, context=ssl_client_context())
+    return http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+
+
+@pytest.mark.parametrize("shape, pad, tokens, tls", [
+    ("writev", 200, 40, False),     # 16 events (48 iovecs, ~5 KiB) per writev()
+    ("flat", 2000, 10, False),      # one send() of ~22 KiB
+    ("flat", 2000, 18, False),      # one send() of ~38 KiB
+    ("flat", 2000, 18, True),       # one SSL_write of ~38 KiB: three TLS records, 16 KiB each at most
+], ids=["writev-48-iovecs", "flat-22KiB", "flat-38KiB", "tls-16KiB-records"])
+def test_write_shapes_keep_every_token_event(tmp_path: Path, shape: str, pad: int, tokens: int, tls: bool):
     """Coalesced writes (hyper and libuv's writev of many iovecs, a buffered
-    server's one large send) are captured whole: every row's token events and
-    usage match what the server sent, and the row says `exact`."""
-    with shapes_server("--shape", shape, "--pad", str(pad)) as port, agent(tmp_path, ports=[port]) as handle:
+    server's one large send, the same over TLS in full-size records) are
+    captured whole: every row's token events and usage match what the server
+    sent, and the row says `exact`."""
+    cert_args = [str(p) for p in make_self_signed_cert(tmp_path)] if tls else []
+    server_args = ["--shape", shape, "--pad", str(pad)] + (["--tls", *cert_args] if tls else [])
+    with shapes_server(*server_args) as (port, _), agent(tmp_path, ports=[port]) as handle:
         sent = []
         for _ in range(3):
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn = connect(port, tls)
             sent += [stream(conn, tokens) for _ in range(3)]
             conn.close()
         assert handle.stop() == 0, handle.log()
     rows = read_rows(handle.store_url)
     assert sorted(r["response_id"] for r in rows) == sorted(sent)
     for row in rows:
-        assert (row["token_events"], row["completion_tokens"], row["sse_events"], row["outcome"]) == (
-            tokens, tokens, tokens + 2, "complete"), row
+        assert (row["token_events"], row["completion_tokens"], row["sse_events"], row["outcome"], row["tls"]) == (
+            tokens, tokens, tokens + 2, "complete", tls), row
         assert (row["capture"], row["bytes_unseen"]) == ("exact", 0), row
+
+
+def worker_pids(master: int) -> set[int]:
+    return {int(pid) for pid in Path(f"/proc/{master}/task/{master}/children").read_text().split()}
+
+
+def test_forked_workers_are_tracked_from_their_first_accept(tmp_path: Path):
+    """A pre-fork server (gunicorn's shape): workers accept on the listener
+    they inherited, and each is replaced after two connections. Workers
+    forked after the agent started are tracked from their very first accept:
+    every connection is a row with its accept time, under the worker that
+    served it (the server names itself in each response's model)."""
+    with shapes_server("--workers", "2", "--connections-per-worker", "2") as (port, master):
+        wait_until(lambda: len(worker_pids(master)) == 2, timeout=10)
+        forked_before = worker_pids(master)
+        with agent(tmp_path, ports=[port]) as handle:
+            sent = []
+            for _ in range(8):  # four generations of workers
+                conn = connect(port, tls=False)
+                sent += [stream(conn, 3) for _ in range(2)]
+                conn.close()
+            assert handle.stop() == 0, handle.log()
+    rows = read_rows(handle.store_url)
+    assert sorted(r["response_id"] for r in rows) == sorted(sent)
+    for row in rows:
+        assert row["model"] == f"pid-{row['pid']}" and row["pid"] != master, row
+        assert row["accept_ns"] and row["accept_ns"] <= row["req_start_ns"], row
+        assert (row["token_events"], row["outcome"], row["capture"]) == (3, "complete", "exact"), row
+    forked_after = {r["pid"] for r in rows} - forked_before
+    assert len(forked_after) >= 2, {r["pid"] for r in rows}
 
 
 def read_until(sock, marker: bytes) -> bytes:
