@@ -68,6 +68,12 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=defaults.idle_timeout_s,
         help="seconds a keep-alive connection may idle or a write may stall",
     )
+    p.add_argument(
+        "--send-buffer",
+        type=int,
+        metavar="BYTES",
+        help="SO_SNDBUF of each accepted socket (default: the kernel's autotuning); small, a slow client pushes back",
+    )
     p.add_argument("--truth-log", metavar="PATH", help="append one JSON line of ground truth per request to PATH")
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (needs --tls-key)")
     p.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
@@ -152,6 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
                 max_tokens_limit=args.max_tokens_limit,
                 max_connections=args.max_connections,
                 idle_timeout_s=args.idle_timeout,
+                send_buffer=args.send_buffer,
                 truth_log=args.truth_log,
                 tls_cert=cert,
                 tls_key=key,

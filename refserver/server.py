@@ -71,6 +71,9 @@ class ServerConfig:
     max_tokens_limit: int = 4096
     max_connections: int = 512
     idle_timeout_s: float = 60.0  # keep-alive idle time, and how long a write may stall
+    # SO_SNDBUF of each accepted socket (as nginx's `listen ... sndbuf=`); None: the kernel's autotuning,
+    # which on loopback buffers megabytes, so only a small one lets a slow client push back on the writes.
+    send_buffer: int | None = None
     truth_log: str | Path | None = None
     tls_cert: str | Path | None = None
     tls_key: str | Path | None = None
@@ -87,6 +90,8 @@ class ServerConfig:
             raise ValueError("default_max_tokens must be between 1 and max_tokens_limit")
         if self.idle_timeout_s <= 0:
             raise ValueError("idle_timeout_s must be positive")
+        if self.send_buffer is not None and self.send_buffer < 1:
+            raise ValueError(f"send_buffer must be a positive number of bytes, got {self.send_buffer}")
 
 
 @dataclass(frozen=True)
@@ -257,6 +262,8 @@ class ReferenceServer:
                 continue
             accept_ns = time.monotonic_ns()
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.config.send_buffer is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.send_buffer)
             peer = f"{address[0]}:{address[1]}"
             with self._lock:
                 over_capacity = len(self._connections) >= self.config.max_connections

@@ -24,6 +24,8 @@ from tests.kernel_harness import (
     agent,
     free_port,
     read_rows,
+    read_truth,
+    reference_server,
     require_kernel,
     wait_for_port,
 )
@@ -189,6 +191,61 @@ def test_forked_workers_are_tracked_from_their_first_accept(tmp_path: Path):
         assert (row["token_events"], row["outcome"], row["capture"]) == (3, "complete", "exact"), row
     forked_after = {r["pid"] for r in rows} - forked_before
     assert len(forked_after) >= 2, {r["pid"] for r in rows}
+
+
+SLOW_READ_BYTES, SLOW_READ_PAUSE_S = 2048, 0.002
+BRACKET_SLACK_NS = 200_000  # the server stamps a few instructions away from its syscalls
+
+
+def slow_stream(sock: socket.socket, tokens: int) -> str:
+    """One streamed completion on a keep-alive connection whose client drains it
+    slowly (1 KiB reads with pauses); returns the response id."""
+    body = json.dumps({"model": "m", "prompt": "x", "max_tokens": tokens, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    data = b""
+    while not data.endswith(b"\r\n0\r\n\r\n"):
+        chunk = sock.recv(SLOW_READ_BYTES)
+        assert chunk, data[-200:]
+        data += chunk
+        time.sleep(SLOW_READ_PAUSE_S)
+    return json.loads(data.split(b"data: ", 2)[1].split(b"\n", 1)[0])["id"]
+
+
+def test_slow_reader_back_pressure_keeps_rows_exact(tmp_path: Path):
+    """A client with a 4 KiB receive buffer that reads slowly, against the
+    reference server with a small send buffer: its sends block on the client,
+    so its writes are paced by the reader, not by decoding, and the client's
+    reads gather many events. Every row still holds the server's token events
+    and usage, exactly, and its first and last token lie between the server's
+    own stamps of those writes."""
+    tokens, decode_ms = 400, 0.05
+    with reference_server(tmp_path, decode_ms=decode_ms, send_buffer=4096) as (port, truth_log), \
+            agent(tmp_path, ports=[port]) as handle:
+        sent = []
+        for _ in range(2):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sent += [slow_stream(sock, tokens) for _ in range(2)]
+            sock.close()
+        assert handle.stop() == 0, handle.log()
+    truth = {t["id"]: t for t in read_truth(truth_log) if t["id"] in sent}
+    rows = read_rows(handle.store_url)
+    assert sorted(r["response_id"] for r in rows) == sorted(sent) == sorted(truth)
+    for row in rows:
+        t = truth[row["response_id"]]
+        # Back-pressure happened: the server's writes took far longer than its decoding.
+        assert t["done_ns"] - t["token_ns"][0] > 5 * tokens * decode_ms * 1e6, t
+        assert (row["token_events"], row["completion_tokens"], row["prompt_tokens"]) == (
+            len(t["token_ns"]), t["completion_tokens"], t["prompt_tokens"]), (row, t)
+        assert (row["outcome"], row["capture"], row["bytes_unseen"], row["error"]) == ("complete", "exact", 0, ""), row
+        for measured, earliest, latest in (
+                (row["first_token_ns"] - row["req_end_ns"], t["token_ns"][0], t["token_ns"][1]),
+                (row["last_token_ns"] - row["req_end_ns"], t["token_ns"][-1], t["done_ns"])):
+            assert earliest - t["arrival_ns"] - BRACKET_SLACK_NS <= measured <= latest - t["arrival_ns"] + \
+                BRACKET_SLACK_NS, (measured, row, t)
 
 
 def read_until(sock, marker: bytes) -> bytes:
