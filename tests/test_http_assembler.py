@@ -30,6 +30,7 @@ from tokenprobe.agent.capture.assembler import (
     Exchange,
     HttpConnectionAssembler,
 )
+from tokenprobe.agent.capture.http1 import proven_chunk_boundary
 from tokenprobe.contract import tenant
 
 DATA = Path(__file__).parent / "data"
@@ -632,16 +633,45 @@ def test_gap_in_request_headers_truncates_and_resyncs():
     assert (nxt.path, nxt.outcome, nxt.error, nxt.seq) == ("/next", "complete", None, 1)
 
 
-def test_gap_in_chunk_framing_truncates_and_resyncs():
+def test_gap_over_chunk_framing_resumes_at_a_proven_chunk_boundary():
+    """A hole over chunk framing (a write larger than the capture) keeps the
+    response: framing resumes where whole chunks run to the end of the bytes
+    after it, so the stream's end is read; the events inside the hole are not
+    counted, and the error says so."""
     conn = Conn()
     conn.request(1, http_request("POST", "/v1/chat/completions", chat_body()))
     response = sse_response(b"".join(token_event(str(i)) for i in range(50)), (40,))
     conn.response(2, response[:500], len(response), response[-200:])
     [ex] = conn.finished
-    assert ex.outcome == "truncated" and "chunked framing" in ex.error
+    assert (ex.outcome, ex.resp_bytes) == ("complete", len(response)) and "not captured" in ex.error
+    assert 0 < len(ex.token_event_ns) < 50
     conn.request(3, http_request("GET", "/after"))
     [nxt] = conn.response(4, http_response(200, b"{}"))
     assert (nxt.path, nxt.status, nxt.outcome) == ("/after", 200, "complete")
+
+
+def test_gap_hiding_the_end_of_a_chunked_body_truncates_it_at_the_next_response():
+    conn = Conn()
+    for ts in (1, 3):
+        conn.request(ts, http_request("POST", "/v1/chat/completions", chat_body()))
+    first = sse_response(b"".join(token_event(str(i)) for i in range(50)), (40,))
+    conn.response(2, first[:500], len(first))  # nothing after the hole proves a chunk boundary
+    second = sse_response(token_event("x"))
+    [cut, nxt] = conn.response(4, second)
+    assert cut.outcome == "truncated" and "hides the end of a chunked response body" in cut.error
+    assert (nxt.outcome, len(nxt.token_event_ns)) == ("complete", 1)
+
+
+@pytest.mark.parametrize("data, boundary", [
+    (b"ta: x\n\n\r\n5\r\nhello\r\n", 9),                    # one whole chunk to the end
+    (b"xx\r\n4\r\ndata\r\n0\r\n\r\n", 4),                    # one, then the last chunk
+    (b"xx\r\n4\r\ndata\r\n5\r\nhello\r\n3\r\nab", 4),          # two, then one cut off
+    (b"xx\r\n5\r\nhello\r\n3\r\nab", None),                   # one, then one cut off: not proven
+    (b"xx\r\n5\r\nhello!\r\n", None),                        # a size that does not fit
+    (b"no line end at all", None),
+], ids=["one-chunk", "last-chunk", "two-then-cut", "one-then-cut", "wrong-size", "no-crlf"])
+def test_proven_chunk_boundary(data: bytes, boundary: int | None):
+    assert proven_chunk_boundary(data) == boundary
 
 
 def test_gap_hiding_the_next_request_start():

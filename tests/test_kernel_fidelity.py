@@ -163,6 +163,42 @@ def test_write_shapes_keep_every_token_event(tmp_path: Path, shape: str, pad: in
         assert (row["capture"], row["bytes_unseen"]) == ("exact", 0), row
 
 
+@pytest.mark.parametrize("server_args, big", [
+    (("--shape", "flat", "--pad", "8000"), 18),                                 # one send() of ~150 KiB
+    (("--shape", "writev", "--pad", "200", "--events-per-writev", "32"), 40),  # 96 iovecs, then 30
+], ids=["flat-150KiB", "writev-96-iovecs"])
+def test_writes_beyond_the_capture_resynchronise_and_say_gaps(tmp_path: Path, server_args: tuple[str, ...],
+                                                               big: int):
+    """A write larger than the capture (over 64 KiB, or over 64 iovecs) loses
+    its middle: the assembler picks the chunked framing up again where the
+    bytes after the hole prove a chain of chunks, so the stream's end, its
+    usage and the next request on the connection are still read. The row
+    says `gaps` with the bytes it did not see, and counts only the events it
+    saw; the small responses between stay exact."""
+    small = 1
+    with shapes_server(*server_args) as (port, _), agent(tmp_path, ports=[port]) as handle:
+        sent = {}
+        for _ in range(2):
+            conn = connect(port, tls=False)
+            for tokens in (big, small, big, small):
+                sent[stream(conn, tokens)] = tokens
+            conn.close()
+        assert handle.stop() == 0, handle.log()
+    rows = read_rows(handle.store_url)
+    assert sorted(r["response_id"] for r in rows) == sorted(sent)
+    for row in rows:
+        tokens = sent[row["response_id"]]
+        assert (row["completion_tokens"], row["prompt_tokens"], row["outcome"], row["status"]) == (
+            tokens, 3, "complete", 200), row
+        if tokens == small:
+            assert (row["capture"], row["bytes_unseen"], row["token_events"], row["error"]) == (
+                "exact", 0, small, ""), row
+        else:
+            assert (row["capture"], row["bytes_unseen"] > 0) == ("gaps", True), row
+            assert 0 < row["token_events"] < big and row["sse_events"] < big + 2, row
+            assert "not captured" in row["error"], row
+
+
 def worker_pids(master: int) -> set[int]:
     return {int(pid) for pid in Path(f"/proc/{master}/task/{master}/children").read_text().split()}
 

@@ -6,11 +6,14 @@ Requests and responses differ in what may start a message and what a header
 block means (`RequestStream`, `ResponseStream`). Body bytes go to a reader
 chosen from the header block (`response_body_reader`); framing never looks at them.
 
-When framing is lost (a gap in headers or chunk framing, garbage, oversized
-headers, or a connection picked up mid-message) the message at hand ends as
-"truncated" with an error, and the stream waits for a segment that starts with
-a new message: a request line or "HTTP/1." (or the beginning of one, when the
-segment ends before the line does).
+When framing is lost (a gap in headers, garbage, oversized headers, or a
+connection picked up mid-message) the message at hand ends as "truncated" with
+an error, and the stream waits for a segment that starts with a new message: a
+request line or "HTTP/1." (or the beginning of one, when the segment ends
+before the line does). A gap over a chunked body's framing (a write larger
+than the capture) keeps the message: the body reader is told of the gap, and
+framing resumes at the first place after it where a chain of whole chunks
+runs to the end of the bytes seen (`proven_chunk_boundary`).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ _CHUNK_DATA_END = 6  # the CRLF that follows chunk data
 _TRAILERS = 7  # trailer fields after the last chunk, up to the blank line
 _BODY_UNTIL_CLOSE = 8  # body delimited by the connection's close
 _STOPPED = 9  # not HTTP/1.x any more (upgrade, TLS, HTTP/2) or connection closed
+_CHUNK_HUNT = 10  # a capture gap hid chunk framing: look for the next chunk boundary the bytes prove
 
 # How a message's body is delimited, decided from its header block.
 _NO_BODY = 0
@@ -71,6 +75,7 @@ _NOT_CRLF = re.compile(rb"[^\r\n]")
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})\r\n")  # the plain form: no extension, no blanks
+_HEX_DIGITS_AT_END = re.compile(rb"[0-9A-Fa-f]{0,16}\r?")  # a chunk-size line cut by the segment's end
 _DIGITS = re.compile(r"[0-9]{1,18}")
 _REQUEST_LINE = re.compile(rb"([A-Z][A-Z0-9_-]{0,31}) ([^\x00-\x20\x7f]+) HTTP/1\.[01]")
 _REQUEST_LINE_AT_START = re.compile(rb"[A-Z][A-Z0-9_-]{0,31} [^\x00-\x20\x7f]+ HTTP/1\.[01]\r?\n")
@@ -213,6 +218,8 @@ class MessageStream:
             elif state == _BODY_UNTIL_CLOSE:
                 self._body_bytes(ts, view[pos:])
                 pos = end
+            elif state == _CHUNK_HUNT:
+                pos = self._hunt_chunk_boundary(ts, data, pos, segment_start)
             elif state == _RESYNC:
                 if pos == 0 and segment_start and self._starts_message(data):
                     self._state = _IDLE
@@ -234,23 +241,42 @@ class MessageStream:
                 self._finish_message(ts)
             if nbytes > take:
                 self.lose_framing(ts, f"capture gap hides the start of the next {self.noun}")
-        elif state == _CHUNK_DATA:
-            if nbytes > self._remaining:
-                self.lose_framing(ts, f"capture gap hides the chunked framing of a {self.noun} body")
-                return
+        elif state == _CHUNK_DATA and nbytes <= self._remaining:
             self._body_gap(ts, nbytes)
             self._remaining -= nbytes
             if self._remaining == 0:
                 self._state = _CHUNK_DATA_END
+        elif state in (_CHUNK_DATA, _CHUNK_SIZE, _CHUNK_DATA_END, _CHUNK_HUNT):
+            # The hole spans chunk framing: the body goes on, its boundaries are looked for after it.
+            self._buf.clear()
+            self._state = _CHUNK_HUNT
+            self._body_gap(ts, nbytes)
         elif state == _BODY_UNTIL_CLOSE:
             self._body_gap(ts, nbytes)
         elif state == _IDLE:
             self.lose_framing(ts, f"capture gap hides the start of a {self.noun}")
         elif state == _HEADERS:
             self.lose_framing(ts, f"capture gap inside the {self.noun} headers")
-        elif state in (_CHUNK_SIZE, _CHUNK_DATA_END, _TRAILERS):
+        elif state == _TRAILERS:
             self.lose_framing(ts, f"capture gap hides the chunked framing of a {self.noun} body")
         # _RESYNC and _STOPPED: there is no framing to lose.
+
+    def _hunt_chunk_boundary(self, ts: int, data: bytes, pos: int, segment_start: bool) -> int:
+        """After a gap over chunk framing: the bytes up to the first proven chunk
+        boundary are body the framing cannot place (a gap to the body reader);
+        chunk framing resumes there. A segment that starts a new message instead
+        says the body ended inside the gap."""
+        if pos == 0 and segment_start and self._starts_message(data):
+            self.lose_framing(ts, f"capture gap hides the end of a chunked {self.noun} body")
+            return pos
+        boundary = proven_chunk_boundary(data, pos)
+        if boundary is None:
+            self._body_gap(ts, len(data) - pos)
+            return len(data)
+        if boundary > pos:
+            self._body_gap(ts, boundary - pos)
+        self._state = _CHUNK_SIZE
+        return boundary
 
     def _body_bytes(self, ts: int, chunk: memoryview) -> None:
         self._count(len(chunk))
@@ -597,6 +623,44 @@ class ResponseStream(MessageStream):
         elif self._body is not None:
             self._body.finish()
         self.stop()
+
+
+def proven_chunk_boundary(data: bytes, pos: int = 0) -> int | None:
+    """The first offset at or after `pos` where chunked framing provably resumes, or None.
+
+    An offset is proven when, read from there, whole chunks (plain size lines,
+    data of that size, CRLF) run exactly to the end of `data`, or to the last
+    chunk; one whole chunk proves it, two where the chain runs into a chunk
+    that `data` cuts off. Candidates are `pos` and every offset after a CRLF
+    (the end of the previous chunk)."""
+    candidate = pos
+    while not _chunk_chain_holds(data, candidate):
+        crlf = data.find(b"\r\n", candidate)
+        if crlf < 0:
+            return None
+        candidate = crlf + 2
+    return candidate
+
+
+def _chunk_chain_holds(data: bytes, pos: int) -> bool:
+    end, whole = len(data), 0
+    while True:
+        if pos == end:
+            return whole >= 1
+        size_line = _CHUNK_SIZE_LINE.match(data, pos)
+        if size_line is None:  # only the start of a size line may be left
+            return whole >= 2 and _HEX_DIGITS_AT_END.fullmatch(data, pos) is not None
+        size = int(size_line[1], 16)
+        start = size_line.end()
+        if size == 0:  # the last chunk, then the trailers' blank line (or the segment's end)
+            return whole >= 1 and b"\r\n".startswith(data[start:start + 2])
+        stop = start + size
+        if stop + 2 > end:  # the chunk runs past what was captured
+            return whole >= 2 and b"\r\n".startswith(data[stop:end])
+        if data[stop:stop + 2] != b"\r\n":
+            return False
+        whole += 1
+        pos = stop + 2
 
 
 def _parse_header_block(block: bytes, first_only: str | None = None) -> tuple[bytes, dict[str, str]]:
