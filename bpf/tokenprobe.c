@@ -532,8 +532,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
 
 // A captured call on a connection no SSL object is bound to yet. Its first
 // bytes, if the connection is seen from its start, tell TLS from cleartext
-// for good (cleartext costs nothing more); on a TLS candidate, a read's first
-// bytes are remembered for BIO_write to find (uprobe_bio_write).
+// for good (cleartext costs nothing more); on a TLS candidate, a read that
+// starts with a TLS record header (content type 20-23, version 3.x) is
+// remembered by its first bytes for BIO_write to find (uprobe_bio_write).
 static __always_inline void note_cleartext_or_cipher(struct event *e, struct conn_info *ci, u8 dir) {
     if (ci->plain || e->head_len < 2)
         return;
@@ -541,7 +542,8 @@ static __always_inline void note_cleartext_or_cipher(struct event *e, struct con
         ci->plain = 1;
         return;
     }
-    if (dir != DIR_READ || e->head_len < CIPHER_KEY_LEN)
+    if (dir != DIR_READ || e->head_len < CIPHER_KEY_LEN || e->data[0] < 0x14 || e->data[0] > 0x17 ||
+        e->data[1] != 0x03)
         return;
     struct cipher_key ck = {.tgid = e->tgid};
     __builtin_memcpy(ck.head, e->data, CIPHER_KEY_LEN);
