@@ -530,6 +530,11 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
 
 #define MSG_PEEK_FLAG 2
 
+// Reads of a TLS candidate that are keyed for BIO_write: binding happens at the
+// first (the handshake, or an adopted connection's next read), so a connection
+// still unbound after these is TLS no probe reads, and costs no more.
+#define CIPHER_KEYED_READS 8
+
 // A captured call on a connection no SSL object is bound to yet. Its first
 // bytes, if the connection is seen from its start, tell TLS from cleartext
 // for good (cleartext costs nothing more); on a TLS candidate, a read that
@@ -542,8 +547,8 @@ static __always_inline void note_cleartext_or_cipher(struct event *e, struct con
         ci->plain = 1;
         return;
     }
-    if (dir != DIR_READ || e->head_len < CIPHER_KEY_LEN || e->data[0] < 0x14 || e->data[0] > 0x17 ||
-        e->data[1] != 0x03)
+    if (dir != DIR_READ || ci->events[DIR_READ] > CIPHER_KEYED_READS || e->head_len < CIPHER_KEY_LEN ||
+        e->data[0] < 0x14 || e->data[0] > 0x17 || e->data[1] != 0x03)
         return;
     struct cipher_key ck = {.tgid = e->tgid};
     __builtin_memcpy(ck.head, e->data, CIPHER_KEY_LEN);
@@ -805,11 +810,14 @@ int uprobe_bio_read(struct pt_regs *ctx) {
     struct conn_ref *ref = bio_conn.lookup(&bk);
     if (!ref)
         return 0;
+    struct ptr_key sk = {.ptr = (u64)sa->ssl, .tgid = tgid};
+    u32 *bound = ssl_fd.lookup(&sk);
+    if (bound && *bound == ref->fd)
+        return 0; // every later read of a bound SSL object
     struct conn_key k = {.tgid = tgid, .fd = ref->fd};
     struct conn_info *ci = conns.lookup(&k);
     if (!ci || ci->accept_ns != ref->conn_ns)
         return 0; // that connection is gone: its fd may be another's now
-    struct ptr_key sk = {.ptr = (u64)sa->ssl, .tgid = tgid};
     u32 fd = ref->fd;
     ssl_fd.update(&sk, &fd);
     return 0;
