@@ -21,7 +21,7 @@ class Conn:
         self.sock = sock
         self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
-        self.buf = bytearray(BUF)  # recv_into here, BIO_write from here: the path the probes follow
+        self.buf = bytearray(BUF)  # recv_into here, BIO_write from here: the bytes the probes follow
         self.received = 0
         self.request = b""
         self.handshaken = False
