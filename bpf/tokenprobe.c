@@ -34,7 +34,7 @@
 #ifndef MAX_CONNS
 #define MAX_CONNS 65536
 #endif
-#define MAX_IOV 64 // hyper and libuv gather a stream's chunks: three iovecs per chunk
+#define MAX_IOV 64 // iovecs copied per program (hyper and libuv gather three a chunk); more: tail calls
 #define MAX_EXE_PATHS 8 // up to 4 executables, each as given and resolved
 #define EXE_PATH_LEN 256
 
@@ -267,11 +267,28 @@ static __always_inline u32 capture_flat(struct event *e, const u8 *buf, u32 tota
     return e->head_len + e->tail_len;
 }
 
-// Copies the head of a vectored call, iovec after iovec, up to HEAD_CAP.
+// A vectored call's capture past its first MAX_IOV iovecs goes on in
+// capture_iov_more, tail-called with the walk's place saved per CPU (a
+// bounded loop over every iovec is more than the verifier takes, and BCC
+// cannot pass bpf_loop a callback). Calls of up to MAX_IOV iovecs never
+// get here; UIO_MAXIOV (1024) iovecs take 15 tail calls, within the kernel's 33.
+struct iov_walk {
+    const struct iovec *iov;
+    u32 iovcnt;
+    u32 next;   // the next iovec to copy
+    u32 off;    // bytes of data[] filled so far
+    u32 total;  // bytes the call moved
+};
+BPF_PERCPU_ARRAY(iov_walks, struct iov_walk, 1);
+BPF_PROG_ARRAY(iov_more, 1);
+
+// Copies a vectored call's iovecs from index `first` (off bytes already
+// copied), up to MAX_IOV of them and HEAD_CAP bytes in all; *next is the
+// index it stopped at.
 static __always_inline u32 capture_iov(struct event *e, const struct iovec *iov,
-                                       u32 iovcnt, u32 total) {
-    u32 off = 0;
-    for (int i = 0; i < MAX_IOV; i++) {
+                                       u32 iovcnt, u32 total, u32 first, u32 off, u32 *next) {
+    u32 i = first;
+    for (int k = 0; k < MAX_IOV; k++, i++) {
         if (i >= iovcnt || off >= total || off >= HEAD_CAP)
             break;
         struct iovec v = {};
@@ -295,8 +312,34 @@ static __always_inline u32 capture_iov(struct event *e, const struct iovec *iov,
             break;
         off += n;
     }
+    *next = i;
     e->head_len = off;
     return off;
+}
+
+// Saves a vectored call's walk and tail-calls capture_iov_more if iovecs
+// are left that the capture has room for; returns only if none are (or the
+// tail call failed: the event then goes with what it holds).
+static __always_inline void capture_iov_on(void *ctx, struct iov_walk *w) {
+    if (w->next >= w->iovcnt || w->off >= w->total || w->off >= HEAD_CAP)
+        return;
+    int zero = 0;
+    iov_walks.update(&zero, w);
+    iov_more.call(ctx, 0);
+}
+
+int capture_iov_more(void *ctx) {
+    int zero = 0;
+    struct iov_walk *saved = iov_walks.lookup(&zero);
+    u32 cpu = bpf_get_smp_processor_id();
+    struct event *e = scratch.lookup(&cpu);
+    if (!saved || !e)
+        return 0;
+    struct iov_walk w = *saved;
+    w.off = capture_iov(e, w.iov, w.iovcnt, w.total, w.next, w.off, &w.next);
+    capture_iov_on(ctx, &w);
+    submit(e, w.off);
+    return 0;
 }
 
 static __always_inline void to_v6(u8 *dst, u16 family, const u8 *v4, const u8 *v6) {
@@ -583,7 +626,7 @@ static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *i
     return 0;
 }
 
-static __always_inline int io_exit(long ret) {
+static __always_inline int io_exit(void *ctx, long ret) {
     u64 id = bpf_get_current_pid_tgid();
     struct io_args *a = io_pending.lookup(&id);
     if (!a)
@@ -614,11 +657,14 @@ static __always_inline int io_exit(long ret) {
     u32 len = 0;
     if (ret > 0) {
         e->total_len = ret;
+        struct iov_walk w = {.iov = saved.iov, .iovcnt = saved.iovcnt, .total = ret};
         if (saved.iov)
-            len = capture_iov(e, saved.iov, saved.iovcnt, ret);
+            len = w.off = capture_iov(e, saved.iov, saved.iovcnt, ret, 0, 0, &w.next);
         else
             len = capture_flat(e, saved.buf, ret);
         note_cleartext_or_cipher(e, ci, saved.dir);
+        if (saved.iov)
+            capture_iov_on(ctx, &w);
     }
     submit(e, len);
     return 0;
@@ -627,42 +673,42 @@ static __always_inline int io_exit(long ret) {
 TRACEPOINT_PROBE(syscalls, sys_enter_read) {
     return io_enter(args->fd, (const u8 *)args->buf, 0, 0, DIR_READ, 0);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_read) { return io_exit(args, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_recvfrom) {
     return io_enter(args->fd, (const u8 *)args->ubuf, 0, 0, DIR_READ, args->flags);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvfrom) { return io_exit(args, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_readv) {
     return io_enter(args->fd, 0, (const struct iovec *)args->vec, args->vlen, DIR_READ, 0);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return io_exit(args, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_recvmsg) {
     struct user_msghdr m = {};
     if (bpf_probe_read_user(&m, sizeof(m), args->msg) != 0)
         return 0;
     return io_enter(args->fd, 0, m.msg_iov, m.msg_iovlen, DIR_READ, args->flags);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_recvmsg) { return io_exit(args, args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_write) {
     return io_enter(args->fd, (const u8 *)args->buf, 0, 0, DIR_WRITE, 0);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_write) { return io_exit(args, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_sendto) {
     return io_enter(args->fd, (const u8 *)args->buff, 0, 0, DIR_WRITE, 0);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendto) { return io_exit(args, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_writev) {
     return io_enter(args->fd, 0, (const struct iovec *)args->vec, args->vlen, DIR_WRITE, 0);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return io_exit(args, args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg) {
     struct user_msghdr m = {};
     if (bpf_probe_read_user(&m, sizeof(m), args->msg) != 0)
         return 0;
     return io_enter(args->fd, 0, m.msg_iov, m.msg_iovlen, DIR_WRITE, 0);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg) { return io_exit(args, args->ret); }
 
 // ---------------------------------------------------------------- libssl
 

@@ -135,19 +135,22 @@ def connect(port: int, tls: bool) -> http.client.HTTPConnection:
     return http.client.HTTPConnection("127.0.0.1", port, timeout=30)
 
 
-@pytest.mark.parametrize("shape, pad, tokens, tls", [
-    ("writev", 200, 40, False),     # 16 events (48 iovecs, ~5 KiB) per writev()
-    ("flat", 2000, 10, False),      # one send() of ~22 KiB
-    ("flat", 2000, 18, False),      # one send() of ~38 KiB
-    ("flat", 2000, 18, True),       # one SSL_write of ~38 KiB: three TLS records, 16 KiB each at most
-], ids=["writev-48-iovecs", "flat-22KiB", "flat-38KiB", "tls-16KiB-records"])
-def test_write_shapes_keep_every_token_event(tmp_path: Path, shape: str, pad: int, tokens: int, tls: bool):
-    """Coalesced writes (hyper and libuv's writev of many iovecs, a buffered
-    server's one large send, the same over TLS in full-size records) are
-    captured whole: every row's token events and usage match what the server
-    sent, and the row says `exact`."""
+@pytest.mark.parametrize("shape, pad, tokens, tls, per_writev", [
+    ("writev", 200, 40, False, 16),     # 16 events (48 iovecs, ~5 KiB) per writev()
+    ("writev", 200, 40, False, 64),     # all 42 events in one writev() of 126 iovecs (~13 KiB)
+    ("flat", 2000, 10, False, 0),       # one send() of ~22 KiB
+    ("flat", 2000, 18, False, 0),       # one send() of ~38 KiB
+    ("flat", 2000, 18, True, 0),        # one SSL_write of ~38 KiB: three TLS records, 16 KiB each at most
+], ids=["writev-48-iovecs", "writev-126-iovecs", "flat-22KiB", "flat-38KiB", "tls-16KiB-records"])
+def test_write_shapes_keep_every_token_event(tmp_path: Path, shape: str, pad: int, tokens: int, tls: bool,
+                                             per_writev: int):
+    """Coalesced writes (hyper and libuv's writev of many iovecs, more than
+    64 too, a buffered server's one large send, the same over TLS in
+    full-size records) are captured whole: every row's token events and usage
+    match what the server sent, and the row says `exact`."""
     cert_args = [str(p) for p in make_self_signed_cert(tmp_path)] if tls else []
     server_args = ["--shape", shape, "--pad", str(pad)] + (["--tls", *cert_args] if tls else [])
+    server_args += ["--events-per-writev", str(per_writev)] if per_writev else []
     with shapes_server(*server_args) as (port, _), agent(tmp_path, ports=[port]) as handle:
         sent = []
         for _ in range(3):
@@ -165,12 +168,12 @@ def test_write_shapes_keep_every_token_event(tmp_path: Path, shape: str, pad: in
 
 @pytest.mark.parametrize("server_args, big", [
     (("--shape", "flat", "--pad", "8000"), 18),                                 # one send() of ~150 KiB
-    (("--shape", "writev", "--pad", "200", "--events-per-writev", "32"), 40),  # 96 iovecs, then 30
-], ids=["flat-150KiB", "writev-96-iovecs"])
+    (("--shape", "writev", "--pad", "2000", "--events-per-writev", "32"), 40),  # ~67 KiB in 96 iovecs, then 30
+], ids=["flat-150KiB", "writev-67KiB"])
 def test_writes_beyond_the_capture_resynchronise_and_say_gaps(tmp_path: Path, server_args: tuple[str, ...],
                                                                big: int):
-    """A write larger than the capture (over 64 KiB, or over 64 iovecs) loses
-    its middle: the assembler picks the chunked framing up again where the
+    """A write larger than the capture (over 64 KiB) loses its middle, or a
+    vectored one its end: the assembler picks the chunked framing up again where the
     bytes after the hole prove a chain of chunks, so the stream's end, its
     usage and the next request on the connection are still read. The row
     says `gaps` with the bytes it did not see, and counts only the events it

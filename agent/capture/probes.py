@@ -234,8 +234,11 @@ class Probes:
         log.info("compiling and loading the BPF program")
         try:
             self.bpf = bcc.BPF(text=source, cflags=cflags)
+            # Vectored calls past MAX_IOV iovecs are captured on in this program, tail-called.
+            more = self.bpf.load_func("capture_iov_more", bcc.BPF.TRACEPOINT)
         except Exception as exc:  # BCC raises bare Exceptions on compile/load failure
             raise ProbeError(f"the BPF program did not load: {exc}. {self.headers.note}") from exc
+        self.bpf["iov_more"][ctypes.c_int(0)] = ctypes.c_int(more.fd)
         self._configure()
         self.attach_ssl()
 
