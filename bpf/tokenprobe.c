@@ -275,53 +275,72 @@ static __always_inline u32 capture_flat(struct event *e, const u8 *buf, u32 tota
 struct iov_walk {
     const struct iovec *iov;
     u32 iovcnt;
-    u32 next;   // the next iovec to copy
-    u32 off;    // bytes of data[] filled so far
-    u32 total;  // bytes the call moved
+    u32 next;     // the next iovec to read
+    u32 pos;      // where in the call's bytes it starts
+    u32 total;    // bytes the call moved
+    u32 tail_ok;  // the tail window's bytes read so far all arrived
 };
 BPF_PERCPU_ARRAY(iov_walks, struct iov_walk, 1);
 BPF_PROG_ARRAY(iov_more, 1);
 
-// Copies a vectored call's iovecs from index `first` (off bytes already
-// copied), up to MAX_IOV of them and HEAD_CAP bytes in all; *next is the
-// index it stopped at.
-static __always_inline u32 capture_iov(struct event *e, const struct iovec *iov,
-                                       u32 iovcnt, u32 total, u32 first, u32 off, u32 *next) {
-    u32 i = first;
+// Copies a vectored call's iovecs from w->next on, up to MAX_IOV of them:
+// what falls in its first HEAD_CAP bytes to the head, and, of a call larger
+// than that, what falls in its last TAIL_CAP bytes to the tail (as
+// capture_flat does). Returns the bytes of data[] the event carries so far.
+static __always_inline u32 capture_iov(struct event *e, struct iov_walk *w) {
+    u32 total = w->total;
+    u32 tail = total > HEAD_CAP ? total - HEAD_CAP : 0;
+    if (tail > TAIL_CAP)
+        tail = TAIL_CAP;
+    u32 tail_from = total - tail;
+    u32 i = w->next, pos = w->pos;
     for (int k = 0; k < MAX_IOV; k++, i++) {
-        if (i >= iovcnt || off >= total || off >= HEAD_CAP)
+        if (i >= w->iovcnt || pos >= total)
             break;
         struct iovec v = {};
-        if (bpf_probe_read_user(&v, sizeof(v), &iov[i]) != 0)
+        if (bpf_probe_read_user(&v, sizeof(v), &w->iov[i]) != 0)
             break;
         u32 n = v.iov_len;
-        if (n > total - off)
-            n = total - off;
-        if (n > HEAD_CAP - off)
-            n = HEAD_CAP - off;
+        if (n > total - pos)
+            n = total - pos;
         if (n == 0)
             continue;
-        u64 pos = off;
-        OPAQUE(pos);
-        pos &= HEAD_CAP - 1;
-        u64 len = n;
-        OPAQUE(len);
-        if (len > HEAD_CAP)
-            len = HEAD_CAP;
-        if (bpf_probe_read_user(e->data + pos, len, v.iov_base) != 0)
-            break;
-        off += n;
+        if (pos < HEAD_CAP && pos == e->head_len) {
+            u64 at = pos;
+            OPAQUE(at);
+            at &= HEAD_CAP - 1;
+            u64 len = n < HEAD_CAP - pos ? n : HEAD_CAP - pos;
+            OPAQUE(len);
+            if (len > HEAD_CAP)
+                len = HEAD_CAP;
+            if (bpf_probe_read_user(e->data + at, len, v.iov_base) == 0)
+                e->head_len = pos + len;
+        }
+        if (tail && pos + n > tail_from) {
+            u32 skip = pos < tail_from ? tail_from - pos : 0;
+            u64 at = pos + skip - tail_from;
+            OPAQUE(at);
+            at &= TAIL_CAP - 1;
+            u64 len = n - skip;
+            OPAQUE(len);
+            if (len > TAIL_CAP)
+                len = TAIL_CAP;
+            if (bpf_probe_read_user(e->data + HEAD_CAP + at, len, (const u8 *)v.iov_base + skip) != 0)
+                w->tail_ok = 0;
+        }
+        pos += n;
     }
-    *next = i;
-    e->head_len = off;
-    return off;
+    w->next = i;
+    w->pos = pos;
+    e->tail_len = tail && w->tail_ok && pos >= total ? tail : 0;
+    return e->head_len + e->tail_len;
 }
 
-// Saves a vectored call's walk and tail-calls capture_iov_more if iovecs
-// are left that the capture has room for; returns only if none are (or the
-// tail call failed: the event then goes with what it holds).
+// Saves a vectored call's walk and tail-calls capture_iov_more while iovecs
+// are left that hold bytes the capture keeps; returns only if none are (or
+// the tail call failed: the event then goes with what it holds).
 static __always_inline void capture_iov_on(void *ctx, struct iov_walk *w) {
-    if (w->next >= w->iovcnt || w->off >= w->total || w->off >= HEAD_CAP)
+    if (w->next >= w->iovcnt || w->pos >= w->total)
         return;
     int zero = 0;
     iov_walks.update(&zero, w);
@@ -336,9 +355,9 @@ int capture_iov_more(void *ctx) {
     if (!saved || !e)
         return 0;
     struct iov_walk w = *saved;
-    w.off = capture_iov(e, w.iov, w.iovcnt, w.total, w.next, w.off, &w.next);
+    u32 len = capture_iov(e, &w);
     capture_iov_on(ctx, &w);
-    submit(e, w.off);
+    submit(e, len);
     return 0;
 }
 
@@ -657,9 +676,9 @@ static __always_inline int io_exit(void *ctx, long ret) {
     u32 len = 0;
     if (ret > 0) {
         e->total_len = ret;
-        struct iov_walk w = {.iov = saved.iov, .iovcnt = saved.iovcnt, .total = ret};
+        struct iov_walk w = {.iov = saved.iov, .iovcnt = saved.iovcnt, .total = ret, .tail_ok = 1};
         if (saved.iov)
-            len = w.off = capture_iov(e, saved.iov, saved.iovcnt, ret, 0, 0, &w.next);
+            len = capture_iov(e, &w);
         else
             len = capture_flat(e, saved.buf, ret);
         note_cleartext_or_cipher(e, ci, saved.dir);
