@@ -358,7 +358,7 @@ class Agent:
         exporters.agent_stats(tracker, 0, 0.0, 0.0, sink)
         exporters.serve_metrics()  # after the probes attach: readiness means tracing
         t = cfg.targets
-        log.info("tracing ports %s pids %s exes %s; libssl probed: %s", t.ports or "-", t.pids or "-",
+        log.info("tracing ports %s pids %s exes %s; OpenSSL probed: %s", t.ports or "-", t.pids or "-",
                  t.exes or "-", ", ".join(probes.attached_ssl) or "none")
         for reach in unreadable_tls([*t.pids, *(owner.pid for owner in target_port_sockets(set(t.ports))[0])]):
             log.warning("TLS of pid %d (%s) cannot be read: %s; its connections are written as unsupported "
@@ -380,7 +380,7 @@ class Agent:
                     next_rescan = now + RESCAN_INTERVAL_S
                     clock.maybe_refresh()
                     for path in probes.attach_ssl():
-                        log.info("probing libssl %s", path)
+                        log.info("probing OpenSSL in %s", path)
                     probes.rescan_processes()
                 if now - last_tick >= 1.0:
                     rate = (tracker.stats.events - last_events) / (now - last_tick)

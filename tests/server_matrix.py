@@ -72,8 +72,9 @@ STACKS = (
     Stack("go-tls", "Go 1.19 net/http", "Go crypto/tls", "HTTP/1.1", (OPENAI,), tls_unprobed("Go crypto/tls")),
     Stack("go-tls-h2", "Go 1.19 net/http", "Go crypto/tls", "HTTP/2 (ALPN h2)", (OPENAI,),
           tls_unprobed("Go crypto/tls")),
-    Stack("node-tls", "Node.js 20 `https`", "OpenSSL linked into the node binary", "HTTP/1.1", (OPENAI,),
-          tls_unprobed("OpenSSL linked into node: its exported SSL_read/SSL_write are not probed yet")),
+    # node's own BIOs: each SSL is bound to its socket by the records it writes (libuv sends them later).
+    Stack("node-tls", "Node.js 20 `https`", "OpenSSL linked into the node binary, probed there", "HTTP/1.1",
+          (OPENAI,), Outcome(READ)),
     Stack("hypercorn-h2", "hypercorn, Starlette", "OpenSSL via CPython ssl (memory BIO)", "HTTP/2 (ALPN h2)",
           (OPENAI,), Outcome(READ)),
     Stack("hypercorn-h2c", "hypercorn, Starlette", "—", "HTTP/2 (h2c prior knowledge)", (OPENAI,),
