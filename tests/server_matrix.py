@@ -48,8 +48,6 @@ TLS_UNPROBED_ERROR = "TLS records on a connection no libssl probe saw"
 def tls_unprobed(library: str) -> Outcome:
     return Outcome(UNREADABLE, f"tls_unprobed ({library}): one `unsupported` row per connection", TLS_UNPROBED_ERROR)
 
-OUTBOUND_MEMORY_BIO = ("a memory-BIO TLS client's own requests (the gateway's httpx to its TLS upstream, traced "
-                       "with --outbound) give no rows: the SSL* is never bound to its socket on the client side")
 
 STACKS = (
     Stack("uvicorn", "uvicorn + uvloop + httptools, Starlette", "—", "HTTP/1.1",
@@ -67,7 +65,7 @@ STACKS = (
     Stack("aiohttp", "aiohttp web server", "—", "HTTP/1.1", (OPENAI, ANTHROPIC, OLLAMA), Outcome(READ)),
     Stack("gateway", "httpx gateway on uvicorn, both sides (`--outbound`)",
           "— in; OpenSSL via CPython ssl (memory BIO) to its upstream", "HTTP/1.1", (OPENAI, ANTHROPIC),
-          Outcome(READ), outbound_bug=OUTBOUND_MEMORY_BIO),
+          Outcome(READ)),
     Stack("go", "Go 1.19 net/http", "—", "HTTP/1.1", (OPENAI,), Outcome(READ)),
     Stack("go-tls", "Go 1.19 net/http", "Go crypto/tls", "HTTP/1.1", (OPENAI,), tls_unprobed("Go crypto/tls")),
     Stack("go-tls-h2", "Go 1.19 net/http", "Go crypto/tls", "HTTP/2 (ALPN h2)", (OPENAI,),
