@@ -153,6 +153,10 @@ class Exporters:
         if self.otel:
             self.otel.export_request(row)
 
+    def unreadable(self, server_port: int, reason: str) -> None:
+        if self.metrics:
+            self.metrics.count_unreadable(server_port, reason)
+
     def serve_metrics(self) -> None:
         if self.metrics and self.metrics_address:
             host, port = self.metrics.serve(*self.metrics_address)
@@ -347,7 +351,8 @@ class Agent:
         tracker = ConnectionTracker(
             emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
-            forget_connection=probes.forget_connection, tenant_header=cfg.tenant_header)
+            forget_connection=probes.forget_connection, on_unreadable=exporters.unreadable,
+            tenant_header=cfg.tenant_header)
         lag = LagMeter()
 
         def handle(event) -> None:
