@@ -67,10 +67,10 @@ log = logging.getLogger("tokenprobe.tracker")
 TLS_RECORD_START = (b"\x16\x03", b"\x17\x03", b"\x15\x03")  # handshake, data, alert
 # Application data flows only after the handshake: met unread in both directions, no probe will read the connection.
 TLS_APPLICATION_DATA = b"\x17\x03"
+TLS_UNPROBED_WORDS = "TLS records on a connection no libssl probe saw (a TLS library the agent does not probe)"
 # How an HTTP/1 connection's first bytes begin: a request line's method, or a status line.
 _HTTP1_REQUEST_START = re.compile(rb"[A-Z][A-Z_-]{2,19} ")
 _HTTP1_RESPONSE_START = b"HTTP/1."
-TLS_UNPROBED_WORDS = "TLS records on a connection no libssl probe saw (a TLS library the agent does not probe)"
 # What a connection's first bytes must hold before HTTP/1 or HTTP/2 can be told apart.
 _PROTOCOL_PROBE_BYTES = 24
 
