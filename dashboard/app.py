@@ -223,6 +223,13 @@ def keep_if_offered(key: str, options: Sequence) -> None:
         del st.session_state[key]
 
 
+def pick(label: str, options: Sequence, key: str, format_func, placeholder: str, container=st):
+    """A selectbox that starts empty and keeps its choice across refreshes while it is still offered."""
+    keep_if_offered(key, options)
+    return container.selectbox(label, options, index=None, format_func=format_func, key=key,
+                               placeholder=placeholder)
+
+
 def drill_down(queries: DashboardQueries, filters: Filters, bin_s: int,
                cells_by_metric: dict[str, pd.DataFrame]) -> None:
     st.subheader("Drill-down")
@@ -236,18 +243,15 @@ def drill_down(queries: DashboardQueries, filters: Filters, bin_s: int,
                                       key="drill_metric")
     cells = cells_by_metric[metric_key]
     bins = [int(value) for value in cells["bin_start_s"].unique()]
-    keep_if_offered("drill_bin", bins)
-    bin_start_s = columns[1].selectbox("Time bin", bins, index=None, format_func=format_epoch_s, key="drill_bin",
-                                       placeholder="click a heatmap cell, or pick a bin")
+    bin_start_s = pick("Time bin", bins, "drill_bin", format_epoch_s, "click a heatmap cell, or pick a bin",
+                       columns[1])
     if bin_start_s is None:
         return
     in_bin = cells[cells["bin_start_s"] == bin_start_s]
     counts = dict(zip(in_bin["band"].astype(int), in_bin["requests"].astype(int), strict=True))
-    keep_if_offered("drill_band", list(counts))
     counted = METRICS[metric_key].counted
-    band = columns[2].selectbox("Latency band", list(counts), index=None, key="drill_band",
-                                format_func=lambda value: band_label(value, counts[value], counted),
-                                placeholder="pick a latency band")
+    band = pick("Latency band", list(counts), "drill_band", lambda value: band_label(value, counts[value], counted),
+                "pick a latency band", columns[2])
     if band is None:
         return
     with panel_errors("drill-down"):
@@ -283,9 +287,7 @@ def request_drill_down(queries: DashboardQueries, requests: pd.DataFrame, metric
         return (f"{started} · {request['server']} · {METRICS[metric_key].title} "
                 f"{format_ms(request['latency_ms'])} · {request['response_id'] or 'no id'}")
 
-    keep_if_offered("drill_request", identities)
-    chosen = st.selectbox("Request", identities, index=None, format_func=label, key="drill_request",
-                          placeholder="pick a request to see its timeline")
+    chosen = pick("Request", identities, "drill_request", label, "pick a request to see its timeline")
     if chosen is None:
         return
     events = queries.request_timeline(*chosen)
@@ -402,9 +404,8 @@ def indicator_drill_down(queries: DashboardQueries, matrix: pd.DataFrame) -> Non
         return (f"{subject} · {labels.get(indicator, indicator)} · {states[identity]} · "
                 f"{format_epoch_s(start / 1e9)} → {format_epoch_s(end / 1e9)}")
 
-    keep_if_offered("indicator_cell", identities)
-    chosen = st.selectbox("Indicator cell", identities, index=None, format_func=label, key="indicator_cell",
-                          placeholder="pick a cell to list the requests of its window")
+    chosen = pick("Indicator cell", identities, "indicator_cell", label,
+                  "pick a cell to list the requests of its window")
     if chosen is None:
         return
     node, port, _, _, start_ns, end_ns = chosen
