@@ -9,8 +9,9 @@ it) and prints seconds and rows/s, so a figure taken on fewer rows
 extrapolates to the 10 million of a busy day (the target: 5 s for those).
 
 Then the live analysis (``analytics/live.py``): another node's four servers
-serve ``--live-rate`` requests/s (1000 by default) for ``--live-windows``
-windows of ``--live-every`` seconds, and ``LiveAnalysis.run_once`` analyses
+serve ``--live-rate`` requests/s (1000 by default) for ``--live-history``
+seconds and then ``--live-windows`` windows of ``--live-every`` seconds, and
+``LiveAnalysis.run_once`` analyses
 each window as the agent would when it ends (the target: 100 ms a window at
 1000 requests/s). The clock is the benchmark's, so no window waits for time
 to pass.
@@ -105,15 +106,15 @@ def generate(store, node: str, start_ns: int, span_s: int, requests: int) -> Non
                                   span_ns=span_s * NS_PER_S, requests=requests))
 
 
-def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int) -> None:
-    """Time the live analysis of each of ``windows`` windows of ``rate`` requests/s, ending at ``end_ns``."""
-    # Traffic from before the first window too: a pass reaches back for requests still in flight.
-    span_s = (windows + 2) * every_s
+def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, history_s: int) -> None:
+    """Time the live analysis of each of ``windows`` windows of ``rate`` requests/s, ending at ``end_ns``,
+    after ``history_s`` of the same traffic (what a pass reads back: occupancy, calibration, SLO windows)."""
+    span_s = history_s + windows * every_s
     start_ns = end_ns - span_s * NS_PER_S
     timed(f"generate {rate:,} requests/s for {span_s} s", rate * span_s,
           lambda: generate(store, LIVE_NODE, start_ns, span_s, rate * span_s))
     window_ns = every_s * NS_PER_S
-    first_end_ns = start_ns + 2 * window_ns
+    first_end_ns = end_ns - windows * window_ns
     clock = [first_end_ns]
     live = LiveAnalysis(store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
     seconds = []
@@ -135,13 +136,16 @@ def main() -> int:
     parser.add_argument("--live-rate", type=int, default=1000, help="requests/s of the live windows")
     parser.add_argument("--live-every", type=int, default=30, help="seconds per live window (the agent's default)")
     parser.add_argument("--live-windows", type=int, default=5, help="live windows to time (0: none)")
+    parser.add_argument("--live-history", type=int, default=int(OCCUPANCY_LOOKBACK_S) + 60, metavar="S",
+                        help="seconds of traffic before the first live window (default: the occupancy look-back"
+                             " and a minute, as an agent in steady state; the SLO windows reach back 6 h)")
     parser.add_argument("--store", metavar="DIR", help="where to build the store (default: a temporary folder, "
                                                       "removed afterwards)")
     args = parser.parse_args()
     if args.rows < 1000:
         parser.error("--rows must be at least 1000")
-    if args.live_rate < 1 or args.live_every < 1 or args.live_windows < 0:
-        parser.error("--live-rate and --live-every must be positive, --live-windows not negative")
+    if args.live_rate < 1 or args.live_every < 1 or args.live_windows < 0 or args.live_history < 0:
+        parser.error("--live-rate and --live-every must be positive, --live-windows and --live-history not negative")
     directory = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="tokenprobe-bench-analytics-"))
     config = DEFAULT_CONFIG
     end_ns = time.time_ns() // NS_PER_S * NS_PER_S
@@ -176,7 +180,7 @@ def main() -> int:
               f"  (10M requests: {10_000_000 * full_s / n:.1f} s at this rate)")
         if args.live_windows:
             print("live analysis (the agent's incremental windows, another node's servers):")
-            live_windows(store, end_ns, args.live_rate, args.live_every, args.live_windows)
+            live_windows(store, end_ns, args.live_rate, args.live_every, args.live_windows, args.live_history)
     finally:
         store.close()
         if not args.store:
