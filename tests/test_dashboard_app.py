@@ -27,7 +27,12 @@ from tokenprobe.contract.rollup import ROLLUP_TABLE
 from tokenprobe.contract.tables import DEFAULT_TTL_DAYS
 from tokenprobe.dashboard import queries as dashboard_queries
 from tokenprobe.dashboard.cli import add_dashboard_parser
-from tokenprobe.dashboard.queries import DashboardQueries, Filters, choose_bin_seconds, fitting_span_s
+from tokenprobe.dashboard.queries import (
+    DashboardQueries,
+    Filters,
+    choose_bin_seconds,
+    fitting_span_s,
+)
 from tokenprobe.dashboard.settings import (
     OWN_STORE_ENV,
     REFRESH_ENV,
