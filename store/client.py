@@ -21,6 +21,7 @@ from clickhouse_connect.driver.exceptions import OperationalError
 logger = logging.getLogger(__name__)
 
 from ..contract.registry import MATERIALIZED_VIEWS, TABLES, create_statements
+from ..contract.requests import REQUESTS_TABLE
 from ..contract.tables import DEDUPLICATION_WINDOW_SETTING, DEFAULT_TTL_DAYS, Table, View
 from .rows import RowSchema
 from .url import StoreURL
@@ -169,6 +170,16 @@ class Store:
         rows = self.query_rows("SELECT comment FROM system.tables WHERE database = {database:String}"
                                " AND name = {view:String}", {"database": self.database, "view": view.name})
         if not rows or rows[0][0] == view.comment:
+            return
+        (requests_engine,), = self.query_rows(
+            "SELECT engine FROM system.tables WHERE database = {database:String} AND name = {table:String}",
+            {"database": self.database, "table": REQUESTS_TABLE})
+        if requests_engine.startswith(("Replicated", "Distributed")):
+            # A cluster's view reads the shard-local tables (deploy/render.py): the single-node one
+            # would count every request again.
+            logger.warning("store %s: materialized view %s was made by another definition (%s); on a cluster"
+                           " replace it from deploy/clickhouse/cluster.sql (DROP VIEW ... ON CLUSTER, then its"
+                           " CREATE)", self.url, self.table(view.name), rows[0][0] or "no digest")
             return
         # Rows inserted between the drop and the create miss the view; its readers check that it counts
         # every row of a window before they use it.
