@@ -26,7 +26,7 @@ from ..agent.capture.inflight import inflight_snapshot
 from ..agent.capture.probes import Probes, Targets
 from ..agent.capture.procfs import target_port_sockets
 from ..agent.capture.tls_libraries import unreadable_tls
-from ..agent.capture.tracker import ConnectionTracker
+from ..agent.capture.tracker import DEFAULT_IDLE_TIMEOUT_S, ConnectionTracker
 from ..agent.export.metrics_endpoint import AgentMetrics
 from ..agent.export.otel_export import OtelExporter
 from ..agent.sampling.dcgm import DcgmScraper
@@ -107,6 +107,7 @@ class AgentConfig:
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES  # the disk spool's bound while the store is away
     analyze_every_s: int = DEFAULT_LIVE_EVERY_S     # live analysis window; 0: off
     alertmanager_urls: list[str] = field(default_factory=list)  # post the live analysis' findings here
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a connection with no I/O this long is forgotten
 
 
 @dataclass
@@ -347,7 +348,8 @@ class Agent:
         tracker = ConnectionTracker(
             emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
-            forget_connection=probes.forget_connection, tenant_header=cfg.tenant_header)
+            forget_connection=probes.forget_connection, tenant_header=cfg.tenant_header,
+            idle_timeout_s=cfg.idle_timeout_s)
         lag = LagMeter()
 
         def handle(event) -> None:
@@ -382,6 +384,7 @@ class Agent:
                     for path in probes.attach_ssl():
                         log.info("probing libssl %s", path)
                     probes.rescan_processes()
+                    tracker.evict_idle(time.monotonic_ns())
                 if now - last_tick >= 1.0:
                     rate = (tracker.stats.events - last_events) / (now - last_tick)
                     last_tick, last_events = now, tracker.stats.events

@@ -24,6 +24,14 @@ A connection that cannot be read (HTTP/2 it lost track of, TLS no libssl
 probe saw, what follows a 101 upgrade, bytes of no known protocol) becomes one
 `unsupported` row at its close, with the reason in `unreadable_reason`:
 missing data never reads as health.
+
+The tracker's memory is bounded: a connection with no I/O for the idle
+timeout is forgotten (`evict_idle`, called by the agent's loop), its open
+exchanges written `truncated`. Its kernel entry stays (the `conns` map is an
+LRU, so idle entries are the first to go when it fills): if the connection
+speaks again, it is adopted afresh under a new conn_id, read from the middle
+like one open before the agent started, and nothing it said before is
+counted twice or as lost.
 """
 
 from __future__ import annotations
@@ -68,6 +76,12 @@ _HTTP1_REQUEST_START = re.compile(rb"[A-Z][A-Z_-]{2,19} ")
 _HTTP1_RESPONSE_START = b"HTTP/1."
 # What a connection's first bytes must hold before HTTP/1 or HTTP/2 can be told apart.
 _PROTOCOL_PROBE_BYTES = 24
+# Longer than servers' keep-alive timeouts (nginx 75 s, uvicorn 5 s) and than a long
+# non-streamed generation waits for its response: what outlives it has lost its close.
+DEFAULT_IDLE_TIMEOUT_S = 600.0
+# Evicted connections remembered until they close or speak again: as many as the kernel's
+# `conns` map holds by default (one evicted longer ago has likely left that LRU too).
+_EVICTED_REMEMBERED = 65536
 
 
 def _boot_id() -> bytes:
@@ -101,6 +115,7 @@ class Connection:
     tgid: int
     fd: int
     opened_ns: int          # kernel accept/connect time; first event time if unseen
+    generation: int         # the kernel's accept/connect time for it, 0 if it has none
     accept_seen: bool
     role: int
     local_port: int
@@ -116,6 +131,7 @@ class Connection:
     unreadable: str | None = None   # why the connection is not read (a blind spot), if so
     unreadable_words: str = ""
     first_ns: int = 0               # the first data event's time
+    last_ns: int = 0                # the latest event's time (idle eviction)
     rows: int = 0                   # rows written for the connection so far
     tls: bool = False
     tls_done_ns: int | None = None
@@ -140,6 +156,8 @@ class TrackerStats:
     lost_events: int = 0           # data events the kernel numbered and the agent never received
     bytes_unseen: int = 0          # bytes moved on tracked connections and not captured
     unreadable_connections: int = 0  # connections written as one `unsupported` row (blind spots)
+    idle_evicted: int = 0          # connections forgotten after the idle timeout
+    readopted: int = 0             # evicted connections that spoke again, adopted afresh
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -148,7 +166,10 @@ class ConnectionTracker:
                  fingerprint_key: bytes, node: str | None = None,
                  target_ports: set[int] | None = None, target_pids: set[int] | None = None,
                  forget_connection: Callable[[int, int], None] | None = None,
-                 tenant_header: str | None = DEFAULT_TENANT_HEADER) -> None:
+                 tenant_header: str | None = DEFAULT_TENANT_HEADER,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+        if idle_timeout_s <= 0:
+            raise ValueError("the idle timeout must be positive")
         self.emit_row = emit_row
         self.clock = clock
         self.fingerprint_key = fingerprint_key
@@ -159,6 +180,10 @@ class ConnectionTracker:
         self.target_pids = target_pids or set()
         self.forget_connection = forget_connection
         self.connections: dict[tuple[int, int], Connection] = {}
+        self.idle_timeout_ns = int(idle_timeout_s * 1e9)
+        # (tgid, fd) → the kernel's generation (accept time, 0 if unknown) of an evicted
+        # connection, until it closes or speaks again; oldest dropped past the bound.
+        self._evicted: dict[tuple[int, int], int] = {}
         self.stats = TrackerStats()
         self._handlers = {
             EV_ACCEPT: self._on_open, EV_CONNECT: self._on_open, EV_DATA: self._on_data,
@@ -174,15 +199,16 @@ class ConnectionTracker:
     def _new_connection(self, ev: KernelEvent, accept_seen: bool) -> Connection:
         opened_ns = ev.conn_ns if accept_seen else ev.ts_ns
         conn = Connection(
-            tgid=ev.tgid, fd=ev.fd, opened_ns=opened_ns, accept_seen=accept_seen, role=ev.role,
-            local_port=ev.local_port, peer_addr=ev.peer_addr, peer_port=ev.peer_port,
+            tgid=ev.tgid, fd=ev.fd, opened_ns=opened_ns, generation=ev.conn_ns, accept_seen=accept_seen,
+            role=ev.role, local_port=ev.local_port, peer_addr=ev.peer_addr, peer_port=ev.peer_port,
             comm=ev.comm or comm_of(ev.tgid), conn_id=connection_id(ev.tgid, ev.fd, opened_ns),
-            first_ns=ev.ts_ns)
+            first_ns=ev.ts_ns, last_ns=ev.ts_ns)
         self.connections[(ev.tgid, ev.fd)] = conn
         self.stats.connections += 1
         return conn
 
     def _on_open(self, ev: KernelEvent) -> None:
+        self._evicted.pop((ev.tgid, ev.fd), None)
         old = self.connections.pop((ev.tgid, ev.fd), None)
         if old is not None:  # the fd was reused and its close() was not seen
             self._close(old, ev.ts_ns, "server_closed")
@@ -206,8 +232,18 @@ class ConnectionTracker:
             self._close(conn, ev.ts_ns, "server_closed")
             conn = None
         if conn is None:
+            if self._evicted.pop((ev.tgid, ev.fd), None) == ev.conn_ns:
+                return self._readopt(ev)
             # Opened before the agent started, or its accept event was lost.
             conn = self._new_connection(ev, accept_seen=bool(ev.conn_ns))
+        return conn
+
+    def _readopt(self, ev: KernelEvent) -> Connection:
+        """An evicted connection speaks again: followed afresh from here, as one
+        picked up mid-way, its counters taken as they stand (nothing was lost)."""
+        self.stats.readopted += 1
+        conn = self._new_connection(ev, accept_seen=False)
+        conn.next_event, conn.next_byte = list(ev.events_before), list(ev.bytes_before)
         return conn
 
     def _is_request(self, conn: Connection, direction: int) -> bool:
@@ -247,6 +283,7 @@ class ConnectionTracker:
 
     def _on_data(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
+        conn.last_ns = ev.ts_ns
         self._check_sequence(conn, ev)
         direction = ev.dir & 1
         conn.next_event[direction] = max(conn.next_event[direction], ev.events_before[direction] + 1)
@@ -278,6 +315,7 @@ class ConnectionTracker:
         self._finish(conn, exchanges)
 
     def _on_close(self, ev: KernelEvent) -> None:
+        self._evicted.pop((ev.tgid, ev.fd), None)
         conn = self.connections.pop((ev.tgid, ev.fd), None)
         if conn is None:
             return
@@ -292,6 +330,7 @@ class ConnectionTracker:
 
     def _on_tls_done(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
+        conn.last_ns = ev.ts_ns
         self._check_sequence(conn, ev)
         conn.tls = True
         conn.tls_done_ns = ev.ts_ns
@@ -301,11 +340,27 @@ class ConnectionTracker:
 
     def _on_exit(self, ev: KernelEvent) -> None:
         """The process died: the kernel closed its sockets without close()."""
+        for key in [key for key in self._evicted if key[0] == ev.tgid]:
+            del self._evicted[key]
         for key in [key for key in self.connections if key[0] == ev.tgid]:
             conn = self.connections.pop(key)
             if self.forget_connection:
                 self.forget_connection(conn.tgid, conn.fd)
             self._close(conn, ev.ts_ns, "server_closed")
+
+    def evict_idle(self, now_ns: int) -> int:
+        """Forgets every connection with no I/O for the idle timeout (its open
+        exchanges written `truncated`); returns how many."""
+        deadline = now_ns - self.idle_timeout_ns
+        idle = [key for key, conn in self.connections.items() if conn.last_ns < deadline]
+        for key in idle:
+            conn = self.connections.pop(key)
+            if len(self._evicted) >= _EVICTED_REMEMBERED:
+                del self._evicted[next(iter(self._evicted))]
+            self._evicted[key] = conn.generation
+            self._close(conn, now_ns, "idle_timeout")
+        self.stats.idle_evicted += len(idle)
+        return len(idle)
 
     def close_all(self, ts_ns: int) -> None:
         """Agent stop: every exchange still open is written, marked truncated."""
@@ -382,7 +437,12 @@ class ConnectionTracker:
         if conn.assembler is None and conn.pending:
             self._finish(conn, self._decide(conn, closing=True))
         if conn.assembler is not None:
-            self._finish(conn, conn.assembler.close(ts, reason))
+            exchanges = conn.assembler.close(ts, reason)
+            if reason == "idle_timeout":
+                for exchange in exchanges:
+                    exchange.error = exchange.error or (f"no I/O for {self.idle_timeout_ns / 1e9:g} s: the agent "
+                                                        "stopped following the connection")
+            self._finish(conn, exchanges)
             if isinstance(conn.assembler, Http2ConnectionAssembler) and conn.assembler.unreadable:
                 self._mark_unreadable(conn, conn.assembler.unreadable, conn.assembler.error)
         elif conn.ciphertext_only and not conn.tls:
