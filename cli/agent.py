@@ -119,6 +119,7 @@ class AgentSummary:
     rows_spooled: int
     parse_errors: int
     seconds: float
+    map_overflows: dict[str, int] = field(default_factory=dict)  # per kernel map, entries it could not hold
 
 
 def node_name() -> str:
@@ -160,13 +161,15 @@ class Exporters:
             log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
 
     def agent_stats(self, tracker: ConnectionTracker, drops: int, lag_s: float, rate: float,
-                    sink: RequestSink) -> None:
+                    sink: RequestSink, map_overflows: dict[str, int], map_sizes: dict[str, int] | None = None) -> None:
         if self.metrics:
             stats = tracker.stats
             self.metrics.set_agent_stats(
                 events_total=stats.events, drops_total=drops, lag_s=lag_s, events_per_s=rate,
                 parse_errors_total=stats.parse_errors, open_connections=len(tracker.connections),
-                inflight_requests=sum(stats.inflight.values()), sink=sink.stats())
+                inflight_requests=sum(stats.inflight.values()), sink=sink.stats(),
+                idle_evicted_total=stats.idle_evicted, readopted_total=stats.readopted,
+                map_sizes=map_sizes, map_overflows=map_overflows)
             if self.live:
                 self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
                                                 analysed_until_s=self.live.watermark_ns / 1e9)
@@ -357,7 +360,7 @@ class Agent:
             tracker.handle(event)
 
         probes.open(handle)
-        exporters.agent_stats(tracker, 0, 0.0, 0.0, sink)
+        exporters.agent_stats(tracker, 0, 0.0, 0.0, sink, probes.map_overflows(), probes.map_sizes())
         exporters.serve_metrics()  # after the probes attach: readiness means tracing
         t = cfg.targets
         log.info("tracing ports %s pids %s exes %s; libssl probed: %s", t.ports or "-", t.pids or "-",
@@ -389,7 +392,7 @@ class Agent:
                     rate = (tracker.stats.events - last_events) / (now - last_tick)
                     last_tick, last_events = now, tracker.stats.events
                     drops = probes.drops()
-                    exporters.agent_stats(tracker, drops, lag.seconds(), rate, sink)
+                    exporters.agent_stats(tracker, drops, lag.seconds(), rate, sink, probes.map_overflows())
                     offer_inflight(exporters.live, tracker)
                     if status:
                         status.show(self._status_text(tracker, drops, sink, rate, now - started))
@@ -402,7 +405,7 @@ class Agent:
             tracker.close_all(time.monotonic_ns())
         finally:
             # Read before close(): the program's maps go with it.
-            drops = probes.drops()
+            drops, overflows = probes.drops(), probes.map_overflows()
             probes.close()
             if status:
                 status.show(self._status_text(tracker, drops, sink, 0.0, time.monotonic() - started),
@@ -411,7 +414,7 @@ class Agent:
         return AgentSummary(
             requests=tracker.stats.requests, events=tracker.stats.events, drops=drops,
             rows_written=0, rows_spooled=0, parse_errors=tracker.stats.parse_errors,
-            seconds=time.monotonic() - started)
+            seconds=time.monotonic() - started, map_overflows=overflows)
 
     @staticmethod
     def _status_text(tracker: ConnectionTracker, drops: int, sink: RequestSink,

@@ -174,7 +174,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     print(f"done: {summary.requests} requests from {summary.events} kernel events in "
           f"{summary.seconds:.1f}s; {summary.rows_written} rows stored"
           + (f", {summary.rows_spooled} spooled to disk for later" if summary.rows_spooled else "")
-          + f"; {summary.drops} events dropped by the kernel", file=sys.stderr)
+          + f"; {summary.drops} events dropped by the kernel"
+          + "".join(f"; kernel map {name} could not hold {count} entries"
+                    for name, count in summary.map_overflows.items() if count), file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,62 @@
+"""Bounded kernel state: every map of the program is an LRU or a hash whose
+overflows are counted, and a map made small at load time shows its counter."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from importlib.resources import files
+
+import pytest
+from tokenprobe.agent.capture.probes import KERNEL_MAPS, MAP_OVERFLOW_SLOTS, MapSizes, Probes, Targets
+
+from tests.kernel_harness import free_port, require_kernel, wait_for_port
+from tests.support import wait_until
+
+SOURCE = files("tokenprobe.bpf").joinpath("tokenprobe.c").read_text()
+# A server that accepts and keeps every connection, closing none.
+HOARDER = ("import socket, sys\n"
+           "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+           "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(1024); held = []\n"
+           "while True: held.append(s.accept()[0])\n")
+
+
+def test_every_map_of_the_program_is_listed_with_how_it_stays_bounded():
+    declared = re.findall(r"^BPF_(?:TABLE\(\"\w+\", [^,]+, [^,]+, (\w+)|[A-Z_]+\((\w+))", SOURCE, re.M)
+    assert {table or other for table, other in declared} == set(KERNEL_MAPS)
+    enum = re.search(r"enum map_slot \{(.*?)\};", SOURCE, re.S).group(1)
+    slots = [name.split("=")[0].strip().removeprefix("MAP_").lower() for name in enum.split(",")]
+    assert slots == [*MAP_OVERFLOW_SLOTS, "slots"]
+
+
+@pytest.mark.kernel
+def test_small_maps_count_what_they_could_not_hold():
+    """conns sized 64 against 100 open connections: 36 evictions counted; a
+    listeners map of 2 against 4 listening sockets: 2 refusals counted."""
+    require_kernel()
+    port, spare = free_port(), [free_port() for _ in range(3)]
+    server = subprocess.Popen([sys.executable, "-c", HOARDER, str(port)])
+    probes, clients, bound = None, [], []
+    try:
+        wait_for_port(port)
+        probes = Probes(Targets(ports=[port, *spare]), map_sizes=MapSizes(conns=64, listeners=2))
+        assert probes.map_sizes()["conns"] == 64 and probes.map_sizes()["listeners"] == 2
+        assert probes.map_overflows() == dict.fromkeys(MAP_OVERFLOW_SLOTS, 0)
+        for _ in range(100):
+            clients.append(socket.create_connection(("127.0.0.1", port)))
+        wait_until(lambda: probes.map_overflows()["conns"] == 100 - 64)
+        assert sum(1 for _ in probes.bpf["conns"].keys()) <= 64
+        for spare_port in spare:  # the server's listener holds one of the two entries
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", spare_port))
+            bound.append(sock)
+        assert probes.map_overflows() == {**dict.fromkeys(MAP_OVERFLOW_SLOTS, 0), "conns": 36, "listeners": 2}
+    finally:
+        for sock in clients + bound:
+            sock.close()
+        if probes is not None:
+            probes.close()
+        server.kill()
+        server.wait(timeout=20)
