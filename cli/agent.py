@@ -168,7 +168,7 @@ class Exporters:
                 events_total=stats.events, drops_total=drops, lag_s=lag_s, events_per_s=rate,
                 parse_errors_total=stats.parse_errors, open_connections=len(tracker.connections),
                 inflight_requests=sum(stats.inflight.values()), sink=sink.stats(),
-                idle_evicted_total=stats.idle_evicted, readopted_total=stats.readopted,
+                idle_evicted_total=stats.idle_evicted,
                 map_sizes=map_sizes, map_overflows=map_overflows)
             if self.live:
                 self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
@@ -351,7 +351,8 @@ class Agent:
         tracker = ConnectionTracker(
             emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
-            forget_connection=probes.forget_connection, tenant_header=cfg.tenant_header,
+            forget_connection=probes.forget_connection, restart_connection=probes.restart_connection,
+            tenant_header=cfg.tenant_header,
             idle_timeout_s=cfg.idle_timeout_s)
         lag = LagMeter()
 

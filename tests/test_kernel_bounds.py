@@ -10,17 +10,37 @@ import sys
 from importlib.resources import files
 
 import pytest
-from tokenprobe.agent.capture.probes import KERNEL_MAPS, MAP_OVERFLOW_SLOTS, MapSizes, Probes, Targets
+from tokenprobe.agent.capture.probes import (
+    DIR_READ,
+    EV_DATA,
+    KERNEL_MAPS,
+    MAP_OVERFLOW_SLOTS,
+    KernelEvent,
+    MapSizes,
+    Probes,
+    Targets,
+)
 
 from tests.kernel_harness import free_port, require_kernel, wait_for_port
 from tests.support import wait_until
 
 SOURCE = files("tokenprobe.bpf").joinpath("tokenprobe.c").read_text()
-# A server that accepts and keeps every connection, closing none.
-HOARDER = ("import socket, sys\n"
-           "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-           "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(1024); held = []\n"
-           "while True: held.append(s.accept()[0])\n")
+# A server that keeps every connection it accepts, closing none, and echoes what each sends.
+KEEPER = """
+import selectors, socket, sys
+listener = socket.socket()
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(("127.0.0.1", int(sys.argv[1])))
+listener.listen(1024)
+selector = selectors.DefaultSelector()
+selector.register(listener, selectors.EVENT_READ)
+while True:
+    for key, _ in selector.select():
+        if key.fileobj is listener:
+            selector.register(listener.accept()[0], selectors.EVENT_READ)
+        elif data := key.fileobj.recv(4096):
+            key.fileobj.sendall(data)
+"""
 
 
 def test_every_map_of_the_program_is_listed_with_how_it_stays_bounded():
@@ -37,7 +57,7 @@ def test_small_maps_count_what_they_could_not_hold():
     listeners map of 2 against 4 listening sockets: 2 refusals counted."""
     require_kernel()
     port, spare = free_port(), [free_port() for _ in range(3)]
-    server = subprocess.Popen([sys.executable, "-c", HOARDER, str(port)])
+    server = subprocess.Popen([sys.executable, "-c", KEEPER, str(port)])
     probes, clients, bound = None, [], []
     try:
         wait_for_port(port)
@@ -56,6 +76,47 @@ def test_small_maps_count_what_they_could_not_hold():
     finally:
         for sock in clients + bound:
             sock.close()
+        if probes is not None:
+            probes.close()
+        server.kill()
+        server.wait(timeout=20)
+
+
+@pytest.mark.kernel
+def test_a_restarted_connection_speaks_again_as_one_adopted_afresh():
+    """What idle eviction does to the kernel's entry: the connection's next
+    events carry no accept time and counters from zero."""
+    require_kernel()
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", KEEPER, str(port)])
+    probes, events = None, []
+    try:
+        wait_for_port(port)
+        probes = Probes(Targets(ports=[port]))
+        probes.open(events.append)
+
+        def exchange(client: socket.socket) -> KernelEvent:
+            """One echo; the server's read of it."""
+            events.clear()
+            client.sendall(b"ping")
+            assert client.recv(16) == b"ping"
+
+            def server_read() -> list[KernelEvent]:
+                probes.poll(50)
+                return [e for e in events if e.kind == EV_DATA and e.dir == DIR_READ and e.tgid == server.pid]
+
+            wait_until(server_read)
+            return server_read()[0]
+
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            exchange(client)
+            before = exchange(client)
+            assert before.conn_ns and before.events_before == (1, 1) and before.bytes_before == (4, 4)
+            probes.restart_connection(before.tgid, before.fd)
+            after = exchange(client)
+            assert (after.conn_ns, after.events_before, after.bytes_before) == (0, (0, 0), (0, 0))
+            assert (after.fd, after.head) == (before.fd, b"ping")
+    finally:
         if probes is not None:
             probes.close()
         server.kill()

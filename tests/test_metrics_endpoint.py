@@ -194,12 +194,11 @@ def test_agent_health_figures(metrics):
 
 def test_bounded_state_figures(metrics):
     metrics.set_agent_stats(events_total=1, drops_total=0, lag_s=0, events_per_s=0, idle_evicted_total=5,
-                            readopted_total=2, map_sizes={"conns": 65536, "listeners": 16384},
+                            map_sizes={"conns": 65536, "listeners": 16384},
                             map_overflows={"conns": 36, "listeners": 0})
     metrics.set_agent_stats(events_total=2, drops_total=0, lag_s=0, events_per_s=0, map_overflows={"conns": 40})
     page = read(metrics)
     assert value(page, "tokenprobe_agent_idle_evicted_connections_total") == 5
-    assert value(page, "tokenprobe_agent_readopted_connections_total") == 2
     assert value(page, "tokenprobe_agent_map_size", map="conns") == 65536
     assert value(page, "tokenprobe_agent_map_overflows_total", map="conns") == 40
     assert value(page, "tokenprobe_agent_map_overflows_total", map="listeners") == 0

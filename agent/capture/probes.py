@@ -451,6 +451,22 @@ class Probes:
             self._conns_added -= 1
             self._write_conns_fill()
 
+    def restart_connection(self, tgid: int, fd: int) -> None:
+        """An idle connection the agent forgot: its kernel entry is kept (should it speak
+        again) but made one adopted at start, without accept time or counters, so that the
+        agent follows it afresh under a new conn_id, and nothing before reads as lost."""
+        table = self.bpf["conns"]
+        key = table.Key()
+        key.tgid, key.fd = tgid, fd
+        try:
+            info = table[key]
+        except KeyError:  # closed meanwhile, or evicted from the LRU
+            return
+        info.accept_ns = 0
+        for direction in (0, 1):
+            info.bytes[direction], info.events[direction] = 0, 0
+        table[key] = info
+
     def _write_conns_fill(self) -> None:
         self.bpf["conns_fill"][ctypes.c_int(1)] = ctypes.c_int64(self._conns_added)
 

@@ -27,11 +27,11 @@ missing data never reads as health.
 
 The tracker's memory is bounded: a connection with no I/O for the idle
 timeout is forgotten (`evict_idle`, called by the agent's loop), its open
-exchanges written `truncated`. Its kernel entry stays (the `conns` map is an
-LRU, so idle entries are the first to go when it fills): if the connection
-speaks again, it is adopted afresh under a new conn_id, read from the middle
-like one open before the agent started, and nothing it said before is
-counted twice or as lost.
+exchanges written `truncated`. Its kernel entry stays, restarted
+(`restart_connection`) as if adopted when the agent started: no accept time,
+counters at zero. If the connection speaks again it is followed afresh under
+a new conn_id, read from the middle, and nothing it said before is counted
+twice or as lost; the tracker remembers nothing of it meanwhile.
 """
 
 from __future__ import annotations
@@ -79,9 +79,6 @@ _PROTOCOL_PROBE_BYTES = 24
 # Longer than servers' keep-alive timeouts (nginx 75 s, uvicorn 5 s) and than a long
 # non-streamed generation waits for its response: what outlives it has lost its close.
 DEFAULT_IDLE_TIMEOUT_S = 600.0
-# Evicted connections remembered until they close or speak again: as many as the kernel's
-# `conns` map holds by default (one evicted longer ago has likely left that LRU too).
-_EVICTED_REMEMBERED = 65536
 
 
 def _boot_id() -> bytes:
@@ -110,12 +107,11 @@ class Fidelity:
     response_unseen: int = 0    # bytes towards the client not captured
 
 
-@dataclass
+@dataclass(slots=True)
 class Connection:
     tgid: int
     fd: int
     opened_ns: int          # kernel accept/connect time; first event time if unseen
-    generation: int         # the kernel's accept/connect time for it, 0 if it has none
     accept_seen: bool
     role: int
     local_port: int
@@ -157,7 +153,6 @@ class TrackerStats:
     bytes_unseen: int = 0          # bytes moved on tracked connections and not captured
     unreadable_connections: int = 0  # connections written as one `unsupported` row (blind spots)
     idle_evicted: int = 0          # connections forgotten after the idle timeout
-    readopted: int = 0             # evicted connections that spoke again, adopted afresh
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -166,6 +161,7 @@ class ConnectionTracker:
                  fingerprint_key: bytes, node: str | None = None,
                  target_ports: set[int] | None = None, target_pids: set[int] | None = None,
                  forget_connection: Callable[[int, int], None] | None = None,
+                 restart_connection: Callable[[int, int], None] | None = None,
                  tenant_header: str | None = DEFAULT_TENANT_HEADER,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
         if idle_timeout_s <= 0:
@@ -179,11 +175,9 @@ class ConnectionTracker:
         self.target_ports = target_ports or set()
         self.target_pids = target_pids or set()
         self.forget_connection = forget_connection
+        self.restart_connection = restart_connection  # the kernel's side of an idle eviction
         self.connections: dict[tuple[int, int], Connection] = {}
         self.idle_timeout_ns = int(idle_timeout_s * 1e9)
-        # (tgid, fd) → the kernel's generation (accept time, 0 if unknown) of an evicted
-        # connection, until it closes or speaks again; oldest dropped past the bound.
-        self._evicted: dict[tuple[int, int], int] = {}
         self.stats = TrackerStats()
         self._handlers = {
             EV_ACCEPT: self._on_open, EV_CONNECT: self._on_open, EV_DATA: self._on_data,
@@ -199,8 +193,8 @@ class ConnectionTracker:
     def _new_connection(self, ev: KernelEvent, accept_seen: bool) -> Connection:
         opened_ns = ev.conn_ns if accept_seen else ev.ts_ns
         conn = Connection(
-            tgid=ev.tgid, fd=ev.fd, opened_ns=opened_ns, generation=ev.conn_ns, accept_seen=accept_seen,
-            role=ev.role, local_port=ev.local_port, peer_addr=ev.peer_addr, peer_port=ev.peer_port,
+            tgid=ev.tgid, fd=ev.fd, opened_ns=opened_ns, accept_seen=accept_seen, role=ev.role,
+            local_port=ev.local_port, peer_addr=ev.peer_addr, peer_port=ev.peer_port,
             comm=ev.comm or comm_of(ev.tgid), conn_id=connection_id(ev.tgid, ev.fd, opened_ns),
             first_ns=ev.ts_ns, last_ns=ev.ts_ns)
         self.connections[(ev.tgid, ev.fd)] = conn
@@ -208,7 +202,6 @@ class ConnectionTracker:
         return conn
 
     def _on_open(self, ev: KernelEvent) -> None:
-        self._evicted.pop((ev.tgid, ev.fd), None)
         old = self.connections.pop((ev.tgid, ev.fd), None)
         if old is not None:  # the fd was reused and its close() was not seen
             self._close(old, ev.ts_ns, "server_closed")
@@ -232,18 +225,8 @@ class ConnectionTracker:
             self._close(conn, ev.ts_ns, "server_closed")
             conn = None
         if conn is None:
-            if self._evicted.pop((ev.tgid, ev.fd), None) == ev.conn_ns:
-                return self._readopt(ev)
             # Opened before the agent started, or its accept event was lost.
             conn = self._new_connection(ev, accept_seen=bool(ev.conn_ns))
-        return conn
-
-    def _readopt(self, ev: KernelEvent) -> Connection:
-        """An evicted connection speaks again: followed afresh from here, as one
-        picked up mid-way, its counters taken as they stand (nothing was lost)."""
-        self.stats.readopted += 1
-        conn = self._new_connection(ev, accept_seen=False)
-        conn.next_event, conn.next_byte = list(ev.events_before), list(ev.bytes_before)
         return conn
 
     def _is_request(self, conn: Connection, direction: int) -> bool:
@@ -315,7 +298,6 @@ class ConnectionTracker:
         self._finish(conn, exchanges)
 
     def _on_close(self, ev: KernelEvent) -> None:
-        self._evicted.pop((ev.tgid, ev.fd), None)
         conn = self.connections.pop((ev.tgid, ev.fd), None)
         if conn is None:
             return
@@ -340,8 +322,6 @@ class ConnectionTracker:
 
     def _on_exit(self, ev: KernelEvent) -> None:
         """The process died: the kernel closed its sockets without close()."""
-        for key in [key for key in self._evicted if key[0] == ev.tgid]:
-            del self._evicted[key]
         for key in [key for key in self.connections if key[0] == ev.tgid]:
             conn = self.connections.pop(key)
             if self.forget_connection:
@@ -355,9 +335,8 @@ class ConnectionTracker:
         idle = [key for key, conn in self.connections.items() if conn.last_ns < deadline]
         for key in idle:
             conn = self.connections.pop(key)
-            if len(self._evicted) >= _EVICTED_REMEMBERED:
-                del self._evicted[next(iter(self._evicted))]
-            self._evicted[key] = conn.generation
+            if self.restart_connection:
+                self.restart_connection(conn.tgid, conn.fd)
             self._close(conn, now_ns, "idle_timeout")
         self.stats.idle_evicted += len(idle)
         return len(idle)

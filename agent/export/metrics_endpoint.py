@@ -30,7 +30,7 @@ too, computed from the row the same way.
 - ``tokenprobe_agent_*`` — kernel events handled and dropped, processing lag,
   events per second, parse errors, the store's health (rows written, rows
   waiting in the disk spool, rows rejected or lost), connections forgotten
-  after the idle timeout and adopted again, and per kernel map (label ``map``)
+  after the idle timeout, and per kernel map (label ``map``)
   its size (``tokenprobe_agent_map_size``) and the entries it could not hold
   (``tokenprobe_agent_map_overflows_total``; see README "Bounded state"); plus the standard
   ``process_*`` series (the agent's own CPU and memory).
@@ -217,7 +217,6 @@ _AGENT_STATS = {
     "open_connections": ("gauge", "Connections the agent is following"),
     "inflight_requests": ("gauge", "Requests started and not yet finished, all ports"),
     "idle_evicted_connections_total": ("counter", "Connections forgotten after the idle timeout with no I/O"),
-    "readopted_connections_total": ("counter", "Connections forgotten when idle that spoke again, followed afresh"),
     # From the request sink (SinkCounters).
     "rows_written_total": ("counter", "Request rows written to the store"),
     "rows_rejected_total": ("counter", "Request rows the store refused outright (kept in the spool's rejected/)"),
@@ -349,7 +348,7 @@ class AgentMetrics:
     def set_agent_stats(self, *, events_total: int, drops_total: int, lag_s: float, events_per_s: float,
                         parse_errors_total: int | None = None, open_connections: int | None = None,
                         inflight_requests: int | None = None, sink: SinkCounters | None = None,
-                        idle_evicted_total: int | None = None, readopted_total: int | None = None,
+                        idle_evicted_total: int | None = None,
                         map_sizes: dict[str, int] | None = None,
                         map_overflows: dict[str, int] | None = None) -> None:
         """Publish the runner's figures; totals are cumulative since the agent started.
@@ -364,7 +363,7 @@ class AgentMetrics:
             "events_total": events_total, "drops_total": drops_total, "lag_seconds": lag_s,
             "events_per_second": events_per_s, "parse_errors_total": parse_errors_total,
             "open_connections": open_connections, "inflight_requests": inflight_requests,
-            "idle_evicted_connections_total": idle_evicted_total, "readopted_connections_total": readopted_total,
+            "idle_evicted_connections_total": idle_evicted_total,
         }  # fmt: skip
         if sink is not None:
             given.update(rows_written_total=sink.rows_written, rows_rejected_total=sink.rows_rejected,
