@@ -33,7 +33,14 @@ import time
 from pathlib import Path
 
 from tokenprobe.agent.capture.clock import MonotonicWallClock
-from tokenprobe.agent.capture.probes import DIR_READ, DIR_WRITE, EV_ACCEPT, EV_CLOSE, EV_DATA, KernelEvent
+from tokenprobe.agent.capture.probes import (
+    DIR_READ,
+    DIR_WRITE,
+    EV_ACCEPT,
+    EV_CLOSE,
+    EV_DATA,
+    KernelEvent,
+)
 from tokenprobe.agent.capture.tracker import ConnectionTracker
 from tokenprobe.agent.sampling.prom_text import scrape
 from tokenprobe.refserver.harness import agent, free_port, wait_for_port
@@ -46,6 +53,7 @@ RESPONSE = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Lengt
             % (len(RESPONSE_BODY), RESPONSE_BODY))
 SERVER_PID = 4242
 IDLE_TIMEOUT_S = 60.0
+FD_MARGIN = 1024  # descriptors besides the connections: the store, the agent's own, Python's
 
 
 def rss_bytes() -> int:
@@ -58,15 +66,17 @@ def mib(n: float) -> str:
     return f"{n / (1 << 20):8.1f} MiB"
 
 
-def raise_fd_limit(need: int) -> None:
-    """Room for `need` sockets (root may raise the hard limit too)."""
+def raise_fd_limit(need: int) -> int:
+    """Room for `need` sockets where it can be had (root may raise the hard limit, outside a
+    container that withholds CAP_SYS_RESOURCE); returns how many sockets fit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = need + 1024
+    want = need + FD_MARGIN
     if soft < want:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(hard, want)))
         except (ValueError, PermissionError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return min(need, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_MARGIN)
 
 
 # -- 1: the tracker alone -------------------------------------------------------------------------
@@ -179,20 +189,26 @@ def settle(metrics_port: int, name: str, want: float, timeout_s: float = 300.0) 
 
 
 def agent_churn(n: int, batch: int) -> None:
-    raise_fd_limit(batch)
+    # Here, not above: the agent's module loads the store's engine, which part 1's RSS must not carry.
+    from tokenprobe.cli.agent import RESCAN_INTERVAL_S
+
+    batch = raise_fd_limit(batch)
     port, metrics_port = free_port(), free_port()
     server = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_connection_churn", "--serve", str(port),
                                "--batch", str(batch)])
     linger_reset = struct.pack("ii", 1, 0)  # close with RST: no TIME_WAIT to run out of ports
     try:
         wait_for_port(port)
+        # A store that does not answer (the last --store wins): rows go to the disk spool, so the
+        # RSS is the agent's own, not an embedded database's.
         with tempfile.TemporaryDirectory() as tmp, \
-                agent(Path(tmp), "--metrics-port", str(metrics_port), "--analyze-every", "0", "--nvml-hz", "0",
-                      ports=[port]) as handle:
+                agent(Path(tmp), "--store", f"http://127.0.0.1:{free_port()}/", "--metrics-port", str(metrics_port),
+                      "--analyze-every", "0", "--nvml-hz", "0", ports=[port]) as handle:
             wait_for_port(metrics_port)
             rss = "process_resident_memory_bytes"
             print(f"agent (pid {handle.proc.pid}), {n} connections in batches of {batch}, each one exchange")
-            print(f"  RSS before            {mib(agent_figure(metrics_port, rss))}")
+            before = agent_figure(metrics_port, rss)
+            print(f"  RSS before            {mib(before)}")
             done = 0
             while done < n:
                 size = min(batch, n - done)
@@ -210,8 +226,11 @@ def agent_churn(n: int, batch: int) -> None:
                     client.close()
                 done += size
                 settle(metrics_port, "tokenprobe_agent_open_connections", 0)
-                print(f"  RSS {size} open (peak)  {mib(peak)}   then closed: "
-                      f"{mib(agent_figure(metrics_port, rss))}   ({done} connections so far)")
+                time.sleep(RESCAN_INTERVAL_S + 1)  # the agent hands freed memory back at its rescans
+                # Per connection from the first batch alone: later ones reuse what it freed.
+                cost = "" if done > size else f"   {(peak - before) / size:.0f} bytes per tracked connection"
+                print(f"  RSS {size} open (peak)  {mib(peak)}{cost}")
+                print(f"  RSS then all closed    {mib(agent_figure(metrics_port, rss))}   ({done} connections so far)")
             overflows = {s.labels["map"]: s.value for s in scrape(
                 f"http://127.0.0.1:{metrics_port}/metrics", timeout_s=10).samples
                 if s.name == "tokenprobe_agent_map_overflows_total" and s.value}
@@ -229,7 +248,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--connections", type=int, default=100_000)
     parser.add_argument("--agent", action="store_true", help="also through the real agent (root, BPF)")
-    parser.add_argument("--batch", type=int, default=20_000, help="connections the agent run holds open at once")
+    parser.add_argument("--batch", type=int, default=20_000,
+                        help="connections the agent run holds open at once, as far as RLIMIT_NOFILE allows")
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:

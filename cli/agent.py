@@ -9,6 +9,7 @@ returns.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -48,6 +49,8 @@ log = logging.getLogger("tokenprobe.agent")
 
 DEFAULT_KEY_FILE = Path("/var/lib/tokenprobe/fingerprint.key")
 RESCAN_INTERVAL_S = 5.0
+# Connections that must have gone since the last release before freed memory is handed back.
+RELEASE_AFTER_CONNECTIONS = 10_000
 
 
 def load_fingerprint_key(path: Path = DEFAULT_KEY_FILE) -> bytes:
@@ -262,6 +265,23 @@ class StoreServices:
             self._opened.close()
 
 
+class MemoryRelease:
+    """Hands the memory of many ended connections back to the system. glibc keeps what
+    Python frees in its heap, so after a burst of connections the agent's RSS would stay
+    at the burst's peak; malloc_trim returns the free pages (a no-op where there is none)."""
+
+    def __init__(self) -> None:
+        self._trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+        self._peak = 0
+
+    def after(self, tracked: int) -> None:
+        """Called now and then with the connections tracked now."""
+        self._peak = max(self._peak, tracked)
+        if self._trim is not None and self._peak - tracked >= RELEASE_AFTER_CONNECTIONS:
+            self._trim(0)
+            self._peak = tracked
+
+
 def offer_inflight(live: LiveAnalysis | None, tracker: ConnectionTracker) -> None:
     """On the capture thread, which alone may read the tracker: the requests in flight, when a pass asks."""
     if live is not None and live.inflight_wanted():
@@ -375,6 +395,7 @@ class Agent:
         started = time.monotonic()
         deadline = started + cfg.duration_s if cfg.duration_s else None
         next_rescan = started + RESCAN_INTERVAL_S
+        memory = MemoryRelease()
         last_tick, last_events = started, 0
         try:
             while not self._stop:
@@ -389,6 +410,7 @@ class Agent:
                         log.info("probing libssl %s", path)
                     probes.rescan_processes()
                     tracker.evict_idle(time.monotonic_ns())
+                    memory.after(len(tracker.connections))
                 if now - last_tick >= 1.0:
                     rate = (tracker.stats.events - last_events) / (now - last_tick)
                     last_tick, last_events = now, tracker.stats.events
