@@ -3,11 +3,14 @@ overflows are counted, and a map made small at load time shows its counter."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import re
 import socket
 import subprocess
 import sys
 from importlib.resources import files
+from pathlib import Path
 
 import pytest
 from tokenprobe.agent.capture.probes import (
@@ -21,9 +24,10 @@ from tokenprobe.agent.capture.probes import (
     Targets,
 )
 
-from tests.kernel_harness import free_port, require_kernel, wait_for_port
+from tests.kernel_harness import agent, free_port, read_rows, require_kernel, wait_for_port
 from tests.support import wait_until
 
+SHAPES_SERVER = Path(__file__).parent / "servers" / "shapes_sse.py"
 SOURCE = files("tokenprobe.bpf").joinpath("tokenprobe.c").read_text()
 # A server that keeps every connection it accepts, closing none, and echoes what each sends.
 KEEPER = """
@@ -121,3 +125,34 @@ def test_a_restarted_connection_speaks_again_as_one_adopted_afresh():
             probes.close()
         server.kill()
         server.wait(timeout=20)
+
+
+@pytest.mark.kernel
+def test_the_agent_evicts_an_idle_connection_and_follows_it_afresh_when_it_speaks(tmp_path: Path):
+    """A stream silent past --idle-timeout is written truncated while it waits;
+    the rest of it reads as nothing, and the connection's next request is one
+    exact row of its own."""
+    require_kernel()
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(SHAPES_SERVER), str(port)])
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, "--idle-timeout", "1", ports=[port]) as handle:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            # Silent 6 s before each event: longer than the timeout and the agent's 5 s sweep.
+            for rid, tokens, delay_ms in (("cmpl-silent", 1, 6000), ("cmpl-after", 3, 0)):
+                conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                             body=json.dumps({"id": rid, "max_tokens": tokens, "delay_ms": delay_ms}))
+                assert conn.getresponse().read().count(b"data: ") == tokens + 2
+            conn.close()
+            assert handle.stop() == 0, handle.log()
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    rows = sorted(read_rows(handle.store_url), key=lambda r: r["req_start_ns"])
+    assert [(r["outcome"], r["response_id"], r["token_events"], r["req_seq"]) for r in rows] == [
+        ("truncated", "", 0, 0), ("complete", "cmpl-after", 3, 0)], rows
+    silent, after = rows
+    assert "no I/O for 1 s" in silent["error"] and silent["status"] == 200
+    assert after["capture"] == "exact" and after["completion_tokens"] == 3
+    assert after["conn_id"] != silent["conn_id"]
