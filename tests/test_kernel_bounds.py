@@ -24,7 +24,13 @@ from tokenprobe.agent.capture.probes import (
     Targets,
 )
 
-from tests.kernel_harness import agent, free_port, read_rows, require_kernel, wait_for_port
+from tests.kernel_harness import (
+    agent,
+    free_port,
+    read_rows,
+    require_kernel,
+    wait_for_port,
+)
 from tests.support import wait_until
 
 SHAPES_SERVER = Path(__file__).parent / "servers" / "shapes_sse.py"
@@ -47,7 +53,7 @@ while True:
 """
 
 
-def test_every_map_of_the_program_is_listed_with_how_it_stays_bounded():
+def test_every_map_of_the_program_is_listed_and_every_overflow_slot_named():
     declared = re.findall(r"^BPF_(?:TABLE\(\"\w+\", [^,]+, [^,]+, (\w+)|[A-Z_]+\((\w+))", SOURCE, re.MULTILINE)
     assert {table or other for table, other in declared} == set(KERNEL_MAPS)
     enum = re.search(r"enum map_slot \{(.*?)\};", SOURCE, re.DOTALL).group(1)

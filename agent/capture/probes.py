@@ -43,31 +43,11 @@ CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
 # The slots of map_overflows (enum map_slot in bpf/tokenprobe.c), by map name.
 MAP_OVERFLOW_SLOTS = ("conns", "listeners", "io_pending", "ssl_pending", "accept_pending", "connect_pending",
                       "bind_pending")
-# Every map of the program: how it stays bounded, and what its overflow costs.
-KERNEL_MAPS = {
-    "events": "ring buffer; a full one drops events, counted (drops) and named per row (capture 'dropped')",
-    "scratch": "array, one record per CPU",
-    "drops": "per-CPU counter",
-    "map_overflows": "per-CPU counters, one per map below that can overflow",
-    "conns_fill": "array: live entries of conns",
-    "config": "array",
-    "exe_paths": "array",
-    "conns": "LRU; a connection evicted while open is counted (its later events are lost)",
-    "target_ports": "hash, written once at start from --port (at most 256)",
-    "target_tgids": "LRU; entries removed at process exit",
-    "active_tgids": "LRU; entries removed at process exit",
-    "listeners": "hash, pruned to what listens now at every rescan; a full one is counted",
-    "bind_pending": "hash, one entry per thread inside bind(); a full one is counted",
-    "listener_tgids": "LRU; entries removed at process exit",
-    "io_pending": "hash, one entry per thread inside a read or write; a full one is counted and the call's "
-                  "exchange says 'dropped'",
-    "accept_pending": "hash, one entry per thread inside accept(); a full one is counted",
-    "connect_pending": "hash, one entry per thread inside connect(); a full one is counted",
-    "ssl_pending": "hash, one entry per thread inside an SSL call; a full one is counted",
-    "ssl_fd": "LRU of SSL object bindings; the oldest are forgotten",
-    "rbio_ssl": "LRU of memory-BIO bindings; the oldest are forgotten",
-    "read_buf_fd": "LRU of recent read buffers; the oldest are forgotten",
-}
+# Every map of the program (README "Bounded state" says how each stays bounded).
+KERNEL_MAPS = ("events", "scratch", "drops", "map_overflows", "conns_fill", "config", "exe_paths", "conns",
+               "target_ports", "target_tgids", "active_tgids", "listeners", "bind_pending", "listener_tgids",
+               "io_pending", "accept_pending", "connect_pending", "ssl_pending", "ssl_fd", "rbio_ssl",
+               "read_buf_fd")
 
 # (symbol, entry handler, return handler or None). Both OpenSSL call
 # families: CPython calls the _ex forms, nginx and most C servers the classic
@@ -431,7 +411,7 @@ class Probes:
         return int(sum(self.bpf["drops"][ctypes.c_int(0)]))
 
     def map_overflows(self) -> dict[str, int]:
-        """Per map, entries it could not take since the probes loaded (see KERNEL_MAPS)."""
+        """Per map that can overflow, entries it could not take since the probes loaded."""
         counts = self.bpf["map_overflows"]
         overflows = {name: int(sum(counts[ctypes.c_int(slot)])) for slot, name in enumerate(MAP_OVERFLOW_SLOTS)}
         for name, refused in self._refused.items():
