@@ -9,12 +9,14 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from importlib.resources import files
 from pathlib import Path
 
 import pytest
 from tokenprobe.agent.capture.probes import (
     DIR_READ,
+    DIR_WRITE,
     EV_DATA,
     KERNEL_MAPS,
     MAP_OVERFLOW_SLOTS,
@@ -33,6 +35,23 @@ from tests.kernel_harness import (
 )
 from tests.support import wait_until
 
+# A server with a thread per connection, each blocked in recv() between messages: threads
+# inside a traced call at once. A connection is closed after its first message.
+THREADED = """
+import socket, sys, threading
+def serve(conn, once):
+    while data := conn.recv(4096):
+        conn.sendall(data)
+        if once:
+            break
+    conn.close()
+listener = socket.socket()
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(("127.0.0.1", int(sys.argv[1])))
+listener.listen(16)
+for n in range(3):
+    threading.Thread(target=serve, args=(listener.accept()[0], n == 1)).start()
+"""
 SHAPES_SERVER = Path(__file__).parent / "servers" / "shapes_sse.py"
 SOURCE = files("tokenprobe.bpf").joinpath("tokenprobe.c").read_text()
 # A server that keeps every connection it accepts, closing none, and echoes what each sends.
@@ -162,3 +181,45 @@ def test_the_agent_evicts_an_idle_connection_and_follows_it_afresh_when_it_speak
     assert "no I/O for 1 s" in silent["error"] and silent["status"] == 200
     assert after["capture"] == "exact" and after["completion_tokens"] == 3
     assert after["conn_id"] != silent["conn_id"]
+
+
+@pytest.mark.kernel
+def test_a_full_pending_map_is_counted_and_the_calls_it_missed_read_as_lost():
+    """io_pending sized 1: while one thread waits in recv(), another's calls
+    find no room. They are counted, and the connection's next event owns up to
+    them, so the exchange they belong to would say 'dropped'."""
+    require_kernel()
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", THREADED, str(port)])
+    probes, events = None, []
+    try:
+        wait_for_port(port)  # the first connection, closed at once
+        probes = Probes(Targets(ports=[port]), map_sizes=MapSizes(pending=1))
+        probes.open(events.append)
+        holder = socket.create_connection(("127.0.0.1", port))  # its thread takes the one entry
+        wait_until(lambda: probes.poll(50) or any(e.tgid == server.pid for e in events))
+        time.sleep(0.5)  # and is inside recv()
+        starved = socket.create_connection(("127.0.0.1", port))
+        starved.sendall(b"lost")
+        assert starved.recv(16) == b"lost"  # read and echoed unseen
+        wait_until(lambda: probes.map_overflows()["io_pending"] >= 2)
+        holder.sendall(b"free")  # its thread answers, closes and ends: the entry is free
+        assert holder.recv(16) == b"free" and holder.recv(16) == b""
+        time.sleep(0.5)
+        starved.sendall(b"seen")
+        assert starved.recv(16) == b"seen"
+
+        def starved_write() -> list[KernelEvent]:
+            probes.poll(50)
+            return [e for e in events if e.kind == EV_DATA and e.dir == DIR_WRITE and e.head == b"seen"]
+
+        wait_until(starved_write)
+        reads_lost, writes_lost = starved_write()[0].events_before
+        assert reads_lost >= 1 and writes_lost >= 1, "the calls the full map missed are numbered"
+        holder.close()
+        starved.close()
+    finally:
+        if probes is not None:
+            probes.close()
+        server.kill()
+        server.wait(timeout=20)
