@@ -129,14 +129,19 @@ def _check_nvml() -> Check:
         pynvml.nvmlShutdown()
 
 
-def _check_load() -> Check:
+def _check_load() -> list[Check]:
     try:
         probes = Probes(Targets(ports=[1]))
     except (ProbeError, ValueError) as exc:
-        return Check("BPF load", FAIL, str(exc), "see the checks above")
+        return [Check("BPF load", FAIL, str(exc), "see the checks above")]
     try:
-        return Check("BPF load", OK, f"the probes compile, pass the verifier and attach "
-                     f"({len(probes.attached_ssl)} copies of OpenSSL probed)")
+        sizes = ", ".join(f"{name} {size}" for name, size in probes.map_sizes().items())
+        return [Check("BPF load", OK, f"the probes compile, pass the verifier and attach "
+                      f"({len(probes.attached_ssl)} copies of OpenSSL probed)"),
+                # This program's own maps are empty: a running agent's overflows are on its /metrics.
+                Check("kernel maps", OK, f"entries each map holds (the ring buffer: bytes): {sizes}; every one is "
+                      "an LRU or counts what it could not hold, which a running agent reports as "
+                      "tokenprobe_agent_map_overflows_total{map=...} on /metrics and in its summary at stop")]
     finally:
         probes.close()
 
@@ -146,7 +151,7 @@ def run_checks(load: bool = True) -> list[Check]:
               _check_root(), _check_btf(), _check_tracefs(), _check_headers(), *_check_probe_types(),
               _check_bcc(), _check_libssl(), _check_tls_reach(), _check_nvml()]
     if load and os.geteuid() == 0:
-        checks.append(_check_load())
+        checks += _check_load()
     return checks
 
 

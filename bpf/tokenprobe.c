@@ -31,8 +31,19 @@
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 4096
 #endif
+// Map sizes, set by the agent (probes.MapSizes); the agent reports each map's
+// overflows (map_overflows below) as tokenprobe_agent_map_overflows_total.
 #ifndef MAX_CONNS
 #define MAX_CONNS 65536
+#endif
+#ifndef MAX_TGIDS
+#define MAX_TGIDS 16384 // processes: targets, owners of tracked connections, listeners
+#endif
+#ifndef MAX_LISTENERS
+#define MAX_LISTENERS 16384
+#endif
+#ifndef MAX_PENDING
+#define MAX_PENDING 16384 // threads inside a traced call at once
 #endif
 #define MAX_IOV 64 // hyper and libuv gather a stream's chunks: three iovecs per chunk
 #define MAX_EXE_PATHS 8 // up to 4 executables, each as given and resolved
@@ -141,27 +152,39 @@ BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 // per-CPU array: per-CPU map values are limited to 32 KiB.
 BPF_ARRAY(scratch, struct event, NR_CPUS_POSSIBLE);
 BPF_PERCPU_ARRAY(drops, u64, 1);
+// Per map, entries it could not take: a failed insert into a full hash, or a
+// live connection evicted from the conns LRU. Slots in probes.MAP_OVERFLOW_SLOTS.
+enum map_slot {
+    MAP_CONNS = 0, MAP_LISTENERS, MAP_IO_PENDING, MAP_SSL_PENDING, MAP_ACCEPT_PENDING,
+    MAP_CONNECT_PENDING, MAP_BIND_PENDING, MAP_SLOTS
+};
+BPF_PERCPU_ARRAY(map_overflows, u64, MAP_SLOTS);
+// Live entries of conns, which the LRU cannot report: [0] the program's inserts
+// less its deletes, [1] the agent's (it alone writes that slot).
+BPF_ARRAY(conns_fill, s64, 2);
 BPF_ARRAY(config, u32, CFG_SLOTS);
 BPF_ARRAY(exe_paths, struct exe_path, MAX_EXE_PATHS);
 
 BPF_TABLE("lru_hash", struct conn_key, struct conn_info, conns, MAX_CONNS);
-BPF_HASH(target_ports, u16, u8, 256);
-BPF_TABLE("lru_hash", u32, u8, target_tgids, 16384);
+BPF_HASH(target_ports, u16, u8, 256); // probes.MAX_TARGET_PORTS
+BPF_TABLE("lru_hash", u32, u8, target_tgids, MAX_TGIDS);
 // Processes that own a tracked connection: the libssl uprobes return at once
 // for every other process on the node.
-BPF_TABLE("lru_hash", u32, u8, active_tgids, 16384);
+BPF_TABLE("lru_hash", u32, u8, active_tgids, MAX_TGIDS);
 
 // Listening sockets of target ports: (tgid, fd) → port. Filled from bind()
 // here and from /proc by the agent (sockets bound before it started, and
 // listening fds inherited by forked workers).
-BPF_HASH(listeners, struct conn_key, u16, 16384);
-BPF_HASH(bind_pending, u64, struct sockaddr_args, 4096);
-BPF_TABLE("lru_hash", u32, u8, listener_tgids, 16384);
+BPF_HASH(listeners, struct conn_key, u16, MAX_LISTENERS);
+BPF_HASH(bind_pending, u64, struct sockaddr_args, MAX_PENDING);
+BPF_TABLE("lru_hash", u32, u8, listener_tgids, MAX_TGIDS);
 
-BPF_HASH(io_pending, u64, struct io_args, 16384);
-BPF_HASH(accept_pending, u64, struct accept_args, 4096);
-BPF_HASH(connect_pending, u64, struct sockaddr_args, 4096);
-BPF_HASH(ssl_pending, u64, struct ssl_args, 16384);
+// A thread's call in progress, entry → exit; a thread that dies inside one
+// leaves its entry, removed at its exit (sched_process_exit).
+BPF_HASH(io_pending, u64, struct io_args, MAX_PENDING);
+BPF_HASH(accept_pending, u64, struct accept_args, MAX_PENDING);
+BPF_HASH(connect_pending, u64, struct sockaddr_args, MAX_PENDING);
+BPF_HASH(ssl_pending, u64, struct ssl_args, MAX_PENDING);
 // SSL* → fd, only ever from what names the fd itself: SSL_set_fd, a socket
 // syscall made inside a libssl call (socket BIOs: nginx, CPython's ssl), or,
 // for memory BIOs (asyncio, uvicorn), the bytes' own path: the buffer a
@@ -196,6 +219,36 @@ static __always_inline void count_drop(void) {
     u64 *d = drops.lookup(&zero);
     if (d)
         __sync_fetch_and_add(d, 1);
+}
+
+static __always_inline void count_overflow(int slot) {
+    u64 *n = map_overflows.lookup(&slot);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+
+// Adds a connection to conns. Full, the LRU evicts the least recently used
+// entry, which is one nobody removed: a live connection (idle, or a busy one
+// if that many are open) or one closed unseen (close_range, exec). Counted.
+static __always_inline void track_connection(struct conn_key *k, struct conn_info *ci) {
+    if (!conns.lookup(k)) {
+        int kernel = 0, agent = 1;
+        s64 *mine = conns_fill.lookup(&kernel), *theirs = conns_fill.lookup(&agent);
+        if (mine && theirs) {
+            if (*mine + *theirs >= MAX_CONNS)
+                count_overflow(MAP_CONNS); // one in, one evicted: the count stands
+            else
+                __sync_fetch_and_add(mine, 1);
+        }
+    }
+    conns.update(k, ci);
+}
+
+static __always_inline void untrack_connection(struct conn_key *k) {
+    int kernel = 0;
+    s64 *mine = conns_fill.lookup(&kernel);
+    if (conns.delete(k) == 0 && mine)
+        __sync_fetch_and_add(mine, -1);
 }
 
 static __always_inline struct event *new_event(u8 kind, u32 tgid, u32 fd,
@@ -375,7 +428,8 @@ static __always_inline int socket_endpoints(u32 fd, struct conn_info *ci) {
 static __always_inline int accept_enter(int fd, struct sockaddr *addr) {
     u64 id = bpf_get_current_pid_tgid();
     struct accept_args a = {.addr = addr, .listen_fd = fd};
-    accept_pending.update(&id, &a);
+    if (accept_pending.update(&id, &a) != 0)
+        count_overflow(MAP_ACCEPT_PENDING);
     return 0;
 }
 
@@ -419,7 +473,7 @@ static __always_inline int accept_exit(long ret) {
         return 0;
 
     struct conn_key k = {.tgid = tgid, .fd = (u32)ret};
-    conns.update(&k, &ci);
+    track_connection(&k, &ci);
     u8 one = 1;
     active_tgids.update(&tgid, &one);
 
@@ -443,7 +497,8 @@ TRACEPOINT_PROBE(syscalls, sys_exit_accept) { return accept_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_bind) {
     u64 id = bpf_get_current_pid_tgid();
     struct sockaddr_args a = {.addr = (struct sockaddr *)args->umyaddr, .fd = args->fd};
-    bind_pending.update(&id, &a);
+    if (bind_pending.update(&id, &a) != 0)
+        count_overflow(MAP_BIND_PENDING);
     return 0;
 }
 
@@ -461,7 +516,8 @@ TRACEPOINT_PROBE(syscalls, sys_exit_bind) {
     if (!read_sockaddr(saved.addr, addr, &port) || !target_ports.lookup(&port))
         return 0;
     struct conn_key k = {.tgid = id >> 32, .fd = saved.fd};
-    listeners.update(&k, &port);
+    if (listeners.update(&k, &port) != 0)
+        count_overflow(MAP_LISTENERS);
     u8 one = 1;
     listener_tgids.update(&k.tgid, &one);
     return 0;
@@ -477,7 +533,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
     if (!target_tgids.lookup(&tgid))
         return 0;
     struct sockaddr_args a = {.addr = (struct sockaddr *)args->uservaddr, .fd = args->fd};
-    connect_pending.update(&id, &a);
+    if (connect_pending.update(&id, &a) != 0)
+        count_overflow(MAP_CONNECT_PENDING);
     return 0;
 }
 
@@ -498,7 +555,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_connect) {
         return 0; // not TCP/IP (e.g. a unix socket)
     u32 tgid = id >> 32;
     struct conn_key k = {.tgid = tgid, .fd = saved.fd};
-    conns.update(&k, &ci);
+    track_connection(&k, &ci);
     u8 one = 1;
     active_tgids.update(&tgid, &one);
     struct event *e = new_event(EV_CONNECT, tgid, k.fd, &ci, ci.accept_ns);
@@ -516,7 +573,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     if (!ci)
         return 0;
     struct event *e = new_event(EV_CLOSE, k.tgid, k.fd, ci, bpf_ktime_get_ns());
-    conns.delete(&k);
+    untrack_connection(&k);
     if (e)
         submit(e, 0);
     return 0;
@@ -579,7 +636,12 @@ static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *i
     // values cannot tell them from "try again", whatever BIO it reads through.
     struct io_args a = {.enter_ns = bpf_ktime_get_ns(), .buf = buf, .iov = iov,
                         .iovcnt = iovcnt, .fd = fd, .dir = dir, .ciphertext = ci->tls};
-    io_pending.update(&id, &a);
+    if (io_pending.update(&id, &a) != 0) {
+        // The call goes unseen: count it as an event the ring buffer lost, so
+        // that the exchanges it belongs to say `dropped`.
+        count_overflow(MAP_IO_PENDING);
+        sequence(ci, dir, 0);
+    }
     return 0;
 }
 
@@ -685,7 +747,8 @@ static __always_inline int ssl_enter(struct pt_regs *ctx, u8 fn) {
     if (fn == SSL_FN_READ_EX || fn == SSL_FN_WRITE_EX)
         a.len_out = (size_t *)PT_REGS_PARM4(ctx);
     a.fn = fn;
-    ssl_pending.update(&id, &a);
+    if (ssl_pending.update(&id, &a) != 0)
+        count_overflow(MAP_SSL_PENDING);
     return 0;
 }
 
@@ -855,6 +918,12 @@ TRACEPOINT_PROBE(sched, sched_process_fork) {
 TRACEPOINT_PROBE(sched, sched_process_exit) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
+    // A thread killed inside a call never reaches its exit probe.
+    io_pending.delete(&id);
+    ssl_pending.delete(&id);
+    accept_pending.delete(&id);
+    connect_pending.delete(&id);
+    bind_pending.delete(&id);
     if ((u32)id != tgid) // a thread, not the process
         return 0;
     target_tgids.delete(&tgid);

@@ -8,6 +8,7 @@ import os
 import sys
 
 from ..actuator.control_cli import add_control_parser
+from ..agent.capture.tracker import DEFAULT_IDLE_TIMEOUT_S
 from ..analytics.alerting import check_url as check_alertmanager_url
 from ..analytics.cli import add_analyze_parser
 from ..analytics.config import DEFAULT_LIVE_EVERY_S
@@ -46,6 +47,10 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
                    help="bound of the disk spool that holds request rows while the store is unreachable; past it "
                         "the oldest are dropped and counted (tokenprobe_agent_spool_dropped_rows_total). "
                         "Accepts K, M, G suffixes (default 1G)")
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S, metavar="S",
+                   help="forget a connection with no I/O for S seconds (its open request is written truncated; "
+                        "if it speaks again it is followed afresh), so that connections whose close the "
+                        "probes missed do not hold memory (default %(default)g)")
     p.add_argument("--tenant-header", default=DEFAULT_TENANT_HEADER, metavar="NAME",
                    help="request header whose value is stored as each request's tenant: an identifier, "
                         "not content; no other header is kept. The actuator's gateway hook reads the same "
@@ -132,6 +137,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if not 0 <= args.metrics_port < 65536:
         print("tokenprobe agent: --metrics-port must be a TCP port (0: off)", file=sys.stderr)
         return 2
+    if args.idle_timeout <= 0:
+        print("tokenprobe agent: --idle-timeout must be a positive number of seconds", file=sys.stderr)
+        return 2
     if args.analyze_every < 0:
         print("tokenprobe agent: --analyze-every must be ≥ 0 seconds (0: off)", file=sys.stderr)
         return 2
@@ -148,7 +156,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                          ringbuf_pages=pages, status=not args.quiet, samplers=samplers,
                          metrics_address=(args.metrics_host, args.metrics_port) if args.metrics_port else None,
                          otlp_endpoint=args.otlp_endpoint, tenant_header=tenant_header,
-                         spool_max_bytes=args.spool_max_bytes,
+                         spool_max_bytes=args.spool_max_bytes, idle_timeout_s=args.idle_timeout,
                          analyze_every_s=args.analyze_every, alertmanager_urls=args.alertmanager)
     try:
         if args.otlp_endpoint:
@@ -166,7 +174,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     print(f"done: {summary.requests} requests from {summary.events} kernel events in "
           f"{summary.seconds:.1f}s; {summary.rows_written} rows stored"
           + (f", {summary.rows_spooled} spooled to disk for later" if summary.rows_spooled else "")
-          + f"; {summary.drops} events dropped by the kernel", file=sys.stderr)
+          + f"; {summary.drops} events dropped by the kernel"
+          + "".join(f"; kernel map {name} could not hold {count} entries"
+                    for name, count in summary.map_overflows.items() if count), file=sys.stderr)
     return 0
 
 

@@ -194,6 +194,19 @@ def test_agent_health_figures(metrics):
         metrics.set_agent_stats(events_total=1, drops_total="7", lag_s=0, events_per_s=0)
 
 
+def test_bounded_state_figures(metrics):
+    metrics.set_agent_stats(events_total=1, drops_total=0, lag_s=0, events_per_s=0, idle_evicted_total=5,
+                            map_sizes={"conns": 65536, "listeners": 16384},
+                            map_overflows={"conns": 36, "listeners": 0})
+    metrics.set_agent_stats(events_total=2, drops_total=0, lag_s=0, events_per_s=0, map_overflows={"conns": 40})
+    page = read(metrics)
+    assert value(page, "tokenprobe_agent_idle_evicted_connections_total") == 5
+    assert value(page, "tokenprobe_agent_map_size", map="conns") == 65536
+    assert value(page, "tokenprobe_agent_map_overflows_total", map="conns") == 40
+    assert value(page, "tokenprobe_agent_map_overflows_total", map="listeners") == 0
+    assert page.families["tokenprobe_agent_map_overflows_total"].type == "counter"
+
+
 def test_scrapes_while_rows_arrive_from_other_threads(metrics):
     def feed():
         for _ in range(500):

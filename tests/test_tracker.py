@@ -231,11 +231,17 @@ class Numbered:
         self.tracker = tracker
         self.bytes, self.events = [0, 0], [0, 0]
         self.ts = 1_000_000
+        self.conn_ns = 500
+
+    def restart(self, tgid, fd):
+        """What Probes.restart_connection does to the kernel's entry."""
+        assert (tgid, fd) == (42, 7)
+        self.bytes, self.events, self.conn_ns = [0, 0], [0, 0], 0
 
     def send(self, direction, data=b"", *, total=None, tail=b"", lose=False, kind=EV_DATA):
         self.ts += 1_000_000
         total = len(data) + len(tail) if total is None else total
-        event = ev(kind, self.ts, direction=direction, data=data, tail=tail, total=total,
+        event = ev(kind, self.ts, direction=direction, data=data, tail=tail, total=total, conn_ns=self.conn_ns,
                    bytes_before=tuple(self.bytes), events_before=tuple(self.events))
         if kind == EV_DATA:
             self.bytes[direction] += total
@@ -304,6 +310,55 @@ def test_process_exit_ends_its_connections_and_their_inflight_count():
     assert [r["outcome"] for r in rows.rows] == ["truncated", "truncated"]
     assert tracker.stats.inflight == {8000: 0} and not tracker.connections
     assert sorted(forgotten) == [(42, 7), (42, 8)]
+
+
+IDLE_S = 60
+IDLE_NS = IDLE_S * 1_000_000_000
+
+
+def test_idle_connections_are_evicted_with_their_open_request_truncated():
+    restarted = []
+    tracker, rows = make_tracker(idle_timeout_s=IDLE_S, restart_connection=lambda *key: restarted.append(key))
+    for fd in (7, 8):
+        tracker.handle(ev(EV_ACCEPT, 500, fd=fd))
+    tracker.handle(ev(EV_DATA, 1000, fd=7, data=REQUEST))       # in flight, then silent
+    serve_one(tracker, fd=8, t0=IDLE_NS // 2)                   # busy until half-way
+    assert tracker.evict_idle(IDLE_NS) == 0, "no connection has idled for the timeout yet"
+    assert tracker.evict_idle(IDLE_NS + 2000) == 1
+    assert list(tracker.connections) == [(42, 8)] and tracker.stats.inflight == {8000: 0}
+    assert restarted == [(42, 7)]  # its kernel entry
+    evicted = rows.rows[-1]
+    assert (evicted["outcome"], evicted["capture"], evicted["path"]) == ("truncated", "exact", "/v1/completions")
+    assert f"no I/O for {IDLE_S} s" in evicted["error"]
+    assert tracker.evict_idle(IDLE_NS // 2 + 120_000_000 + IDLE_NS + 1) == 1 and not tracker.connections
+    assert tracker.stats.idle_evicted == 2 and len(rows.rows) == 2  # the idle keep-alive one had nothing open
+
+
+def test_an_evicted_connection_that_speaks_again_is_adopted_afresh_without_a_wrong_row():
+    tracker, rows = make_tracker(idle_timeout_s=IDLE_S)
+    tracker.handle(ev(EV_ACCEPT, 500))
+    conn = Numbered(tracker)
+    tracker.restart_connection = conn.restart
+    conn.send(DIR_READ, REQUEST)
+    conn.send(DIR_WRITE, HEAD)
+    tracker.evict_idle(conn.ts + IDLE_NS + 1)
+    conn.ts += IDLE_NS
+    # The rest of that response, then a whole exchange: the tail is not read as a row of its own.
+    conn.send(DIR_WRITE, sse_chunk(b'{"id":"cmpl-1","choices":[{"text":"late"}]}'))
+    conn.send(DIR_WRITE, sse_chunk(b"[DONE]") + b"0\r\n\r\n")
+    stream_tokens(conn, 4)
+    conn.send(DIR_READ, kind=EV_CLOSE)
+    assert [(r["outcome"], r["capture"], r["token_events"]) for r in rows.rows] == [
+        ("truncated", "exact", 0), ("complete", "exact", 4)]
+    first, again = rows.rows
+    assert first["conn_id"] != again["conn_id"] and again["req_seq"] == 0 and again["accept_ts"] is None
+    assert (tracker.stats.lost_events, tracker.stats.bytes_unseen) == (0, 0)
+    assert tracker.stats.inflight == {8000: 0} and not tracker.connections
+
+
+def test_the_idle_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="idle timeout"):
+        make_tracker(idle_timeout_s=0)
 
 
 def test_clock_offset_maps_monotonic_to_wall():

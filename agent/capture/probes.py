@@ -30,6 +30,7 @@ TAIL_CAP = 4096
 MAX_EXE_PATHS = 8  # up to MAX_EXES executables, each as given and resolved
 MAX_EXES = 4
 EXE_PATH_LEN = 256
+MAX_TARGET_PORTS = 256  # the target_ports map's size
 
 # Must match struct event in bpf/tokenprobe.c, up to data[].
 _HEADER = struct.Struct("<QQQQIIIIBBBBiIIIHH16s16s")
@@ -39,6 +40,14 @@ EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC, EV_EXIT = 1, 2, 
 DIR_READ, DIR_WRITE = 0, 1
 ROLE_SERVER, ROLE_CLIENT = 0, 1
 CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
+# The slots of map_overflows (enum map_slot in bpf/tokenprobe.c), by map name.
+MAP_OVERFLOW_SLOTS = ("conns", "listeners", "io_pending", "ssl_pending", "accept_pending", "connect_pending",
+                      "bind_pending")
+# Every map of the program (README "Bounded state" says how each stays bounded).
+KERNEL_MAPS = ("events", "scratch", "drops", "map_overflows", "conns_fill", "config", "exe_paths", "conns",
+               "target_ports", "target_tgids", "active_tgids", "listeners", "bind_pending", "listener_tgids",
+               "io_pending", "accept_pending", "connect_pending", "ssl_pending", "ssl_fd", "rbio_ssl",
+               "read_buf_fd")
 
 # (symbol, entry handler, return handler or None). Both OpenSSL call
 # families: CPython calls the _ex forms, nginx and most C servers the classic
@@ -58,6 +67,23 @@ SSL_PROBES = (
 # In libcrypto, or in the program OpenSSL is linked into: memory BIOs are fed,
 # and records written out, with BIO_write.
 CRYPTO_PROBES = (("BIO_write", "uprobe_bio_write", None),)
+
+
+@dataclass(frozen=True)
+class MapSizes:
+    """Entries of the kernel maps that grow with the node's load (compile-time constants)."""
+
+    conns: int = 65536       # tracked connections (ssl_fd and rbio_ssl hold as many)
+    tgids: int = 16384       # target processes, owners of tracked connections, listeners' processes
+    listeners: int = 16384   # listening sockets of target ports
+    pending: int = 16384     # threads inside a traced call at once (each *_pending map)
+
+    def cflags(self) -> list[str]:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"map size {name} must be at least 1")
+        return [f"-DMAX_CONNS={self.conns}", f"-DMAX_TGIDS={self.tgids}", f"-DMAX_LISTENERS={self.listeners}",
+                f"-DMAX_PENDING={self.pending}"]
 
 
 class ProbeError(RuntimeError):
@@ -138,6 +164,8 @@ class Targets:
     def validate(self) -> None:
         if not (self.ports or self.pids or self.exes):
             raise ValueError("no targets: give at least one --port, --pid or --exe")
+        if len(set(self.ports)) > MAX_TARGET_PORTS:
+            raise ValueError(f"at most {MAX_TARGET_PORTS} --port targets")
         for port in self.ports:
             if not 0 < port < 65536:
                 raise ValueError(f"port {port} is not a TCP port")
@@ -226,13 +254,16 @@ class Probes:
     """The loaded BPF program: targets in, decoded events out."""
 
     def __init__(self, targets: Targets, *, ringbuf_pages: int = 4096,
-                 headers: HeaderChoice | None = None) -> None:
+                 headers: HeaderChoice | None = None, map_sizes: MapSizes = MapSizes()) -> None:
         targets.validate()
         self.targets = targets
         self.headers = headers or choose_headers()
         self.attached_ssl: list[str] = []
         self.decode_errors = 0
         self._full_maps: set[str] = set()
+        # Map entries the agent itself could not store (listeners learnt from /proc).
+        self._refused: dict[str, int] = {}
+        self._conns_added = 0  # the agent's own inserts less its deletes (conns_fill[1])
         ensure_tracefs()
         if self.headers.kernel_source is not None:
             os.environ["BCC_KERNEL_SOURCE"] = str(self.headers.kernel_source)
@@ -243,7 +274,7 @@ class Probes:
         bcc = _bcc()
         cpus = max(bcc.utils.get_possible_cpus()) + 1  # the scratch records are indexed by CPU id
         cflags = [f"-DHEAD_CAP={HEAD_CAP}", f"-DTAIL_CAP={TAIL_CAP}", f"-DRINGBUF_PAGES={ringbuf_pages}",
-                  f"-DNR_CPUS_POSSIBLE={cpus}", "-w"]
+                  f"-DNR_CPUS_POSSIBLE={cpus}", *map_sizes.cflags(), "-w"]
         try:
             cflags += socket_offset_flags()
         except BtfError as exc:
@@ -339,8 +370,11 @@ class Probes:
             info.local_port, info.peer_port = sock.local_port, sock.peer_port
             raw = ipaddress.IPv6Address(f"::ffff:{sock.peer_addr}" if "." in sock.peer_addr else sock.peer_addr).packed
             ctypes.memmove(ctypes.addressof(info) + type(info).peer_addr.offset, raw, 16)
+            if not self._has(conns, key):
+                self._conns_added += 1
             conns[key] = info
             self.bpf["active_tgids"][ctypes.c_uint32(sock.pid)] = ctypes.c_uint8(1)
+        self._write_conns_fill()
         return len(established)
 
     def attach_ssl(self) -> list[str]:
@@ -397,12 +431,53 @@ class Probes:
     def drops(self) -> int:
         return int(sum(self.bpf["drops"][ctypes.c_int(0)]))
 
+    def map_overflows(self) -> dict[str, int]:
+        """Per map that can overflow, entries it could not take since the probes loaded."""
+        counts = self.bpf["map_overflows"]
+        overflows = {name: int(sum(counts[ctypes.c_int(slot)])) for slot, name in enumerate(MAP_OVERFLOW_SLOTS)}
+        for name, refused in self._refused.items():
+            overflows[name] = overflows.get(name, 0) + refused
+        return overflows
+
+    def map_sizes(self) -> dict[str, int]:
+        """Every map's capacity in entries, as loaded (the ring buffer's in bytes)."""
+        return {name: int(self.bpf[name].max_entries) for name in KERNEL_MAPS}
+
     def forget_connection(self, tgid: int, fd: int) -> None:
         """Stops kernel-side tracking of a connection the agent does not want."""
         table = self.bpf["conns"]
         key = table.Key()
         key.tgid, key.fd = tgid, fd
-        self._delete(table, key)
+        if self._delete(table, key):
+            self._conns_added -= 1
+            self._write_conns_fill()
+
+    def restart_connection(self, tgid: int, fd: int) -> None:
+        """An idle connection the agent forgot: its kernel entry is kept (should it speak
+        again) but made one adopted at start, without accept time or counters, so that the
+        agent follows it afresh under a new conn_id, and nothing before reads as lost."""
+        table = self.bpf["conns"]
+        key = table.Key()
+        key.tgid, key.fd = tgid, fd
+        try:
+            info = table[key]
+        except KeyError:  # closed meanwhile, or evicted from the LRU
+            return
+        info.accept_ns = 0
+        for direction in (0, 1):
+            info.bytes[direction], info.events[direction] = 0, 0
+        table[key] = info
+
+    def _write_conns_fill(self) -> None:
+        self.bpf["conns_fill"][ctypes.c_int(1)] = ctypes.c_int64(self._conns_added)
+
+    @staticmethod
+    def _has(table, key) -> bool:
+        try:
+            table[key]
+            return True
+        except KeyError:
+            return False
 
     def _put(self, name: str, key, leaf) -> bool:
         """Writes a map entry; False (logged once per map) when the map is full."""
@@ -410,6 +485,7 @@ class Probes:
             self.bpf[name][key] = leaf
             return True
         except Exception as exc:  # BCC raises a bare Exception with the errno's text
+            self._refused[name] = self._refused.get(name, 0) + 1
             if name not in self._full_maps:
                 self._full_maps.add(name)
                 log.warning("BPF map %s refused an entry (%s): some sockets are resolved from /proc only",
@@ -417,11 +493,13 @@ class Probes:
             return False
 
     @staticmethod
-    def _delete(table, key) -> None:
+    def _delete(table, key) -> bool:
+        """Removes a map entry; False if it was already gone (closed, or evicted from an LRU map)."""
         try:
             del table[key]
-        except KeyError:  # already gone (closed, or evicted from an LRU map)
-            pass
+            return True
+        except KeyError:
+            return False
 
     def close(self) -> None:
         self.bpf.cleanup()

@@ -26,6 +26,14 @@ probe saw, what follows a 101 upgrade, bytes of no known protocol) becomes one
 missing data never reads as health. It is counted (`on_unreadable`) as soon as
 it is known to be unreadable, so a long-lived one does not stay invisible
 until it closes.
+
+The tracker's memory is bounded: a connection with no I/O for the idle
+timeout is forgotten (`evict_idle`, called by the agent's loop), its open
+exchanges written `truncated`. Its kernel entry stays, restarted
+(`restart_connection`) as if adopted when the agent started: no accept time,
+counters at zero. If the connection speaks again it is followed afresh under
+a new conn_id, read from the middle, and nothing it said before is counted
+twice or as lost; the tracker remembers nothing of it meanwhile.
 """
 
 from __future__ import annotations
@@ -73,6 +81,9 @@ _HTTP1_REQUEST_START = re.compile(rb"[A-Z][A-Z_-]{2,19} ")
 _HTTP1_RESPONSE_START = b"HTTP/1."
 # What a connection's first bytes must hold before HTTP/1 or HTTP/2 can be told apart.
 _PROTOCOL_PROBE_BYTES = 24
+# Longer than servers' keep-alive timeouts (nginx 75 s, uvicorn 5 s) and than a long
+# non-streamed generation waits for its response: what outlives it has lost its close.
+DEFAULT_IDLE_TIMEOUT_S = 600.0
 
 
 def _boot_id() -> bytes:
@@ -101,7 +112,7 @@ class Fidelity:
     response_unseen: int = 0    # bytes towards the client not captured
 
 
-@dataclass
+@dataclass(slots=True)
 class Connection:
     tgid: int
     fd: int
@@ -121,6 +132,7 @@ class Connection:
     unreadable: str | None = None   # why the connection is not read (a blind spot), if so
     unreadable_words: str = ""
     first_ns: int = 0               # the first data event's time
+    last_ns: int = 0                # the latest event's time (idle eviction)
     rows: int = 0                   # rows written for the connection so far
     tls: bool = False
     tls_done_ns: int | None = None
@@ -146,6 +158,7 @@ class TrackerStats:
     lost_events: int = 0           # data events the kernel numbered and the agent never received
     bytes_unseen: int = 0          # bytes moved on tracked connections and not captured
     unreadable_connections: int = 0  # connections found unreadable (blind spots), each one `unsupported` row
+    idle_evicted: int = 0          # connections forgotten after the idle timeout
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -155,8 +168,12 @@ class ConnectionTracker:
                  target_ports: set[int] | None = None, target_pids: set[int] | None = None,
                  forget_connection: Callable[[int, int], None] | None = None,
                  on_unreadable: Callable[[int, str], None] | None = None,
-                 tenant_header: str | None = DEFAULT_TENANT_HEADER) -> None:
+                 restart_connection: Callable[[int, int], None] | None = None,
+                 tenant_header: str | None = DEFAULT_TENANT_HEADER,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
         """`on_unreadable(server_port, reason)`: a connection was found unreadable, once per connection."""
+        if idle_timeout_s <= 0:
+            raise ValueError("the idle timeout must be positive")
         self.emit_row = emit_row
         self.on_unreadable = on_unreadable
         self.clock = clock
@@ -167,7 +184,9 @@ class ConnectionTracker:
         self.target_ports = target_ports or set()
         self.target_pids = target_pids or set()
         self.forget_connection = forget_connection
+        self.restart_connection = restart_connection  # the kernel's side of an idle eviction
         self.connections: dict[tuple[int, int], Connection] = {}
+        self.idle_timeout_ns = int(idle_timeout_s * 1e9)
         self.stats = TrackerStats()
         self._handlers = {
             EV_ACCEPT: self._on_open, EV_CONNECT: self._on_open, EV_DATA: self._on_data,
@@ -186,7 +205,7 @@ class ConnectionTracker:
             tgid=ev.tgid, fd=ev.fd, opened_ns=opened_ns, accept_seen=accept_seen, role=ev.role,
             local_port=ev.local_port, peer_addr=ev.peer_addr, peer_port=ev.peer_port,
             comm=ev.comm or comm_of(ev.tgid), conn_id=connection_id(ev.tgid, ev.fd, opened_ns),
-            first_ns=ev.ts_ns)
+            first_ns=ev.ts_ns, last_ns=ev.ts_ns)
         self.connections[(ev.tgid, ev.fd)] = conn
         self.stats.connections += 1
         return conn
@@ -256,6 +275,7 @@ class ConnectionTracker:
 
     def _on_data(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
+        conn.last_ns = ev.ts_ns
         self._check_sequence(conn, ev)
         direction = ev.dir & 1
         conn.next_event[direction] = max(conn.next_event[direction], ev.events_before[direction] + 1)
@@ -305,6 +325,7 @@ class ConnectionTracker:
 
     def _on_tls_done(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
+        conn.last_ns = ev.ts_ns
         self._check_sequence(conn, ev)
         conn.tls = True
         conn.tls_done_ns = ev.ts_ns
@@ -319,6 +340,19 @@ class ConnectionTracker:
             if self.forget_connection:
                 self.forget_connection(conn.tgid, conn.fd)
             self._close(conn, ev.ts_ns, "server_closed")
+
+    def evict_idle(self, now_ns: int) -> int:
+        """Forgets every connection with no I/O for the idle timeout (its open
+        exchanges written `truncated`); returns how many."""
+        deadline = now_ns - self.idle_timeout_ns
+        idle = [key for key, conn in self.connections.items() if conn.last_ns < deadline]
+        for key in idle:
+            conn = self.connections.pop(key)
+            if self.restart_connection:
+                self.restart_connection(conn.tgid, conn.fd)
+            self._close(conn, now_ns, "idle_timeout")
+        self.stats.idle_evicted += len(idle)
+        return len(idle)
 
     def close_all(self, ts_ns: int) -> None:
         """Agent stop: every exchange still open is written, marked truncated."""
@@ -406,7 +440,12 @@ class ConnectionTracker:
         if conn.assembler is None and conn.pending:
             self._finish(conn, self._decide(conn, closing=True))
         if conn.assembler is not None:
-            self._finish(conn, conn.assembler.close(ts, reason))
+            exchanges = conn.assembler.close(ts, reason)
+            if reason == "idle_timeout":
+                for exchange in exchanges:
+                    exchange.error = exchange.error or (f"no I/O for {self.idle_timeout_ns / 1e9:g} s: the agent "
+                                                        "stopped following the connection")
+            self._finish(conn, exchanges)
             self._note_http2_unreadable(conn)
         elif conn.ciphertext_only and not conn.tls:
             self._mark_unreadable(conn, "tls_unprobed", TLS_UNPROBED_WORDS)
