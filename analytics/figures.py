@@ -263,9 +263,9 @@ def _tenant_tokens(store: Store, server: tuple[str, int], window: TimeRange, loo
     return {tenant: round(charge) for tenant, charge, _, _ in rows if charge > 0}, tokens_per_request
 
 
-def _queues(store: Store, window: TimeRange, scope: Scope) -> dict[tuple[str, int], QueueSample]:
+def _queues(store: Store, window: TimeRange, scope: Scope) -> dict[tuple[str, int], QueueSample | None]:
     """Per server sampled in the window: requests waiting for a first token at its newest sample in the
-    window and at the sample before (within MAX_REQUEST_S)."""
+    window and at the sample before (None when there is none within MAX_REQUEST_S)."""
     in_range, range_parameters = range_condition("sampled_at", "queue", TimeRange(
         window.start_ns - int(MAX_REQUEST_S * NS_PER_S), window.end_ns))
     in_scope, scope_parameters = scope.condition()
@@ -279,9 +279,9 @@ def _queues(store: Store, window: TimeRange, scope: Scope) -> dict[tuple[str, in
     newest: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for node, port, at, waiting in rows:
         newest.setdefault((node, int(port)), []).append((int(at), int(waiting)))
-    return {server: QueueSample(before=earlier[1], after=latest[1], span_s=(latest[0] - earlier[0]) / NS_PER_S)
-            for server, (latest, *rest) in newest.items() for earlier in rest[:1]
-            if latest[0] >= window.start_ns}
+    return {server: QueueSample(before=samples[-1][1], after=samples[0][1],
+                                span_s=(samples[0][0] - samples[-1][0]) / NS_PER_S) if len(samples) == 2 else None
+            for server, samples in newest.items() if samples[0][0] >= window.start_ns}
 
 
 def _lit_indicators(store: Store, window: TimeRange, scope: Scope,
@@ -292,7 +292,7 @@ def _lit_indicators(store: Store, window: TimeRange, scope: Scope,
         f"""SELECT node, server_port, indicator, argMax((state, value, warn, crit), window_start)
             FROM {store.table(INDICATOR_MATRIX_TABLE)} FINAL
             WHERE state != 'n/a' AND {in_scope}
-              AND window_start < fromUnixTimestamp64Nano({{until_ns:Int64}}, 'UTC')
+              AND window_start <= fromUnixTimestamp64Nano({{until_ns:Int64}}, 'UTC')
               AND window_end > fromUnixTimestamp64Nano({{oldest_ns:Int64}}, 'UTC')
             GROUP BY node, server_port, device_id, indicator""",
         {**scope_parameters, "until_ns": window.end_ns, "oldest_ns": window.end_ns - int(max_age_s * NS_PER_S)},
