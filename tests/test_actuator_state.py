@@ -685,6 +685,13 @@ def test_the_enforcer_spreads_retry_after_over_the_jitter():
     assert max(waits) - min(waits) > 5.0, "rejected clients are told to come back at spread-out times"
 
 
+def test_a_budget_crosses_the_wire_with_its_delay_and_jitter():
+    from tokenprobe.actuator import wire
+    decision = budget_decision(T0, rate=10.0, burst=20.0, max_delay_s=0.5)
+    decision = replace(decision, action=replace(decision.action, retry_jitter_s=7.5))
+    assert wire.decision_from_proto(wire.decision_to_proto(decision)) == decision
+
+
 def test_a_stall_opens_the_breaker_of_a_server_that_ends_nothing():
     jammed = UpstreamWindow(0.0, None, KNEE_RPS, BASELINE_S)  # nothing ended: no latency to judge
     policy = ControllerPolicy(window_s=5.0, breaker=BreakerPolicy(cooldown_s=10.0, recovery_shares=(0.25,)))
