@@ -35,7 +35,6 @@ NODE = "ctl-node"
 KV_PORT, JAM_PORT, STREAM_PORT = 8300, 8301, 8302
 WINDOW_S = 5
 WINDOW_NS = WINDOW_S * NS_PER_S
-END_NS = (time.time_ns() // WINDOW_NS - 2) * WINDOW_NS  # a window boundary just behind the clock
 # Three clients of four are the heavy tenant's: the one a demand cut budgets.
 TENANT_OF = {"10.0.0.1": "heavy", "10.0.0.2": "heavy", "10.0.0.3": "heavy", "10.0.0.4": "light"}
 
@@ -49,6 +48,12 @@ def store(tmp_path):
 
 
 @pytest.fixture
+def end_ns() -> int:
+    """The window boundary just behind the clock: decisions on it are still live when the actuator sees them."""
+    return time.time_ns() // WINDOW_NS * WINDOW_NS
+
+
+@pytest.fixture
 def actuator():
     with ActuatorServer(ServerAuth(bearer_tokens=frozenset({TOKEN})), enforcer=Enforcer(min_dwell_s=0.0)) as server:
         yield server
@@ -59,12 +64,12 @@ def control_loop(store, actuator, **policy) -> ControlLoop:
     return ControlLoop(store, publisher, Controller(ControllerPolicy(window_s=WINDOW_S, **policy)), settle_s=0)
 
 
-def healthy_traffic_with_a_full_kv_cache(store) -> None:
+def healthy_traffic_with_a_full_kv_cache(store, end_ns: int) -> None:
     """Two minutes at a gentle 2 requests/s whose engine reports its KV cache 97% used for the last one."""
-    start_ns = END_NS - 120 * NS_PER_S
+    start_ns = end_ns - 120 * NS_PER_S
     requests = simulate(SlotServer(), [LoadPhase(120, 2.0)], start_ns=start_ns, node=NODE, port=KV_PORT,
                         clients=tuple(TENANT_OF), seed=11)
-    rows = [{**r.row, "tenant": TENANT_OF[r.row["client_addr"]]} for r in requests if r.row["resp_end"] < END_NS]
+    rows = [{**r.row, "tenant": TENANT_OF[r.row["client_addr"]]} for r in requests if r.row["resp_end"] < end_ns]
     store.insert_rows("requests", rows)
     readings = [EngineReading(start_ns + second * NS_PER_S, f"http://127.0.0.1:{KV_PORT}/metrics", KV_PORT, "vllm",
                               "sim-model", requests_running=2.0, requests_waiting=0.0,
@@ -81,22 +86,22 @@ def waiting(count: int, sampled_ns: int, silent_s: float) -> list[dict]:
              "since_progress_ms": silent_s * 1000} for index in range(count)]
 
 
-def test_the_loop_acts_on_what_live_analysis_stored_and_records_its_evidence(store, actuator):
-    healthy_traffic_with_a_full_kv_cache(store)
-    now = [END_NS - 2 * WINDOW_NS - NS_PER_S]
+def test_the_loop_acts_on_what_live_analysis_stored_and_records_its_evidence(store, actuator, end_ns):
+    healthy_traffic_with_a_full_kv_cache(store, end_ns)
+    now = [end_ns - 2 * WINDOW_NS - NS_PER_S]
     live = LiveAnalysis(store, NODE, every_s=WINDOW_S, settle_s=0, samples_inflight=True, clock_ns=lambda: now[0])
-    live.watermark_ns = END_NS - 130 * NS_PER_S
+    live.watermark_ns = end_ns - 130 * NS_PER_S
     # The jammed server: requests wait and nothing ends; the queue grows from one pass to the next.
     live.offer_inflight(waiting(3, now[0], 35.0), now[0])
     assert live.run_once() is not None
-    now[0] = END_NS - NS_PER_S  # a pass within the window the loop decides next
+    now[0] = end_ns - NS_PER_S  # a pass within the window the loop decides next
     live.offer_inflight(waiting(12, now[0], 40.0), now[0])
     assert live.run_once() is not None
 
     ttft_only = control_loop(store, actuator, signals=TTFT_SIGNALS)
-    assert ttft_only.step(END_NS / NS_PER_S) == [], "rate and TTFT are healthy, and the jam ends nothing"
+    assert ttft_only.step(end_ns / NS_PER_S) == [], "rate and TTFT are healthy, and the jam ends nothing"
     loop = control_loop(store, actuator)
-    outcomes = loop.step(END_NS / NS_PER_S)
+    outcomes = loop.step(end_ns / NS_PER_S)
     assert not loop.errors and {o.outcome for o in outcomes} == {"applied"}, outcomes
 
     recorded = {(kind, tenant): (state, dict(zip(names, zip(values, thresholds, strict=True))), reason)
@@ -119,28 +124,28 @@ def test_the_loop_acts_on_what_live_analysis_stored_and_records_its_evidence(sto
     assert breaker.decision.target.upstream == jam_upstream
 
 
-def stream_sample(sampled_ns: int, events: int) -> dict:
-    start_ns = END_NS - 40 * NS_PER_S
+def stream_sample(end_ns: int, sampled_ns: int, events: int) -> dict:
+    start_ns = end_ns - 40 * NS_PER_S
     return {"sampled_at": sampled_ns, "node": NODE, "server_port": STREAM_PORT, "role": "server", "tenant": "long",
             "model": "m", "conn_id": 77, "req_seq": 2, "req_start": start_ns, "first_token": start_ns + NS_PER_S,
             "stage": STREAMING, "token_events": events, "age_ms": (sampled_ns - start_ns) / 1e6,
             "since_progress_ms": 20.0}
 
 
-def test_a_long_stream_is_charged_to_its_tenant_while_it_streams(store):
+def test_a_long_stream_is_charged_to_its_tenant_while_it_streams(store, end_ns):
     """Sampled with 300 events streamed, then 700, then ended with 1000 completion and 200 prompt tokens:
     each window is charged what left in it, and the three add up to the request's count."""
-    simulated = simulate(SlotServer(), [LoadPhase(10, 2.0)], start_ns=END_NS - 41 * NS_PER_S, seed=1,
+    simulated = simulate(SlotServer(), [LoadPhase(10, 2.0)], start_ns=end_ns - 41 * NS_PER_S, seed=1,
                          node=NODE, port=STREAM_PORT)[0]
-    first_sample, second_sample = END_NS - 3 * WINDOW_NS + NS_PER_S, END_NS - 2 * WINDOW_NS + NS_PER_S
-    ended = {**simulated.row, "conn_id": 77, "req_seq": 2, "tenant": "long", "req_start": END_NS - 40 * NS_PER_S,
-             "resp_end": END_NS - 2 * NS_PER_S, "last_token": END_NS - 2 * NS_PER_S - NS_PER_S // 2,
+    first_sample, second_sample = end_ns - 3 * WINDOW_NS + NS_PER_S, end_ns - 2 * WINDOW_NS + NS_PER_S
+    ended = {**simulated.row, "conn_id": 77, "req_seq": 2, "tenant": "long", "req_start": end_ns - 40 * NS_PER_S,
+             "resp_end": end_ns - 2 * NS_PER_S, "last_token": end_ns - 2 * NS_PER_S - NS_PER_S // 2,
              "prompt_tokens": 200, "completion_tokens": 1000}
     store.insert_rows("requests", [ended])
-    store_samples(store, [stream_sample(first_sample, 300), stream_sample(second_sample, 700)])
+    store_samples(store, [stream_sample(end_ns, first_sample, 300), stream_sample(end_ns, second_sample, 700)])
 
     def window(index: int):
-        until = END_NS - index * WINDOW_NS
+        until = end_ns - index * WINDOW_NS
         (figures,) = window_figures(store, (until - WINDOW_NS) / NS_PER_S, until / NS_PER_S)
         return figures
 
