@@ -120,8 +120,9 @@ def window_figures(store: Store, since: float, until: float, *, scope: Scope = E
     )
     queues = _queues(store, window, scope)
     lit = _lit_indicators(store, window, scope, indicator_max_age_s)
-    jammed = [(node, port, 0, None, None, None) for node, port in sorted(queues)
-              if (node, port) not in {(row[0], int(row[1])) for row in traffic}]
+    # Servers sampled in flight with nothing ended or arrived: no latency, only in-flight figures.
+    with_traffic = {(node, int(port)) for node, port, *_ in traffic}
+    jammed = [(node, port, 0, None, None, None) for node, port in sorted(set(queues) - with_traffic)]
     figures = []
     for node, port, requests, p99_ms, decode_ms, arrived_p99_ms in [*traffic, *jammed]:
         server = (node, int(port))
