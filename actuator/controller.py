@@ -36,15 +36,19 @@ token are seen as they fill. ``signals="ttft"`` is the policy above alone.
 
 - Demand signals: ``kv_cache_usage`` or ``gpu_memory_pressure`` crit (the
   engine is about to evict and recompute, or to stop admitting), a growing
-  queue (``queue_wait_p95`` crit, or, between the agent's last two in-flight
-  samples, more requests waiting for their first token: over
-  ``queue_growth_min`` more and over ``queue_growth_share`` of the requests
-  that ended meanwhile), ``retry_storm`` crit
-  (retries are load). Any of them lit: the upstream's token demand is cut
-  to ``budget_decrease_factor`` of what it used in the window (or to the
-  knee's capacity, if lower), shared max-min fairly, and budgets already in
-  force are cut by the same factor each window while a signal stays lit.
-  The same indicators at warn: budgets in force are held, never loosened.
+  queue (between the agent's last two in-flight samples, more requests
+  waiting for their first token: over ``queue_growth_min`` more and over
+  ``queue_growth_share`` of the requests that ended meanwhile),
+  ``retry_storm`` crit (retries are load). Any of them lit: the upstream's
+  token demand is cut to ``budget_decrease_factor`` of what it used in the
+  window (or to the knee's capacity, if lower), shared max-min fairly, and
+  budgets already in force are cut by the same factor each window while a
+  signal stays lit.
+- Hold signals: those indicators at warn, ``queue_wait_p95`` at warn or
+  crit, ``inflight_stall`` at warn: budgets in force are held, never
+  loosened. (A long queue wait that is not growing is a steady state, its
+  thresholds are absolute milliseconds: a small server's normal queueing
+  passes them. It holds; the queue's growth is what cuts.)
 - ``retry_storm`` warn or crit: every budget rejects rather than delays
   (a held request times out at its client and comes back as a retry), and
   its Retry-After is spread over ``retry_jitter_s`` so the rejected clients
@@ -85,8 +89,9 @@ from .breaker import Breaker, BreakerPolicy, BreakerStatus, Pressure, UpstreamWi
 
 TTFT_SIGNALS, MATRIX_SIGNALS = "ttft", "matrix"
 RETRY_STORM = "retry_storm"
-# Indicators that say demand is more than the server will take, before its TTFT shows it.
-DEMAND_INDICATORS = ("kv_cache_usage", "gpu_memory_pressure", "queue_wait_p95", RETRY_STORM)
+# Indicators that say demand is more than the server will take, before its TTFT shows it: crit cuts.
+DEMAND_INDICATORS = ("kv_cache_usage", "gpu_memory_pressure", RETRY_STORM)
+QUEUE_WAIT = "queue_wait_p95"  # warn or crit holds budgets (see the module docstring)
 QUEUE_GROWTH = "inflight_queue_growth"
 
 
@@ -160,6 +165,8 @@ def matrix_signals(window: WindowFigures, policy: ControllerPolicy) -> MatrixSig
               if name in readings and readings[name].state == CRIT]
     hold = [_reading_evidence(readings[name]) for name in (*DEMAND_INDICATORS, STALL)
             if name in readings and readings[name].state == WARN]
+    if QUEUE_WAIT in readings:
+        hold.append(_reading_evidence(readings[QUEUE_WAIT]))
     if window.queue is not None:
         growth = window.queue.after - window.queue.before
         threshold = max(policy.queue_growth_min, policy.queue_growth_share * window.request_rate * window.queue.span_s)
@@ -293,7 +300,7 @@ class Controller:
             reason = "over capacity: tenants above the fair share are held to it"
         elif signals.hold and state.budgets:
             wanted = {tenant: d.action for tenant, d in state.budgets.items()}
-            reason = f"{_named(signals.hold)} at warn: budgets held"
+            reason = f"{_named(signals.hold)} lit: budgets held, not loosened"
         elif pressure == Pressure.NORMAL:
             wanted = self._relax(state, window)
             reason = "under capacity again: budget raised step by step"

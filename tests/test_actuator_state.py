@@ -650,13 +650,16 @@ def test_a_signal_at_warn_holds_budgets_instead_of_relaxing_them():
     used = {"heavy": int(tightened.action.tokens_per_second * 5)}  # all it may: it would be raised if healthy
     assert controller.decide(figures(T0 + 10, HEALTHY, used, lit=(KV_WARN,))) == []  # held: nothing new
     [renewed] = controller.decide(figures(T0 + 15, HEALTHY, used, lit=(KV_WARN,)))
-    assert renewed.action == tightened.action and "kv_cache_usage at warn: budgets held" in renewed.reason
+    assert renewed.action == tightened.action and "kv_cache_usage lit: budgets held" in renewed.reason
     [raised] = controller.decide(figures(T0 + 20, HEALTHY, used))  # nothing lit: relaxed step by step
     assert raised.action.tokens_per_second == pytest.approx(tightened.action.tokens_per_second * 1.5, rel=1e-3)
 
 
 def test_a_growing_in_flight_queue_is_a_demand_signal_a_steady_one_is_not():
     controller = Controller(ControllerPolicy(window_s=5.0))
+    # A long queue wait (absolute thresholds) that is not growing cuts nothing.
+    long_waits = IndicatorReading("queue_wait_p95", "crit", 800.0, 450.0)
+    assert controller.decide(figures(T0, HEALTHY, USAGE, lit=(long_waits,))) == []
     # 3 req/s ended over the 5 s between samples: growth must pass max(3, 0.25 × 15) = 3.75 requests.
     assert controller.decide(figures(T0 + 5, HEALTHY, USAGE, queue=QueueSample(2, 5, 5.0))) == []
     [budget] = controller.decide(figures(T0 + 10, HEALTHY, USAGE, queue=QueueSample(5, 14, 5.0)))
