@@ -57,11 +57,13 @@ def kernel_unavailable() -> str | None:
 def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, slots: int = 4,
                      decode_ms: float = 8.0, prefill_base_ms: float = 4.0,
                      prefill_ms_per_token: float = 0.02,
-                     simulated_metrics: bool = False) -> Iterator[tuple[int, Path]]:
+                     simulated_metrics: bool = False,
+                     kv_cache_blocks: int | None = None) -> Iterator[tuple[int, Path]]:
     """The reference server in a child process; yields (port, truth log).
 
     ``simulated_metrics``: it also serves simulated vLLM /metrics (the slot
-    count the controller reads) and dcgm-exporter text."""
+    count the controller reads) and dcgm-exporter text, with a KV cache of
+    ``kv_cache_blocks`` (the server's default when None)."""
     port = port or free_port()
     truth = tmp / f"truth-{port}.jsonl"
     cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(port),
@@ -74,6 +76,8 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
         cmd.append("--tls-self-signed")
     if simulated_metrics:
         cmd.append("--simulated-metrics")
+    if kv_cache_blocks is not None:
+        cmd += ["--kv-cache-blocks", str(kv_cache_blocks)]
     # The ground truth is stamped in Python just after a read and just before a write: at a raised
     # priority, the load generator's threads on the same few cores cannot delay those stamps.
     proc = subprocess.Popen(cmd, cwd=tmp, preexec_fn=_raise_priority)
