@@ -358,8 +358,9 @@ class Agent:
         exporters.agent_stats(tracker, 0, 0.0, 0.0, sink)
         exporters.serve_metrics()  # after the probes attach: readiness means tracing
         t = cfg.targets
-        log.info("tracing ports %s pids %s exes %s; libssl probed: %s", t.ports or "-", t.pids or "-",
-                 t.exes or "-", ", ".join(probes.attached_ssl) or "none")
+        log.info("tracing ports %s pids %s exes %s; libssl probed: %s; Go crypto/tls probed: %s", t.ports or "-",
+                 t.pids or "-", t.exes or "-", ", ".join(probes.attached_ssl) or "none",
+                 ", ".join(probes.attached_go_tls) or "none")
         for reach in unreadable_tls([*t.pids, *(owner.pid for owner in target_port_sockets(set(t.ports))[0])]):
             log.warning("TLS of pid %d (%s) cannot be read: %s; its connections are written as unsupported "
                         "rows (tls_unprobed)", reach.pid, reach.exe, reach.library)
@@ -382,6 +383,8 @@ class Agent:
                     for path in probes.attach_ssl():
                         log.info("probing libssl %s", path)
                     probes.rescan_processes()
+                    for path in probes.attach_go_tls():
+                        log.info("probing Go crypto/tls in %s", path)
                 if now - last_tick >= 1.0:
                     rate = (tracker.stats.events - last_events) / (now - last_tick)
                     last_tick, last_events = now, tracker.stats.events

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .go_tls import GO_TLS_HANDSHAKES, GO_TLS_READ, GO_TLS_WRITE, go_tls_binary
 from .kernel_btf import BtfError, socket_offset_flags
 from .kernel_headers import HeaderChoice, choose_headers
 from .procfs import target_port_sockets
@@ -54,6 +55,12 @@ SSL_PROBES = (
 )
 # In libcrypto, next to its libssl: memory BIOs are fed with BIO_write.
 CRYPTO_PROBES = (("BIO_write", "uprobe_bio_write", None),)
+# Go crypto/tls function → (entry handler, handler put on each of its RET instructions).
+GO_TLS_PROBES = {
+    GO_TLS_READ: ("uprobe_go_tls_read", "uprobe_go_tls_read_ret"),
+    GO_TLS_WRITE: ("uprobe_go_tls_write", "uprobe_go_tls_write_ret"),
+    **{name: ("uprobe_go_tls_handshake", "uprobe_go_tls_handshake_ret") for name in GO_TLS_HANDSHAKES},
+}
 
 
 class ProbeError(RuntimeError):
@@ -212,6 +219,8 @@ class Probes:
         self.targets = targets
         self.headers = headers or choose_headers()
         self.attached_ssl: list[str] = []
+        self.attached_go_tls: list[str] = []
+        self._go_executables: set[tuple[int, int]] = set()  # (st_dev, st_ino) of each one looked at
         self.decode_errors = 0
         self._full_maps: set[str] = set()
         ensure_tracefs()
@@ -236,6 +245,7 @@ class Probes:
             raise ProbeError(f"the BPF program did not load: {exc}. {self.headers.note}") from exc
         self._configure()
         self.attach_ssl()
+        self.attach_go_tls()
 
     # -- configuration -------------------------------------------------
     def _configure(self) -> None:
@@ -342,6 +352,42 @@ class Probes:
             except Exception as exc:
                 log.warning("%s not probed (%s): TLS through memory BIOs (asyncio) is not followed", crypto, exc)
             self.attached_ssl.append(real)
+            new.append(path)
+        return new
+
+    def attach_go_tls(self) -> list[str]:
+        """Attaches the Go crypto/tls probes to the executables of the processes the kernel
+        watches (targets, and listeners on target ports) not looked at yet; the paths attached.
+        One that cannot be probed is left to tls_reach, which names why."""
+        tgids = {key.value for table in ("target_tgids", "listener_tgids", "active_tgids")
+                 for key in self.bpf[table].keys()}
+        new = []
+        for tgid in sorted(tgids):
+            try:
+                path = f"/proc/{tgid}/root{os.readlink(f'/proc/{tgid}/exe')}"
+                st = os.stat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in self._go_executables:
+                continue
+            self._go_executables.add((st.st_dev, st.st_ino))
+            try:
+                binary = go_tls_binary(path)
+            except (OSError, ValueError):  # GoTlsUnprobed included
+                continue
+            if binary is None:
+                continue
+            self.bpf["go_tcp_conn_itab_hashes"][ctypes.c_uint32(binary.tcp_conn_itab_hash)] = ctypes.c_uint8(1)
+            try:
+                for function, rets in binary.returns.items():
+                    entry, ret = GO_TLS_PROBES[function]
+                    self.bpf.attach_uprobe(name=path, sym=function, fn_name=entry)
+                    for offset in rets:
+                        self.bpf.attach_uprobe(name=path, sym=function, sym_off=offset, fn_name=ret)
+            except Exception as exc:  # BCC raises bare Exceptions (uprobe quota, vanished file)
+                log.warning("Go crypto/tls in %s not probed: %s", path, exc)
+                continue
+            self.attached_go_tls.append(f"{path} ({binary.version})")
             new.append(path)
         return new
 
