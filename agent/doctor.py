@@ -92,9 +92,9 @@ def _check_bcc() -> Check:
 def _check_libssl() -> Check:
     paths = libssl_paths()
     if not paths:
-        return Check("libssl", WARN, "no libssl found: HTTPS served with a statically linked TLS "
-                     "library (Go, BoringSSL) is not decrypted", "serve TLS with a shared OpenSSL, or "
-                     "terminate TLS in a proxy that uses one")
+        return Check("libssl", WARN, "no libssl found: HTTPS served with a statically linked TLS library "
+                     "(BoringSSL, a Go binary without symbols) is not decrypted",
+                     "serve TLS with a shared OpenSSL, or terminate TLS in a proxy that uses one")
     shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
     return Check("libssl", OK, f"{len(paths)} found: {shown}")
 

@@ -69,9 +69,9 @@ STACKS = (
           "— in; OpenSSL via CPython ssl (memory BIO) to its upstream", "HTTP/1.1", (OPENAI, ANTHROPIC),
           Outcome(READ), outbound_bug=OUTBOUND_MEMORY_BIO),
     Stack("go", "Go 1.19 net/http", "—", "HTTP/1.1", (OPENAI,), Outcome(READ)),
-    Stack("go-tls", "Go 1.19 net/http", "Go crypto/tls", "HTTP/1.1", (OPENAI,), tls_unprobed("Go crypto/tls")),
-    Stack("go-tls-h2", "Go 1.19 net/http", "Go crypto/tls", "HTTP/2 (ALPN h2)", (OPENAI,),
-          tls_unprobed("Go crypto/tls")),
+    # Read at crypto/tls.(*Conn).Read/Write (the executable keeps its symbols: the default build).
+    Stack("go-tls", "Go 1.19 net/http", "Go crypto/tls", "HTTP/1.1", (OPENAI,), Outcome(READ)),
+    Stack("go-tls-h2", "Go 1.19 net/http", "Go crypto/tls", "HTTP/2 (ALPN h2)", (OPENAI,), Outcome(READ)),
     Stack("node-tls", "Node.js 20 `https`", "OpenSSL linked into the node binary", "HTTP/1.1", (OPENAI,),
           tls_unprobed("OpenSSL linked into node: its exported SSL_read/SSL_write are not probed yet")),
     Stack("hypercorn-h2", "hypercorn, Starlette", "OpenSSL via CPython ssl (memory BIO)", "HTTP/2 (ALPN h2)",
