@@ -27,6 +27,7 @@ from tests.kernel_harness import (
     require_kernel,
     wait_for_port,
 )
+from tests.servers.grpc_generator import MESSAGE_BYTES, METHOD, call_generate
 from tests.support.stream_client import OPENAI, stream
 from tests.test_http2_real_server import stream_chats
 from tests.test_kernel_matrix import build_go_server, check_read
@@ -65,6 +66,30 @@ def test_hypercorn_http2_every_stream_is_a_row_matching_the_client(tmp_path: Pat
             "h2" if tls else "h2c", tls, "complete", "", "exact", "/v1/chat/completions", 200, ""), row
         assert row["response_id"] == client["id"] and row["sse_events"] == client["events"]
         assert row["token_events"] == len(client["token_seen_ns"]) == row["completion_tokens"]
+
+
+def test_grpc_server_streaming_calls_are_rows_matching_the_client(tmp_path: Path):
+    """grpcio (gRPC's C core) over h2c: one row per call, its status from the trailers,
+    each streamed message one token event."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "tests.servers.grpc_generator", str(port)], cwd=REPO)
+    try:
+        wait_for_port(port)
+        with agent(tmp_path, ports=[port]) as handle:
+            seen = call_generate(port, ((5, 0), (12, 0), (3, 1)))
+            assert handle.stop() == 0, handle.log()
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    rows = sorted(read_rows(handle.store_url), key=lambda row: row["stream_id"])
+    assert [code for _, code, _ in seen] == [0, 0, 8]
+    assert [(r["protocol"], r["api"], r["path"], r["status"], r["outcome"], r["error"], r["capture"],
+             r["grpc_status"], r["token_events"], r["tls"], r["unreadable_reason"]) for r in rows] == [
+        ("h2c", "grpc", METHOD, 200, "complete", "", "exact", code, len(times), False, "")
+        for times, code, _ in seen], rows
+    for row, (times, _, _) in zip(rows, seen):
+        assert row["req_end_ns"] <= row["first_token_ns"] <= row["last_token_ns"], row
+        assert row["bytes_out"] >= MESSAGE_BYTES * len(times)  # the messages, inside DATA frames
 
 
 def post_twice_over_tls(port: int) -> None:
