@@ -44,7 +44,7 @@ def _kernel():
 @pytest.mark.parametrize("tls", [False, True], ids=["h2c", "h2-alpn"])
 def test_hypercorn_http2_every_stream_is_a_row_matching_the_client(tmp_path: Path, tls: bool):
     port = free_port()
-    cmd = [sys.executable, "-m", "tests.servers.hypercorn_sse", str(port)]
+    cmd = [sys.executable, "-m", "tokenprobe.refserver.h2_sse", str(port)]
     if tls:
         cmd += [str(p) for p in make_self_signed_cert(tmp_path)]
     server = subprocess.Popen(cmd, cwd=REPO)
