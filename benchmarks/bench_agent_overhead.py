@@ -24,17 +24,19 @@ import asyncio
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import httpx
-from tokenprobe.refserver.harness import agent, free_port, reference_server, wait_for_port
+from tokenprobe.refserver.harness import (
+    agent,
+    free_port,
+    listening_process,
+    reference_server,
+)
 from tokenprobe.refserver.loadgen import LoadConfig, burst
 from tokenprobe.store.embedded import open_store
 
@@ -85,19 +87,6 @@ def overhead(tmp: Path, requests: int, concurrency: int) -> None:
         print(f"{key:18}{base:12.2f}{attached[key]:12.2f}{ratio}{again[key]:16.2f}")
 
 
-@contextmanager
-def h2_sse_server() -> Iterator[int]:
-    """hypercorn with refserver/h2_sse.py: HTTP/1.1 and h2c (prior knowledge) on one port."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tokenprobe.refserver.h2_sse", str(port)])
-    try:
-        wait_for_port(port)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-
-
 async def _stream_load(port: int, http2: bool, requests: int, concurrency: int) -> dict:
     """`concurrency` workers streaming chats back to back: over HTTP/1.1 each on its own
     keep-alive connection, over h2c all on one connection."""
@@ -131,7 +120,8 @@ def protocol_overhead(tmp: Path, requests: int, concurrency: int) -> None:
           "hypercorn SSE (12-27 events, 2 ms apart)")
     protocols = (("HTTP/1.1", False), ("h2c", True))
     runs: dict[tuple[str, bool], dict] = {}
-    with h2_sse_server() as port:
+    port = free_port()  # hypercorn serves HTTP/1.1 and h2c (prior knowledge) on one port
+    with listening_process([sys.executable, "-m", "tokenprobe.refserver.h2_sse", str(port)], port):
         for name, http2 in protocols:
             asyncio.run(_stream_load(port, http2, 40, concurrency))  # warm-up
             runs[name, False] = asyncio.run(_stream_load(port, http2, requests, concurrency))

@@ -657,6 +657,21 @@ static __always_inline struct conn_info *ssl_conn(struct ssl_args *a, u64 id,
     return conns.lookup(k);
 }
 
+// One data event of decrypted bytes: `n` bytes of `buf` that a TLS library
+// (libssl, Go crypto/tls) read from or wrote to connection `k`.
+static __always_inline void submit_plaintext(struct conn_key *k, struct conn_info *ci, u8 dir, u64 ts,
+                                             const u8 *buf, u32 n) {
+    struct event *e = new_event(EV_DATA, k->tgid, k->fd, ci, ts);
+    if (!e)
+        return;
+    e->dir = dir;
+    e->tls = 1;
+    e->ret = n;
+    e->total_len = n;
+    sequence(ci, dir, n);
+    submit(e, capture_flat(e, buf, n));
+}
+
 static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
     u64 id = bpf_get_current_pid_tgid();
     struct ssl_args *ap = ssl_pending.lookup(&id);
@@ -696,16 +711,7 @@ static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
         n = ret;
     }
     u8 dir = (fn == SSL_FN_READ || fn == SSL_FN_READ_EX) ? DIR_READ : DIR_WRITE;
-    struct event *e = new_event(EV_DATA, k.tgid, k.fd, ci, dir == DIR_READ ? now : a.enter_ns);
-    if (!e)
-        return 0;
-    e->dir = dir;
-    e->tls = 1;
-    e->ret = n;
-    e->total_len = n;
-    sequence(ci, dir, n);
-    u32 len = capture_flat(e, a.buf, n);
-    submit(e, len);
+    submit_plaintext(&k, ci, dir, dir == DIR_READ ? now : a.enter_ns, a.buf, n);
     return 0;
 }
 
@@ -771,8 +777,12 @@ int uretprobe_ssl_handshake(struct pt_regs *ctx) { return ssl_exit(ctx, SSL_FN_H
 // (RAX, RBX, RCX, ...) and keeps the running goroutine's g in R14. Goroutine
 // stacks move and goroutines migrate between threads, so there are no
 // uretprobes here (they rewrite the return address on the stack) and nothing is
-// keyed by thread: the agent puts a uprobe on every RET instruction of each
-// function, and a call is matched to its return by (process, goroutine).
+// keyed by thread: the agent puts a uprobe on every RET instruction of Read and
+// of the handshakes, and a call is matched to its return by (process, goroutine).
+// Write is reported at its entry, with all of its buffer (Go's Write writes it
+// all or fails, and a failure is the socket's own error, reported by io_exit):
+// in HTTP/2 another goroutine may see the peer's close, and close the socket,
+// before the writer gets back to Write's RET.
 
 enum go_tls_fn { GO_TLS_READ = 1, GO_TLS_WRITE, GO_TLS_HANDSHAKE };
 
@@ -783,7 +793,6 @@ struct go_call_key {
 };
 
 struct go_call {
-    u64 enter_ns;
     const u8 *buf;
     u32 fd;
 };
@@ -831,13 +840,18 @@ static __always_inline int go_tls_enter(struct pt_regs *ctx, u32 fn) {
     // The socket I/O inside the call is ciphertext: only its EOF and errors are reported (io_exit).
     if (!ci->tls)
         ci->tls = 1;
+    if (fn == GO_TLS_WRITE) { // Write(b []byte): b's pointer in RBX, its length in RCX
+        if (ctx->cx > 0)
+            submit_plaintext(&k, ci, DIR_WRITE, bpf_ktime_get_ns(), (const u8 *)ctx->bx, ctx->cx);
+        return 0;
+    }
     struct go_call_key key = {.g = ctx->r14, .tgid = tgid, .fn = fn};
-    struct go_call call = {.enter_ns = bpf_ktime_get_ns(), .buf = (const u8 *)ctx->bx, .fd = k.fd};
+    struct go_call call = {.buf = (const u8 *)ctx->bx, .fd = k.fd};
     go_tls_pending.update(&key, &call);
     return 0;
 }
 
-// At a RET: RAX holds the first result (Read/Write's n, the handshake error's itab).
+// At a RET: RAX holds the first result (Read's n, the handshake error's itab).
 static __always_inline int go_tls_return(struct pt_regs *ctx, u32 fn) {
     u64 id = bpf_get_current_pid_tgid();
     struct go_call_key key = {.g = ctx->r14, .tgid = id >> 32, .fn = fn};
@@ -861,26 +875,14 @@ static __always_inline int go_tls_return(struct pt_regs *ctx, u32 fn) {
     }
     // n > 0 only: the socket's own EOF and errors speak for the rest, as for libssl.
     s64 n = (s64)ctx->ax;
-    if (n <= 0)
-        return 0;
-    u8 dir = fn == GO_TLS_READ ? DIR_READ : DIR_WRITE;
-    struct event *e = new_event(EV_DATA, k.tgid, k.fd, ci, dir == DIR_READ ? now : call.enter_ns);
-    if (!e)
-        return 0;
-    e->dir = dir;
-    e->tls = 1;
-    e->ret = n;
-    e->total_len = n;
-    sequence(ci, dir, n);
-    u32 len = capture_flat(e, call.buf, n);
-    submit(e, len);
+    if (n > 0)
+        submit_plaintext(&k, ci, DIR_READ, now, call.buf, n);
     return 0;
 }
 
 int uprobe_go_tls_read(struct pt_regs *ctx) { return go_tls_enter(ctx, GO_TLS_READ); }
 int uprobe_go_tls_read_ret(struct pt_regs *ctx) { return go_tls_return(ctx, GO_TLS_READ); }
 int uprobe_go_tls_write(struct pt_regs *ctx) { return go_tls_enter(ctx, GO_TLS_WRITE); }
-int uprobe_go_tls_write_ret(struct pt_regs *ctx) { return go_tls_return(ctx, GO_TLS_WRITE); }
 int uprobe_go_tls_handshake(struct pt_regs *ctx) { return go_tls_enter(ctx, GO_TLS_HANDSHAKE); }
 int uprobe_go_tls_handshake_ret(struct pt_regs *ctx) { return go_tls_return(ctx, GO_TLS_HANDSHAKE); }
 

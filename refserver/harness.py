@@ -84,10 +84,17 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
         cmd.append("--simulated-metrics")
     # The ground truth is stamped in Python just after a read and just before a write: at a raised
     # priority, the load generator's threads on the same few cores cannot delay those stamps.
-    proc = subprocess.Popen(cmd, cwd=tmp, preexec_fn=_raise_priority)
+    with listening_process(cmd, port, cwd=tmp, preexec_fn=_raise_priority):
+        yield port, truth
+
+
+@contextmanager
+def listening_process(cmd: list[str], port: int, **popen) -> Iterator[subprocess.Popen]:
+    """`cmd` as a child process, handed over once it listens on `port`, terminated after."""
+    proc = subprocess.Popen(cmd, **popen)
     try:
         wait_for_port(port)
-        yield port, truth
+        yield proc
     finally:
         proc.terminate()
         proc.wait(timeout=20)

@@ -18,14 +18,15 @@ from tokenprobe.refserver.harness import (
     AgentProcess,
     agent,
     kernel_unavailable,
+    listening_process,
     read_truth,
     reference_server,
 )
 
 from tests.support import free_port, wait_for_port
 
-__all__ = ["REQUIRE_KERNEL", "AgentProcess", "agent", "free_port", "kernel_unavailable", "nginx_tls_proxy",
-           "read_rows", "read_truth", "reference_server", "require_kernel", "wait_for_port"]
+__all__ = ["REQUIRE_KERNEL", "AgentProcess", "agent", "free_port", "kernel_unavailable", "listening_process",
+           "nginx_tls_proxy", "read_rows", "read_truth", "reference_server", "require_kernel", "wait_for_port"]
 
 REQUIRE_KERNEL = os.environ.get("TOKENPROBE_REQUIRE_KERNEL") == "1"
 

@@ -22,7 +22,12 @@ from hypercorn.asyncio import serve
 from tokenprobe.agent.capture.http2 import Http2ConnectionAssembler
 from tokenprobe.refserver.h2_sse import config, sse_app
 
-from tests.servers.grpc_generator import MESSAGE_BYTES, METHOD, call_generate, start_generator
+from tests.servers.grpc_generator import (
+    MESSAGE_BYTES,
+    METHOD,
+    call_generate,
+    start_generator,
+)
 from tests.support import free_port, wait_for_port
 from tests.support.h2_wire import assemble
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
-import subprocess
 import sys
 import time
 import urllib.request
@@ -23,9 +22,9 @@ from tokenprobe.refserver.tls import make_self_signed_cert
 from tests.kernel_harness import (
     agent,
     free_port,
+    listening_process,
     read_rows,
     require_kernel,
-    wait_for_port,
 )
 from tests.servers.grpc_generator import MESSAGE_BYTES, METHOD, call_generate
 from tests.support.stream_client import OPENAI, stream
@@ -47,15 +46,9 @@ def test_hypercorn_http2_every_stream_is_a_row_matching_the_client(tmp_path: Pat
     cmd = [sys.executable, "-m", "tokenprobe.refserver.h2_sse", str(port)]
     if tls:
         cmd += [str(p) for p in make_self_signed_cert(tmp_path)]
-    server = subprocess.Popen(cmd, cwd=REPO)
-    try:
-        wait_for_port(port)
-        with agent(tmp_path, ports=[port]) as handle:
-            seen = asyncio.run(stream_chats(port, 3, tls=tls))
-            assert handle.stop() == 0, handle.log()
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
+    with listening_process(cmd, port, cwd=REPO), agent(tmp_path, ports=[port]) as handle:
+        seen = asyncio.run(stream_chats(port, 3, tls=tls))
+        assert handle.stop() == 0, handle.log()
     rows = read_rows(handle.store_url)
     assert sorted(r["tenant"] for r in rows) == sorted(seen), rows
     assert sorted(r["stream_id"] for r in rows) == [1, 3, 5]
@@ -72,15 +65,10 @@ def test_grpc_server_streaming_calls_are_rows_matching_the_client(tmp_path: Path
     """grpcio (gRPC's C core) over h2c: one row per call, its status from the trailers,
     each streamed message one token event."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "tests.servers.grpc_generator", str(port)], cwd=REPO)
-    try:
-        wait_for_port(port)
-        with agent(tmp_path, ports=[port]) as handle:
-            seen = call_generate(port, ((5, 0), (12, 0), (3, 1)))
-            assert handle.stop() == 0, handle.log()
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
+    with listening_process([sys.executable, "-m", "tests.servers.grpc_generator", str(port)], port, cwd=REPO), \
+            agent(tmp_path, ports=[port]) as handle:
+        seen = call_generate(port, ((5, 0), (12, 0), (3, 1)))
+        assert handle.stop() == 0, handle.log()
     rows = sorted(read_rows(handle.store_url), key=lambda row: row["stream_id"])
     assert [code for _, code, _ in seen] == [0, 0, 8]
     assert [(r["protocol"], r["api"], r["path"], r["status"], r["outcome"], r["error"], r["capture"],
@@ -107,32 +95,26 @@ def tls_unprobed_counts(metrics_port: int, port: int) -> list[str]:
     counted = rf'^tokenprobe_agent_unreadable_connections_total{{(?=[^}}]*reason="tls_unprobed")' \
               rf'(?=[^}}]*server_port="{port}")[^}}]*}} (\S+)'
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
-        return re.findall(counted, page.read().decode(), re.M)
+        return re.findall(counted, page.read().decode(), re.MULTILINE)
 
 
-def go_tls_server(binary: Path, port: int, tmp: Path) -> subprocess.Popen:
+def go_tls_server(binary: Path, port: int, tmp: Path):
     cert, key = make_self_signed_cert(tmp)
-    server = subprocess.Popen([str(binary), "-port", str(port), "-cert", str(cert), "-key", str(key)])
-    wait_for_port(port)
-    return server
+    return listening_process([str(binary), "-port", str(port), "-cert", str(cert), "-key", str(key)], port)
 
 
 def test_go_crypto_tls_server_rows_match_the_client(tmp_path: Path):
     """Go net/http over crypto/tls, read at crypto/tls.(*Conn).Read/Write: rows like OpenSSL's."""
     binary = build_go_server(tmp_path)
     port, metrics_port = free_port(), free_port()
-    server = go_tls_server(binary, port, tmp_path)
-    try:
-        with agent(tmp_path, "--metrics-port", str(metrics_port), ports=[port]) as handle:
-            views = []
-            for plan in (((3, True), (7, False)), ((5, True), (30, True))):  # two keep-alive connections
-                with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=False, timeout=60) as client:
-                    views += [stream(client, OPENAI, tokens, include_usage=usage) for tokens, usage in plan]
-            counted = tls_unprobed_counts(metrics_port, port)
-            assert handle.stop() == 0, handle.log()
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
+    with go_tls_server(binary, port, tmp_path), \
+            agent(tmp_path, "--metrics-port", str(metrics_port), ports=[port]) as handle:
+        views = []
+        for plan in (((3, True), (7, False)), ((5, True), (30, True))):  # two keep-alive connections
+            with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=False, timeout=60) as client:
+                views += [stream(client, OPENAI, tokens, include_usage=usage) for tokens, usage in plan]
+        counted = tls_unprobed_counts(metrics_port, port)
+        assert handle.stop() == 0, handle.log()
     assert re.search(rf"Go crypto/tls probed: \S*{re.escape(str(binary))} \(go1\.\d+", handle.log()), handle.log()
     assert "cannot be read" not in handle.log() and counted == []
     rows = read_rows(handle.store_url)
@@ -147,17 +129,13 @@ def test_go_crypto_tls_without_symbols_is_counted_as_tls_unprobed(tmp_path: Path
     """`go build -ldflags=-s -w` leaves no symbol table to find crypto/tls by: named, counted, never guessed."""
     binary = build_go_server(tmp_path, stripped=True)
     port, metrics_port = free_port(), free_port()
-    server = go_tls_server(binary, port, tmp_path)
-    try:
-        with agent(tmp_path, "--metrics-port", str(metrics_port), ports=[port]) as handle:
-            post_twice_over_tls(port)
-            deadline = time.monotonic() + 20
-            while (counted := tls_unprobed_counts(metrics_port, port)) != ["2.0"] and time.monotonic() < deadline:
-                time.sleep(0.3)
-            assert handle.stop() == 0, handle.log()
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
+    with go_tls_server(binary, port, tmp_path) as server, \
+            agent(tmp_path, "--metrics-port", str(metrics_port), ports=[port]) as handle:
+        post_twice_over_tls(port)
+        deadline = time.monotonic() + 20
+        while (counted := tls_unprobed_counts(metrics_port, port)) != ["2.0"] and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert handle.stop() == 0, handle.log()
     assert f"TLS of pid {server.pid} ({binary}) cannot be read: Go crypto/tls, no symbol table " \
            "(built with -ldflags=-s)" in handle.log()
     rows = read_rows(handle.store_url)
@@ -182,16 +160,11 @@ def test_node_with_openssl_linked_in_is_named_and_counted_as_tls_unprobed(tmp_pa
     """The image's Node.js 20 carries OpenSSL inside `node`: not probed yet, so named and counted."""
     port = free_port()
     cert, key = make_self_signed_cert(tmp_path)
-    server = subprocess.Popen(["/usr/bin/node", "-e", NODE_SSE_SERVER, str(port), str(cert), str(key)])
-    try:
-        wait_for_port(port)
-        with agent(tmp_path, ports=[port]) as handle:
-            post_twice_over_tls(port)
-            time.sleep(0.5)  # the server's close
-            assert handle.stop() == 0, handle.log()
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
+    with listening_process(["/usr/bin/node", "-e", NODE_SSE_SERVER, str(port), str(cert), str(key)], port) as server, \
+            agent(tmp_path, ports=[port]) as handle:
+        post_twice_over_tls(port)
+        time.sleep(0.5)  # the server's close
+        assert handle.stop() == 0, handle.log()
     assert f"TLS of pid {server.pid} (/usr/bin/node) cannot be read: static OpenSSL" in handle.log()
     rows = read_rows(handle.store_url)
     assert [(r["outcome"], r["unreadable_reason"], r["status"]) for r in rows] == [

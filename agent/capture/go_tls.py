@@ -2,10 +2,11 @@
 
 Go links its TLS into the program, so the plaintext is read at
 crypto/tls.(*Conn).Read and Write (and the handshake's end at
-serverHandshake/clientHandshake), found by name in the symbol table. Their
-returns are probed at each RET instruction, found by disassembling the
-function (capstone): a uretprobe rewrites the return address on the goroutine's
-stack, which Go moves when it grows. The kernel side (bpf/tokenprobe.c, "Go
+serverHandshake/clientHandshake), found by name in the symbol table. The
+returns of Read and of the handshakes are probed at each RET instruction,
+found by disassembling the function (capstone): a uretprobe rewrites the
+return address on the goroutine's stack, which Go moves when it grows. Write
+is read whole at its entry (bpf/tokenprobe.c says why). The kernel side (bpf/tokenprobe.c, "Go
 crypto/tls") reads the register ABI of Go >= 1.17 on x86-64; this module
 accepts Go >= 1.18, whose build information carries its version inline.
 
@@ -42,7 +43,7 @@ class GoTlsUnprobed(ValueError):
 class GoTlsBinary:
     version: str                        # "go1.19.8"
     tcp_conn_itab_hash: int
-    returns: dict[str, tuple[int, ...]]  # function → offsets of its RET instructions
+    returns: dict[str, tuple[int, ...]]  # function → offsets of its RET instructions (Write: none sought)
 
 
 def _links_go_tls(elf: mmap.mmap) -> bool:
@@ -96,14 +97,16 @@ def go_tls_binary(path: str) -> GoTlsBinary | None:
         if machine(elf) != EM_X86_64:
             raise GoTlsUnprobed("not an x86-64 executable: the register ABI read is x86-64's")
         version = _go_version(elf)
-        wanted = {GO_TLS_READ, GO_TLS_WRITE, *GO_TLS_HANDSHAKES}
+        disassembled = {GO_TLS_READ, *GO_TLS_HANDSHAKES}
         returns, itab_hash = {}, None
         for raw, value, size, shndx in symbol_entries(elf, sections, SHT_SYMTAB):
             name = raw.decode("utf-8", "replace")
             start = file_offset(sections, shndx, value)
             if start is None:
                 continue
-            if name in wanted and size:
+            if name == GO_TLS_WRITE:
+                returns[name] = ()
+            elif name in disassembled and size:
                 returns[name] = _ret_offsets(elf[start:start + size], value, name)
             elif raw in _TCP_CONN_ITABS:
                 itab_hash = int.from_bytes(elf[start + _ITAB_HASH_OFFSET:start + _ITAB_HASH_OFFSET + 4], "little")

@@ -55,10 +55,11 @@ SSL_PROBES = (
 )
 # In libcrypto, next to its libssl: memory BIOs are fed with BIO_write.
 CRYPTO_PROBES = (("BIO_write", "uprobe_bio_write", None),)
-# Go crypto/tls function → (entry handler, handler put on each of its RET instructions).
+# Go crypto/tls function → (entry handler, handler put on each of its RET instructions, or None:
+# Write is read whole at its entry, see bpf/tokenprobe.c).
 GO_TLS_PROBES = {
     GO_TLS_READ: ("uprobe_go_tls_read", "uprobe_go_tls_read_ret"),
-    GO_TLS_WRITE: ("uprobe_go_tls_write", "uprobe_go_tls_write_ret"),
+    GO_TLS_WRITE: ("uprobe_go_tls_write", None),
     **{name: ("uprobe_go_tls_handshake", "uprobe_go_tls_handshake_ret") for name in GO_TLS_HANDSHAKES},
 }
 
@@ -360,7 +361,7 @@ class Probes:
         watches (targets, and listeners on target ports) not looked at yet; the paths attached.
         One that cannot be probed is left to tls_reach, which names why."""
         tgids = {key.value for table in ("target_tgids", "listener_tgids", "active_tgids")
-                 for key in self.bpf[table].keys()}
+                 for key in self.bpf[table]}
         new = []
         for tgid in sorted(tgids):
             try:
@@ -382,7 +383,7 @@ class Probes:
                 for function, rets in binary.returns.items():
                     entry, ret = GO_TLS_PROBES[function]
                     self.bpf.attach_uprobe(name=path, sym=function, fn_name=entry)
-                    for offset in rets:
+                    for offset in rets if ret else ():
                         self.bpf.attach_uprobe(name=path, sym=function, sym_off=offset, fn_name=ret)
             except Exception as exc:  # BCC raises bare Exceptions (uprobe quota, vanished file)
                 log.warning("Go crypto/tls in %s not probed: %s", path, exc)

@@ -16,7 +16,14 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .elf import SHT_DYNAMIC, SHT_DYNSYM, SHT_SYMTAB, open_elf, string_at, symbol_entries
+from .elf import (
+    SHT_DYNAMIC,
+    SHT_DYNSYM,
+    SHT_SYMTAB,
+    open_elf,
+    string_at,
+    symbol_entries,
+)
 from .go_tls import GoTlsUnprobed, go_tls_binary
 
 __all__ = ["TlsReach", "dynamic_symbols", "soname", "tls_reach", "unreadable_tls"]
