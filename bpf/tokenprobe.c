@@ -177,6 +177,20 @@ BPF_TABLE("lru_hash", struct ptr_key, u32, ssl_fd, MAX_CONNS);
 BPF_TABLE("lru_hash", struct ptr_key, u64, rbio_ssl, MAX_CONNS);  // read BIO → SSL*
 BPF_TABLE("lru_hash", struct ptr_key, u32, read_buf_fd, 16384);   // buffer last read into → fd
 
+// SSLs whose BIOs are the application's own (Node's TLSWrap, asyncio's memory
+// BIOs on the client side) write their records into memory, and the
+// application sends them later, outside any SSL call, maybe from another
+// stack frame (libuv). The record's own first bytes bind it: those an unbound
+// SSL wrote with BIO_write, met again at the start of a socket write, name
+// the SSL's socket. TLS records carry ciphertext or hello randoms from their
+// sixth byte on, so RECORD_FP_LEN bytes are never shared by two connections.
+#define RECORD_FP_LEN 32
+struct record_fp {
+    u32 tgid;
+    u8 bytes[RECORD_FP_LEN];
+};
+BPF_TABLE("lru_hash", struct record_fp, u64, written_record_ssl, 4096);
+
 static __always_inline void count_drop(void) {
     int zero = 0;
     u64 *d = drops.lookup(&zero);
@@ -512,6 +526,34 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
 
 #define MSG_PEEK_FLAG 2
 
+// A TLS record header: content type 20-23 (change cipher spec, alert,
+// handshake, application data), protocol version 3.x.
+static __always_inline int starts_tls_record(const u8 *b) {
+    return b[0] >= 20 && b[0] <= 23 && b[1] == 3 && b[2] <= 4;
+}
+
+// A socket write outside any SSL call that starts with a record an unbound
+// SSL wrote (see written_record_ssl): that SSL's socket is this one.
+static __always_inline void bind_by_written_record(u32 tgid, u32 fd, const u8 *buf,
+                                                   const struct iovec *iov, struct conn_info *ci) {
+    if (!buf && iov) {
+        struct iovec v = {};
+        if (bpf_probe_read_user(&v, sizeof(v), &iov[0]) != 0 || v.iov_len < RECORD_FP_LEN)
+            return;
+        buf = v.iov_base;
+    }
+    struct record_fp fp = {.tgid = tgid};
+    if (!buf || bpf_probe_read_user(fp.bytes, RECORD_FP_LEN, buf) != 0 || !starts_tls_record(fp.bytes))
+        return;
+    u64 *ssl = written_record_ssl.lookup(&fp);
+    if (!ssl)
+        return;
+    struct ptr_key sk = {.ptr = *ssl, .tgid = tgid};
+    ssl_fd.update(&sk, &fd);
+    written_record_ssl.delete(&fp);
+    ci->tls = 1;
+}
+
 static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *iov,
                                     u32 iovcnt, u8 dir, u32 flags) {
     // A peek leaves the bytes queued: they are read again, and counted then.
@@ -529,6 +571,8 @@ static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *i
         ssl_fd.update(&sk, &fd);
         if (!ci->tls)
             ci->tls = 1;
+    } else if (dir == DIR_WRITE && !ci->tls) {
+        bind_by_written_record(k.tgid, fd, buf, iov, ci);
     }
     // Ciphertext's bytes are not reported (the plaintext comes from the SSL
     // uprobes), but its EOF and errors are the connection's: libssl's return
@@ -739,13 +783,41 @@ int uprobe_ssl_set_bio(struct pt_regs *ctx) {
     return 0;
 }
 
+// SSL_free(ssl): its address may name another SSL next, on another socket.
+int uprobe_ssl_free(struct pt_regs *ctx) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    struct ptr_key sk = {.ptr = PT_REGS_PARM1(ctx), .tgid = tgid};
+    ssl_fd.delete(&sk);
+    return 0;
+}
+
+// BIO_write(bio, record, n) by an SSL not yet bound, inside its own SSL call:
+// remember the record's first bytes for bind_by_written_record.
+static __always_inline void remember_written_record(u64 ssl, u32 tgid, const u8 *buf, int len) {
+    struct ptr_key sk = {.ptr = ssl, .tgid = tgid};
+    if (len < RECORD_FP_LEN || ssl_fd.lookup(&sk))
+        return;
+    struct record_fp fp = {.tgid = tgid};
+    if (bpf_probe_read_user(fp.bytes, RECORD_FP_LEN, buf) != 0 || !starts_tls_record(fp.bytes))
+        return;
+    written_record_ssl.update(&fp, &ssl);
+}
+
 // BIO_write(bio, buf, n) into an SSL's read BIO, from a buffer a socket read
-// just filled: that socket is the SSL's.
+// just filled: that socket is the SSL's. Inside an SSL call, a record the SSL
+// writes out (remember_written_record).
 int uprobe_bio_write(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     if (!active_tgids.lookup(&tgid))
         return 0;
+    struct ssl_args *inside = ssl_pending.lookup(&id);
+    if (inside) {
+        remember_written_record((u64)inside->ssl, tgid, (const u8 *)PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx));
+        return 0;
+    }
     struct ptr_key bk = {.ptr = PT_REGS_PARM1(ctx), .tgid = tgid};
     u64 *ssl = rbio_ssl.lookup(&bk);
     if (!ssl)

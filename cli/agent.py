@@ -153,6 +153,10 @@ class Exporters:
         if self.otel:
             self.otel.export_request(row)
 
+    def unreadable(self, server_port: int, reason: str) -> None:
+        if self.metrics:
+            self.metrics.count_unreadable(server_port, reason)
+
     def serve_metrics(self) -> None:
         if self.metrics and self.metrics_address:
             host, port = self.metrics.serve(*self.metrics_address)
@@ -347,7 +351,8 @@ class Agent:
         tracker = ConnectionTracker(
             emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
-            forget_connection=probes.forget_connection, tenant_header=cfg.tenant_header)
+            forget_connection=probes.forget_connection, on_unreadable=exporters.unreadable,
+            tenant_header=cfg.tenant_header)
         lag = LagMeter()
 
         def handle(event) -> None:
@@ -358,7 +363,7 @@ class Agent:
         exporters.agent_stats(tracker, 0, 0.0, 0.0, sink)
         exporters.serve_metrics()  # after the probes attach: readiness means tracing
         t = cfg.targets
-        log.info("tracing ports %s pids %s exes %s; libssl probed: %s; Go crypto/tls probed: %s", t.ports or "-",
+        log.info("tracing ports %s pids %s exes %s; OpenSSL probed: %s; Go crypto/tls probed: %s", t.ports or "-",
                  t.pids or "-", t.exes or "-", ", ".join(probes.attached_ssl) or "none",
                  ", ".join(probes.attached_go_tls) or "none")
         for reach in unreadable_tls([*t.pids, *(owner.pid for owner in target_port_sockets(set(t.ports))[0])]):
@@ -381,7 +386,7 @@ class Agent:
                     next_rescan = now + RESCAN_INTERVAL_S
                     clock.maybe_refresh()
                     for path in probes.attach_ssl():
-                        log.info("probing libssl %s", path)
+                        log.info("probing OpenSSL in %s", path)
                     probes.rescan_processes()
                     for path in probes.attach_go_tls():
                         log.info("probing Go crypto/tls in %s", path)

@@ -77,7 +77,9 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
     cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(port),
            "--slots", str(slots), "--decode-ms", str(decode_ms), "--prefill-base-ms", str(prefill_base_ms),
            "--prefill-ms-per-token", str(prefill_ms_per_token), "--truth-log", str(truth),
-           "--log-level", "WARNING"]
+           "--log-level", "WARNING",
+           # A keep-alive connection opened before the agent must outlive its BPF compile on a busy machine.
+           "--idle-timeout", "300"]
     if tls:
         cmd.append("--tls-self-signed")
     if simulated_metrics:

@@ -34,6 +34,7 @@ from tests.server_matrix import (
     READ,
     SILENT,
     STACKS,
+    TLS_UNPROBED_ERROR,
     UNREADABLE,
     Outcome,
     Stack,
@@ -278,6 +279,13 @@ def test_gateway_outbound(matrix: MatrixRun, gateway: Stack):
     outbound = [r for r in matrix.rows if r["server_port"] == matrix.upstream_port]
     assert all(r["role"] == "client" for r in outbound)
     check_read(outbound, run.views, tls=True)
+
+
+@pytest.mark.parametrize("stack", [pytest.param(s, id=s.key) for s in STACKS if s.outcome.error == TLS_UNPROBED_ERROR])
+def test_unreadable_tls_is_named_at_start_up(matrix: MatrixRun, stack: Stack):
+    """The agent's start-up log names the TLS library of each stack whose TLS it cannot read."""
+    named = [line for line in matrix.log.splitlines() if " cannot be read: " in line]
+    assert any(f"cannot be read: {stack.tls}" in line for line in named), named
 
 
 def test_no_row_outside_the_matrix(matrix: MatrixRun):

@@ -1,18 +1,22 @@
 """Protocols and blind spots with real BPF: HTTP/2 from hypercorn (h2c with prior
-knowledge, and TLS with ALPN h2 read at libssl) read stream by stream; a Go
-`crypto/tls` server read at its own Read/Write; and TLS the agent cannot probe
-(a Go binary without symbols, OpenSSL linked into node) named at start-up,
-counted on /metrics and stored as `unsupported` rows with the reason, never as
-missing data."""
+knowledge, and TLS with ALPN h2 read at libssl) read stream by stream; gRPC
+server-streaming calls as rows; a Go `crypto/tls` server read at its own
+Read/Write; OpenSSL found by what it exports (linked into Node.js, a renamed
+libssl) read; and TLS the agent cannot probe (a Go binary without symbols) named
+at start-up, counted on /metrics and stored as `unsupported` rows with the
+reason, never as missing data."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import shutil
 import ssl
 import sys
 import time
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -27,9 +31,16 @@ from tests.kernel_harness import (
     require_kernel,
 )
 from tests.servers.grpc_generator import MESSAGE_BYTES, METHOD, call_generate
-from tests.support.stream_client import OPENAI, stream
+from tests.support import mapped_libssl
+from tests.support.stream_client import OPENAI, ClientView, stream
 from tests.test_http2_real_server import stream_chats
-from tests.test_kernel_matrix import build_go_server, check_read
+from tests.test_kernel_matrix import (
+    LAUNCHES,
+    Paths,
+    build_go_server,
+    check_read,
+    serving,
+)
 
 pytestmark = pytest.mark.kernel
 REPO = Path(__file__).resolve().parent.parent
@@ -145,27 +156,46 @@ def test_go_crypto_tls_without_symbols_is_counted_as_tls_unprobed(tmp_path: Path
     assert all(r["bytes_in"] and r["bytes_out"] for r in rows)
 
 
-NODE_SSE_SERVER = r'''
-const https = require("https"), fs = require("fs");
-const [port, cert, key] = process.argv.slice(1);
-https.createServer({cert: fs.readFileSync(cert), key: fs.readFileSync(key)}, (req, res) => {
-  res.writeHead(200, {"content-type": "text/event-stream", "connection": "close"});
-  for (let i = 0; i < 5; i++) res.write(`data: {"choices":[{"index":0,"delta":{"content":"t${i}"}}]}\n\n`);
-  res.end("data: [DONE]\n\n");
-}).listen(Number(port), "127.0.0.1");
-'''
+def _drive_tls_sse(port: int) -> list[ClientView]:
+    """Eight streamed chats over two keep-alive TLS connections: lengths, usage and pacing vary,
+    and every other request asks for its chunks at once (burst)."""
+    views = []
+    for connection in range(2):
+        with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=False, timeout=60) as client:
+            for i in range(4):
+                views.append(stream(client, OPENAI, (3, 9, 1, 30)[i], include_usage=i % 2 == 0,
+                                    burst=(i + connection) % 2 == 1))
+    assert all(v.status == 200 and v.text_chunks for v in views), views
+    return views
 
 
-def test_node_with_openssl_linked_in_is_named_and_counted_as_tls_unprobed(tmp_path: Path):
-    """The image's Node.js 20 carries OpenSSL inside `node`: not probed yet, so named and counted."""
-    port = free_port()
+def test_openssl_linked_into_node_and_a_renamed_libssl_are_probed_and_read(tmp_path: Path):
+    """Two copies of OpenSSL the agent finds by what they export, not by their file names:
+    the one linked into Node.js (driven through node's own BIOs and sent later by libuv:
+    each SSL is bound to its socket by the records it writes), and a libssl copied under
+    another name that a Python TLS server runs on instead of the system's (LD_PRELOAD: the
+    loader takes it for libssl.so.3 by its soname). Every streamed request on either, paced
+    or in bursts node gathers into vectored writes, is a row matching its client."""
     cert, key = make_self_signed_cert(tmp_path)
-    with listening_process(["/usr/bin/node", "-e", NODE_SSE_SERVER, str(port), str(cert), str(key)], port) as server, \
-            agent(tmp_path, ports=[port]) as handle:
-        post_twice_over_tls(port)
-        time.sleep(0.5)  # the server's close
-        assert handle.stop() == 0, handle.log()
-    assert f"TLS of pid {server.pid} (/usr/bin/node) cannot be read: static OpenSSL" in handle.log()
+    renamed = tmp_path / "libssl-3f2a9c1d.so.3"  # as a wheel bundles it (auditwheel)
+    shutil.copy(mapped_libssl(), renamed)
+    paths = Paths(cert, key, go_binary=Path("/nonexistent"), upstream=0)
+    node_port, python_port = free_port(), free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO / "tests" / "servers"))
+    with ExitStack() as servers:
+        node = servers.enter_context(serving(LAUNCHES["node-tls"].argv(node_port, paths), node_port, env,
+                                             tmp_path / "node.log"))
+        python = servers.enter_context(serving(LAUNCHES["uvicorn-tls"].argv(python_port, paths), python_port,
+                                               dict(env, LD_PRELOAD=str(renamed)), tmp_path / "uvicorn.log"))
+        mapped = Path(f"/proc/{python.pid}/maps").read_text()
+        assert str(renamed) in mapped and "/libssl.so" not in mapped, "the server does not run on the copy"
+        with agent(tmp_path, ports=[node_port, python_port]) as handle:
+            views = {node_port: _drive_tls_sse(node_port), python_port: _drive_tls_sse(python_port)}
+            assert handle.stop() == 0, handle.log()
+    log = handle.log()
+    probed = next(line for line in log.splitlines() if "OpenSSL probed:" in line)
+    assert "/usr/bin/node" in probed and str(renamed) in probed, probed
+    assert f"TLS of pid {node.pid}" not in log  # nothing left unread to name
     rows = read_rows(handle.store_url)
-    assert [(r["outcome"], r["unreadable_reason"], r["status"]) for r in rows] == [
-        ("unsupported", "tls_unprobed", 0)] * 2, rows
+    for port, seen in views.items():
+        check_read([r for r in rows if r["server_port"] == port], seen, tls=True)

@@ -22,6 +22,7 @@ import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 from tokenprobe.contract import registry
 from tokenprobe.contract import requests as schema
+from tokenprobe.contract.rollup import ROLLUP_MV
 from tokenprobe.contract.tables import (
     OPAQUE_CODEC,
     TIMESTAMP_CODEC,
@@ -209,6 +210,36 @@ def test_ensure_schema_adds_any_missing_request_columns_before_views_read_them(s
         assert owner.query_rows("SELECT node, tenant, error, conn_id FROM tokenprobe.requests") == [("", "", "", 1)]
         owner.insert_rows("requests", [make_row(conn_id=2)])
         assert owner.command("SELECT sum(requests) FROM tokenprobe.request_latency_bands") > 0
+
+
+OLD_ROLLUP_VIEW = Path(__file__).with_name("data") / "request_latency_bands_mv.v1.sql"
+
+
+def test_ensure_schema_replaces_a_rollup_view_made_by_an_older_definition(store_dir, caplog):
+    """A store made before the ITL rollup: its view is replaced on the next start, the rows it rolled up stay."""
+    with open_store(f"chdb://{store_dir}") as owner:
+        for statement in registry.create_statements("tokenprobe", 30)[:-1]:  # every table, not the view
+            owner.command(statement)
+        owner.command(OLD_ROLLUP_VIEW.read_text().format(db="tokenprobe"))
+        owner.insert_rows("requests", [make_row(conn_id=1)])
+
+        def rolled_up() -> dict[str, int]:
+            return dict(owner.query_rows(
+                "SELECT metric, sum(requests) FROM tokenprobe.request_latency_bands GROUP BY metric"))
+
+        assert rolled_up() == {"all": 1, "ttft": 1, "tpot": 1, "e2e": 1}  # the old view knows no ITL
+        with caplog.at_level("WARNING", logger="tokenprobe.store.client"):
+            owner.ensure_schema()
+        (replaced,) = [record.getMessage() for record in caplog.records]
+        assert "replacing materialized view tokenprobe.request_latency_bands_mv" in replaced
+        assert "no digest" in replaced and ROLLUP_MV.comment in replaced
+        assert rolled_up() == {"all": 1, "ttft": 1, "tpot": 1, "e2e": 1}
+        owner.insert_rows("requests", [make_row(conn_id=2)])  # 3 text events: 2 gaps
+        assert rolled_up() == {"all": 2, "ttft": 2, "tpot": 2, "e2e": 2, "itl": 2}
+        caplog.clear()
+        owner.ensure_schema()  # the current definition: left alone
+        assert not caplog.records
+        assert rolled_up()["all"] == 2
 
 
 def test_ttl_days_is_configurable(tmp_path):

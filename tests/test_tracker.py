@@ -402,6 +402,48 @@ def test_connections_that_cannot_be_read_are_one_unsupported_row(data, reason):
     assert reason.split("_")[0] in row["error"].lower() or "neither" in row["error"]
 
 
+WEBSOCKET_UPGRADE = [
+    (DIR_READ, b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"),
+    (DIR_WRITE, b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"),
+    (DIR_WRITE, b"\x81\x05hello"),
+]
+TLS_NO_PROBE_SAW = [  # hellos, then application data both ways: a handshake done where no probe looks
+    (DIR_READ, b"\x16\x03\x01\x02\x00" + bytes(24)), (DIR_WRITE, b"\x16\x03\x03\x00\x7a" + bytes(24)),
+    (DIR_READ, b"\x17\x03\x03\x00\x40" + bytes(24)), (DIR_WRITE, b"\x17\x03\x03\x00\x40" + bytes(24)),
+]
+
+
+@pytest.mark.parametrize("segments, reason", [
+    (TLS_NO_PROBE_SAW, "tls_unprobed"),
+    ([(DIR_READ, b"SSH-2.0-OpenSSH_9.2\r\n" + bytes(8))], "unknown_protocol"),
+    (WEBSOCKET_UPGRADE, "websocket"),
+])
+def test_an_unreadable_connection_is_counted_when_found_and_written_at_close(segments, reason):
+    """A long-lived connection is counted while it is open, once, and still written as one row at its close."""
+    counted = []
+    tracker, rows = make_tracker(on_unreadable=lambda port, why: counted.append((port, why)))
+    tracker.handle(ev(EV_ACCEPT, 500))
+    for ts, (direction, data) in enumerate(segments + segments[-1:] * 3, start=1000):
+        tracker.handle(ev(EV_DATA, ts, direction=direction, data=data))
+    assert counted == [(8000, reason)] and tracker.stats.unreadable_connections == 1
+    assert all(r["outcome"] != "unsupported" for r in rows.rows)
+    tracker.handle(ev(EV_CLOSE, 5000))
+    assert counted == [(8000, reason)]
+    assert [r["unreadable_reason"] for r in rows.rows if r["outcome"] == "unsupported"] == [reason]
+
+
+def test_tls_seen_only_one_way_is_counted_at_close():
+    """Raw records one way only may still be read (a probe binds the SSL at its first write):
+    such a connection is decided, and counted, when it closes."""
+    counted = []
+    tracker, rows = make_tracker(on_unreadable=lambda port, why: counted.append((port, why)))
+    tracker.handle(ev(EV_ACCEPT, 500))
+    tracker.handle(ev(EV_DATA, 900, data=TLS_NO_PROBE_SAW[2][1]))
+    assert counted == []
+    tracker.handle(ev(EV_CLOSE, 3000))
+    assert counted == [(8000, "tls_unprobed")] and [r["outcome"] for r in rows.rows] == ["unsupported"]
+
+
 def test_traffic_after_a_websocket_upgrade_is_one_unsupported_row():
     tracker, rows = make_tracker()
     tracker.handle(ev(EV_ACCEPT, 500))

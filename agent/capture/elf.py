@@ -7,13 +7,13 @@ import mmap
 import struct
 from collections.abc import Iterator
 
-__all__ = ["EM_X86_64", "SHT_DYNAMIC", "SHT_DYNSYM", "SHT_NOBITS", "SHT_SYMTAB", "file_offset", "machine",
+__all__ = ["EM_X86_64", "SHT_DYNSYM", "SHT_NOBITS", "SHT_SYMTAB", "exported_names", "file_offset", "machine",
            "open_elf", "string_at", "symbol_entries"]
 
 _ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
 _SECTION = struct.Struct("<IIQQQQIIQQ")
 _SYMBOL = struct.Struct("<IBBHQQ")
-SHT_SYMTAB, SHT_DYNAMIC, SHT_NOBITS, SHT_DYNSYM = 2, 6, 8, 11
+SHT_SYMTAB, SHT_NOBITS, SHT_DYNSYM = 2, 8, 11
 EM_X86_64 = 62
 
 
@@ -56,6 +56,13 @@ def symbol_entries(elf: mmap.mmap, sections: list[tuple], kind: int) -> Iterator
             name, _info, _other, shndx, value, size = _SYMBOL.unpack_from(elf, pos)
             if name:
                 yield string_at(elf, strings, name), value, size, shndx
+
+
+def exported_names(elf: mmap.mmap, sections: list[tuple]) -> Iterator[bytes]:
+    """The names of the symbols the file defines and exports (its .dynsym)."""
+    for name, _value, _size, shndx in symbol_entries(elf, sections, SHT_DYNSYM):
+        if shndx:
+            yield name
 
 
 def file_offset(sections: list[tuple], shndx: int, address: int) -> int | None:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from .elf import EM_X86_64, SHT_SYMTAB, file_offset, machine, open_elf, symbol_entries
 
-__all__ = ["GO_TLS_HANDSHAKES", "GO_TLS_READ", "GO_TLS_WRITE", "GoTlsBinary", "GoTlsUnprobed", "go_tls_binary"]
+__all__ = ["GO_TLS_HANDSHAKES", "GO_TLS_READ", "GO_TLS_WRITE", "GoTlsBinary", "GoTlsUnprobed", "go_tls_binary",
+           "go_tls_in"]
 
 GO_TLS_READ = "crypto/tls.(*Conn).Read"
 GO_TLS_WRITE = "crypto/tls.(*Conn).Write"
@@ -92,27 +93,32 @@ def go_tls_binary(path: str) -> GoTlsBinary | None:
     GoTlsUnprobed if it does and cannot be probed (OSError, ValueError: no readable ELF file)."""
     elf, sections = open_elf(path)
     with elf:
-        if not _links_go_tls(elf):
-            return None
-        if machine(elf) != EM_X86_64:
-            raise GoTlsUnprobed("not an x86-64 executable: the register ABI read is x86-64's")
-        version = _go_version(elf)
-        disassembled = {GO_TLS_READ, *GO_TLS_HANDSHAKES}
-        returns, itab_hash = {}, None
-        for raw, value, size, shndx in symbol_entries(elf, sections, SHT_SYMTAB):
-            name = raw.decode("utf-8", "replace")
-            start = file_offset(sections, shndx, value)
-            if start is None:
-                continue
-            if name == GO_TLS_WRITE:
-                returns[name] = ()
-            elif name in disassembled and size:
-                returns[name] = _ret_offsets(elf[start:start + size], value, name)
-            elif raw in _TCP_CONN_ITABS:
-                itab_hash = int.from_bytes(elf[start + _ITAB_HASH_OFFSET:start + _ITAB_HASH_OFFSET + 4], "little")
-        if GO_TLS_READ not in returns or GO_TLS_WRITE not in returns:
-            raise GoTlsUnprobed("no symbol table (built with -ldflags=-s): crypto/tls.(*Conn).Read and "
-                                "Write cannot be found")
-        if itab_hash is None:
-            raise GoTlsUnprobed("its TLS runs over no *net.TCPConn, the one transport whose socket is followed")
-        return GoTlsBinary(version, itab_hash, returns)
+        return go_tls_in(elf, sections)
+
+
+def go_tls_in(elf: mmap.mmap, sections: list[tuple]) -> GoTlsBinary | None:
+    """go_tls_binary of an ELF file already open (elf.open_elf)."""
+    if not _links_go_tls(elf):
+        return None
+    if machine(elf) != EM_X86_64:
+        raise GoTlsUnprobed("not an x86-64 executable: the register ABI read is x86-64's")
+    version = _go_version(elf)
+    disassembled = {GO_TLS_READ, *GO_TLS_HANDSHAKES}
+    returns, itab_hash = {}, None
+    for raw, value, size, shndx in symbol_entries(elf, sections, SHT_SYMTAB):
+        name = raw.decode("utf-8", "replace")
+        start = file_offset(sections, shndx, value)
+        if start is None:
+            continue
+        if name == GO_TLS_WRITE:
+            returns[name] = ()
+        elif name in disassembled and size:
+            returns[name] = _ret_offsets(elf[start:start + size], value, name)
+        elif raw in _TCP_CONN_ITABS:
+            itab_hash = int.from_bytes(elf[start + _ITAB_HASH_OFFSET:start + _ITAB_HASH_OFFSET + 4], "little")
+    if GO_TLS_READ not in returns or GO_TLS_WRITE not in returns:
+        raise GoTlsUnprobed("no symbol table (built with -ldflags=-s): crypto/tls.(*Conn).Read and "
+                            "Write cannot be found")
+    if itab_hash is None:
+        raise GoTlsUnprobed("its TLS runs over no *net.TCPConn, the one transport whose socket is followed")
+    return GoTlsBinary(version, itab_hash, returns)

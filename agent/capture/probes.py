@@ -13,16 +13,16 @@ import importlib.resources
 import ipaddress
 import logging
 import os
-import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .go_tls import GO_TLS_HANDSHAKES, GO_TLS_READ, GO_TLS_WRITE, go_tls_binary
+from .go_tls import GO_TLS_HANDSHAKES, GO_TLS_READ, GO_TLS_WRITE
 from .kernel_btf import BtfError, socket_offset_flags
 from .kernel_headers import HeaderChoice, choose_headers
 from .procfs import target_port_sockets
+from .tls_libraries import ElfTls, elf_tls, mapped_elves
 
 log = logging.getLogger("tokenprobe.probes")
 
@@ -43,7 +43,9 @@ CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
 
 # (symbol, entry handler, return handler or None). Both OpenSSL call
 # families: CPython calls the _ex forms, nginx and most C servers the classic
-# ones. SSL_set_fd and SSL_set_bio bind an SSL object to its socket.
+# ones. SSL_set_fd and SSL_set_bio bind an SSL object to its socket, SSL_free
+# unbinds it. A copy that lacks some (BoringSSL has no _ex forms) is probed
+# through those it has.
 SSL_PROBES = (
     ("SSL_read", "uprobe_ssl_read", "uretprobe_ssl_read"),
     ("SSL_read_ex", "uprobe_ssl_read_ex", "uretprobe_ssl_read_ex"),
@@ -52,8 +54,10 @@ SSL_PROBES = (
     ("SSL_do_handshake", "uprobe_ssl_handshake", "uretprobe_ssl_handshake"),
     ("SSL_set_fd", "uprobe_ssl_set_fd", None),
     ("SSL_set_bio", "uprobe_ssl_set_bio", None),
+    ("SSL_free", "uprobe_ssl_free", None),
 )
-# In libcrypto, next to its libssl: memory BIOs are fed with BIO_write.
+# In libcrypto, or in the program OpenSSL is linked into: memory BIOs are fed,
+# and records written out, with BIO_write.
 CRYPTO_PROBES = (("BIO_write", "uprobe_bio_write", None),)
 # Go crypto/tls function → (entry handler, handler put on each of its RET instructions, or None:
 # Write is read whole at its entry, see bpf/tokenprobe.c).
@@ -170,34 +174,49 @@ def ensure_tracefs() -> str:
     return "/sys/kernel/tracing"
 
 
-def libssl_paths(pids: Iterable[int] | None = None) -> list[str]:
-    """libssl files mapped by processes (through /proc/PID/root, so libraries
-    inside containers are found), plus the system's own; one path per file."""
-    found: dict[tuple[int, int], str] = {}
+@dataclass(frozen=True)
+class OpenSsl:
+    """One copy of OpenSSL to probe."""
 
-    def add(path: str) -> None:
+    path: str               # the file exporting the SSL API: a libssl, or a program with OpenSSL linked in
+    api: frozenset[bytes]   # the probed functions it exports
+    crypto: str | None      # the file exporting BIO_write beside it (its libcrypto, or itself), if any
+
+
+def openssl_copies(pids: Iterable[int] | None = None) -> list[OpenSsl]:
+    """Every copy of OpenSSL that processes map (through /proc/PID/root, so that those
+    inside containers are found), found by what the files export rather than by their
+    names, plus the system's own; one per file."""
+    found: dict[tuple[int, int], OpenSsl] = {}
+
+    def add(path: str, crypto_candidates: list[tuple[str, ElfTls]], file_id=None) -> None:
         try:
             st = os.stat(path)
         except OSError:
             return
-        found.setdefault((st.st_dev, st.st_ino), path)
+        tls = elf_tls(path, file_id)
+        if not tls.openssl_io or (st.st_dev, st.st_ino) in found:
+            return
+        crypto = path if b"BIO_write" in tls.openssl else next(
+            (other for other, other_tls in crypto_candidates if b"BIO_write" in other_tls.openssl), None)
+        found[(st.st_dev, st.st_ino)] = OpenSsl(path, tls.openssl, crypto)
 
     # The system's own first, so that its plain path names the common case.
     for pattern in ("/usr/lib/*/libssl.so.3", "/usr/lib/libssl.so.3", "/lib/*/libssl.so.1.1",
                     "/usr/lib/*/libssl.so.1.1"):
         for path in glob.glob(pattern):
-            add(path)
+            crypto = path.replace("libssl", "libcrypto")
+            add(path, [(crypto, elf_tls(crypto))])
     proc_pids = pids if pids is not None else [int(p) for p in os.listdir("/proc") if p.isdigit()]
     for pid in proc_pids:
+        root = f"/proc/{pid}/root"
         try:
-            with open(f"/proc/{pid}/maps") as maps:
-                for line in maps:
-                    if "libssl" in line:
-                        path = line.split(None, 5)[-1].strip()
-                        if re.search(r"/libssl\.so[.\d]*$", path):
-                            add(f"/proc/{pid}/root{path}")
+            held = [(root + elf.path, elf_tls(root + elf.path, elf.file_id), elf.file_id) for elf in mapped_elves(pid)]
         except OSError:
             continue
+        for path, tls, file_id in held:
+            if tls.openssl_io:
+                add(path, [(other, other_tls) for other, other_tls, _ in held], file_id)
     return list(found.values())
 
 
@@ -221,7 +240,7 @@ class Probes:
         self.headers = headers or choose_headers()
         self.attached_ssl: list[str] = []
         self.attached_go_tls: list[str] = []
-        self._go_executables: set[tuple[int, int]] = set()  # (st_dev, st_ino) of each one looked at
+        self._go_files: set[tuple[str, int]] = set()  # (device, inode) of each mapped file looked at
         self.decode_errors = 0
         self._full_maps: set[str] = set()
         ensure_tracefs()
@@ -336,28 +355,30 @@ class Probes:
         return len(established)
 
     def attach_ssl(self) -> list[str]:
-        """Attaches the libssl uprobes to every libssl not yet attached."""
+        """Attaches the OpenSSL uprobes to every copy of OpenSSL not yet attached."""
         new = []
-        for path in libssl_paths():
-            real = os.path.realpath(path)
+        for copy in openssl_copies():
+            real = os.path.realpath(copy.path)
             if real in self.attached_ssl:
                 continue
             try:
-                self._attach(path, SSL_PROBES)
-            except Exception as exc:  # a libssl without one of the symbols
-                log.warning("libssl %s not probed: %s", path, exc)
+                self._attach(copy.path, [probe for probe in SSL_PROBES if probe[0].encode() in copy.api])
+            except Exception as exc:  # BCC raises bare Exceptions when a uprobe does not attach
+                log.warning("OpenSSL in %s not probed: %s", copy.path, exc)
                 continue
-            crypto = os.path.join(os.path.dirname(path), os.path.basename(path).replace("libssl", "libcrypto"))
             try:
-                self._attach(crypto, CRYPTO_PROBES)
+                if copy.crypto is None:
+                    raise ValueError("no file beside it exports BIO_write")
+                self._attach(copy.crypto, CRYPTO_PROBES)
             except Exception as exc:
-                log.warning("%s not probed (%s): TLS through memory BIOs (asyncio) is not followed", crypto, exc)
+                log.warning("BIO_write of %s not probed (%s): TLS through memory BIOs (asyncio, Node.js) is not "
+                            "followed", copy.path, exc)
             self.attached_ssl.append(real)
-            new.append(path)
+            new.append(copy.path)
         return new
 
     def attach_go_tls(self) -> list[str]:
-        """Attaches the Go crypto/tls probes to the executables of the processes the kernel
+        """Attaches the Go crypto/tls probes to the files mapped by the processes the kernel
         watches (targets, and listeners on target ports) not looked at yet; the paths attached.
         One that cannot be probed is left to tls_reach, which names why."""
         tgids = {key.value for table in ("target_tgids", "listener_tgids", "active_tgids")
@@ -365,34 +386,30 @@ class Probes:
         new = []
         for tgid in sorted(tgids):
             try:
-                path = f"/proc/{tgid}/root{os.readlink(f'/proc/{tgid}/exe')}"
-                st = os.stat(path)
+                mapped = [elf for elf in mapped_elves(tgid) if elf.file_id not in self._go_files]
             except OSError:
                 continue
-            if (st.st_dev, st.st_ino) in self._go_executables:
-                continue
-            self._go_executables.add((st.st_dev, st.st_ino))
-            try:
-                binary = go_tls_binary(path)
-            except (OSError, ValueError):  # GoTlsUnprobed included
-                continue
-            if binary is None:
-                continue
-            self.bpf["go_tcp_conn_itab_hashes"][ctypes.c_uint32(binary.tcp_conn_itab_hash)] = ctypes.c_uint8(1)
-            try:
-                for function, rets in binary.returns.items():
-                    entry, ret = GO_TLS_PROBES[function]
-                    self.bpf.attach_uprobe(name=path, sym=function, fn_name=entry)
-                    for offset in rets if ret else ():
-                        self.bpf.attach_uprobe(name=path, sym=function, sym_off=offset, fn_name=ret)
-            except Exception as exc:  # BCC raises bare Exceptions (uprobe quota, vanished file)
-                log.warning("Go crypto/tls in %s not probed: %s", path, exc)
-                continue
-            self.attached_go_tls.append(f"{path} ({binary.version})")
-            new.append(path)
+            for elf in mapped:
+                self._go_files.add(elf.file_id)
+                path = f"/proc/{tgid}/root{elf.path}"
+                go = elf_tls(path, elf.file_id).go
+                if go is None:
+                    continue
+                self.bpf["go_tcp_conn_itab_hashes"][ctypes.c_uint32(go.tcp_conn_itab_hash)] = ctypes.c_uint8(1)
+                try:
+                    for function, rets in go.returns.items():
+                        entry, ret = GO_TLS_PROBES[function]
+                        self.bpf.attach_uprobe(name=path, sym=function, fn_name=entry)
+                        for offset in rets if ret else ():
+                            self.bpf.attach_uprobe(name=path, sym=function, sym_off=offset, fn_name=ret)
+                except Exception as exc:  # BCC raises bare Exceptions (uprobe quota, vanished file)
+                    log.warning("Go crypto/tls in %s not probed: %s", path, exc)
+                    continue
+                self.attached_go_tls.append(f"{path} ({go.version})")
+                new.append(path)
         return new
 
-    def _attach(self, path: str, probes: tuple) -> None:
+    def _attach(self, path: str, probes) -> None:
         for sym, entry, ret in probes:
             self.bpf.attach_uprobe(name=path, sym=sym, fn_name=entry)
             if ret:

@@ -23,7 +23,9 @@ HTTP/2 frames goes to the HTTP/2 assembler, which names it `h2_midstream`.
 A connection that cannot be read (HTTP/2 it lost track of, TLS no libssl
 probe saw, what follows a 101 upgrade, bytes of no known protocol) becomes one
 `unsupported` row at its close, with the reason in `unreadable_reason`:
-missing data never reads as health.
+missing data never reads as health. It is counted (`on_unreadable`) as soon as
+it is known to be unreadable, so a long-lived one does not stay invisible
+until it closes.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ from .procfs import comm_of, socket_endpoints
 log = logging.getLogger("tokenprobe.tracker")
 
 TLS_RECORD_START = (b"\x16\x03", b"\x17\x03", b"\x15\x03")  # handshake, data, alert
+# Application data flows only after the handshake: met unread in both directions, no probe will read the connection.
+TLS_APPLICATION_DATA = b"\x17\x03"
+TLS_UNPROBED_WORDS = "TLS records on a connection no libssl probe saw (a TLS library the agent does not probe)"
 # How an HTTP/1 connection's first bytes begin: a request line's method, or a status line.
 _HTTP1_REQUEST_START = re.compile(rb"[A-Z][A-Z_-]{2,19} ")
 _HTTP1_RESPONSE_START = b"HTTP/1."
@@ -120,6 +125,7 @@ class Connection:
     tls: bool = False
     tls_done_ns: int | None = None
     ciphertext_only: bool = False   # raw TLS bytes seen and no plaintext probe yet
+    raw_application_data: set[int] = field(default_factory=set)  # directions it was seen in, unread
     peer_eof: bool = False
     reset: bool = False
     client_gone: bool = False
@@ -139,7 +145,7 @@ class TrackerStats:
     unknown_api_streams: int = 0   # event streams in no known API shape (rows with api 'unknown')
     lost_events: int = 0           # data events the kernel numbered and the agent never received
     bytes_unseen: int = 0          # bytes moved on tracked connections and not captured
-    unreadable_connections: int = 0  # connections written as one `unsupported` row (blind spots)
+    unreadable_connections: int = 0  # connections found unreadable (blind spots), each one `unsupported` row
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -148,8 +154,11 @@ class ConnectionTracker:
                  fingerprint_key: bytes, node: str | None = None,
                  target_ports: set[int] | None = None, target_pids: set[int] | None = None,
                  forget_connection: Callable[[int, int], None] | None = None,
+                 on_unreadable: Callable[[int, str], None] | None = None,
                  tenant_header: str | None = DEFAULT_TENANT_HEADER) -> None:
+        """`on_unreadable(server_port, reason)`: a connection was found unreadable, once per connection."""
         self.emit_row = emit_row
+        self.on_unreadable = on_unreadable
         self.clock = clock
         self.fingerprint_key = fingerprint_key
         # Checked here, not at the first connection: a bad name must stop the agent at start.
@@ -258,6 +267,10 @@ class ConnectionTracker:
             # Ciphertext: read before libssl's probes named the connection, or TLS no probe
             # sees at all (whose reads may split a record's header from its payload).
             conn.ciphertext_only = True
+            if not conn.tls and ev.head.startswith(TLS_APPLICATION_DATA):
+                conn.raw_application_data.add(direction)
+                if len(conn.raw_application_data) == 2:
+                    self._mark_unreadable(conn, "tls_unprobed", TLS_UNPROBED_WORDS)
             return
         if ev.ret < 0:
             if ev.ret in (-errno.ECONNRESET, -errno.ETIMEDOUT):
@@ -324,7 +337,14 @@ class ConnectionTracker:
             conn.pending.append((is_request, ts, head, total_len, tail))
             return self._decide(conn, closing=False)
         feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
-        return feed(ts, head, total_len, tail)
+        exchanges = feed(ts, head, total_len, tail)
+        self._note_http2_unreadable(conn)
+        return exchanges
+
+    def _note_http2_unreadable(self, conn: Connection) -> None:
+        """The HTTP/2 assembler stopped reading the connection (lost track, limits): it is unreadable."""
+        if isinstance(conn.assembler, Http2ConnectionAssembler) and conn.assembler.unreadable:
+            self._mark_unreadable(conn, conn.assembler.unreadable, conn.assembler.error)
 
     def _decide(self, conn: Connection, *, closing: bool) -> list[Exchange]:
         """Chooses the connection's assembler and feeds it the held segments; [] while undecided."""
@@ -335,6 +355,7 @@ class ConnectionTracker:
         for is_request, *segment in segments:
             feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
             exchanges += feed(*segment)
+        self._note_http2_unreadable(conn)
         return exchanges
 
     def _choose_protocol(self, conn: Connection, *, closing: bool) -> bool:
@@ -371,10 +392,13 @@ class ConnectionTracker:
             on_request_start=lambda exchange: self._request_started(conn, exchange))
         return True
 
-    @staticmethod
-    def _mark_unreadable(conn: Connection, reason: str, words: str) -> None:
+    def _mark_unreadable(self, conn: Connection, reason: str, words: str) -> None:
+        """The connection cannot be read: counted now, written as one `unsupported` row at its close."""
         if conn.unreadable is None:
             conn.unreadable, conn.unreadable_words = reason, words
+            self.stats.unreadable_connections += 1
+            if self.on_unreadable:
+                self.on_unreadable(self._server_port(conn), reason)
 
     def _close(self, conn: Connection, ts: int, reason: str) -> None:
         """The connection ended: its open exchanges are written, and if it could not
@@ -383,11 +407,9 @@ class ConnectionTracker:
             self._finish(conn, self._decide(conn, closing=True))
         if conn.assembler is not None:
             self._finish(conn, conn.assembler.close(ts, reason))
-            if isinstance(conn.assembler, Http2ConnectionAssembler) and conn.assembler.unreadable:
-                self._mark_unreadable(conn, conn.assembler.unreadable, conn.assembler.error)
+            self._note_http2_unreadable(conn)
         elif conn.ciphertext_only and not conn.tls:
-            self._mark_unreadable(conn, "tls_unprobed", "TLS records on a connection no libssl "
-                                  "probe saw (a TLS library the agent does not probe)")
+            self._mark_unreadable(conn, "tls_unprobed", TLS_UNPROBED_WORDS)
         if conn.unreadable:
             self._unsupported_row(conn, ts)
 
@@ -396,7 +418,6 @@ class ConnectionTracker:
                             error=conn.unreadable_words)
         exchange.req_bytes, exchange.resp_bytes = (conn.next_byte[DIR_READ], conn.next_byte[DIR_WRITE]) \
             if conn.role != ROLE_CLIENT else (conn.next_byte[DIR_WRITE], conn.next_byte[DIR_READ])
-        self.stats.unreadable_connections += 1
         conn.rows += 1
         self.emit_row(self._row(conn, exchange, Fidelity()))
 

@@ -295,7 +295,7 @@ class AgentMetrics:
                                  registry=self.registry)
         self._requests = Counter("tokenprobe_requests", "Requests finished, by status class and outcome",
                                 (*_REQUEST_LABELS, "status_class", "outcome"), registry=self.registry)
-        # Blind spots: connections written as one `unsupported` row, by why they could not be read.
+        # Blind spots: connections found unreadable (each later one `unsupported` row), by why.
         self._unreadable = Counter("tokenprobe_agent_unreadable_connections",
                                    "Connections the agent could not read, by server port and reason",
                                    ("server_port", "reason"), registry=self.registry)
@@ -313,8 +313,6 @@ class AgentMetrics:
         model = self._models.label(row["server_port"], row.get("model") or "")
         labels = (str(row["server_port"]), model, row.get("role") or "server")
         self._requests.labels(*labels, status_class(row.get("status") or 0), row.get("outcome") or "").inc()
-        if row.get("outcome") == "unsupported":
-            self._unreadable.labels(str(row["server_port"]), row.get("unreadable_reason") or "").inc()
         if not measures.is_inference(row):
             return
         timings = RequestTimings.from_row(row)
@@ -322,6 +320,10 @@ class AgentMetrics:
                                    (self._duration, timings.duration_s)):
             if seconds is not None:
                 histogram.labels(*labels).observe(seconds)
+
+    def count_unreadable(self, server_port: int, reason: str) -> None:
+        """One connection found unreadable, when it is found (its `unsupported` row comes at its close)."""
+        self._unreadable.labels(str(server_port), reason).inc()
 
     def set_agent_stats(self, *, events_total: int, drops_total: int, lag_s: float, events_per_s: float,
                         parse_errors_total: int | None = None, open_connections: int | None = None,
