@@ -93,8 +93,8 @@ def _check_libssl() -> Check:
     paths = [copy.path for copy in openssl_copies()]
     if not paths:
         return Check("OpenSSL", WARN, "no OpenSSL found (no file exports SSL_read and SSL_write): HTTPS "
-                     "served with another TLS library (Go, rustls, BoringSSL without symbols) is not decrypted",
-                     "serve TLS with OpenSSL, or terminate TLS in a proxy that uses it")
+                     "served with another TLS library (rustls, BoringSSL without symbols, a Go binary without "
+                     "symbols) is not decrypted", "serve TLS with OpenSSL, or terminate TLS in a proxy that uses it")
     shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
     return Check("OpenSSL", OK, f"{len(paths)} found: {shown}")
 

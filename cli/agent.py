@@ -387,8 +387,9 @@ class Agent:
         exporters.agent_stats(tracker, 0, 0.0, 0.0, sink, probes.map_overflows(), probes.map_sizes())
         exporters.serve_metrics()  # after the probes attach: readiness means tracing
         t = cfg.targets
-        log.info("tracing ports %s pids %s exes %s; OpenSSL probed: %s", t.ports or "-", t.pids or "-",
-                 t.exes or "-", ", ".join(probes.attached_ssl) or "none")
+        log.info("tracing ports %s pids %s exes %s; OpenSSL probed: %s; Go crypto/tls probed: %s", t.ports or "-",
+                 t.pids or "-", t.exes or "-", ", ".join(probes.attached_ssl) or "none",
+                 ", ".join(probes.attached_go_tls) or "none")
         for reach in unreadable_tls([*t.pids, *(owner.pid for owner in target_port_sockets(set(t.ports))[0])]):
             log.warning("TLS of pid %d (%s) cannot be read: %s; its connections are written as unsupported "
                         "rows (tls_unprobed)", reach.pid, reach.exe, reach.library)
@@ -412,6 +413,8 @@ class Agent:
                     for path in probes.attach_ssl():
                         log.info("probing OpenSSL in %s", path)
                     probes.rescan_processes()
+                    for path in probes.attach_go_tls():
+                        log.info("probing Go crypto/tls in %s", path)
                     tracker.evict_idle(time.monotonic_ns())
                     memory.after(len(tracker.connections))
                 if now - last_tick >= 1.0:

@@ -1,6 +1,6 @@
 """The reference server and the real `tokenprobe agent` as processes, for the tests and the
 benchmarks: each in its own process, so the agent sees the server only through the kernel.
-Ports, and waiting for them."""
+Ports, and waiting for them; an ASGI request's whole body."""
 
 from __future__ import annotations
 
@@ -38,6 +38,16 @@ def wait_for_port(port: int, timeout: float = 20.0, host: str = "127.0.0.1") -> 
         if time.monotonic() > deadline:
             raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:.0f} s")
         time.sleep(0.05)
+
+
+async def asgi_body(receive) -> bytes:
+    """The whole request body an ASGI app receives, however many messages carry it."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            return body
 
 
 def kernel_unavailable() -> str | None:
@@ -80,10 +90,17 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
         cmd += ["--kv-cache-blocks", str(kv_cache_blocks)]
     # The ground truth is stamped in Python just after a read and just before a write: at a raised
     # priority, the load generator's threads on the same few cores cannot delay those stamps.
-    proc = subprocess.Popen(cmd, cwd=tmp, preexec_fn=_raise_priority)
+    with listening_process(cmd, port, cwd=tmp, preexec_fn=_raise_priority):
+        yield port, truth
+
+
+@contextmanager
+def listening_process(cmd: list[str], port: int, **popen) -> Iterator[subprocess.Popen]:
+    """`cmd` as a child process, handed over once it listens on `port`, terminated after."""
+    proc = subprocess.Popen(cmd, **popen)
     try:
         wait_for_port(port)
-        yield port, truth
+        yield proc
     finally:
         proc.terminate()
         proc.wait(timeout=20)

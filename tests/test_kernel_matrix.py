@@ -169,13 +169,15 @@ def serving(argv: list[str], port: int, env: dict[str, str], log: Path) -> Itera
             proc.wait()
 
 
-def build_go_server(tmp: Path) -> Path:
+def build_go_server(tmp: Path, *, stripped: bool = False) -> Path:
+    """tests/servers/go_sse.go built with Debian's Go; `stripped`: without symbol table and DWARF."""
     go = shutil.which("go")
     if go is None:
         pytest.fail("go is not installed (apt-get install golang-go; scripts/install.sh does)")
-    binary = tmp / "go_sse"
+    binary = tmp / ("go_sse_stripped" if stripped else "go_sse")
     env = dict(os.environ, GOCACHE=str(tmp / "gocache"), GOPATH=str(tmp / "gopath"), GO111MODULE="off")
-    subprocess.run([go, "build", "-o", str(binary), str(SERVERS / "go_sse.go")], check=True, env=env)
+    flags = ["-ldflags=-s -w"] if stripped else []
+    subprocess.run([go, "build", *flags, "-o", str(binary), str(SERVERS / "go_sse.go")], check=True, env=env)
     return binary
 
 

@@ -1,21 +1,36 @@
 """Naming each process's TLS library from its ELF files: OpenSSL by what a file
 exports (a libssl whatever its name, OpenSSL linked into an executable such as the
-image's Node.js 20), rustls by its crate paths in a stripped extension module."""
+image's Node.js 20), Go's crypto/tls by its symbols (and where its return probes
+go), rustls by its crate paths in a stripped extension module."""
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+from tokenprobe.agent.capture.go_tls import (
+    GO_TLS_READ,
+    GO_TLS_WRITE,
+    GoTlsUnprobed,
+    go_tls_binary,
+)
 from tokenprobe.agent.capture.probes import openssl_copies
-from tokenprobe.agent.capture.tls_libraries import elf_tls, tls_reach, unreadable_tls
+from tokenprobe.agent.capture.tls_libraries import (
+    TlsReach,
+    elf_tls,
+    tls_reach,
+    unreadable_tls,
+)
 
 from tests.support import mapped_libssl
+from tests.test_kernel_matrix import build_go_server
 
 NODE = "/usr/bin/node"
 GRANIAN = glob.glob(str(Path(sys.executable).parent.parent / "lib/python3*/site-packages/granian/_granian*.so"))
@@ -55,6 +70,44 @@ def test_openssl_linked_into_the_executable_is_probed_in_the_executable():
     finally:
         node.kill()
         node.wait()
+
+
+def test_go_crypto_tls_is_probed_where_the_executable_keeps_its_symbols(tmp_path: Path):
+    """Each RET offset found by disassembly is one objdump (binutils) also decodes as a ret."""
+    binary = build_go_server(tmp_path)
+    go = go_tls_binary(str(binary))
+    assert go.version.startswith("go1.") and go.tcp_conn_itab_hash
+    assert {GO_TLS_READ, GO_TLS_WRITE} <= set(go.returns) and go.returns[GO_TLS_READ]
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(binary)], capture_output=True, text=True,
+                             check=True).stdout
+    for function, offsets in go.returns.items():
+        if function == GO_TLS_WRITE:  # read at its entry: no RET sought
+            continue
+        body = listing.split(f"<{function}>:\n", 1)[1].split("\n\n", 1)[0]
+        addresses = [int(line.split(":", 1)[0], 16) for line in body.splitlines()
+                     if line.split("\t")[-1].startswith("ret")]
+        start = int(re.search(rf"^([0-9a-f]+) <{re.escape(function)}>:", listing, re.MULTILINE)[1], 16)
+        assert [a - start for a in addresses] == list(offsets), function
+    server = _holding(str(binary), "-port", "0")
+    try:
+        assert tls_reach(server.pid) == TlsReach(server.pid, str(binary), f"Go crypto/tls ({go.version})", True)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_go_executable_without_symbols_is_named_and_not_probed(tmp_path: Path):
+    binary = build_go_server(tmp_path, stripped=True)
+    with pytest.raises(GoTlsUnprobed, match=r"no symbol table \(built with -ldflags=-s\)"):
+        go_tls_binary(str(binary))
+    assert go_tls_binary(sys.executable) is None  # no Go at all
+    server = _holding(str(binary), "-port", "0")
+    try:
+        (reach,) = unreadable_tls([server.pid])
+        assert reach.library.startswith("Go crypto/tls, no symbol table") and not reach.probed
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_rustls_in_an_extension_module_is_named_though_the_process_maps_libssl():

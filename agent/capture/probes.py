@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .go_tls import GO_TLS_HANDSHAKES, GO_TLS_READ, GO_TLS_WRITE
 from .kernel_btf import BtfError, socket_offset_flags
 from .kernel_headers import HeaderChoice, choose_headers
 from .procfs import target_port_sockets
@@ -67,6 +68,13 @@ SSL_PROBES = (
 # In libcrypto, or in the program OpenSSL is linked into: memory BIOs are fed,
 # and records written out, with BIO_write.
 CRYPTO_PROBES = (("BIO_write", "uprobe_bio_write", None),)
+# Go crypto/tls function → (entry handler, handler put on each of its RET instructions, or None:
+# Write is read whole at its entry, see bpf/tokenprobe.c).
+GO_TLS_PROBES = {
+    GO_TLS_READ: ("uprobe_go_tls_read", "uprobe_go_tls_read_ret"),
+    GO_TLS_WRITE: ("uprobe_go_tls_write", None),
+    **{name: ("uprobe_go_tls_handshake", "uprobe_go_tls_handshake_ret") for name in GO_TLS_HANDSHAKES},
+}
 
 
 @dataclass(frozen=True)
@@ -259,6 +267,8 @@ class Probes:
         self.targets = targets
         self.headers = headers or choose_headers()
         self.attached_ssl: list[str] = []
+        self.attached_go_tls: list[str] = []
+        self._go_files: set[tuple[str, int]] = set()  # (device, inode) of each mapped file looked at
         self.decode_errors = 0
         self._full_maps: set[str] = set()
         # Map entries the agent itself could not store (listeners learnt from /proc).
@@ -286,6 +296,7 @@ class Probes:
             raise ProbeError(f"the BPF program did not load: {exc}. {self.headers.note}") from exc
         self._configure()
         self.attach_ssl()
+        self.attach_go_tls()
 
     # -- configuration -------------------------------------------------
     def _configure(self) -> None:
@@ -398,6 +409,38 @@ class Probes:
                             "followed", copy.path, exc)
             self.attached_ssl.append(real)
             new.append(copy.path)
+        return new
+
+    def attach_go_tls(self) -> list[str]:
+        """Attaches the Go crypto/tls probes to the files mapped by the processes the kernel
+        watches (targets, and listeners on target ports) not looked at yet; the paths attached.
+        One that cannot be probed is left to tls_reach, which names why."""
+        tgids = {key.value for table in ("target_tgids", "listener_tgids", "active_tgids")
+                 for key in self.bpf[table]}
+        new = []
+        for tgid in sorted(tgids):
+            try:
+                mapped = [elf for elf in mapped_elves(tgid) if elf.file_id not in self._go_files]
+            except OSError:
+                continue
+            for elf in mapped:
+                self._go_files.add(elf.file_id)
+                path = f"/proc/{tgid}/root{elf.path}"
+                go = elf_tls(path, elf.file_id).go
+                if go is None:
+                    continue
+                self.bpf["go_tcp_conn_itab_hashes"][ctypes.c_uint32(go.tcp_conn_itab_hash)] = ctypes.c_uint8(1)
+                try:
+                    for function, rets in go.returns.items():
+                        entry, ret = GO_TLS_PROBES[function]
+                        self.bpf.attach_uprobe(name=path, sym=function, fn_name=entry)
+                        for offset in rets if ret else ():
+                            self.bpf.attach_uprobe(name=path, sym=function, sym_off=offset, fn_name=ret)
+                except Exception as exc:  # BCC raises bare Exceptions (uprobe quota, vanished file)
+                    log.warning("Go crypto/tls in %s not probed: %s", path, exc)
+                    continue
+                self.attached_go_tls.append(f"{path} ({go.version})")
+                new.append(path)
         return new
 
     def _attach(self, path: str, probes) -> None:
