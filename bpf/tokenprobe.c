@@ -932,7 +932,7 @@ struct go_call {
     u32 fd;
 };
 
-BPF_TABLE("lru_hash", struct go_call_key, struct go_call, go_tls_pending, 16384);
+BPF_TABLE("lru_hash", struct go_call_key, struct go_call, go_tls_pending, MAX_PENDING);
 // The itab hash (itab.hash, a copy of the type's hash) of *net.TCPConn as a
 // net.Conn in each probed binary: a tls.Conn over anything else is not followed.
 BPF_HASH(go_tcp_conn_itab_hashes, u32, u8, 64);

@@ -48,7 +48,7 @@ MAP_OVERFLOW_SLOTS = ("conns", "listeners", "io_pending", "ssl_pending", "accept
 KERNEL_MAPS = ("events", "scratch", "drops", "map_overflows", "conns_fill", "config", "exe_paths", "conns",
                "target_ports", "target_tgids", "active_tgids", "listeners", "bind_pending", "listener_tgids",
                "io_pending", "accept_pending", "connect_pending", "ssl_pending", "ssl_fd", "rbio_ssl",
-               "read_buf_fd")
+               "read_buf_fd", "written_record_ssl", "go_tls_pending", "go_tcp_conn_itab_hashes")
 
 # (symbol, entry handler, return handler or None). Both OpenSSL call
 # families: CPython calls the _ex forms, nginx and most C servers the classic
@@ -429,8 +429,8 @@ class Probes:
                 go = elf_tls(path, elf.file_id).go
                 if go is None:
                     continue
-                self.bpf["go_tcp_conn_itab_hashes"][ctypes.c_uint32(go.tcp_conn_itab_hash)] = ctypes.c_uint8(1)
-                try:
+                try:  # a full hash map (more than 64 Go executables) raises here too
+                    self.bpf["go_tcp_conn_itab_hashes"][ctypes.c_uint32(go.tcp_conn_itab_hash)] = ctypes.c_uint8(1)
                     for function, rets in go.returns.items():
                         entry, ret = GO_TLS_PROBES[function]
                         self.bpf.attach_uprobe(name=path, sym=function, fn_name=entry)
