@@ -97,6 +97,7 @@ class AgentConfig:
     store_url: str
     duration_s: float | None = None
     ringbuf_pages: int = 4096
+    kernel_batching: bool = True  # the kernel batches steady SSE writes (bpf/tokenprobe.c)
     status: bool = True
     on_row: Callable[[dict], None] | None = None   # e.g. the demo's live lines
     on_ready: Callable[[], None] | None = None     # called once the probes are attached
@@ -118,6 +119,7 @@ class AgentSummary:
     rows_spooled: int
     parse_errors: int
     seconds: float
+    batched_writes: int = 0
 
 
 def node_name() -> str:
@@ -347,7 +349,8 @@ class Agent:
         tracker = ConnectionTracker(
             emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
-            forget_connection=probes.forget_connection, tenant_header=cfg.tenant_header)
+            forget_connection=probes.forget_connection, tenant_header=cfg.tenant_header,
+            steady=probes if cfg.kernel_batching else None)
         lag = LagMeter()
 
         def handle(event) -> None:
@@ -408,7 +411,7 @@ class Agent:
         return AgentSummary(
             requests=tracker.stats.requests, events=tracker.stats.events, drops=drops,
             rows_written=0, rows_spooled=0, parse_errors=tracker.stats.parse_errors,
-            seconds=time.monotonic() - started)
+            seconds=time.monotonic() - started, batched_writes=tracker.stats.steady_writes)
 
     @staticmethod
     def _status_text(tracker: ConnectionTracker, drops: int, sink: RequestSink,

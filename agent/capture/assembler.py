@@ -95,6 +95,16 @@ class HttpConnectionAssembler:
         """One segment travelling towards the client."""
         return self._feed(self._response, ts_ns, head, total_len, tail)
 
+    def steady_template(self, write: bytes) -> tuple[bytes, bytes] | None:
+        """After a whole response segment was fed: the bytes before and after its text, if it was
+        one whole chunk of one event that can be counted from its size alone (kernel batching)."""
+        return None if self._closed else self._response.steady_template(write)
+
+    def feed_steady_response_writes(self, writes: list[tuple[int, int]]) -> bool:
+        """Response writes (time, size) the kernel matched against a steady_template; False, with
+        nothing read, when the response is not where such writes can be counted."""
+        return not self._closed and self._response.steady_writes(writes)
+
     def close(self, ts_ns: int, reason: str) -> list[Exchange]:
         """The connection closed: every exchange still open is returned.
 

@@ -36,6 +36,7 @@ _HEADER = struct.Struct("<QQQQIIIIBBBBiIIIHH16s16s")
 HEADER_SIZE = _HEADER.size
 
 EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC, EV_EXIT = 1, 2, 3, 4, 5, 6, 7
+EV_STEADY_BATCH = 8
 DIR_READ, DIR_WRITE = 0, 1
 ROLE_SERVER, ROLE_CLIENT = 0, 1
 CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
@@ -84,6 +85,34 @@ class KernelEvent:
     comm: str
 
 
+# struct steady_batch (bpf/tokenprobe.c): laid out as struct event up to `kind`, then the count
+# and (time, size) of each write.
+_STEADY_HEADER = struct.Struct("<QQQQIIIIBBBBI")
+_STEADY_WRITE = struct.Struct("<QI4x")
+KIND_OFFSET = 48  # of `kind`, in both records
+STEADY_BATCH = 64  # writes per batch record at most
+# What a template may hold (the kernel's STEADY_PREFIX_CAP, STEADY_SUFFIX_CAP, STEADY_WRITE_MAX).
+STEADY_PART_MIN, STEADY_PART_CAP, STEADY_WRITE_MAX = 8, 256, 1024
+
+
+@dataclass(slots=True)
+class SteadyBatch:
+    """Writes of a steady SSE stream that the kernel took in as one record: each one whole
+    HTTP chunk with the bytes of the connection's template around plain text."""
+
+    kind: int
+    ts_ns: int  # the last write's
+    conn_ns: int
+    bytes_before: tuple[int, int]  # the connection's counters before the first write
+    events_before: tuple[int, int]
+    tgid: int
+    fd: int
+    dir: int
+    tls: bool
+    role: int
+    writes: list[tuple[int, int]]  # (ts_ns, bytes) of each write
+
+
 class EventDecodeError(ValueError):
     pass
 
@@ -101,8 +130,21 @@ def _peer_text(raw: bytes) -> str:
     return text
 
 
-def decode_event(buf: bytes) -> KernelEvent:
-    """One ring-buffer record → KernelEvent; EventDecodeError if malformed."""
+def decode_steady_batch(buf: bytes) -> SteadyBatch:
+    if len(buf) < _STEADY_HEADER.size:
+        raise EventDecodeError(f"batch record of {len(buf)} bytes is shorter than its header")
+    (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, direction, tls, role,
+     count) = _STEADY_HEADER.unpack_from(buf)
+    if not 0 < count <= STEADY_BATCH or len(buf) != _STEADY_HEADER.size + count * _STEADY_WRITE.size:
+        raise EventDecodeError(f"batch record of {len(buf)} bytes says it holds {count} writes")
+    return SteadyBatch(kind, ts, conn_ns, (bytes_rd, bytes_wr), (events_rd, events_wr), tgid, fd, direction,
+                       bool(tls), role, list(_STEADY_WRITE.iter_unpack(memoryview(buf)[_STEADY_HEADER.size:])))
+
+
+def decode_event(buf: bytes) -> KernelEvent | SteadyBatch:
+    """One ring-buffer record → KernelEvent (or SteadyBatch); EventDecodeError if malformed."""
+    if len(buf) > KIND_OFFSET and buf[KIND_OFFSET] == EV_STEADY_BATCH:
+        return decode_steady_batch(buf)
     if len(buf) < HEADER_SIZE:
         raise EventDecodeError(f"record of {len(buf)} bytes is shorter than the {HEADER_SIZE}-byte header")
     (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, direction, tls, role, ret,
@@ -377,11 +419,44 @@ class Probes:
         return int(sum(self.bpf["drops"][ctypes.c_int(0)]))
 
     def forget_connection(self, tgid: int, fd: int) -> None:
-        """Stops kernel-side tracking of a connection the agent does not want."""
-        table = self.bpf["conns"]
+        """Stops kernel-side tracking of a connection the agent does not want (or whose process is gone)."""
+        for name in ("conns", "steady_templates", "steady_batches"):
+            table = self.bpf[name]
+            self._delete(table, self._conn_key(table, tgid, fd))
+
+    @staticmethod
+    def _conn_key(table, tgid: int, fd: int):
         key = table.Key()
         key.tgid, key.fd = tgid, fd
+        return key
+
+    def arm_steady(self, tgid: int, fd: int, prefix: bytes, suffix: bytes) -> bool:
+        """Names the bytes around the text of the connection's steady writes: the kernel batches
+        those that match from now on (bpf/tokenprobe.c, steady SSE streams). False when the map is
+        full (the connection's writes stay whole events)."""
+        if not (STEADY_PART_MIN <= len(prefix) <= STEADY_PART_CAP and STEADY_PART_MIN <= len(suffix) <= STEADY_PART_CAP):
+            raise ValueError(f"a steady template's parts hold {STEADY_PART_MIN}..{STEADY_PART_CAP} bytes")
+        table = self.bpf["steady_templates"]
+        leaf = table.Leaf()
+        leaf.prefix_len, leaf.suffix_len = len(prefix), len(suffix)
+        ctypes.memmove(ctypes.addressof(leaf) + type(leaf).prefix.offset, prefix, len(prefix))
+        ctypes.memmove(ctypes.addressof(leaf) + type(leaf).suffix.offset, suffix, len(suffix))
+        return self._put("steady_templates", self._conn_key(table, tgid, fd), leaf)
+
+    def take_steady_batch(self, tgid: int, fd: int) -> SteadyBatch | None:
+        """The batch a connection of a process that is gone left in the kernel (no close()
+        sent it), removed from the kernel; None if there is none."""
+        table = self.bpf["steady_batches"]
+        key = self._conn_key(table, tgid, fd)
+        try:
+            leaf = table[key]
+        except KeyError:
+            return None
         self._delete(table, key)
+        if not leaf.count:
+            return None
+        size = _STEADY_HEADER.size + min(leaf.count, STEADY_BATCH) * _STEADY_WRITE.size
+        return decode_steady_batch(ctypes.string_at(ctypes.addressof(leaf), size))
 
     def _put(self, name: str, key, leaf) -> bool:
         """Writes a map entry; False (logged once per map) when the map is full."""

@@ -194,6 +194,36 @@ class SseBody(_LineEvents):
             self._payload(ts, line[6:] if line[5:6] == b" " else line[5:])
         return True
 
+    def steady_text(self, data, start: int, stop: int) -> tuple[int, int] | None:
+        """Where the text of data[start:stop] lies, if that is one whole event of one `data:` line,
+        just read, that the dialect counts from its size alone (Dialect.steady_text), and the
+        stream is in step to count more like it (steady_events); else None."""
+        if not self._in_step() or data[stop - 2:stop] != b"\n\n" or not data.startswith(b"data:", start):
+            return None
+        value = start + (6 if data[start + 5:start + 6] == b" " else 5)
+        payload = data[value:stop - 2]
+        if b"\n" in payload or b"\r" in payload:
+            return None
+        span = self._dialect.steady_text(payload)
+        return None if span is None else (value + span[0], value + span[1])
+
+    def steady_events(self, times: list[int]) -> bool:
+        """Events the kernel counted from their size alone (kernel batching), at `times`: each one
+        whole event of visible text around a template steady_text named, read as `data` would read
+        it. False, with nothing read, when the stream is not in step for them."""
+        if not self._in_step():
+            return False
+        exchange = self._exchange
+        exchange.sse_events += len(times)
+        for ts in times:
+            exchange.record_output(ts)
+        return True
+
+    def _in_step(self) -> bool:
+        dialect = self._dialect
+        return (self._scan and dialect is not None and not self._line.length and self._cr_ts is None
+                and not self._event_has_data and dialect.counts_steady(self._exchange))
+
     def _dispatch(self, ts: int) -> None:
         if not self._event_has_data:  # a blank line after comments only: no event
             return

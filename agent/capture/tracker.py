@@ -34,7 +34,7 @@ import logging
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from .assembler import Exchange, HttpConnectionAssembler
@@ -54,9 +54,13 @@ from .probes import (
     EV_DATA,
     EV_EXEC,
     EV_EXIT,
+    EV_STEADY_BATCH,
     EV_TLS_DONE,
     ROLE_CLIENT,
+    STEADY_PART_CAP,
+    STEADY_PART_MIN,
     KernelEvent,
+    SteadyBatch,
 )
 from .procfs import comm_of, socket_endpoints
 
@@ -85,6 +89,13 @@ def connection_id(tgid: int, fd: int, opened_ns: int) -> int:
     """A 63-bit id unique per node: boot, process, fd and open time."""
     digest = hashlib.blake2b(b"%s:%d:%d:%d" % (_BOOT_ID, tgid, fd, opened_ns), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+class SteadyKernel(Protocol):
+    """The kernel's side of batching steady SSE streams (probes.Probes)."""
+
+    def arm_steady(self, tgid: int, fd: int, prefix: bytes, suffix: bytes) -> bool: ...
+    def take_steady_batch(self, tgid: int, fd: int) -> SteadyBatch | None: ...
 
 
 @dataclass(slots=True)
@@ -127,6 +138,7 @@ class Connection:
     next_event: list[int] = field(default_factory=lambda: [0, 0])
     next_byte: list[int] = field(default_factory=lambda: [0, 0])
     open: dict[int, Fidelity] = field(default_factory=dict)  # exchange seq → what it missed
+    steady_template: tuple[bytes, bytes] | None = None  # last named to the kernel (kernel batching)
 
 
 @dataclass
@@ -140,6 +152,8 @@ class TrackerStats:
     lost_events: int = 0           # data events the kernel numbered and the agent never received
     bytes_unseen: int = 0          # bytes moved on tracked connections and not captured
     unreadable_connections: int = 0  # connections written as one `unsupported` row (blind spots)
+    steady_writes: int = 0         # writes that came in the kernel's batches, not as events of their own
+    steady_templates: int = 0      # templates named to the kernel
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -148,7 +162,7 @@ class ConnectionTracker:
                  fingerprint_key: bytes, node: str | None = None,
                  target_ports: set[int] | None = None, target_pids: set[int] | None = None,
                  forget_connection: Callable[[int, int], None] | None = None,
-                 tenant_header: str | None = DEFAULT_TENANT_HEADER) -> None:
+                 tenant_header: str | None = DEFAULT_TENANT_HEADER, steady: SteadyKernel | None = None) -> None:
         self.emit_row = emit_row
         self.clock = clock
         self.fingerprint_key = fingerprint_key
@@ -158,12 +172,13 @@ class ConnectionTracker:
         self.target_ports = target_ports or set()
         self.target_pids = target_pids or set()
         self.forget_connection = forget_connection
+        self.steady = steady  # None: kernel batching off (every write comes as its own event)
         self.connections: dict[tuple[int, int], Connection] = {}
         self.stats = TrackerStats()
         self._handlers = {
             EV_ACCEPT: self._on_open, EV_CONNECT: self._on_open, EV_DATA: self._on_data,
             EV_CLOSE: self._on_close, EV_TLS_DONE: self._on_tls_done, EV_EXEC: self._on_exec,
-            EV_EXIT: self._on_exit,
+            EV_EXIT: self._on_exit, EV_STEADY_BATCH: self._on_steady_batch,
         }
 
     # -- event dispatch --------------------------------------------------
@@ -275,7 +290,51 @@ class ConnectionTracker:
         if unseen:
             self.stats.bytes_unseen += unseen
             self._note_unseen(conn, is_request, unseen)
+        elif self.steady is not None and direction == DIR_WRITE and not is_request and not ev.tail:
+            self._follow_steady(conn, ev.head)
         self._finish(conn, exchanges)
+
+    # -- kernel batching ---------------------------------------------------
+    def _follow_steady(self, conn: Connection, write: bytes) -> None:
+        """After a whole response write: names a new template to the kernel when the write shows
+        one, and forgets the last when it shows the stream left the steady state (the kernel,
+        for which such a write differs from the template, ends it too)."""
+        armed = conn.steady_template
+        if armed is not None and write.endswith(armed[1]) and write.startswith(armed[0], write.find(b"\n") + 1):
+            return  # the kernel holds this template already (the write came before it did, or had escapes)
+        assembler = conn.assembler
+        template = assembler.steady_template(write) if isinstance(assembler, HttpConnectionAssembler) else None
+        if template is not None and not all(STEADY_PART_MIN <= len(part) <= STEADY_PART_CAP for part in template):
+            template = None
+        conn.steady_template = template
+        if template is not None:
+            self.stats.steady_templates += 1
+            self.steady.arm_steady(conn.tgid, conn.fd, *template)
+
+    def _on_steady_batch(self, batch: SteadyBatch) -> None:
+        """Response writes the kernel matched against the connection's template: each one chunk of
+        one event of visible text, counted from its time and size."""
+        conn = self.connections.get((batch.tgid, batch.fd))
+        if conn is None or (conn.accept_seen and conn.opened_ns != batch.conn_ns):
+            self.stats.lost_events += len(batch.writes)  # a connection this agent no longer follows
+            return
+        self._check_sequence(conn, batch)
+        writes = batch.writes
+        nbytes = sum(size for _, size in writes)
+        conn.next_event[DIR_WRITE] = max(conn.next_event[DIR_WRITE], batch.events_before[DIR_WRITE] + len(writes))
+        conn.next_byte[DIR_WRITE] = max(conn.next_byte[DIR_WRITE], batch.bytes_before[DIR_WRITE] + nbytes)
+        self.stats.steady_writes += len(writes)
+        if batch.tls:
+            conn.tls = True
+        assembler = conn.assembler
+        if (isinstance(assembler, HttpConnectionAssembler) and not self._is_request(conn, DIR_WRITE)
+                and assembler.feed_steady_response_writes(writes)):
+            return
+        # The stream is not where the template was named (it moved on before the kernel learnt
+        # the template): what the writes held is unknown, and booked as unseen.
+        self.stats.bytes_unseen += nbytes
+        self._note_unseen(conn, False, nbytes)
+        self._finish(conn, self._feed(conn, False, batch.ts_ns, b"", nbytes))
 
     def _on_close(self, ev: KernelEvent) -> None:
         conn = self.connections.pop((ev.tgid, ev.fd), None)
@@ -302,6 +361,10 @@ class ConnectionTracker:
     def _on_exit(self, ev: KernelEvent) -> None:
         """The process died: the kernel closed its sockets without close()."""
         for key in [key for key in self.connections if key[0] == ev.tgid]:
+            # Its sockets closed without close(): a batch still in the kernel is read from its map.
+            batch = self.steady.take_steady_batch(*key) if self.steady is not None else None
+            if batch is not None:
+                self._on_steady_batch(batch)
             conn = self.connections.pop(key)
             if self.forget_connection:
                 self.forget_connection(conn.tgid, conn.fd)
