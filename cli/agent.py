@@ -167,7 +167,8 @@ class Exporters:
             self.metrics.set_agent_stats(
                 events_total=stats.events, drops_total=drops, lag_s=lag_s, events_per_s=rate,
                 parse_errors_total=stats.parse_errors, open_connections=len(tracker.connections),
-                inflight_requests=sum(stats.inflight.values()), sink=sink.stats())
+                inflight_requests=sum(stats.inflight.values()), sink=sink.stats(),
+                batched_writes_total=stats.steady_writes, lost_events_total=stats.lost_events)
             if self.live:
                 self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
                                                 analysed_until_s=self.live.watermark_ns / 1e9)

@@ -503,10 +503,10 @@ class ResponseStream(MessageStream):
                 break
             start = size_line.end()
             stop = start + int(size_line[1], 16)
-            if (stop == start or data[stop:stop + 2] != b"\r\n"
+            if (stop == start or not data.startswith(b"\r\n", stop)
                     or not self._body.whole_events(ts, data, start, stop)):
                 break
-            self._count(stop + 2 - pos)
+            self._txn.exchange.resp_bytes += stop + 2 - pos  # a body is read only for a matched response
             pos = stop + 2
         return pos
 

@@ -95,6 +95,11 @@ STEADY_BATCH = 64  # writes per batch record at most
 STEADY_PART_MIN, STEADY_PART_CAP, STEADY_WRITE_MAX = 8, 256, 1024
 
 
+def steady_template_fits(prefix: bytes, suffix: bytes) -> bool:
+    """Whether the kernel can hold a template with these parts."""
+    return STEADY_PART_MIN <= len(prefix) <= STEADY_PART_CAP and STEADY_PART_MIN <= len(suffix) <= STEADY_PART_CAP
+
+
 @dataclass(slots=True)
 class SteadyBatch:
     """Writes of a steady SSE stream that the kernel took in as one record: each one whole
@@ -434,7 +439,7 @@ class Probes:
         """Names the bytes around the text of the connection's steady writes: the kernel batches
         those that match from now on (bpf/tokenprobe.c, steady SSE streams). False when the map is
         full (the connection's writes stay whole events)."""
-        if not (STEADY_PART_MIN <= len(prefix) <= STEADY_PART_CAP and STEADY_PART_MIN <= len(suffix) <= STEADY_PART_CAP):
+        if not steady_template_fits(prefix, suffix):
             raise ValueError(f"a steady template's parts hold {STEADY_PART_MIN}..{STEADY_PART_CAP} bytes")
         table = self.bpf["steady_templates"]
         leaf = table.Leaf()

@@ -57,10 +57,9 @@ from .probes import (
     EV_STEADY_BATCH,
     EV_TLS_DONE,
     ROLE_CLIENT,
-    STEADY_PART_CAP,
-    STEADY_PART_MIN,
     KernelEvent,
     SteadyBatch,
+    steady_template_fits,
 )
 from .procfs import comm_of, socket_endpoints
 
@@ -138,7 +137,6 @@ class Connection:
     next_event: list[int] = field(default_factory=lambda: [0, 0])
     next_byte: list[int] = field(default_factory=lambda: [0, 0])
     open: dict[int, Fidelity] = field(default_factory=dict)  # exchange seq → what it missed
-    steady_template: tuple[bytes, bytes] | None = None  # last named to the kernel (kernel batching)
 
 
 @dataclass
@@ -296,18 +294,11 @@ class ConnectionTracker:
 
     # -- kernel batching ---------------------------------------------------
     def _follow_steady(self, conn: Connection, write: bytes) -> None:
-        """After a whole response write: names a new template to the kernel when the write shows
-        one, and forgets the last when it shows the stream left the steady state (the kernel,
-        for which such a write differs from the template, ends it too)."""
-        armed = conn.steady_template
-        if armed is not None and write.endswith(armed[1]) and write.startswith(armed[0], write.find(b"\n") + 1):
-            return  # the kernel holds this template already (the write came before it did, or had escapes)
+        """After a whole response write: names a new template to the kernel when the write shows one.
+        (One the stream has left ends in the kernel at the first write that differs from it.)"""
         assembler = conn.assembler
         template = assembler.steady_template(write) if isinstance(assembler, HttpConnectionAssembler) else None
-        if template is not None and not all(STEADY_PART_MIN <= len(part) <= STEADY_PART_CAP for part in template):
-            template = None
-        conn.steady_template = template
-        if template is not None:
+        if template is not None and steady_template_fits(*template):
             self.stats.steady_templates += 1
             self.steady.arm_steady(conn.tgid, conn.fd, *template)
 
