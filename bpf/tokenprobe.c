@@ -319,7 +319,8 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
 // connection that has exactly those bytes, and a text of plain characters (no
 // quote, backslash or control byte: no escape, no second JSON member, no line
 // end), only needs its time and size: those go into a per-connection batch, sent
-// as one record every STEADY_BATCH writes, after STEADY_AGE_NS, and before any
+// as one record every STEADY_BATCH writes, at the first write STEADY_AGE_NS after
+// the batch's first (a stalled stream's batch waits for its next write), and before any
 // other event of the connection (so the agent reads everything in order). Any
 // other write goes out whole, as always; one with other bytes around its text
 // (the last token's finish_reason, usage, [DONE], the next response) also ends
@@ -330,7 +331,7 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
 #define STEADY_BATCH 64 // writes per batch record (power of two)
 #endif
 #ifndef STEADY_AGE_NS
-#define STEADY_AGE_NS 100000000ULL // a batch is sent once its first write is this old
+#define STEADY_AGE_NS 500000000ULL // a batch is sent once its first write is this old
 #endif
 #define STEADY_CONNS 8192
 #define STEADY_PREFIX_CAP 256 // bytes after the chunk-size line, up to the text (power of two)
@@ -354,22 +355,18 @@ struct steady_write {
 };
 
 // The record sent to the ring buffer, straight from the map value. Its fields up
-// to `kind` are laid out as struct event's, so that the agent tells the two
-// apart by `kind` alone.
+// to `kind` are struct event's, in its layout, so that the agent tells the two
+// apart by `kind` alone; ts_ns is the last write's time, bytes and events the
+// connection's counters before the first.
 struct steady_batch {
-    u64 ts_ns;          // the last write's time
-    u64 conn_ns;
-    u64 bytes[2];       // the connection's counters before the batch's first write
-    u32 tgid;
-    u32 fd;
-    u32 events[2];
-    u8 kind;
-    u8 dir;
-    u8 tls;
-    u8 role;
+    u64 ts_ns, conn_ns, bytes[2];
+    u32 tgid, fd, events[2];
+    u8 kind, dir, tls, role;
     u32 count;
     struct steady_write writes[STEADY_BATCH];
 };
+_Static_assert(offsetof(struct steady_batch, kind) == offsetof(struct event, kind), "kind tells the records apart");
+_Static_assert(offsetof(struct steady_batch, role) == offsetof(struct event, role), "the same header");
 
 // Elements are freed after an RCU grace period: the agent may replace a template
 // while a write on another CPU is reading it.

@@ -112,9 +112,7 @@ class SteadyBatch:
     events_before: tuple[int, int]
     tgid: int
     fd: int
-    dir: int
-    tls: bool
-    role: int
+    tls: bool  # always writes (DIR_WRITE), of a server (ROLE_SERVER): the agent names templates for no others
     writes: list[tuple[int, int]]  # (ts_ns, bytes) of each write
 
 
@@ -138,12 +136,12 @@ def _peer_text(raw: bytes) -> str:
 def decode_steady_batch(buf: bytes) -> SteadyBatch:
     if len(buf) < _STEADY_HEADER.size:
         raise EventDecodeError(f"batch record of {len(buf)} bytes is shorter than its header")
-    (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, direction, tls, role,
+    (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, _, tls, _,
      count) = _STEADY_HEADER.unpack_from(buf)
     if not 0 < count <= STEADY_BATCH or len(buf) != _STEADY_HEADER.size + count * _STEADY_WRITE.size:
         raise EventDecodeError(f"batch record of {len(buf)} bytes says it holds {count} writes")
-    return SteadyBatch(kind, ts, conn_ns, (bytes_rd, bytes_wr), (events_rd, events_wr), tgid, fd, direction,
-                       bool(tls), role, list(_STEADY_WRITE.iter_unpack(memoryview(buf)[_STEADY_HEADER.size:])))
+    return SteadyBatch(kind, ts, conn_ns, (bytes_rd, bytes_wr), (events_rd, events_wr), tgid, fd, bool(tls),
+                       list(_STEADY_WRITE.iter_unpack(memoryview(buf)[_STEADY_HEADER.size:])))
 
 
 def decode_event(buf: bytes) -> KernelEvent | SteadyBatch:

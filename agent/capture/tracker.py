@@ -15,6 +15,15 @@ framing stays in step. Bytes a delivered event did not carry (beyond its
 head and tail) are counted too: a response with any, or a request whose
 framing they broke, is `gaps`. Everything else is `exact`.
 
+Kernel batching (`steady`): after a whole response write that the assembler
+reads as one chunk of one event of a steady SSE stream, the tracker names the
+bytes around its text to the kernel (HttpConnectionAssembler.steady_template);
+the kernel then sends the writes that match as batches of (time, size), which
+the assembler counts as the same events, provided the stream is still in step
+for them; if it is not (it moved on before the kernel learnt the template),
+their bytes are booked as unseen. Batched writes carry sequence numbers like
+any other, so a lost batch is a gap like any other.
+
 The protocol is chosen per connection at its first captured bytes, in either
 direction (a server's SETTINGS may precede the client's preface): HTTP/2
 (`starts_http2`), else HTTP/1; too few bytes to tell and the segments are
