@@ -395,10 +395,16 @@ static __always_inline void steady_flush(struct conn_key *k) {
         steady_send(b);
 }
 
-static __always_inline void steady_end(struct conn_key *k) {
-    steady_flush(k);
+// A new connection on the fd starts with none of an old one's state (one the
+// conns LRU evicted never had its close() seen).
+static __always_inline void steady_forget(struct conn_key *k) {
     steady_templates.delete(k);
     steady_batches.delete(k);
+}
+
+static __always_inline void steady_end(struct conn_key *k) {
+    steady_flush(k);
+    steady_forget(k);
 }
 
 // The loops below branch only to leave, on a word count of their own: leaving
@@ -676,6 +682,7 @@ static __always_inline int accept_exit(long ret) {
 
     struct conn_key k = {.tgid = tgid, .fd = (u32)ret};
     conns.update(&k, &ci);
+    steady_forget(&k);
     u8 one = 1;
     active_tgids.update(&tgid, &one);
 

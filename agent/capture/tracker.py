@@ -269,7 +269,8 @@ class ConnectionTracker:
 
     def _on_data(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
-        self._check_sequence(conn, ev)
+        if ev.events_before[0] > conn.next_event[0] or ev.events_before[1] > conn.next_event[1]:
+            self._check_sequence(conn, ev)  # only then was anything lost
         direction = ev.dir & 1
         conn.next_event[direction] = max(conn.next_event[direction], ev.events_before[direction] + 1)
         conn.next_byte[direction] = max(conn.next_byte[direction], ev.bytes_before[direction] + max(ev.ret, 0))
@@ -476,6 +477,8 @@ class ConnectionTracker:
         conn.open[exchange.seq] = Fidelity()
 
     def _finish(self, conn: Connection, exchanges: list[Exchange]) -> None:
+        if not exchanges:  # what almost every event brings
+            return
         server_port = self._server_port(conn)
         for exchange in exchanges:
             inflight = self.stats.inflight
