@@ -89,11 +89,20 @@ class AgentProcess:
     """`tokenprobe agent` pinned to one CPU, read through its /metrics and /proc."""
 
     def __init__(self, impl: Implementation, port: int, tmp: Path):
+        self.log_path = tmp / f"agent-{port}.log"
+        # A free port may be taken before the agent binds it (its store's own server binds an
+        # ephemeral one first): then the agent exits, and starts again on another.
+        for _ in range(3):
+            if self._start(impl, port, tmp):
+                return
+        raise self._did_not_start()
+
+    def _start(self, impl: Implementation, port: int, tmp: Path) -> bool:
+        """True once the agent traces; False when it exited because its metrics port was taken."""
         self.metrics_port = free_port()
         env = dict(os.environ, TOKENPROBE_FINGERPRINT_KEY="bench-key", HOME=str(tmp))
         if impl.pythonpath:
             env["PYTHONPATH"] = impl.pythonpath
-        self.log_path = tmp / f"agent-{port}.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 ["taskset", "-c", AGENT_CPU, sys.executable, "-m", "tokenprobe", "agent", "--port", str(port),
@@ -102,10 +111,18 @@ class AgentProcess:
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
         deadline = time.monotonic() + 240  # the first compile of the BPF program takes a while
         while "tracing ports" not in self.log_path.read_text(errors="replace"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"agent did not start:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+            if self.proc.poll() is not None:
+                if "Address already in use" in self.log_path.read_text(errors="replace"):
+                    return False
+                raise self._did_not_start()
+            if time.monotonic() > deadline:
+                raise self._did_not_start()
             time.sleep(0.2)
         wait_for_port(self.metrics_port)
+        return True
+
+    def _did_not_start(self) -> RuntimeError:
+        return RuntimeError(f"agent did not start:\n{self.log_path.read_text(errors='replace')[-2000:]}")
 
     def settled_figures(self) -> tuple[float, float, float, float, int]:
         """The figures once the agent has handled what the kernel holds (they stop moving; the agent
