@@ -124,18 +124,20 @@ class AgentProcess:
     def _did_not_start(self) -> RuntimeError:
         return RuntimeError(f"agent did not start:\n{self.log_path.read_text(errors='replace')[-2000:]}")
 
-    def settled_figures(self) -> tuple[float, float, float, float, int]:
+    def settled_figures(self) -> tuple[tuple[float, float, float, float, int], float, float]:
         """The figures once the agent has handled what the kernel holds (they stop moving; the agent
-        publishes them every second, so two publications apart)."""
+        publishes them every second, so two publications apart), the CPU seconds a second it spent
+        idle between those two, and when they were read. (The agent's own idle work, its poll loop
+        and store, is not what the events cost.)"""
         time.sleep(2.5)
-        previous = self.figures()
+        previous, previous_at = self.figures(), time.monotonic()
         for _ in range(20):
             time.sleep(2.5)
-            current = self.figures()
+            current, now = self.figures(), time.monotonic()
             if current[:2] == previous[:2]:
-                return current
-            previous = current
-        return previous
+                return current, (current[3] - previous[3]) / (now - previous_at), now
+            previous, previous_at = current, now
+        return previous, 0.0, previous_at  # never idle: nothing to take off
 
     def figures(self) -> tuple[float, float, float, float, int]:
         """(kernel records handled, kernel drops, writes that came batched, CPU seconds, RSS bytes) so far."""
@@ -236,12 +238,13 @@ def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], 
             kept_up = 0.0
             try:
                 for rate in rates:
-                    before = agent.settled_figures()
+                    before, idle_cpu, started = agent.settled_figures()
                     hose.rate(rate)
                     load = drive(port, streams, seconds)
                     hose.rate(0)
-                    after = agent.settled_figures()
+                    after, _, settled = agent.settled_figures()
                     records, drops, batched, cpu = (after[i] - before[i] for i in range(4))
+                    cpu = max(0.0, cpu - idle_cpu * (settled - started))  # what the events cost, not the waits
                     share = drops / max(1.0, records + drops)
                     # Per token event the server wrote: with batching, a record holds many.
                     per_1k = cpu * 1e6 / max(1.0, load.events_per_s * seconds)

@@ -124,8 +124,10 @@ class _LineEvents:
                         and _NOT_PLAIN.search(payload, len(template[0]), end) is None):
                     exchange.record_output(ts)
                     return
+            outputs, tokens = exchange.choice_events, len(exchange.token_event_ns)
             if dialect.scan(exchange, payload, ts):
-                self._learn_template(payload)
+                if exchange.choice_events == outputs + 1 and len(exchange.token_event_ns) == tokens + 1:
+                    self._learn_template(payload)  # one output, of choice 0: it may name a template
                 return
         obj = json_object(payload)
         if obj is None:
@@ -139,13 +141,14 @@ class _LineEvents:
 
     def _learn_template(self, payload: bytes) -> tuple[int, int] | None:
         """Where the text of `payload`, an event just read, lies, if the dialect counts events like
-        it from their template (Dialect.steady_text); the template is kept for the next ones."""
+        it from their template (Dialect.steady_text); a new template is kept for the next ones."""
         template = self._template
         if template is not None and payload.startswith(template[0]) and payload.endswith(template[1]) \
                 and len(payload) > len(template[0]) + len(template[1]):
             return len(template[0]), len(payload) - len(template[1])
         span = self._dialect.steady_text(payload)
-        self._template = None if span is None else (payload[:span[0]], payload[span[1]:])
+        if span is not None:
+            self._template = payload[:span[0]], payload[span[1]:]
         return span
 
     def _partial_event(self, ts: int, head: bytes, tail: bytes) -> None:

@@ -152,6 +152,8 @@ class ChoicesDialect(Dialect):
         return True
 
     def steady_text(self, payload: bytes) -> tuple[int, int] | None:
+        if b'"content":"' not in payload and b'"text":"' not in payload:
+            return None  # no visible text at all (reasoning, tool calls): a cheap no
         start = _CHUNK_START.match(payload)
         if start is None:
             return None
