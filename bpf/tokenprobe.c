@@ -331,7 +331,7 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
 #define STEADY_BATCH 64 // writes per batch record (power of two)
 #endif
 #ifndef STEADY_AGE_NS
-#define STEADY_AGE_NS 500000000ULL // a batch is sent once its first write is this old
+#define STEADY_AGE_NS 500000000ULL // a batch is sent at its first write this long after its first
 #endif
 #define STEADY_CONNS 8192
 #define STEADY_PREFIX_CAP 256 // bytes after the chunk-size line, up to the text (power of two)
