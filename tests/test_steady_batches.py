@@ -8,6 +8,7 @@ from __future__ import annotations
 import struct
 
 import pytest
+from tokenprobe.agent.capture.clock import MonotonicWallClock
 from tokenprobe.agent.capture.probes import (
     DIR_READ,
     DIR_WRITE,
@@ -20,8 +21,6 @@ from tokenprobe.agent.capture.probes import (
     SteadyBatch,
     decode_event,
 )
-
-from tokenprobe.agent.capture.clock import MonotonicWallClock
 
 from tests.support.steady_kernel import DIFFERENT, PLAIN, classify
 from tests.test_tracker import HEAD, REQUEST, ev, make_tracker, sse_chunk

@@ -209,10 +209,10 @@ _AGENT_STATS = {
     "events_total": ("counter", "Kernel events the agent handled"),
     "drops_total": ("counter", "Kernel events lost because the ring buffer was full"),
     "parse_errors_total": ("counter", "Connections whose bytes could not be parsed as HTTP"),
-    "batched_writes_total": ("counter", "Writes of steady SSE streams the kernel sent in batch records "
-                                        "(each one token event), not as kernel events of their own"),
-    "lost_events_total": ("counter", "Data events (batched writes included) the kernel numbered and the agent "
-                                     "never received"),
+    "batched_writes_total": ("counter", ("Writes of steady SSE streams the kernel sent in batch records "
+                                         "(each one token event), not as kernel events of their own")),
+    "lost_events_total": ("counter", ("Data events (batched writes included) the kernel numbered and the agent "
+                                      "never received")),
     "lag_seconds": ("gauge", "Kernel timestamp of the latest handled event to its handling, in seconds"),
     "events_per_second": ("gauge", "Kernel events handled per second, over the last status interval"),
     "open_connections": ("gauge", "Connections the agent is following"),

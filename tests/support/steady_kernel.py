@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import re
 
-from tokenprobe.agent.capture.probes import STEADY_BATCH, STEADY_WRITE_MAX, steady_template_fits
+from tokenprobe.agent.capture.probes import (
+    STEADY_BATCH,
+    STEADY_WRITE_MAX,
+    steady_template_fits,
+)
 
 __all__ = ["KernelBatching", "classify"]
 
