@@ -177,7 +177,9 @@ def test_a_batch_for_a_stream_out_of_step_is_booked_unseen():
     assert [(r["capture"], r["bytes_unseen"]) for r in rows.rows] == [("exact", 0), ("gaps", len(token(1)))]
 
 
-def test_a_batch_left_by_a_process_that_died_is_read_from_the_kernel():
+@pytest.mark.parametrize("end", ["process_exit", "agent_stop"])
+def test_a_batch_the_kernel_still_holds_is_read_from_its_map(end):
+    """No close() sends it: the process died (its sockets closed without one), or the agent stops."""
     tracker, rows, kernel = batching_tracker(forget_connection=lambda tgid, fd: None)
     tracker.handle(ev(EV_ACCEPT, 500))
     kernel.send(DIR_READ, REQUEST)
@@ -185,5 +187,8 @@ def test_a_batch_left_by_a_process_that_died_is_read_from_the_kernel():
     for i in range(10):
         kernel.send(DIR_WRITE, token(i))
     assert kernel.pending
-    tracker.handle(ev(EV_EXIT, kernel.ts + 1))
+    if end == "process_exit":
+        tracker.handle(ev(EV_EXIT, kernel.ts + 1))
+    else:
+        tracker.close_all(kernel.ts + 1)
     assert [(r["outcome"], r["capture"], r["token_events"]) for r in rows.rows] == [("truncated", "exact", 10)]

@@ -312,6 +312,12 @@ class ConnectionTracker:
             self.stats.steady_templates += 1
             self.steady.arm_steady(conn.tgid, conn.fd, *template)
 
+    def _take_kernel_batch(self, key: tuple[int, int]) -> None:
+        """Reads a batch the kernel still holds for a connection from its map (kernel batching)."""
+        batch = self.steady.take_steady_batch(*key) if self.steady is not None else None
+        if batch is not None:
+            self._on_steady_batch(batch)
+
     def _on_steady_batch(self, batch: SteadyBatch) -> None:
         """Response writes the kernel matched against the connection's template: each one chunk of
         one event of visible text, counted from its time and size."""
@@ -362,10 +368,7 @@ class ConnectionTracker:
     def _on_exit(self, ev: KernelEvent) -> None:
         """The process died: the kernel closed its sockets without close()."""
         for key in [key for key in self.connections if key[0] == ev.tgid]:
-            # Its sockets closed without close(): a batch still in the kernel is read from its map.
-            batch = self.steady.take_steady_batch(*key) if self.steady is not None else None
-            if batch is not None:
-                self._on_steady_batch(batch)
+            self._take_kernel_batch(key)  # no close() sent it
             conn = self.connections.pop(key)
             if self.forget_connection:
                 self.forget_connection(conn.tgid, conn.fd)
@@ -373,7 +376,8 @@ class ConnectionTracker:
 
     def close_all(self, ts_ns: int) -> None:
         """Agent stop: every exchange still open is written, marked truncated."""
-        for conn in list(self.connections.values()):
+        for key, conn in list(self.connections.items()):
+            self._take_kernel_batch(key)  # the writes of a stream still going that the kernel holds
             self._close(conn, ts_ns, "agent_stop")
         self.connections.clear()
 
