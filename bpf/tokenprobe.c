@@ -378,6 +378,282 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
     return 0;
 }
 
+// ---------------------------------------------------------------- steady SSE streams
+//
+// Kernel batching. Once the agent has read a response as an SSE stream in which
+// each write is one HTTP chunk holding one token event, it names the bytes such
+// a write has around its text (steady_templates). Every later write on that
+// connection that has exactly those bytes, and a text of plain characters (no
+// quote, backslash or control byte: no escape, no second JSON member, no line
+// end), only needs its time and size: those go into a per-connection batch, sent
+// as one record every STEADY_BATCH writes, at the first write STEADY_AGE_NS after
+// the batch's first (a stalled stream's batch waits for its next write), and before any
+// other event of the connection (so the agent reads everything in order). Any
+// other write goes out whole, as always; one with other bytes around its text
+// (the last token's finish_reason, usage, [DONE], the next response) also ends
+// the steady state until the agent names it again. Batched writes advance the
+// connection's sequence numbers like any other: a batch the ring buffer refuses
+// is a gap the agent sees.
+#ifndef STEADY_BATCH
+#define STEADY_BATCH 64 // writes per batch record (power of two)
+#endif
+#ifndef STEADY_AGE_NS
+#define STEADY_AGE_NS 500000000ULL // a batch is sent at its first write this long after its first
+#endif
+#define STEADY_CONNS 8192
+#define STEADY_PREFIX_CAP 256 // bytes after the chunk-size line, up to the text (power of two)
+#define STEADY_SUFFIX_CAP 256 // bytes after the text, to the end of the write (power of two)
+#define STEADY_WRITE_MAX 1024 // longer writes are never batched (power of two)
+#define STEADY_CHUNK_DIGITS 8
+#define EV_STEADY_BATCH 8     // an event kind of its own, after those of enum event_kind
+
+struct steady_template {
+    u32 prefix_len; // 8..STEADY_PREFIX_CAP
+    u32 suffix_len; // 8..STEADY_SUFFIX_CAP, the chunk's closing CRLF included
+    u8 prefix[STEADY_PREFIX_CAP];
+    u8 suffix[STEADY_SUFFIX_CAP];
+    u8 slack[8]; // the word compares' bounds reach past suffix[]
+};
+
+struct steady_write {
+    u64 ts_ns;
+    u32 size;
+    u32 pad;
+};
+
+// The record sent to the ring buffer, straight from the map value. Its fields up
+// to `kind` are struct event's, in its layout, so that the agent tells the two
+// apart by `kind` alone; ts_ns is the last write's time, bytes and events the
+// connection's counters before the first.
+struct steady_batch {
+    u64 ts_ns, conn_ns, bytes[2];
+    u32 tgid, fd, events[2];
+    u8 kind, dir, tls, role;
+    u32 count;
+    struct steady_write writes[STEADY_BATCH];
+};
+_Static_assert(offsetof(struct steady_batch, kind) == offsetof(struct event, kind), "kind tells the records apart");
+_Static_assert(offsetof(struct steady_batch, role) == offsetof(struct event, role), "the same header");
+
+// Elements are freed after an RCU grace period: the agent may replace a template
+// while a write on another CPU is reading it.
+BPF_F_TABLE("hash", struct conn_key, struct steady_template, steady_templates, STEADY_CONNS,
+            BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct conn_key, struct steady_batch, steady_batches, STEADY_CONNS,
+            BPF_F_NO_PREALLOC);
+BPF_ARRAY(steady_empty, struct steady_batch, 1); // an all-zero batch to create entries from
+
+static __always_inline void steady_send(struct steady_batch *b) {
+    u32 count = b->count;
+    if (count == 0)
+        return;
+    if (count > STEADY_BATCH)
+        count = STEADY_BATCH;
+    u64 size = offsetof(struct steady_batch, writes) + (u64)count * sizeof(struct steady_write);
+    if (events.ringbuf_output(b, size, 0) != 0)
+        count_drop();
+    b->count = 0;
+}
+
+// Sends the connection's batch, if one is pending: before any other event of it.
+static __always_inline void steady_flush(struct conn_key *k) {
+    struct steady_batch *b = steady_batches.lookup(k);
+    if (b)
+        steady_send(b);
+}
+
+// A new connection on the fd starts with none of an old one's state (one the
+// conns LRU evicted never had its close() seen).
+static __always_inline void steady_forget(struct conn_key *k) {
+    steady_templates.delete(k);
+    steady_batches.delete(k);
+}
+
+static __always_inline void steady_end(struct conn_key *k) {
+    steady_flush(k);
+    steady_forget(k);
+}
+
+// The loops below branch only to leave, on a word count of their own: leaving
+// then teaches the verifier nothing about the lengths used after the loop, so the
+// states it leaves with are alike and it walks what follows once, not once per
+// iteration count.
+
+// Whether len bytes (8..cap) of data at off equal want: whole words, then the
+// word that ends them (overlapping the one before).
+static __always_inline int steady_same(const u8 *data, u32 off, const u8 *want, u32 len, u32 cap) {
+    u32 words = len / 8;
+    OPAQUE(words);
+    u64 diff = 0;
+    for (u32 i = 0; i <= cap / 8; i++) {
+        u32 at = i < words ? i * 8 : len - 8; // the last round: the word that ends them
+        u64 here = off + at, there = at;
+        OPAQUE(here); // the masks must stay: they are the verifier's bounds
+        OPAQUE(there);
+        diff |= *(const u64 *)(data + (here & (STEADY_WRITE_MAX - 1))) ^ *(const u64 *)(want + (there & (cap - 1)));
+        if (i >= words)
+            break;
+    }
+    return diff == 0;
+}
+
+// The chunk-size line's length (digits and CRLF) if data starts with one naming
+// the n-byte write's chunk exactly (data, then CRLF), else 0. Hex digits of either case.
+static __always_inline u32 steady_chunk_line(const u8 *data, u32 n) {
+    u32 digits = 0, found = 0;
+    for (u32 i = 1; i <= STEADY_CHUNK_DIGITS; i++) {
+        u32 cr = (((u32)(data[i] ^ '\r')) - 1) >> 31; // 1 at a CR
+        digits += i * (cr & ~found);
+        found |= cr;
+    }
+    if (!digits || data[(digits + 1) & 15] != '\n' || n < digits + 4)
+        return 0;
+    u64 size = n - digits - 4;
+    if (size >> (4 * digits))
+        return 0;
+    // The digits the size is written with, compared byte for byte (case aside).
+    u32 bad = 0;
+    for (u32 j = 0; j < STEADY_CHUNK_DIGITS; j++) {
+        u32 in = ((s32)(j - digits)) >> 31 & 1; // 1 for the line's digits
+        u32 nibble = (size >> ((4 * (digits - 1 - j)) & 31)) & 0xF;
+        u32 want = '0' + nibble + ((nibble + 6) >> 4) * ('a' - '0' - 10);
+        u32 got = data[j];
+        bad |= in * (((got | 0x20) ^ want) | ((got - 0x30) >> 31)); // below '0' never aliases a digit
+    }
+    return bad ? 0 : digits + 2;
+}
+
+// Any byte of the word a quote, a backslash or a control byte (exact SWAR tests).
+#define ONES 0x0101010101010101ULL
+#define HIGHS 0x8080808080808080ULL
+static __always_inline u64 steady_special(u64 w) {
+    u64 quote = w ^ (0x22 * ONES), backslash = w ^ (0x5c * ONES);
+    return (((quote - ONES) & ~quote) | ((backslash - ONES) & ~backslash) | ((w - 0x20 * ONES) & ~w)) & HIGHS;
+}
+
+// How a write compares with its connection's template.
+enum steady_verdict {
+    STEADY_DIFFERENT = 0, // other bytes around the text, or not one chunk: the steady state ends
+    STEADY_ESCAPED = 1,   // the template's bytes, but a text the agent must read itself
+    STEADY_PLAIN = 2,     // the template's bytes around plain text: batched
+};
+
+static __always_inline int steady_classify(const u8 *buf, u32 n, struct steady_template *t) {
+    u32 plen = t->prefix_len, slen = t->suffix_len;
+    if (plen < 8 || plen > STEADY_PREFIX_CAP || slen < 8 || slen > STEADY_SUFFIX_CAP)
+        return STEADY_DIFFERENT;
+    if (n > STEADY_WRITE_MAX || n < plen + slen + 4)
+        return STEADY_DIFFERENT;
+    u32 cpu = bpf_get_smp_processor_id();
+    struct event *e = scratch.lookup(&cpu);
+    if (!e)
+        return STEADY_DIFFERENT;
+    u8 *data = e->data; // borrowed, as exec does: it is rebuilt for any event sent
+    u64 len = n;
+    OPAQUE(len);
+    if (len > STEADY_WRITE_MAX)
+        return STEADY_DIFFERENT;
+    if (bpf_probe_read_user(data, len, buf) != 0)
+        return STEADY_DIFFERENT;
+    u32 from = steady_chunk_line(data, n);
+    if (!from || n < from + plen + slen + 1)
+        return STEADY_DIFFERENT;
+    if (!steady_same(data, from, t->prefix, plen, STEADY_PREFIX_CAP)
+        || !steady_same(data, n - slen, t->suffix, slen, STEADY_SUFFIX_CAP))
+        return STEADY_DIFFERENT;
+    // The text between them: whole words, then the word that ends the text, its
+    // bytes already judged replaced with a harmless 'a'.
+    from += plen;
+    u32 to = n - slen;
+    u32 words = (to - from) / 8;
+    OPAQUE(words);
+    u64 special = 0;
+    for (u32 i = 0; i < STEADY_WRITE_MAX / 8; i++) {
+        if (i >= words)
+            break;
+        u64 at = from + i * 8;
+        OPAQUE(at);
+        special |= steady_special(*(const u64 *)(data + (at & (STEADY_WRITE_MAX - 1))));
+    }
+    u64 judged = ~0ULL >> (((to - from) & 7) * 8);
+    u64 at = to - 8;
+    OPAQUE(at);
+    u64 last = *(const u64 *)(data + (at & (STEADY_WRITE_MAX - 1)));
+    special |= steady_special((last & ~judged) | (0x61 * ONES & judged));
+    return special ? STEADY_ESCAPED : STEADY_PLAIN;
+}
+
+// A write of n bytes from buf on a tracked connection, before it is sent as an
+// event: 1 if it joined the connection's batch (and was sequenced), 0 if it is to
+// be sent as usual, the pending batch sent ahead of it.
+static __always_inline int steady_write(struct conn_key *k, struct conn_info *ci, const u8 *buf, u32 n,
+                                        u64 ts) {
+    struct steady_template *t = steady_templates.lookup(k);
+    if (!t)
+        return 0; // no template: no batch either (both end together)
+    int verdict = steady_classify(buf, n, t);
+    if (verdict == STEADY_DIFFERENT) {
+        steady_end(k);
+        return 0;
+    }
+    if (verdict == STEADY_ESCAPED) {
+        steady_flush(k);
+        return 0;
+    }
+    int zero = 0;
+    struct steady_batch *empty = steady_empty.lookup(&zero);
+    if (!empty)
+        return 0;
+    struct steady_batch *b = steady_batches.lookup_or_try_init(k, empty);
+    if (!b)
+        return 0;
+    u32 count = b->count;
+    if (count == 0) {
+        b->conn_ns = ci->accept_ns;
+        __builtin_memcpy(b->bytes, ci->bytes, sizeof(b->bytes));
+        __builtin_memcpy(b->events, ci->events, sizeof(b->events));
+        b->tgid = k->tgid;
+        b->fd = k->fd;
+        b->kind = EV_STEADY_BATCH;
+        b->dir = DIR_WRITE;
+        b->tls = ci->tls;
+        b->role = ci->role;
+    }
+    struct steady_write *w = &b->writes[count & (STEADY_BATCH - 1)];
+    w->ts_ns = ts;
+    w->size = n;
+    b->count = count + 1;
+    b->ts_ns = ts;
+    sequence(ci, DIR_WRITE, n);
+    if (count + 1 >= STEADY_BATCH || ts - b->writes[0].ts_ns >= STEADY_AGE_NS)
+        steady_send(b);
+    return 1;
+}
+
+// Called where a data event of the connection is about to be built: 1 if it was a
+// write taken into the batch (nothing more to send), else 0 with any pending batch
+// sent first. A vectored write is batched only when one iovec holds it all.
+static __always_inline int steady_event(struct conn_key *k, struct conn_info *ci, u8 dir, long ret,
+                                        const u8 *buf, const struct iovec *iov, u32 iovcnt, u64 ts) {
+    // Judged on a copy: what the checks learn of the length must not follow the
+    // caller's own, or the verifier walks the caller's capture once per way out of here.
+    long n = ret;
+    OPAQUE(n);
+    if (dir != DIR_WRITE || n <= 0) {
+        steady_flush(k);
+        return 0;
+    }
+    if (iov) {
+        struct iovec v = {};
+        if (iovcnt != 1 || bpf_probe_read_user(&v, sizeof(v), iov) != 0 || v.iov_len < n) {
+            steady_flush(k);
+            return 0;
+        }
+        buf = v.iov_base;
+    }
+    return steady_write(k, ci, buf, n, ts);
+}
+
 // ---------------------------------------------------------------- sockets
 
 // Reads a socket fd's addresses from the kernel's own struct sock, through
@@ -474,6 +750,7 @@ static __always_inline int accept_exit(long ret) {
 
     struct conn_key k = {.tgid = tgid, .fd = (u32)ret};
     track_connection(&k, &ci);
+    steady_forget(&k);
     u8 one = 1;
     active_tgids.update(&tgid, &one);
 
@@ -572,6 +849,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     struct conn_info *ci = conns.lookup(&k);
     if (!ci)
         return 0;
+    steady_end(&k);
     struct event *e = new_event(EV_CLOSE, k.tgid, k.fd, ci, bpf_ktime_get_ns());
     untrack_connection(&k);
     if (e)
@@ -670,6 +948,8 @@ static __always_inline int io_exit(long ret) {
     // Reads count when the bytes reached the process, writes when the
     // process handed them over.
     u64 ts = saved.dir == DIR_READ ? bpf_ktime_get_ns() : saved.enter_ns;
+    if (steady_event(&k, ci, saved.dir, ret, saved.buf, saved.iov, saved.iovcnt, ts))
+        return 0;
     struct event *e = new_event(EV_DATA, k.tgid, k.fd, ci, ts);
     if (!e)
         return 0;
@@ -818,7 +1098,10 @@ static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
         n = ret;
     }
     u8 dir = (fn == SSL_FN_READ || fn == SSL_FN_READ_EX) ? DIR_READ : DIR_WRITE;
-    submit_plaintext(&k, ci, dir, dir == DIR_READ ? now : a.enter_ns, a.buf, n);
+    u64 ts = dir == DIR_READ ? now : a.enter_ns;
+    if (steady_event(&k, ci, dir, n, a.buf, 0, 0, ts))
+        return 0;
+    submit_plaintext(&k, ci, dir, ts, a.buf, n);
     return 0;
 }
 

@@ -100,6 +100,7 @@ class AgentConfig:
     store_url: str
     duration_s: float | None = None
     ringbuf_pages: int = 4096
+    kernel_batching: bool = True  # the kernel batches steady SSE writes (bpf/tokenprobe.c)
     status: bool = True
     on_row: Callable[[dict], None] | None = None   # e.g. the demo's live lines
     on_ready: Callable[[], None] | None = None     # called once the probes are attached
@@ -123,6 +124,7 @@ class AgentSummary:
     parse_errors: int
     seconds: float
     map_overflows: dict[str, int] = field(default_factory=dict)  # per kernel map, entries it could not hold
+    batched_writes: int = 0
 
 
 def node_name() -> str:
@@ -176,7 +178,8 @@ class Exporters:
                 parse_errors_total=stats.parse_errors, open_connections=len(tracker.connections),
                 inflight_requests=sum(stats.inflight.values()), sink=sink.stats(),
                 idle_evicted_total=stats.idle_evicted,
-                map_sizes=map_sizes, map_overflows=map_overflows)
+                map_sizes=map_sizes, map_overflows=map_overflows,
+                batched_writes_total=stats.steady_writes, lost_events_total=stats.lost_events)
             if self.live:
                 self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
                                                 analysed_until_s=self.live.watermark_ns / 1e9)
@@ -376,7 +379,8 @@ class Agent:
             emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
             forget_connection=probes.forget_connection, restart_connection=probes.restart_connection,
-            on_unreadable=exporters.unreadable, tenant_header=cfg.tenant_header, idle_timeout_s=cfg.idle_timeout_s)
+            on_unreadable=exporters.unreadable, tenant_header=cfg.tenant_header, idle_timeout_s=cfg.idle_timeout_s,
+            steady=probes if cfg.kernel_batching else None)
         lag = LagMeter()
 
         def handle(event) -> None:
@@ -443,7 +447,8 @@ class Agent:
         return AgentSummary(
             requests=tracker.stats.requests, events=tracker.stats.events, drops=drops,
             rows_written=0, rows_spooled=0, parse_errors=tracker.stats.parse_errors,
-            seconds=time.monotonic() - started, map_overflows=overflows)
+            seconds=time.monotonic() - started, map_overflows=overflows,
+            batched_writes=tracker.stats.steady_writes)
 
     @staticmethod
     def _status_text(tracker: ConnectionTracker, drops: int, sink: RequestSink,

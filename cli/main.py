@@ -69,6 +69,9 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
     live.add_argument("--alertmanager", action="append", default=[], metavar="URL",
                       help="post the live analysis' lit indicators to this Alertmanager (API v2), labelled as "
                            "the Prometheus rules label them (repeatable: every member of an HA cluster)")
+    p.add_argument("--no-kernel-batching", dest="kernel_batching", action="store_false",
+                   help="send every write of a steady SSE stream as its own kernel event, instead of the "
+                        "kernel batching their times and sizes (the rows are the same; the agent works harder)")
     ring = p.add_mutually_exclusive_group()
     ring.add_argument("--ringbuf-mb", type=int, default=16,
                       help="kernel ring buffer size in MiB, a power of two (default %(default)s)")
@@ -153,7 +156,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         print(f"tokenprobe agent: --alertmanager: {exc}", file=sys.stderr)
         return 2
     config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
-                         ringbuf_pages=pages, status=not args.quiet, samplers=samplers,
+                         ringbuf_pages=pages, kernel_batching=args.kernel_batching, status=not args.quiet,
+                         samplers=samplers,
                          metrics_address=(args.metrics_host, args.metrics_port) if args.metrics_port else None,
                          otlp_endpoint=args.otlp_endpoint, tenant_header=tenant_header,
                          spool_max_bytes=args.spool_max_bytes, idle_timeout_s=args.idle_timeout,
@@ -171,8 +175,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         print(f"tokenprobe agent: {exc}\nRun 'tokenprobe doctor' for what works on this node.",
               file=sys.stderr)
         return 1
-    print(f"done: {summary.requests} requests from {summary.events} kernel events in "
-          f"{summary.seconds:.1f}s; {summary.rows_written} rows stored"
+    print(f"done: {summary.requests} requests from {summary.events} kernel events "
+          f"({summary.batched_writes} writes in batches) in {summary.seconds:.1f}s; {summary.rows_written} rows stored"
           + (f", {summary.rows_spooled} spooled to disk for later" if summary.rows_spooled else "")
           + f"; {summary.drops} events dropped by the kernel"
           + "".join(f"; kernel map {name} could not hold {count} entries"

@@ -76,6 +76,7 @@ class HttpConnectionAssembler:
         self._closed = False
         self._request = RequestStream(self, max_header_bytes)
         self._response = ResponseStream(self, max_header_bytes, fast_path=fast_path)
+        self._steady_named: tuple[bytes, bytes] | None = None  # the last steady_template returned
 
     def open_exchanges(self) -> list[Exchange]:
         """The exchanges started and not yet returned, oldest first; for looking at, never changing."""
@@ -95,6 +96,22 @@ class HttpConnectionAssembler:
                             tail: bytes = b"") -> list[Exchange]:
         """One segment travelling towards the client."""
         return self._feed(self._response, ts_ns, head, total_len, tail)
+
+    def steady_template(self, write: bytes) -> tuple[bytes, bytes] | None:
+        """After a whole response segment was fed (kernel batching): the bytes before and after its
+        text, if it was one whole chunk of one event that can be counted from its size alone and
+        they are not the template this returned last; else None."""
+        named = self._steady_named
+        if named is not None and write.endswith(named[1]) and write.startswith(named[0], write.find(b"\n") + 1):
+            return None  # the same template (a write that came before the kernel had it, or had escapes)
+        template = None if self._closed else self._response.steady_template(write)
+        self._steady_named = template
+        return template
+
+    def feed_steady_response_writes(self, writes: list[tuple[int, int]]) -> bool:
+        """Response writes (time, size) the kernel matched against a steady_template; False, with
+        nothing read, when the response is not where such writes can be counted."""
+        return not self._closed and self._response.steady_writes(writes)
 
     def close(self, ts_ns: int, reason: str) -> list[Exchange]:
         """The connection closed: every exchange still open is returned.
@@ -136,7 +153,7 @@ class HttpConnectionAssembler:
                 stream.feed(*segment)
         except Exception as exc:  # safety net: a parser bug must not take down the agent
             self._internal_failure(exc)
-        return self._take_ready()
+        return self._take_ready() if self._ready else _NOTHING
 
     def _take_ready(self) -> list[Exchange]:
         ready = self._ready

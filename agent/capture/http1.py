@@ -503,12 +503,43 @@ class ResponseStream(MessageStream):
                 break
             start = size_line.end()
             stop = start + int(size_line[1], 16)
-            if (stop == start or data[stop:stop + 2] != b"\r\n"
+            if (stop == start or not data.startswith(b"\r\n", stop)
                     or not self._body.whole_events(ts, data, start, stop)):
                 break
-            self._count(stop + 2 - pos)
+            self._txn.exchange.resp_bytes += stop + 2 - pos  # a body is read only for a matched response
             pos = stop + 2
         return pos
+
+    def steady_template(self, write: bytes) -> tuple[bytes, bytes] | None:
+        """The bytes before and after the text of `write`, just read whole, if it was one whole
+        chunk of one event that can be counted from its size alone (SseBody.steady_text); else None."""
+        body = self._steady_body()
+        size_line = _CHUNK_SIZE_LINE.match(write) if body is not None else None
+        if size_line is None:
+            return None
+        start = size_line.end()
+        stop = start + int(size_line[1], 16)
+        if stop + 2 != len(write) or write[stop:] != b"\r\n":
+            return None
+        span = body.steady_text(write, start, stop)
+        return None if span is None else (write[start:span[0]], write[span[1]:])
+
+    def steady_writes(self, writes: list[tuple[int, int]]) -> bool:
+        """Writes (time, size) the kernel took in around a template steady_template named, each
+        one whole chunk of one such event; False, with nothing read, when the stream is not in step."""
+        body = self._steady_body()
+        if body is None or not body.steady_events([ts for ts, _ in writes]):
+            return False
+        self._count(sum(size for _, size in writes))
+        self.last_ts = writes[-1][0]
+        return True
+
+    def _steady_body(self) -> SseBody | None:
+        """The event stream read between two chunks, as the fast path reads it; None otherwise."""
+        body = self._body
+        if self._fast_path and self._state == _CHUNK_SIZE and not self._buf and type(body) is SseBody:
+            return body
+        return None
 
     def _starts_message(self, data: bytes) -> bool:
         # A segment may also be shorter than "HTTP/1." (a server writing in pieces).

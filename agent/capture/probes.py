@@ -38,6 +38,7 @@ _HEADER = struct.Struct("<QQQQIIIIBBBBiIIIHH16s16s")
 HEADER_SIZE = _HEADER.size
 
 EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC, EV_EXIT = 1, 2, 3, 4, 5, 6, 7
+EV_STEADY_BATCH = 8
 DIR_READ, DIR_WRITE = 0, 1
 ROLE_SERVER, ROLE_CLIENT = 0, 1
 CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
@@ -48,7 +49,8 @@ MAP_OVERFLOW_SLOTS = ("conns", "listeners", "io_pending", "ssl_pending", "accept
 KERNEL_MAPS = ("events", "scratch", "drops", "map_overflows", "conns_fill", "config", "exe_paths", "conns",
                "target_ports", "target_tgids", "active_tgids", "listeners", "bind_pending", "listener_tgids",
                "io_pending", "accept_pending", "connect_pending", "ssl_pending", "ssl_fd", "rbio_ssl",
-               "read_buf_fd", "written_record_ssl", "go_tls_pending", "go_tcp_conn_itab_hashes")
+               "read_buf_fd", "written_record_ssl", "go_tls_pending", "go_tcp_conn_itab_hashes", "steady_templates",
+               "steady_batches", "steady_empty")
 
 # (symbol, entry handler, return handler or None). Both OpenSSL call
 # families: CPython calls the _ex forms, nginx and most C servers the classic
@@ -122,6 +124,37 @@ class KernelEvent:
     comm: str
 
 
+# struct steady_batch (bpf/tokenprobe.c): laid out as struct event up to `kind`, then the count
+# and (time, size) of each write.
+_STEADY_HEADER = struct.Struct("<QQQQIIIIBBBBI")
+_STEADY_WRITE = struct.Struct("<QI4x")
+KIND_OFFSET = 48  # of `kind`, in both records
+STEADY_BATCH = 64  # writes per batch record at most
+# What a template may hold (the kernel's STEADY_PREFIX_CAP, STEADY_SUFFIX_CAP, STEADY_WRITE_MAX).
+STEADY_PART_MIN, STEADY_PART_CAP, STEADY_WRITE_MAX = 8, 256, 1024
+
+
+def steady_template_fits(prefix: bytes, suffix: bytes) -> bool:
+    """Whether the kernel can hold a template with these parts."""
+    return STEADY_PART_MIN <= len(prefix) <= STEADY_PART_CAP and STEADY_PART_MIN <= len(suffix) <= STEADY_PART_CAP
+
+
+@dataclass(slots=True)
+class SteadyBatch:
+    """Writes of a steady SSE stream that the kernel took in as one record: each one whole
+    HTTP chunk with the bytes of the connection's template around plain text."""
+
+    kind: int
+    ts_ns: int  # the last write's
+    conn_ns: int
+    bytes_before: tuple[int, int]  # the connection's counters before the first write
+    events_before: tuple[int, int]
+    tgid: int
+    fd: int
+    tls: bool  # always writes (DIR_WRITE), of a server (ROLE_SERVER): the agent names templates for no others
+    writes: list[tuple[int, int]]  # (ts_ns, bytes) of each write
+
+
 class EventDecodeError(ValueError):
     pass
 
@@ -139,8 +172,21 @@ def _peer_text(raw: bytes) -> str:
     return text
 
 
-def decode_event(buf: bytes) -> KernelEvent:
-    """One ring-buffer record → KernelEvent; EventDecodeError if malformed."""
+def decode_steady_batch(buf: bytes) -> SteadyBatch:
+    if len(buf) < _STEADY_HEADER.size:
+        raise EventDecodeError(f"batch record of {len(buf)} bytes is shorter than its header")
+    (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, _, tls, _,
+     count) = _STEADY_HEADER.unpack_from(buf)
+    if not 0 < count <= STEADY_BATCH or len(buf) != _STEADY_HEADER.size + count * _STEADY_WRITE.size:
+        raise EventDecodeError(f"batch record of {len(buf)} bytes says it holds {count} writes")
+    return SteadyBatch(kind, ts, conn_ns, (bytes_rd, bytes_wr), (events_rd, events_wr), tgid, fd, bool(tls),
+                       list(_STEADY_WRITE.iter_unpack(memoryview(buf)[_STEADY_HEADER.size:])))
+
+
+def decode_event(buf: bytes) -> KernelEvent | SteadyBatch:
+    """One ring-buffer record → KernelEvent (or SteadyBatch); EventDecodeError if malformed."""
+    if len(buf) > KIND_OFFSET and buf[KIND_OFFSET] == EV_STEADY_BATCH:
+        return decode_steady_batch(buf)
     if len(buf) < HEADER_SIZE:
         raise EventDecodeError(f"record of {len(buf)} bytes is shorter than the {HEADER_SIZE}-byte header")
     (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, direction, tls, role, ret,
@@ -487,25 +533,35 @@ class Probes:
         return {name: int(self.bpf[name].max_entries) for name in KERNEL_MAPS}
 
     def forget_connection(self, tgid: int, fd: int) -> None:
-        """Stops kernel-side tracking of a connection the agent does not want."""
-        table = self.bpf["conns"]
-        key = table.Key()
-        key.tgid, key.fd = tgid, fd
-        if self._delete(table, key):
+        """Stops kernel-side tracking of a connection the agent does not want (or whose process is gone)."""
+        conns = self.bpf["conns"]
+        if self._delete(conns, self._conn_key(conns, tgid, fd)):
             self._conns_added -= 1
             self._write_conns_fill()
+        self._forget_steady(tgid, fd)
+
+    def _forget_steady(self, tgid: int, fd: int) -> None:
+        for name in ("steady_templates", "steady_batches"):
+            table = self.bpf[name]
+            self._delete(table, self._conn_key(table, tgid, fd))
+
+    @staticmethod
+    def _conn_key(table, tgid: int, fd: int):
+        key = table.Key()
+        key.tgid, key.fd = tgid, fd
+        return key
 
     def restart_connection(self, tgid: int, fd: int) -> None:
         """An idle connection the agent forgot: its kernel entry is kept (should it speak
         again) but made one adopted at start, without accept time or counters, so that the
         agent follows it afresh under a new conn_id, and nothing before reads as lost."""
         table = self.bpf["conns"]
-        key = table.Key()
-        key.tgid, key.fd = tgid, fd
+        key = self._conn_key(table, tgid, fd)
         try:
             info = table[key]
         except KeyError:  # closed meanwhile, or evicted from the LRU
             return
+        self._forget_steady(tgid, fd)  # its template is learnt again from what it says next
         info.accept_ns = 0
         for direction in (0, 1):
             info.bytes[direction], info.events[direction] = 0, 0
@@ -521,6 +577,34 @@ class Probes:
             return True
         except KeyError:
             return False
+
+    def arm_steady(self, tgid: int, fd: int, prefix: bytes, suffix: bytes) -> bool:
+        """Names the bytes around the text of the connection's steady writes: the kernel batches
+        those that match from now on (bpf/tokenprobe.c, steady SSE streams). False when the map is
+        full (the connection's writes stay whole events)."""
+        if not steady_template_fits(prefix, suffix):
+            raise ValueError(f"a steady template's parts hold {STEADY_PART_MIN}..{STEADY_PART_CAP} bytes")
+        table = self.bpf["steady_templates"]
+        leaf = table.Leaf()
+        leaf.prefix_len, leaf.suffix_len = len(prefix), len(suffix)
+        ctypes.memmove(ctypes.addressof(leaf) + type(leaf).prefix.offset, prefix, len(prefix))
+        ctypes.memmove(ctypes.addressof(leaf) + type(leaf).suffix.offset, suffix, len(suffix))
+        return self._put("steady_templates", self._conn_key(table, tgid, fd), leaf)
+
+    def take_steady_batch(self, tgid: int, fd: int) -> SteadyBatch | None:
+        """The batch a connection of a process that is gone left in the kernel (no close()
+        sent it), removed from the kernel; None if there is none."""
+        table = self.bpf["steady_batches"]
+        key = self._conn_key(table, tgid, fd)
+        try:
+            leaf = table[key]
+        except KeyError:
+            return None
+        self._delete(table, key)
+        if not leaf.count:
+            return None
+        size = _STEADY_HEADER.size + min(leaf.count, STEADY_BATCH) * _STEADY_WRITE.size
+        return decode_steady_batch(ctypes.string_at(ctypes.addressof(leaf), size))
 
     def _put(self, name: str, key, leaf) -> bool:
         """Writes a map entry; False (logged once per map) when the map is full."""

@@ -15,6 +15,15 @@ framing stays in step. Bytes a delivered event did not carry (beyond its
 head and tail) are counted too: a response with any, or a request whose
 framing they broke, is `gaps`. Everything else is `exact`.
 
+Kernel batching (`steady`): after a whole response write that the assembler
+reads as one chunk of one event of a steady SSE stream, the tracker names the
+bytes around its text to the kernel (HttpConnectionAssembler.steady_template);
+the kernel then sends the writes that match as batches of (time, size), which
+the assembler counts as the same events, provided the stream is still in step
+for them; if it is not (it moved on before the kernel learnt the template),
+their bytes are booked as unseen. Batched writes carry sequence numbers like
+any other, so a lost batch is a gap like any other.
+
 The protocol is chosen per connection at its first captured bytes, in either
 direction (a server's SETTINGS may precede the client's preface): HTTP/2
 (`starts_http2`), else HTTP/1; too few bytes to tell and the segments are
@@ -44,7 +53,7 @@ import logging
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from .assembler import Exchange, HttpConnectionAssembler
@@ -64,9 +73,12 @@ from .probes import (
     EV_DATA,
     EV_EXEC,
     EV_EXIT,
+    EV_STEADY_BATCH,
     EV_TLS_DONE,
     ROLE_CLIENT,
     KernelEvent,
+    SteadyBatch,
+    steady_template_fits,
 )
 from .procfs import comm_of, socket_endpoints
 
@@ -101,6 +113,13 @@ def connection_id(tgid: int, fd: int, opened_ns: int) -> int:
     """A 63-bit id unique per node: boot, process, fd and open time."""
     digest = hashlib.blake2b(b"%s:%d:%d:%d" % (_BOOT_ID, tgid, fd, opened_ns), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+class SteadyKernel(Protocol):
+    """The kernel's side of batching steady SSE streams (probes.Probes)."""
+
+    def arm_steady(self, tgid: int, fd: int, prefix: bytes, suffix: bytes) -> bool: ...
+    def take_steady_batch(self, tgid: int, fd: int) -> SteadyBatch | None: ...
 
 
 @dataclass(slots=True)
@@ -159,6 +178,8 @@ class TrackerStats:
     bytes_unseen: int = 0          # bytes moved on tracked connections and not captured
     unreadable_connections: int = 0  # connections found unreadable (blind spots), each one `unsupported` row
     idle_evicted: int = 0          # connections forgotten after the idle timeout
+    steady_writes: int = 0         # writes that came in the kernel's batches, not as events of their own
+    steady_templates: int = 0      # templates named to the kernel
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -170,7 +191,7 @@ class ConnectionTracker:
                  on_unreadable: Callable[[int, str], None] | None = None,
                  restart_connection: Callable[[int, int], None] | None = None,
                  tenant_header: str | None = DEFAULT_TENANT_HEADER,
-                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> None:
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, steady: SteadyKernel | None = None) -> None:
         """`on_unreadable(server_port, reason)`: a connection was found unreadable, once per connection."""
         if idle_timeout_s <= 0:
             raise ValueError("the idle timeout must be positive")
@@ -185,13 +206,14 @@ class ConnectionTracker:
         self.target_pids = target_pids or set()
         self.forget_connection = forget_connection
         self.restart_connection = restart_connection  # the kernel's side of an idle eviction
+        self.steady = steady  # None: kernel batching off (every write comes as its own event)
         self.connections: dict[tuple[int, int], Connection] = {}
         self.idle_timeout_ns = int(idle_timeout_s * 1e9)
         self.stats = TrackerStats()
         self._handlers = {
             EV_ACCEPT: self._on_open, EV_CONNECT: self._on_open, EV_DATA: self._on_data,
             EV_CLOSE: self._on_close, EV_TLS_DONE: self._on_tls_done, EV_EXEC: self._on_exec,
-            EV_EXIT: self._on_exit,
+            EV_EXIT: self._on_exit, EV_STEADY_BATCH: self._on_steady_batch,
         }
 
     # -- event dispatch --------------------------------------------------
@@ -276,7 +298,8 @@ class ConnectionTracker:
     def _on_data(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
         conn.last_ns = ev.ts_ns
-        self._check_sequence(conn, ev)
+        if ev.events_before[0] > conn.next_event[0] or ev.events_before[1] > conn.next_event[1]:
+            self._check_sequence(conn, ev)  # only then was anything lost
         direction = ev.dir & 1
         conn.next_event[direction] = max(conn.next_event[direction], ev.events_before[direction] + 1)
         conn.next_byte[direction] = max(conn.next_byte[direction], ev.bytes_before[direction] + max(ev.ret, 0))
@@ -308,7 +331,50 @@ class ConnectionTracker:
         if unseen:
             self.stats.bytes_unseen += unseen
             self._note_unseen(conn, is_request, unseen)
+        elif self.steady is not None and direction == DIR_WRITE and not is_request and not ev.tail:
+            self._follow_steady(conn, ev.head)
         self._finish(conn, exchanges)
+
+    # -- kernel batching ---------------------------------------------------
+    def _follow_steady(self, conn: Connection, write: bytes) -> None:
+        """After a whole response write: names a new template to the kernel when the write shows one.
+        (One the stream has left ends in the kernel at the first write that differs from it.)"""
+        assembler = conn.assembler
+        template = assembler.steady_template(write) if isinstance(assembler, HttpConnectionAssembler) else None
+        if template is not None and steady_template_fits(*template):
+            self.stats.steady_templates += 1
+            self.steady.arm_steady(conn.tgid, conn.fd, *template)
+
+    def _take_kernel_batch(self, key: tuple[int, int]) -> None:
+        """Reads a batch the kernel still holds for a connection from its map (kernel batching)."""
+        batch = self.steady.take_steady_batch(*key) if self.steady is not None else None
+        if batch is not None:
+            self._on_steady_batch(batch)
+
+    def _on_steady_batch(self, batch: SteadyBatch) -> None:
+        """Response writes the kernel matched against the connection's template: each one chunk of
+        one event of visible text, counted from its time and size."""
+        conn = self.connections.get((batch.tgid, batch.fd))
+        if conn is None or (conn.accept_seen and conn.opened_ns != batch.conn_ns):
+            self.stats.lost_events += len(batch.writes)  # a connection this agent no longer follows
+            return
+        self._check_sequence(conn, batch)
+        writes = batch.writes
+        nbytes = sum(size for _, size in writes)
+        conn.next_event[DIR_WRITE] = max(conn.next_event[DIR_WRITE], batch.events_before[DIR_WRITE] + len(writes))
+        conn.next_byte[DIR_WRITE] = max(conn.next_byte[DIR_WRITE], batch.bytes_before[DIR_WRITE] + nbytes)
+        self.stats.steady_writes += len(writes)
+        if batch.tls:
+            conn.tls = True
+        assembler = conn.assembler
+        if (isinstance(assembler, HttpConnectionAssembler) and not self._is_request(conn, DIR_WRITE)
+                and assembler.feed_steady_response_writes(writes)):
+            return
+        # The stream is not where the template was named (it moved on before the kernel learnt
+        # the template): what the writes held is unknown, and booked as unseen.
+        self.stats.bytes_unseen += nbytes
+        self._note_unseen(conn, False, nbytes)
+        self._finish(conn, self._feed(conn, False, batch.ts_ns, b"", nbytes))
 
     def _on_close(self, ev: KernelEvent) -> None:
         conn = self.connections.pop((ev.tgid, ev.fd), None)
@@ -336,6 +402,7 @@ class ConnectionTracker:
     def _on_exit(self, ev: KernelEvent) -> None:
         """The process died: the kernel closed its sockets without close()."""
         for key in [key for key in self.connections if key[0] == ev.tgid]:
+            self._take_kernel_batch(key)  # no close() sent it
             conn = self.connections.pop(key)
             if self.forget_connection:
                 self.forget_connection(conn.tgid, conn.fd)
@@ -356,7 +423,8 @@ class ConnectionTracker:
 
     def close_all(self, ts_ns: int) -> None:
         """Agent stop: every exchange still open is written, marked truncated."""
-        for conn in list(self.connections.values()):
+        for key, conn in list(self.connections.items()):
+            self._take_kernel_batch(key)  # the writes of a stream still going that the kernel holds
             self._close(conn, ts_ns, "agent_stop")
         self.connections.clear()
 
@@ -473,6 +541,8 @@ class ConnectionTracker:
         conn.open[exchange.seq] = Fidelity()
 
     def _finish(self, conn: Connection, exchanges: list[Exchange]) -> None:
+        if not exchanges:  # what almost every event brings
+            return
         server_port = self._server_port(conn)
         for exchange in exchanges:
             inflight = self.stats.inflight

@@ -212,6 +212,10 @@ _AGENT_STATS = {
     "events_total": ("counter", "Kernel events the agent handled"),
     "drops_total": ("counter", "Kernel events lost because the ring buffer was full"),
     "parse_errors_total": ("counter", "Connections whose bytes could not be parsed as HTTP"),
+    "batched_writes_total": ("counter", ("Writes of steady SSE streams the kernel sent in batch records "
+                                         "(each one token event), not as kernel events of their own")),
+    "lost_events_total": ("counter", ("Data events (batched writes included) the kernel numbered and the agent "
+                                      "never received")),
     "lag_seconds": ("gauge", "Kernel timestamp of the latest handled event to its handling, in seconds"),
     "events_per_second": ("gauge", "Kernel events handled per second, over the last status interval"),
     "open_connections": ("gauge", "Connections the agent is following"),
@@ -352,7 +356,8 @@ class AgentMetrics:
                         inflight_requests: int | None = None, sink: SinkCounters | None = None,
                         idle_evicted_total: int | None = None,
                         map_sizes: dict[str, int] | None = None,
-                        map_overflows: dict[str, int] | None = None) -> None:
+                        map_overflows: dict[str, int] | None = None,
+                        batched_writes_total: int | None = None, lost_events_total: int | None = None) -> None:
         """Publish the runner's figures; totals are cumulative since the agent started.
 
         ``lag_s``: for the latest event handled, the time it was handled minus
@@ -366,6 +371,7 @@ class AgentMetrics:
             "events_per_second": events_per_s, "parse_errors_total": parse_errors_total,
             "open_connections": open_connections, "inflight_requests": inflight_requests,
             "idle_evicted_connections_total": idle_evicted_total,
+            "batched_writes_total": batched_writes_total, "lost_events_total": lost_events_total,
         }  # fmt: skip
         if sink is not None:
             given.update(rows_written_total=sink.rows_written, rows_rejected_total=sink.rows_rejected,
