@@ -73,7 +73,7 @@ while True:
 
 
 def test_every_map_of_the_program_is_listed_and_every_overflow_slot_named():
-    declared = re.findall(r"^BPF_(?:TABLE\(\"\w+\", [^,]+, [^,]+, (\w+)|[A-Z_]+\((\w+))", SOURCE, re.MULTILINE)
+    declared = re.findall(r"^BPF_(?:(?:F_)?TABLE\(\"\w+\", [^,]+, [^,]+, (\w+)|[A-Z_]+\((\w+))", SOURCE, re.MULTILINE)
     assert {table or other for table, other in declared} == set(KERNEL_MAPS)
     enum = re.search(r"enum map_slot \{(.*?)\};", SOURCE, re.DOTALL).group(1)
     slots = [name.split("=")[0].strip().removeprefix("MAP_").lower() for name in enum.split(",")]
