@@ -28,6 +28,7 @@ from ..contract.analysis import SLO_STATUS_TABLE
 from ..contract.requests import REQUESTS_TABLE
 from ..contract.rollup import ALL_REQUESTS, ROLLUP_STEP_S, ROLLUP_TABLE
 from ..store.client import Store
+from .calibration import ServerModel
 from .config import Objective
 from .scope import Scope
 from .timerange import NS_PER_S, TimeRange, range_condition
@@ -77,7 +78,6 @@ class SloStatus:
 
 
 MINUTE_NS = ROLLUP_STEP_S * NS_PER_S
-ServerModel = tuple[str, int, str]  # node, server_port, model
 Counts = tuple[int, ...]  # served (role server, any method), SLO-eligible requests, good: goodput, each objective
 
 
@@ -88,7 +88,9 @@ class SloMinutes:
     new since the last pass instead of 6 h of them. A minute is counted again
     when the rollup's count of its served requests (``request_latency_bands``,
     kept by a view on every insert) differs from the one taken with it: a request
-    stored late (a spool replay) is counted too.
+    stored late (a spool replay) is counted too. The rollup counts the servers'
+    side only (``role = 'server'``): a client-side row stored late into a kept
+    minute is not seen until the counts are forgotten.
     """
 
     def __init__(self) -> None:
