@@ -48,7 +48,7 @@ TOKENS, BYTES = "tokens", "bytes"
 ENGINE_SCALE_BOUNDS = (0.2, 5.0)
 
 ServerModel = tuple[str, int, str]  # node, server_port, model
-IDLE_ARRIVALS_FIRST_SPAN_S = 60.0
+IDLE_ARRIVALS_FIRST_SPAN_S = 300.0  # read first: where a busy server has enough idle arrivals
 
 
 @dataclass(frozen=True)
@@ -138,15 +138,15 @@ def _latest_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans
                           needed: list[ServerModel]) -> pd.DataFrame:
     """The most recent ``calibration_max_points`` idle arrivals in ``lookback`` of each server and model ``needed``.
 
-    A busy server has that many in its last minutes: the query looks back a
-    minute first and widens fourfold until each has them (or the look-back is
-    spent), rather than reading the whole look-back every time. Servers and models not
-    ``needed`` (no request in the analysed range) are not fitted.
+    A busy server that still sees idle arrivals has that many in its last
+    minutes: the query reads those first, and the whole look-back only where
+    they are too few (at most a few minutes more than reading it at once).
+    Servers and models not ``needed`` (no request in the analysed range) are
+    not fitted.
     """
     in_scope, scope_parameters = scope.condition()
-    span_s = IDLE_ARRIVALS_FIRST_SPAN_S
-    while True:
-        searched = lookback if span_s >= lookback.seconds else lookback.ending_span(span_s)
+    first = [lookback.ending_span(IDLE_ARRIVALS_FIRST_SPAN_S)] if IDLE_ARRIVALS_FIRST_SPAN_S < lookback.seconds else []
+    for searched in (*first, lookback):
         in_range, range_parameters = range_condition("req_start", "lookback", searched)
         frame = store.query_df(
             f"""SELECT node, server_port, model, toUnixTimestamp64Nano(req_start) AS start_ns,
@@ -160,9 +160,8 @@ def _latest_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans
             {**range_parameters, **scope_parameters, "max_points": spans.calibration_max_points},
         )
         found = {} if frame.empty else frame.groupby(["node", "server_port", "model"], observed=True).size()
-        if searched == lookback or all(found.get(key, 0) >= spans.calibration_max_points for key in needed):
+        if all(found.get(key, 0) >= spans.calibration_max_points for key in needed):
             break
-        span_s *= 4
     if frame.empty:  # an empty result has no columns at all
         return frame
     # Only the servers and models needed: another one's points may reach further back than searched.
