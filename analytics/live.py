@@ -47,6 +47,7 @@ from .indicators import NO_DATA, OK, Cell
 from .inflight import stall_cells, store_samples
 from .pipeline import AnalysisReport, analyze
 from .scope import Scope, Server
+from .slo import SloMinutes
 from .timerange import NS_PER_S, TimeRange, range_condition
 
 log = logging.getLogger("tokenprobe.analytics.live")
@@ -112,6 +113,7 @@ class LiveAnalysis:
         # A (re)started agent first covers the window before it: a previous agent may have stopped in it.
         self.watermark_ns = clock_ns() - self.settle_ns - every_s * NS_PER_S
         self.passes = self.failures = 0
+        self.slo_minutes = SloMinutes()  # so a pass counts only the minutes new since the last one
         self.outlet_failures: dict[str, int] = {}
         self.samples_inflight = samples_inflight
         self._offered: tuple[int, list[dict]] | None = None  # (taken at, Unix ns; samples)
@@ -145,7 +147,8 @@ class LiveAnalysis:
             scope = Scope(tuple(Server(int(port), self.node) for port, _ in servers))
             # The agent made the schema when it started; the requests before these have their phases.
             report = analyze(self.store, analysed, window_s=self.every_s, scope=scope, config=self.config,
-                             new_requests=(new, parameters), schema_ready=True)
+                             new_requests=(new, parameters), schema_ready=True,
+                             slo_minutes=self.slo_minutes)
             cells, phases = list(report.cells), self._ended_phases(ended, new, parameters)
         if inflight is not None:
             cells += self._judge_inflight(inflight, {(self.node, int(port)) for port, _ in servers}, until_ns)

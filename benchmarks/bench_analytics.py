@@ -14,10 +14,14 @@ seconds and then ``--live-windows`` windows of ``--live-every`` seconds, and
 ``LiveAnalysis.run_once`` analyses
 each window as the agent would when it ends (the target: 100 ms a window at
 1000 requests/s). The clock is the benchmark's, so no window waits for time
-to pass.
+to pass. With ``--baseline REF`` the analytics as of that git ref (loaded
+apart, as package ``tokenprobe_baseline``) analyse the same windows of the
+same store, each window by both in turn (alternating which goes first), so
+the two medians are taken under the same load.
 
     python benchmarks/bench_analytics.py                       # 1 million requests: CI's size
     python benchmarks/bench_analytics.py --rows 10000000       # a busy day
+    python benchmarks/bench_analytics.py --live-history 21600 --baseline 884fb47   # SLO windows full, A/B
 
 Not a test: nothing is asserted. On a 2-core machine 10 million rows take
 a few minutes, most of it generating the data.
@@ -26,8 +30,13 @@ a few minutes, most of it generating the data.
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
 import shutil
 import statistics
+import subprocess
+import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -53,6 +62,8 @@ SERVERS = 4
 DAY_S = 86_400
 DEFAULT_ROWS = 1_000_000
 FULL_NODE, LIVE_NODE = "bench-node", "live-node"
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE_PACKAGE = "tokenprobe_baseline"
 
 # One request per number n; 'load' swings between 0 and 1 six times over the span.
 GENERATE = """
@@ -106,9 +117,21 @@ def generate(store, node: str, start_ns: int, span_s: int, requests: int) -> Non
                                   span_ns=span_s * NS_PER_S, requests=requests))
 
 
-def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, history_s: int) -> None:
+def baseline_live_analysis(ref: str, directory: Path) -> type:
+    """``LiveAnalysis`` as of git ``ref``: the product imports itself relatively, so it loads under another name."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(directory / BASELINE_PACKAGE, filter="data")
+    sys.path.insert(0, str(directory))
+    return importlib.import_module(f"{BASELINE_PACKAGE}.analytics.live").LiveAnalysis
+
+
+def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, history_s: int,
+                 implementations: dict[str, type]) -> None:
     """Time the live analysis of each of ``windows`` windows of ``rate`` requests/s, ending at ``end_ns``,
-    after ``history_s`` of the same traffic (what a pass reads back: occupancy, calibration, SLO windows)."""
+    after ``history_s`` of the same traffic (what a pass reads back: occupancy, calibration, SLO windows),
+    by each implementation in turn."""
     span_s = history_s + windows * every_s
     start_ns = end_ns - span_s * NS_PER_S
     timed(f"generate {rate:,} requests/s for {span_s} s", rate * span_s,
@@ -116,17 +139,21 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
     window_ns = every_s * NS_PER_S
     first_end_ns = end_ns - windows * window_ns
     clock = [first_end_ns]
-    live = LiveAnalysis(store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
-    seconds = []
+    passes = {name: live(store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
+              for name, live in implementations.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in passes}
     for index in range(windows):
         clock[0] = first_end_ns + (index + 1) * window_ns
-        started = time.perf_counter()
-        live.run_once()
-        seconds.append(time.perf_counter() - started)
+        names = list(passes) if index % 2 == 0 else list(reversed(passes))
+        for name in names:
+            started = time.perf_counter()
+            passes[name].run_once()
+            seconds[name].append(time.perf_counter() - started)
     per_window = rate * every_s
-    print(f"  live windows of {every_s} s at {rate:,} requests/s ({per_window:,} requests each), {windows} windows:"
-          f" median {statistics.median(seconds) * 1000:.0f} ms, max {max(seconds) * 1000:.0f} ms,"
-          f" {per_window / statistics.median(seconds):,.0f} requests/s", flush=True)
+    print(f"  live windows of {every_s} s at {rate:,} requests/s ({per_window:,} requests each), {windows} windows:")
+    for name, taken in seconds.items():
+        print(f"    {name:<24} median {statistics.median(taken) * 1000:6.0f} ms, max {max(taken) * 1000:6.0f} ms,"
+              f" {per_window / statistics.median(taken):10,.0f} requests/s", flush=True)
 
 
 def main() -> int:
@@ -139,6 +166,8 @@ def main() -> int:
     parser.add_argument("--live-history", type=int, default=int(OCCUPANCY_LOOKBACK_S) + 60, metavar="S",
                         help="seconds of traffic before the first live window (default: the occupancy look-back"
                              " and a minute, as an agent in steady state; the SLO windows reach back 6 h)")
+    parser.add_argument("--baseline", metavar="REF", help="also time the live windows of the analytics as of this "
+                                                         "git ref, window by window with this checkout's")
     parser.add_argument("--store", metavar="DIR", help="where to build the store (default: a temporary folder, "
                                                       "removed afterwards)")
     args = parser.parse_args()
@@ -147,6 +176,7 @@ def main() -> int:
     if args.live_rate < 1 or args.live_every < 1 or args.live_windows < 0 or args.live_history < 0:
         parser.error("--live-rate and --live-every must be positive, --live-windows and --live-history not negative")
     directory = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="tokenprobe-bench-analytics-"))
+    baseline_directory = Path(tempfile.mkdtemp(prefix="tokenprobe-bench-baseline-"))
     config = DEFAULT_CONFIG
     end_ns = time.time_ns() // NS_PER_S * NS_PER_S
     analysed = TimeRange(end_ns - DAY_S * NS_PER_S, end_ns)
@@ -180,9 +210,15 @@ def main() -> int:
               f"  (10M requests: {10_000_000 * full_s / n:.1f} s at this rate)")
         if args.live_windows:
             print("live analysis (the agent's incremental windows, another node's servers):")
-            live_windows(store, end_ns, args.live_rate, args.live_every, args.live_windows, args.live_history)
+            implementations = {"this checkout": LiveAnalysis}
+            if args.baseline:
+                implementations[f"baseline ({args.baseline})"] = baseline_live_analysis(args.baseline,
+                                                                                              baseline_directory)
+            live_windows(store, end_ns, args.live_rate, args.live_every, args.live_windows, args.live_history,
+                         implementations)
     finally:
         store.close()
+        shutil.rmtree(baseline_directory, ignore_errors=True)
         if not args.store:
             shutil.rmtree(directory, ignore_errors=True)
     return 0
