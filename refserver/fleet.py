@@ -125,7 +125,11 @@ SELECT
     'http/1.1' AS protocol,
     toUInt32(0) AS stream_id,
     NULL AS grpc_status,
-    '' AS unreadable_reason
+    '' AS unreadable_reason,
+    toUInt32(0) AS request_messages,
+    toUInt64(0) AS request_message_bytes,
+    toUInt64(0) AS response_message_bytes,
+    toUInt32(0) AS largest_response_message_bytes
 FROM (
     SELECT
         number,

@@ -93,7 +93,8 @@ def read_rows(store_url: str) -> list[dict]:
         df = store.query_df("""
             SELECT response_id, path, status, outcome, error, tls, req_seq, conn_id, token_events, role, server_port,
                    client_addr, client_port, sse_events, capture, bytes_unseen, tenant, protocol, stream_id,
-                   unreadable_reason, grpc_status, token_offsets_us,
+                   unreadable_reason, grpc_status, token_offsets_us, request_messages, request_message_bytes,
+                   response_message_bytes, largest_response_message_bytes,
                    completion_tokens, prompt_tokens, model, inflight_at_arrival, bytes_in, bytes_out, api, pid,
                    toUnixTimestamp64Nano(req_start) AS req_start_ns,
                    toUnixTimestamp64Nano(req_end) AS req_end_ns,

@@ -23,7 +23,6 @@ from tokenprobe.agent.capture.http2 import Http2ConnectionAssembler
 from tokenprobe.refserver.h2_sse import config, sse_app
 
 from tests.servers.grpc_generator import (
-    MESSAGE_BYTES,
     METHOD,
     call_generate,
     start_generator,
@@ -164,12 +163,14 @@ def test_grpc_server_streaming_calls_match_what_the_client_saw(grpc_server):
 
     assert assembler.unreadable is None, assembler.error
     assert [(row.grpc_status, row.grpc_message) for row in rows] == \
-        [(code, details) for _, code, details in seen] == [(0, None), (8, "KV cache full: 100%")]
-    for row, (times, _, _) in zip(rows, seen):
+        [(call.code, call.details) for call in seen] == [(0, None), (8, "KV cache full: 100%")]
+    for row, call in zip(rows, seen):
+        times = call.arrived_ns
         assert (row.api, row.method, row.path, row.status, row.outcome, row.error) == \
             ("grpc", "POST", METHOD, 200, "complete", None)
-        assert (row.request_messages, row.request_message_bytes) == (1, 2)
-        assert row.response_messages == len(times) and row.response_message_bytes == MESSAGE_BYTES * len(times)
+        assert (row.request_messages, row.request_message_bytes) == (1, call.request_bytes)
+        assert (row.response_messages, row.response_message_bytes, row.largest_response_message_bytes) == \
+            (len(times), sum(call.message_sizes), max(call.message_sizes))
         assert len(row.token_event_ns) == len(times)
         assert all(sent <= read for sent, read in zip(row.token_event_ns, times))
         assert row.req_start_ns <= row.req_end_ns <= row.resp_start_ns <= row.token_event_ns[0]

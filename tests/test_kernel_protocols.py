@@ -30,7 +30,7 @@ from tests.kernel_harness import (
     read_rows,
     require_kernel,
 )
-from tests.servers.grpc_generator import MESSAGE_BYTES, METHOD, call_generate
+from tests.servers.grpc_generator import METHOD, call_generate
 from tests.support import mapped_libssl
 from tests.support.stream_client import OPENAI, ClientView, stream
 from tests.test_http2_real_server import stream_chats
@@ -81,14 +81,17 @@ def test_grpc_server_streaming_calls_are_rows_matching_the_client(tmp_path: Path
         seen = call_generate(port, ((5, 0), (12, 0), (3, 1)))
         assert handle.stop() == 0, handle.log()
     rows = sorted(read_rows(handle.store_url), key=lambda row: row["stream_id"])
-    assert [code for _, code, _ in seen] == [0, 0, 8]
+    assert [call.code for call in seen] == [0, 0, 8]
     assert [(r["protocol"], r["api"], r["path"], r["status"], r["outcome"], r["error"], r["capture"],
              r["grpc_status"], r["token_events"], r["tls"], r["unreadable_reason"]) for r in rows] == [
-        ("h2c", "grpc", METHOD, 200, "complete", "", "exact", code, len(times), False, "")
-        for times, code, _ in seen], rows
-    for row, (times, _, _) in zip(rows, seen):
+        ("h2c", "grpc", METHOD, 200, "complete", "", "exact", call.code, len(call.arrived_ns), False, "")
+        for call in seen], rows
+    assert [(r["request_messages"], r["request_message_bytes"], r["response_message_bytes"],
+             r["largest_response_message_bytes"]) for r in rows] == [
+        (1, call.request_bytes, sum(call.message_sizes), max(call.message_sizes)) for call in seen], rows
+    for row, call in zip(rows, seen):
         assert row["req_end_ns"] <= row["first_token_ns"] <= row["last_token_ns"], row
-        assert row["bytes_out"] >= MESSAGE_BYTES * len(times)  # the messages, inside DATA frames
+        assert row["bytes_out"] >= sum(call.message_sizes)  # the messages, inside DATA frames
 
 
 def post_twice_over_tls(port: int) -> None:

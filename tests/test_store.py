@@ -128,7 +128,7 @@ def test_unreachable_server_is_store_unavailable_naming_the_url():
 def test_requests_columns_match_row_schema_doc(owner):
     documented = re.findall(r"^\| (\w+) \| ([A-Za-z0-9()]+(?:\([^|]*\))?) \|", ROW_SCHEMA_DOC.read_text(), re.M)
     documented = [(name, ch_type.replace("DateTime64(9)", "DateTime64(9, 'UTC')")) for name, ch_type in documented]
-    assert len(documented) == 48
+    assert len(documented) == 52
     assert schema.REQUEST_COLUMNS == [name for name, _ in documented]
     described = owner.query_rows("SELECT name, type FROM system.columns"
                                  " WHERE database = 'tokenprobe' AND table = 'requests' ORDER BY position")
@@ -202,12 +202,14 @@ def test_ensure_schema_adds_any_missing_request_columns_before_views_read_them(s
         owner.command("CREATE DATABASE tokenprobe")
         owner.command(schema.REQUESTS_DDL.format(db="tokenprobe", ttl_days=30))
         owner.insert_rows("requests", [make_row(conn_id=1)])
-        for name in ("node", "tenant", "error"):  # the first column, one in the middle and the last
+        # The first column, some in the middle and the last.
+        for name in ("node", "tenant", "error", "largest_response_message_bytes"):
             owner.command(f"ALTER TABLE tokenprobe.requests DROP COLUMN {name}")
         with open_store(f"chdb://{store_dir}") as reader:  # through the owner, as a second agent would
             reader.ensure_schema()
         assert requests_columns(owner) == schema.REQUEST_COLUMNS
-        assert owner.query_rows("SELECT node, tenant, error, conn_id FROM tokenprobe.requests") == [("", "", "", 1)]
+        assert owner.query_rows("SELECT node, tenant, error, largest_response_message_bytes, conn_id"
+                                " FROM tokenprobe.requests") == [("", "", "", 0, 1)]
         owner.insert_rows("requests", [make_row(conn_id=2)])
         assert owner.command("SELECT sum(requests) FROM tokenprobe.request_latency_bands") > 0
 

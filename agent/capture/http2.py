@@ -150,6 +150,7 @@ class H2Exchange(Exchange):
     request_message_bytes: int = 0
     response_messages: int = 0
     response_message_bytes: int = 0
+    largest_response_message_bytes: int = 0
 
 
 class _Stream:
@@ -410,6 +411,7 @@ class Http2ConnectionAssembler:
             else:
                 exchange.response_messages, exchange.response_message_bytes = \
                     body.messages, body.message_bytes
+                exchange.largest_response_message_bytes = body.largest_message_bytes
             exchange.error = exchange.error or body.error
 
     def _reset(self, is_request: bool, stream: _Stream | None, code: int) -> None:

@@ -626,4 +626,8 @@ class ConnectionTracker:
             "stream_id": h2.stream_id if h2 else 0,
             "grpc_status": h2.grpc_status if h2 else None,
             "unreadable_reason": (conn.unreadable or "") if ex.outcome == "unsupported" else "",
+            "request_messages": h2.request_messages if h2 else 0,
+            "request_message_bytes": h2.request_message_bytes if h2 else 0,
+            "response_message_bytes": h2.response_message_bytes if h2 else 0,
+            "largest_response_message_bytes": h2.largest_response_message_bytes if h2 else 0,
         }

@@ -64,7 +64,11 @@ CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
     `protocol` LowCardinality(String) DEFAULT 'http/1.1' CODEC(ZSTD(1)),
     `stream_id` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1)),
     `grpc_status` Nullable(UInt16) CODEC(T64, ZSTD(1)),
-    `unreadable_reason` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1))
+    `unreadable_reason` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1)),
+    `request_messages` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1)),
+    `request_message_bytes` UInt64 DEFAULT 0 CODEC(T64, ZSTD(1)),
+    `response_message_bytes` UInt64 DEFAULT 0 CODEC(T64, ZSTD(1)),
+    `largest_response_message_bytes` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(req_start)

@@ -10,18 +10,28 @@ from __future__ import annotations
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import grpc
 
 METHOD = "/inference.Generator/Generate"
-MESSAGE_BYTES = 6  # each streamed message: b"\x0a\x04tok" + one digit
+
+
+class GenerateCall(NamedTuple):
+    """What the client sent and saw of one call."""
+
+    request_bytes: int  # the one request message's payload
+    arrived_ns: list[int]  # the monotonic time each response message arrived
+    message_sizes: list[int]  # each response message's payload bytes
+    code: int  # the status code
+    details: str | None
 
 
 def generate(request: bytes, context):
-    """Server-streaming: request[0] messages, then OK, or an error status when request[1] is set."""
+    """Server-streaming: request[0] messages of 3 to 12 bytes, then OK, or an error status when request[1] is set."""
     for i in range(request[0]):
         time.sleep(0.002)
-        yield b"\x0a\x04tok%d" % (i % 10)
+        yield b"tok" * (1 + i % 4)  # sizes vary so that totals and the largest tell messages apart
     if request[1]:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache full: 100%")
 
@@ -36,20 +46,21 @@ def start_generator(address: str) -> tuple[grpc.Server, int]:
     return server, port
 
 
-def call_generate(port: int, plan: tuple[tuple[int, int], ...]) -> list[tuple[list[int], int, str | None]]:
-    """One call per (messages, fail) on one channel: what the client saw of each, as
-    (the monotonic time each message arrived, the status code, its details)."""
+def call_generate(port: int, plan: tuple[tuple[int, int], ...]) -> list[GenerateCall]:
+    """One call per (messages, fail) on one channel: what the client sent and saw of each."""
     seen = []
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = channel.unary_stream(METHOD)
         for count, fail in plan:
-            times, code, details = [], grpc.StatusCode.OK, None
+            request = bytes([count, fail])
+            times, sizes, code, details = [], [], grpc.StatusCode.OK, None
             try:
-                for _ in call(bytes([count, fail])):
+                for message in call(request):
                     times.append(time.monotonic_ns())
+                    sizes.append(len(message))
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details()
-            seen.append((times, code.value[0], details))
+            seen.append(GenerateCall(len(request), times, sizes, code.value[0], details))
     return seen
 
 
