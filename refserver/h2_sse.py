@@ -4,7 +4,7 @@ with prior knowledge (h2c) or HTTP/1.1 in the clear, or over TLS with ALPN h2
 tests and the overhead benchmark's HTTP/2 workload run it.
 
 Run: python -m tokenprobe.refserver.h2_sse PORT [CERT KEY]; the tests
-in-process import `sse_app`. Request body: {"model": ..., "n": extra tokens}."""
+in-process import `sse_app`. Request body: {"model": ..., "n": extra tokens}, both optional."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ async def sse_app(scope, receive, send):
     """A streamed chat completion: role chunk, TOKENS + n text chunks, usage, [DONE]."""
     if scope["type"] != "http":
         return
-    request = json.loads(await asgi_body(receive))
+    # Both fields optional: a GET, the request an `Upgrade: h2c` carries (it has no body), streams the defaults.
+    request = {"model": "h2-sse", "n": 0} | json.loads(await asgi_body(receive) or b"{}")
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})
 

@@ -9,10 +9,12 @@ reason, never as missing data."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
 import ssl
+import subprocess
 import sys
 import time
 import urllib.request
@@ -70,6 +72,28 @@ def test_hypercorn_http2_every_stream_is_a_row_matching_the_client(tmp_path: Pat
             "h2" if tls else "h2c", tls, "complete", "", "exact", "/v1/chat/completions", 200, ""), row
         assert row["response_id"] == client["id"] and row["sse_events"] == client["events"]
         assert row["token_events"] == len(client["token_seen_ns"]) == row["completion_tokens"]
+
+
+def test_an_h2c_upgrade_by_curl_is_read_on_in_http2(tmp_path: Path):
+    """curl --http2 on http:// asks `Upgrade: h2c`; hypercorn answers 101 and streams the response on
+    HTTP/2 stream 1: one h2c row matching what curl read, and no blind spot."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokenprobe.refserver.h2_sse", str(port)]
+    with listening_process(cmd, port, cwd=REPO), agent(tmp_path, ports=[port]) as handle:
+        curl = subprocess.run(["curl", "--http2", "-sS", "-N", "--max-time", "30", "-H", "x-tenant-id: upgraded",
+                               "-w", "\n%{http_version}", f"http://127.0.0.1:{port}/v1/chat/completions"],
+                              capture_output=True, text=True, timeout=60, check=True)
+        assert handle.stop() == 0, handle.log()
+    *lines, http_version = curl.stdout.splitlines()
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    texts = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert http_version == "2" and "data: [DONE]" in lines, curl.stdout
+    [row] = read_rows(handle.store_url)
+    assert (row["protocol"], row["stream_id"], row["tenant"], row["path"], row["status"], row["outcome"],
+            row["error"], row["capture"], row["unreadable_reason"]) == (
+        "h2c", 1, "upgraded", "/v1/chat/completions", 200, "complete", "", "exact", ""), row
+    assert (row["response_id"], row["sse_events"], row["token_events"]) == (
+        events[0]["id"], len(events) + 1, len(texts)), row  # + 1: [DONE]
 
 
 def test_grpc_server_streaming_calls_are_rows_matching_the_client(tmp_path: Path):

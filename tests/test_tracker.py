@@ -510,3 +510,27 @@ def test_traffic_after_a_websocket_upgrade_is_one_unsupported_row():
     tracker.handle(ev(EV_CLOSE, 4000))
     assert [(r["req_seq"], r["status"], r["outcome"], r["unreadable_reason"]) for r in rows.rows] == [
         (0, 101, "complete", ""), (1, 0, "unsupported", "websocket")]
+
+
+def test_an_h2c_upgrade_continues_in_http2_with_the_upgraded_request_as_stream_1():
+    """`Upgrade: h2c`: the 101 and the server's SETTINGS in one write, the GET answered on stream 1
+    in HTTP/2, then a stream the client opens itself; no blind spot counted."""
+    wire = H2Wire(upgrade_path="/v1/chat/completions?stream=1")
+    upgrade_request = wire.segments[0][2]
+    for stream_id in (1, 3):
+        if stream_id == 3:
+            wire.request(stream_id, *chat_request([("x-tenant-id", "t3")]))
+        wire.respond(stream_id, SSE_RESPONSE)
+        wire.send(stream_id, h2_sse_chunk("hi"))
+        wire.send(stream_id, h2_sse_chunk("there"))
+        wire.send(stream_id, SSE_DONE, end_stream=True)
+    tracker, rows = make_tracker()
+    feed_wire(tracker, wire.segments)
+    assert [(r["stream_id"], r["req_seq"], r["method"], r["path"], r["tenant"], r["protocol"], r["status"],
+             r["token_events"], r["outcome"], r["error"], r["unreadable_reason"]) for r in rows.rows] == [
+        (1, 0, "GET", "/v1/chat/completions", "", "h2c", 200, 2, "complete", "", ""),
+        (3, 1, "POST", "/v1/chat/completions", "t3", "h2c", 200, 2, "complete", "", "")]
+    upgraded = rows.rows[0]
+    assert upgraded["bytes_in"] == len(upgrade_request)
+    assert upgraded["req_end"] <= upgraded["resp_start"] <= upgraded["first_token"]
+    assert tracker.stats.unreadable_connections == 0 and tracker.stats.inflight == {8000: 0}

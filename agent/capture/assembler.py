@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from .exchange import CLOSE_REASONS, OUTCOME_BY_CLOSE_REASON, Exchange, Txn
@@ -42,6 +43,16 @@ MAX_SEGMENT_BYTES = 1 << 40
 # What a feed returns when no exchange became complete, as most do: one shared list,
 # never a new one per call. Callers only read what feeds return.
 _NOTHING: list[Exchange] = []
+
+
+@dataclass(slots=True)
+class H2cUpgrade:
+    """An h2c upgrade the server accepted (RFC 7540, section 3.2): the exchange whose request was
+    read in HTTP/1.1 and whose response comes as HTTP/2 stream 1, and the response bytes after the
+    101, as (ts, head, total_len) segments, for the HTTP/2 assembler that reads on from there."""
+
+    exchange: Exchange
+    response_segments: list[tuple[int, bytes, int]] = field(default_factory=list)
 
 
 class HttpConnectionAssembler:
@@ -77,6 +88,9 @@ class HttpConnectionAssembler:
         self._request = RequestStream(self, max_header_bytes)
         self._response = ResponseStream(self, max_header_bytes, fast_path=fast_path)
         self._steady_named: tuple[bytes, bytes] | None = None  # the last steady_template returned
+        # Set once the server switched to HTTP/2 (`Upgrade: h2c`): this assembler reads no more,
+        # its owner hands the connection to the HTTP/2 assembler.
+        self.h2c_upgrade: H2cUpgrade | None = None
 
     def open_exchanges(self) -> list[Exchange]:
         """The exchanges started and not yet returned, oldest first; for looking at, never changing."""
@@ -219,6 +233,21 @@ class HttpConnectionAssembler:
             self._ready.append(exchange)
         self._open.clear()
         self._awaiting_response.clear()
+
+    def _upgrade_to_http2(self, txn: Txn) -> bool:
+        """The server answered txn's `Upgrade: h2c` with a 101: True, and h2c_upgrade set, if the
+        connection can be followed into HTTP/2, i.e. that request was read whole and is the only one
+        open (a client sends nothing more before the 101); else it is an upgrade like any other."""
+        if not txn.request_done or self._open != [txn]:
+            return False
+        self._request.stop()
+        self._open.clear()
+        self._awaiting_response.clear()
+        self.h2c_upgrade = H2cUpgrade(txn.exchange)
+        return True
+
+    def _handed_off(self, ts: int, head: bytes, total_len: int) -> None:
+        self.h2c_upgrade.response_segments.append((ts, head, total_len))
 
     def _internal_failure(self, exc: Exception) -> None:
         # Only the type and location are logged: an exception's message may quote payload bytes.

@@ -38,6 +38,8 @@ class Connection(Protocol):
     def _settle(self) -> None: ...
     def _set_error(self, message: str) -> None: ...
     def _stop(self, reason: str) -> None: ...
+    def _upgrade_to_http2(self, txn: Txn) -> bool: ...
+    def _handed_off(self, ts: int, head: bytes, total_len: int) -> None: ...
 
 __all__ = ["FramingError", "RequestStream", "ResponseStream", "foreign_protocol",
            "response_body_reader"]
@@ -55,6 +57,7 @@ _CHUNK_DATA_END = 6  # the CRLF that follows chunk data
 _TRAILERS = 7  # trailer fields after the last chunk, up to the blank line
 _BODY_UNTIL_CLOSE = 8  # body delimited by the connection's close
 _STOPPED = 9  # not HTTP/1.x any more (upgrade, TLS, HTTP/2) or connection closed
+_HANDED_OFF = 10  # HTTP/2 after an h2c upgrade: the bytes go to the connection's HTTP/2 reader
 
 # How a message's body is delimited, decided from its header block.
 _NO_BODY = 0
@@ -63,6 +66,7 @@ _CHUNKED = 2
 _UNTIL_CLOSE = 3
 _INTERIM = 4  # a 1xx response: the final response for the same request follows
 _STOP = 5  # the connection stopped being HTTP/1.x
+_SWITCH = 6  # the connection speaks HTTP/2 from the end of this 101 (an accepted `Upgrade: h2c`)
 
 _TOO_LONG = object()  # marker returned by the line/block readers when a cap is hit
 
@@ -221,6 +225,9 @@ class MessageStream:
                         self._conn._set_error(self._pending_note)
                         self._pending_note = None
                     pos = end
+            elif state == _HANDED_OFF:
+                self._conn._handed_off(ts, data[pos:], end - pos)
+                return
             else:  # _STOPPED
                 return
 
@@ -244,6 +251,8 @@ class MessageStream:
                 self._state = _CHUNK_DATA_END
         elif state == _BODY_UNTIL_CLOSE:
             self._body_gap(ts, nbytes)
+        elif state == _HANDED_OFF:
+            self._conn._handed_off(ts, b"", nbytes)
         elif state == _IDLE:
             self.lose_framing(ts, f"capture gap hides the start of a {self.noun}")
         elif state == _HEADERS:
@@ -287,6 +296,9 @@ class MessageStream:
             return len(data)
         if mode == _STOP:
             return len(data)
+        if mode == _SWITCH:
+            self._state = _HANDED_OFF
+            return pos
         if mode == _INTERIM:
             self._state = _IDLE
         elif mode == _NO_BODY or (mode == _LENGTH and length == 0):
@@ -572,6 +584,8 @@ class ResponseStream(MessageStream):
         exchange = txn.exchange if txn is not None else None
         if status == 101:
             protocol = printable(headers.get("upgrade", "")) or "another protocol"
+            if protocol.lower() == "h2c" and txn is not None and self._conn._upgrade_to_http2(txn):
+                return _SWITCH, 0
             self._end_http(ts, txn, status, f"connection upgraded to {protocol}; "
                                             "HTTP parsing stopped")
             return _STOP, 0

@@ -29,8 +29,10 @@ direction (a server's SETTINGS may precede the client's preface): HTTP/2
 (`starts_http2`), else HTTP/1; too few bytes to tell and the segments are
 held until the next one. A connection picked up mid-way whose bytes read as
 HTTP/2 frames goes to the HTTP/2 assembler, which names it `h2_midstream`.
+An HTTP/1.1 connection whose server accepts `Upgrade: h2c` moves to the
+HTTP/2 assembler at the end of the 101, the upgraded request as stream 1.
 A connection that cannot be read (HTTP/2 it lost track of, TLS no libssl
-probe saw, what follows a 101 upgrade, bytes of no known protocol) becomes one
+probe saw, what follows another 101 upgrade, bytes of no known protocol) becomes one
 `unsupported` row at its close, with the reason in `unreadable_reason`:
 missing data never reads as health. It is counted (`on_unreadable`) as soon as
 it is known to be unreadable, so a long-lived one does not stay invisible
@@ -56,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
-from .assembler import Exchange, HttpConnectionAssembler
+from .assembler import Exchange, H2cUpgrade, HttpConnectionAssembler
 from .clock import MonotonicWallClock
 from .http2 import (
     H2Exchange,
@@ -438,9 +440,28 @@ class ConnectionTracker:
         if conn.assembler is None:
             conn.pending.append((is_request, ts, head, total_len, tail))
             return self._decide(conn, closing=False)
-        feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
-        exchanges = feed(ts, head, total_len, tail)
+        exchanges = self._feed_assembler(conn, is_request, ts, head, total_len, tail)
         self._note_http2_unreadable(conn)
+        return exchanges
+
+    def _feed_assembler(self, conn: Connection, is_request: bool, ts: int, head: bytes, total_len: int,
+                        tail: bytes = b"") -> list[Exchange]:
+        assembler = conn.assembler
+        feed = assembler.feed_request_bytes if is_request else assembler.feed_response_bytes
+        exchanges = feed(ts, head, total_len, tail)
+        if isinstance(assembler, HttpConnectionAssembler) and assembler.h2c_upgrade is not None:
+            exchanges = [*exchanges, *self._continue_in_http2(conn, assembler.h2c_upgrade)]
+        return exchanges
+
+    def _continue_in_http2(self, conn: Connection, upgrade: H2cUpgrade) -> list[Exchange]:
+        """The server accepted `Upgrade: h2c`: the HTTP/2 assembler reads on from the end of the 101,
+        the upgraded request as its stream 1."""
+        conn.protocol = "h2" if conn.tls else "h2c"
+        conn.assembler = assembler = self._new_assembler(conn, Http2ConnectionAssembler)
+        assembler.continue_upgraded(upgrade.exchange)
+        exchanges: list[Exchange] = []
+        for segment in upgrade.response_segments:
+            exchanges += assembler.feed_response_bytes(*segment)
         return exchanges
 
     def _note_http2_unreadable(self, conn: Connection) -> None:
@@ -455,8 +476,7 @@ class ConnectionTracker:
         segments, conn.pending = conn.pending, []
         exchanges: list[Exchange] = []
         for is_request, *segment in segments:
-            feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
-            exchanges += feed(*segment)
+            exchanges += self._feed_assembler(conn, is_request, *segment)
         self._note_http2_unreadable(conn)
         return exchanges
 
@@ -489,10 +509,12 @@ class ConnectionTracker:
             return False
         else:
             conn.protocol, assembler = "http/1.1", HttpConnectionAssembler
-        conn.assembler = assembler(
-            fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
-            on_request_start=lambda exchange: self._request_started(conn, exchange))
+        conn.assembler = self._new_assembler(conn, assembler)
         return True
+
+    def _new_assembler(self, conn: Connection, assembler: type[HttpConnectionAssembler | Http2ConnectionAssembler]):
+        return assembler(fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
+                         on_request_start=lambda exchange: self._request_started(conn, exchange))
 
     def _mark_unreadable(self, conn: Connection, reason: str, words: str) -> None:
         """The connection cannot be read: counted now, written as one `unsupported` row at its close."""
