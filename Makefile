@@ -16,3 +16,4 @@ bench: install
 	.venv/bin/python -m benchmarks.bench_hot_path
 	.venv/bin/python -m benchmarks.bench_actuator
 	.venv/bin/python -m benchmarks.bench_control_loop
+	.venv/bin/python -m benchmarks.bench_connection_churn --agent

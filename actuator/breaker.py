@@ -15,6 +15,11 @@ cool-down, then the breaker probes with a small share of traffic and raises
 it step by step (``recovery_shares``) while each probe window stays
 undamaged, closing after the last step; a damaged probe window re-opens it.
 
+A stalled upstream (``stalled``: requests in flight have made no progress
+for the in-flight stall's critical time) opens the breaker at once, closed or
+probing: nothing ends on a jammed server, so its latency never shows the
+damage, and every request admitted to it only joins the jam.
+
 A probe window is judged by the requests that *arrived* in it (those that
 ended by the time it is read), not by those that ended in it: requests
 queued before the breaker opened still drain through the first probe
@@ -80,6 +85,7 @@ class UpstreamWindow:
     baseline_p99_s: float | None
     # The p99 TTFT of the requests that arrived in the window (and have ended): what probes are judged by.
     arrived_p99_ttft_s: float | None = None
+    stalled: bool = False  # requests in flight stopped making progress (the inflight_stall indicator, crit)
 
     def capacity_threshold(self, policy: BreakerPolicy) -> float | None:
         if self.knee_capacity_rps is None or not self.knee_capacity_rps > 0:
@@ -161,6 +167,9 @@ class Breaker:
         return self.status
 
     def _observe_closed(self, window: UpstreamWindow, now: float) -> None:
+        if window.stalled:
+            self._open(now)
+            return
         if window.pressure(self.policy) != Pressure.OVERLOADED:
             self._overloaded_streak = 0
             return
@@ -169,8 +178,8 @@ class Breaker:
             self._open(now)
 
     def _observe_probe(self, window: UpstreamWindow, now: float) -> None:
-        # While probing, the rate is held down on purpose: only latency counts.
-        damaged = window.probe_damaged(self.policy)
+        # While probing, the rate is held down on purpose: only latency (and a stall) counts.
+        damaged = True if window.stalled else window.probe_damaged(self.policy)
         if damaged is None:
             return  # no evidence either way: hold the current share
         if damaged:

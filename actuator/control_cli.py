@@ -12,7 +12,7 @@ from ..analytics.figures import default_upstream
 from ..store.client import StoreUnavailable
 from ..store.embedded import open_store
 from .auth import ClientAuth
-from .controller import Controller, ControllerPolicy
+from .controller import MATRIX_SIGNALS, TTFT_SIGNALS, Controller, ControllerPolicy
 from .loop import DEFAULT_SETTLE_S, ControlLoop
 from .publisher import DecisionPublisher
 
@@ -40,6 +40,9 @@ def add_control_parser(sub, default_store: str) -> None:
                         "(default %(default)s)")
     p.add_argument("--upstream", action="append", default=[], metavar="PORT=NAME",
                    help="the name gateways give the server on PORT (default NODE:PORT); repeatable")
+    p.add_argument("--signals", choices=(MATRIX_SIGNALS, TTFT_SIGNALS), default=defaults.signals,
+                   help="act on the indicator matrix and the in-flight queue too, or on rate and TTFT alone "
+                        "(default %(default)s)")
     p.set_defaults(func=run_control)
 
 
@@ -71,7 +74,7 @@ def run_control(args: argparse.Namespace) -> int:
     try:
         auth = _client_auth(args)
         names = _upstream_names(args.upstream)
-        policy = ControllerPolicy(window_s=args.window)
+        policy = ControllerPolicy(window_s=args.window, signals=args.signals)
         store = open_store(args.store, serve=False)
     except (OSError, ValueError, StoreUnavailable) as error:
         print(f"control: {error}", file=sys.stderr)

@@ -27,6 +27,41 @@ tenant really used as the agent saw them) and gets back the decisions to push
 - No figures (no knee or baseline yet, no traffic): nothing new is pushed and
   whatever is in force lapses at its expiry.
 
+With ``signals="matrix"`` (the default) the controller also acts on the
+indicator matrix that live analysis stores and on the in-flight queue the
+agent samples (both read by the loop into ``WindowFigures``), which move
+before TTFT does: a request's TTFT is known only once it ends, while the
+engine's KV cache, GPU memory and the queue of requests waiting for a first
+token are seen as they fill. ``signals="ttft"`` is the policy above alone.
+
+- Demand signals: ``kv_cache_usage`` or ``gpu_memory_pressure`` crit (the
+  engine is about to evict and recompute, or to stop admitting), a growing
+  queue (between the agent's last two in-flight samples, more requests
+  waiting for their first token: over ``queue_growth_min`` more and over
+  ``queue_growth_share`` of the requests that ended meanwhile),
+  ``retry_storm`` crit (retries are load). Any of them lit: the upstream's
+  token demand is cut to ``budget_decrease_factor`` of what it used in the
+  window (or to the knee's capacity, if lower), shared max-min fairly, and
+  budgets already in force are cut by the same factor each window while a
+  signal stays lit.
+- Hold signals: those indicators at warn, ``queue_wait_p95`` at warn or
+  crit, ``inflight_stall`` at warn: budgets in force are held, never
+  loosened. (A long queue wait that is not growing is a steady state, its
+  thresholds are absolute milliseconds: a small server's normal queueing
+  passes them. It holds; the queue's growth is what cuts.)
+- ``retry_storm`` warn or crit: every budget rejects rather than delays
+  (a held request times out at its client and comes back as a retry), and
+  its Retry-After is spread over ``retry_jitter_s`` so the rejected clients
+  back off apart instead of returning in step.
+- ``inflight_stall`` crit (requests in flight silent for its crit time):
+  the breaker opens at once, closed or probing (see ``breaker``): a jammed
+  server ends nothing, so no TTFT ever shows it, and every request admitted
+  only joins the jam; after the cool-down it is probed with a small share
+  (half-open, the rest shed) as after an overload. At warn, budgets held.
+
+Every decision carries the lit signals it was taken on as evidence (value
+and the threshold it crossed) beside the rate and TTFT figures.
+
 Pure: no I/O here. ``publisher`` pushes the decisions over gRPC and records
 them in ``tokenprobe.decisions``.
 """
@@ -36,18 +71,28 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..analytics.indicators import CRIT, INDICATORS_BY_NAME, WARN
+from ..analytics.inflight import STALL
 from ..contract.decisions import (
     BreakerAction,
     BreakerState,
     Decision,
     Evidence,
+    IndicatorReading,
     Target,
     TokenBudgetAction,
     WindowFigures,
 )
 from .breaker import Breaker, BreakerPolicy, BreakerStatus, Pressure, UpstreamWindow
+
+TTFT_SIGNALS, MATRIX_SIGNALS = "ttft", "matrix"
+RETRY_STORM = "retry_storm"
+# Indicators that say demand is more than the server will take, before its TTFT shows it: crit cuts.
+DEMAND_INDICATORS = ("kv_cache_usage", "gpu_memory_pressure", RETRY_STORM)
+QUEUE_WAIT = "queue_wait_p95"  # warn or crit holds budgets (see the module docstring)
+QUEUE_GROWTH = "inflight_queue_growth"
 
 
 @dataclass(frozen=True)
@@ -63,8 +108,17 @@ class ControllerPolicy:
     budget_decrease_factor: float = 0.7
     min_budget_share: float = 0.1  # of the fair level: a budget is never cut below this
     issuer: str = "tokenprobe-controller"
+    signals: str = MATRIX_SIGNALS  # "ttft": rate and TTFT only; "matrix": also the indicator matrix
+    retry_jitter_s: float = 10.0  # during a retry storm, Retry-After is spread over this many seconds
+    # The in-flight queue grows: more than this many more requests waiting at the newest sample...
+    queue_growth_min: int = 3
+    queue_growth_share: float = 0.25  # ... and more than this share of the requests that ended meanwhile
 
     def __post_init__(self) -> None:
+        if self.signals not in (TTFT_SIGNALS, MATRIX_SIGNALS):
+            raise ValueError(f"signals must be {TTFT_SIGNALS!r} or {MATRIX_SIGNALS!r}, got {self.signals!r}")
+        if self.retry_jitter_s < 0 or self.queue_growth_min < 0 or self.queue_growth_share < 0:
+            raise ValueError("retry_jitter_s, queue_growth_min and queue_growth_share must be >= 0")
         if not self.window_s > 0 or self.decision_ttl_windows < 2:
             raise ValueError("window_s must be > 0 and decision_ttl_windows >= 2 (renewal needs a window of slack)")
         if not self.burst_seconds > 0 or self.max_delay_s < 0 or not self.budget_recovery_factor > 1:
@@ -77,10 +131,53 @@ class ControllerPolicy:
         return self.window_s * self.decision_ttl_windows
 
 
-def _health(window: WindowFigures) -> UpstreamWindow:
+def _health(window: WindowFigures, stalled: bool = False) -> UpstreamWindow:
     """The breaker's view of one window's figures."""
     return UpstreamWindow(window.request_rate, window.p99_ttft_s, window.knee_capacity_rps, window.baseline_p99_s,
-                          window.arrived_p99_ttft_s)
+                          window.arrived_p99_ttft_s, stalled)
+
+
+@dataclass(frozen=True)
+class MatrixSignals:
+    """What the matrix policy read in one window's figures, each as the evidence it is recorded with."""
+
+    demand: tuple[Evidence, ...] = ()  # lit: cut the demand now
+    hold: tuple[Evidence, ...] = ()  # at warn: loosen nothing
+    retry_storm: Evidence | None = None  # warn or crit (and so in demand or hold): reject, jitter Retry-After
+    stall: Evidence | None = None  # crit: open the breaker
+
+    @property
+    def evidence(self) -> tuple[Evidence, ...]:
+        stall = () if self.stall is None else (self.stall,)
+        return (*self.demand, *self.hold, *stall)
+
+
+def _reading_evidence(reading: IndicatorReading) -> Evidence:
+    return Evidence(reading.name, reading.value, reading.threshold, INDICATORS_BY_NAME[reading.name].unit)
+
+
+def matrix_signals(window: WindowFigures, policy: ControllerPolicy) -> MatrixSignals:
+    """The matrix policy's reading of ``window`` (nothing under the TTFT-only policy)."""
+    if policy.signals == TTFT_SIGNALS:
+        return MatrixSignals()
+    readings = window.indicators
+    demand = [_reading_evidence(readings[name]) for name in DEMAND_INDICATORS
+              if name in readings and readings[name].state == CRIT]
+    hold = [_reading_evidence(readings[name]) for name in (*DEMAND_INDICATORS, STALL)
+            if name in readings and readings[name].state == WARN]
+    if QUEUE_WAIT in readings:
+        hold.append(_reading_evidence(readings[QUEUE_WAIT]))
+    if window.queue is not None:
+        growth = window.queue.after - window.queue.before
+        threshold = max(policy.queue_growth_min, policy.queue_growth_share * window.request_rate * window.queue.span_s)
+        if growth > threshold:
+            demand.append(Evidence(QUEUE_GROWTH, growth, threshold, "requests"))
+    storm = readings.get(RETRY_STORM)
+    stall = readings.get(STALL)
+    return MatrixSignals(
+        tuple(demand), tuple(hold),
+        retry_storm=_reading_evidence(storm) if storm is not None else None,
+        stall=_reading_evidence(stall) if stall is not None and stall.state == CRIT else None)
 
 
 def fair_share_level(demands: Sequence[float], capacity: float) -> float:
@@ -120,10 +217,11 @@ class Controller:
         decisions = []
         # The window's traffic was shaped by the breaker in force during it, not by the state it moves to now.
         breaker_was_closed = state.breaker.state == BreakerState.CLOSED
-        breaker_decision = self._decide_breaker(state, window)
+        signals = matrix_signals(window, self.policy)
+        breaker_decision = self._decide_breaker(state, window, signals)
         if breaker_decision is not None:
             decisions.append(breaker_decision)
-        decisions.extend(self._decide_budgets(state, window, breaker_was_closed))
+        decisions.extend(self._decide_budgets(state, window, breaker_was_closed, signals))
         return decisions
 
     def _forget_lapsed(self, state: _UpstreamState, now: float) -> None:
@@ -137,9 +235,10 @@ class Controller:
 
     # -- breaker -----------------------------------------------------------
 
-    def _decide_breaker(self, state: _UpstreamState, window: WindowFigures) -> Decision | None:
+    def _decide_breaker(self, state: _UpstreamState, window: WindowFigures,
+                        signals: MatrixSignals) -> Decision | None:
         before = state.breaker.status
-        status = state.breaker.observe(_health(window), window.window_end)
+        status = state.breaker.observe(_health(window, stalled=signals.stall is not None), window.window_end)
         previous = state.breaker_decision
         if status.state == BreakerState.CLOSED:
             if previous is None or previous.action.state == BreakerState.CLOSED:
@@ -163,8 +262,8 @@ class Controller:
             action=action,
             issued_at=issued_at,
             expires_at=expires_at,
-            reason=_breaker_reason(before, status, window, self.policy.breaker),
-            evidence=_health_evidence(window, self.policy.breaker),
+            reason=_breaker_reason(before, status, window, self.policy.breaker, signals),
+            evidence=(*_health_evidence(window, self.policy.breaker), *signals.evidence),
             issuer=self.policy.issuer,
             id=uuid.uuid4().hex,
         )
@@ -178,21 +277,30 @@ class Controller:
 
     # -- token budgets -------------------------------------------------------
 
-    def _decide_budgets(self, state: _UpstreamState, window: WindowFigures,
-                        breaker_was_closed: bool) -> list[Decision]:
+    def _decide_budgets(self, state: _UpstreamState, window: WindowFigures, breaker_was_closed: bool,
+                        signals: MatrixSignals) -> list[Decision]:
         pressure = _health(window).pressure(self.policy.breaker)
         if not (breaker_was_closed and state.breaker.state == BreakerState.CLOSED) and state.budgets:
             # What the breaker turns away is not missing demand: relaxing on it would slam the
             # tenants back in the moment the breaker closes.
             wanted = {tenant: d.action for tenant, d in state.budgets.items()}
             reason = "the breaker was open or probing in this window: budgets held"
+        elif signals.demand:
+            wanted = self._step_towards_fair(state, window, self.policy.budget_decrease_factor,
+                                             self._demand_cut_capacity(window))
+            reason = (f"{_named(signals.demand)} lit before TTFT degraded: demand cut to "
+                      f"{self.policy.budget_decrease_factor:g} x what was used, budgets tightened")
         elif pressure == Pressure.OVERLOADED and state.budgets:
-            wanted = self._step_towards_fair(state, window, self.policy.budget_decrease_factor)
+            wanted = self._step_towards_fair(state, window, self.policy.budget_decrease_factor,
+                                             self._knee_capacity_tokens(window))
             reason = "overloaded with budgets in force: budgets cut until latency recovers"
         elif pressure in (Pressure.OVER_CAPACITY, Pressure.OVERLOADED):
             # At capacity with latency fine is where the server should run: budgets in force stay put.
-            wanted = self._step_towards_fair(state, window, 1.0)
+            wanted = self._step_towards_fair(state, window, 1.0, self._knee_capacity_tokens(window))
             reason = "over capacity: tenants above the fair share are held to it"
+        elif signals.hold and state.budgets:
+            wanted = {tenant: d.action for tenant, d in state.budgets.items()}
+            reason = f"{_named(signals.hold)} lit: budgets held, not loosened"
         elif pressure == Pressure.NORMAL:
             wanted = self._relax(state, window)
             reason = "under capacity again: budget raised step by step"
@@ -201,6 +309,10 @@ class Controller:
             reason = "latency damaged under capacity: budget held"
         else:
             return []  # no evidence: let what is in force lapse
+        wanted = {tenant: self._backoff(action, signals) for tenant, action in wanted.items()}
+        if signals.retry_storm is not None and wanted:
+            reason += (f"; retry storm: rejected rather than delayed, Retry-After spread over "
+                       f"{self.policy.retry_jitter_s:g} s")
         decisions = []
         for tenant, action in sorted(wanted.items()):
             previous = state.budgets.get(tenant)
@@ -212,7 +324,7 @@ class Controller:
                 issued_at=window.window_end,
                 expires_at=window.window_end + self.policy.ttl_s,
                 reason=reason,
-                evidence=(*_health_evidence(window, self.policy.breaker),
+                evidence=(*_health_evidence(window, self.policy.breaker), *signals.evidence,
                           Evidence("tenant_tokens_per_s", window.tenant_tokens.get(tenant, 0) / self.policy.window_s,
                                    action.tokens_per_second, "tokens/s")),
                 issuer=self.policy.issuer,
@@ -224,23 +336,47 @@ class Controller:
             del state.budgets[tenant]  # released: it lapses at its expiry
         return decisions
 
-    def _throttle(self, state: _UpstreamState, window: WindowFigures) -> dict[str, TokenBudgetAction]:
+    def _backoff(self, action: TokenBudgetAction, signals: MatrixSignals) -> TokenBudgetAction:
+        """A budget as the retry storm (or its absence) wants it: during one, reject at once and spread
+        the Retry-After; otherwise delay up to max_delay_s, unspread."""
+        if signals.retry_storm is not None:
+            return replace(action, max_delay_s=0.0, retry_jitter_s=self.policy.retry_jitter_s)
+        return replace(action, max_delay_s=self.policy.max_delay_s, retry_jitter_s=0.0)
+
+    def _knee_capacity_tokens(self, window: WindowFigures) -> float | None:
+        """The tokens/s the upstream takes at capacity × capacity_factor, or None when unknown."""
+        capacity_rps = _health(window).capacity_threshold(self.policy.breaker)
+        per_request = window.tokens_per_request
+        if per_request is None:
+            requests = window.request_rate * self.policy.window_s
+            per_request = sum(window.tenant_tokens.values()) / requests if requests > 0 else None
+        return capacity_rps * per_request if capacity_rps is not None and per_request else None
+
+    def _demand_cut_capacity(self, window: WindowFigures) -> float | None:
+        """What a demand signal leaves the upstream: the decrease factor × the tokens/s used in the
+        window, never more than the knee's capacity."""
+        used = sum(tokens for tenant, tokens in window.tenant_tokens.items() if tenant) / self.policy.window_s
+        if used <= 0:
+            return None
+        knee = self._knee_capacity_tokens(window)
+        cut = self.policy.budget_decrease_factor * used
+        return cut if knee is None else min(cut, knee)
+
+    def _throttle(self, state: _UpstreamState, window: WindowFigures,
+                  capacity_tokens: float | None) -> dict[str, TokenBudgetAction]:
         # Anonymous traffic ('' tenant) cannot be budgeted apart from the rest.
         demand = {t: tokens / self.policy.window_s for t, tokens in window.tenant_tokens.items() if t and tokens > 0}
-        requests = window.request_rate * self.policy.window_s
-        capacity_rps = _health(window).capacity_threshold(self.policy.breaker)
-        if not demand or requests <= 0 or capacity_rps is None:
+        if not demand or capacity_tokens is None:
             return {tenant: d.action for tenant, d in state.budgets.items()}
-        tokens_per_request = sum(window.tenant_tokens.values()) / requests
-        level = fair_share_level(list(demand.values()), capacity_rps * tokens_per_request)
+        level = fair_share_level(list(demand.values()), capacity_tokens)
         throttled = {t for t, d in demand.items() if d > level} | set(state.budgets)
         return {tenant: self._budget(level) for tenant in throttled} if math.isfinite(level) else {}
 
-    def _step_towards_fair(self, state: _UpstreamState, window: WindowFigures,
-                           factor: float) -> dict[str, TokenBudgetAction]:
-        """Tenants newly over the fair level get it; budgets in force move by `factor` (a cut below 1,
-        a hold at 1), never above the fair level nor below min_budget_share of it."""
-        fair = self._throttle(state, window)
+    def _step_towards_fair(self, state: _UpstreamState, window: WindowFigures, factor: float,
+                           capacity_tokens: float | None) -> dict[str, TokenBudgetAction]:
+        """Tenants newly over the fair level of `capacity_tokens` get it; budgets in force move by
+        `factor` (a cut below 1, a hold at 1), never above the fair level nor below min_budget_share of it."""
+        fair = self._throttle(state, window, capacity_tokens)
         wanted = dict(fair)
         for tenant, previous in state.budgets.items():
             level = (fair[tenant] if tenant in fair else previous.action).tokens_per_second
@@ -276,9 +412,16 @@ def _health_evidence(window: WindowFigures, policy: BreakerPolicy) -> tuple[Evid
     return tuple(evidence)
 
 
+def _named(evidence: Sequence[Evidence]) -> str:
+    return ", ".join(item.name for item in evidence)
+
+
 def _breaker_reason(before: BreakerStatus, after: BreakerStatus, window: WindowFigures,
-                    policy: BreakerPolicy) -> str:
+                    policy: BreakerPolicy, signals: MatrixSignals) -> str:
     if after.state == BreakerState.OPEN and before.state != BreakerState.OPEN:
+        if signals.stall is not None:
+            return (f"requests in flight silent for {signals.stall.value:.0f} s (inflight_stall crit): breaker "
+                    "opened, a jammed server ends nothing for latency to show")
         if before.state == BreakerState.HALF_OPEN:
             return "probe window damaged: breaker re-opened"
         return (f"overloaded for {policy.trip_windows} windows: rate {window.request_rate:.2f} req/s over "

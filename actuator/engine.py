@@ -14,7 +14,8 @@ an injected clock, so the rules below are tested without sockets:
   so 10% means exactly every tenth request, not a coin toss.
 - Token budgets: a bucket per target. A request whose estimated tokens the
   bucket cannot cover within the budget's ``max_delay`` is rejected early
-  (429, retry after the refill time); one that fits within it is delayed. The
+  (429, retry after the refill time, plus a uniform spread over the budget's
+  ``retry_jitter`` so rejected clients do not return in step); one that fits within it is delayed. The
   tokens are reserved at admission and the reservation settled when the real
   count arrives. A request with no tenant is the default tenant's, so
   budgets for it apply: leaving the tenant out escapes nothing.
@@ -33,6 +34,7 @@ import logging
 import math
 import os
 import queue
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -238,10 +240,12 @@ class Enforcer:
         shed_retry_after_s: float = 1.0,
         reservation_ttl_s: float = 600.0,
         max_reservations: int = 100_000,
+        rng: random.Random | None = None,  # draws the Retry-After spread; seeded in tests
     ):
         if min_dwell_s < 0 or max_lifetime_s <= 0 or shed_retry_after_s <= 0:
             raise ValueError("min_dwell_s must be >= 0; max_lifetime_s and shed_retry_after_s > 0")
         self._clock = clock
+        self._random = rng or random.Random()
         self.min_dwell_s = min_dwell_s
         self.max_lifetime_s = max_lifetime_s
         self._shed_retry_after_s = shed_retry_after_s
@@ -408,7 +412,9 @@ class Enforcer:
         for entry in matched:
             wait = entry.bucket.wait_for(tokens, now)
             if wait > entry.action.max_delay_s:
-                return Verdict(VerdictKind.REJECT, 429, _until_expiry(entry, wait, now), 0.0, "", entry.decision.id,
+                retry_after = wait + self._random.uniform(0.0, entry.action.retry_jitter_s)
+                return Verdict(VerdictKind.REJECT, 429, _until_expiry(entry, retry_after, now), 0.0, "",
+                               entry.decision.id,
                                f"token budget of {entry.decision.target.describe()} exhausted")
             if wait > longest_wait:
                 longest_wait, limiting = wait, entry

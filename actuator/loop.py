@@ -1,8 +1,10 @@
 """The control loop: every window, figures → decisions → actuator → tokenprobe.decisions.
 
 Once per ``ControllerPolicy.window_s`` the loop asks the analytics for the
-window that just ended (``analytics.figures.window_figures``), lets the
-``Controller`` decide, pushes the decisions (``DecisionPublisher``) and records
+window that just ended (``analytics.figures.window_figures``: rate, TTFT,
+capacity, the tokens each tenant used as they left, and what the matrix
+policy reads: the indicator cells live analysis stored and the queue of the
+agent's in-flight samples), lets the ``Controller`` decide, pushes the decisions (``DecisionPublisher``) and records
 every one with its evidence and how the actuator took it (``DecisionRecorder``).
 
 The window is read ``settle_s`` behind the wall clock: the agent writes a row

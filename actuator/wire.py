@@ -58,7 +58,7 @@ def decision_to_proto(decision: Decision) -> pb.Decision:
     else:
         message.token_budget.CopyFrom(pb.TokenBudget(
             tokens_per_second=action.tokens_per_second, burst_tokens=action.burst_tokens,
-            max_delay=seconds_to_duration(action.max_delay_s)))
+            max_delay=seconds_to_duration(action.max_delay_s), retry_jitter=seconds_to_duration(action.retry_jitter_s)))
     return message
 
 
@@ -76,7 +76,8 @@ def decision_from_proto(message: pb.Decision) -> Decision:
     elif which == "token_budget":
         budget = message.token_budget
         action = TokenBudgetAction(tokens_per_second=budget.tokens_per_second, burst_tokens=budget.burst_tokens,
-                                   max_delay_s=duration_to_seconds(budget.max_delay))
+                                   max_delay_s=duration_to_seconds(budget.max_delay),
+                                   retry_jitter_s=duration_to_seconds(budget.retry_jitter))
     else:
         raise InvalidDecision("a decision needs an action: breaker or token_budget")
     if not message.HasField("expires_at"):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .capture.kernel_headers import choose_headers
-from .capture.probes import ProbeError, Probes, Targets, libssl_paths
+from .capture.probes import ProbeError, Probes, Targets, openssl_copies
 from .capture.tls_libraries import unreadable_tls
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -90,24 +90,25 @@ def _check_bcc() -> Check:
 
 
 def _check_libssl() -> Check:
-    paths = libssl_paths()
+    paths = [copy.path for copy in openssl_copies()]
     if not paths:
-        return Check("libssl", WARN, "no libssl found: HTTPS served with a statically linked TLS "
-                     "library (Go, BoringSSL) is not decrypted", "serve TLS with a shared OpenSSL, or "
-                     "terminate TLS in a proxy that uses one")
+        return Check("OpenSSL", WARN, "no OpenSSL found (no file exports SSL_read and SSL_write): HTTPS "
+                     "served with another TLS library (rustls, BoringSSL without symbols, a Go binary without "
+                     "symbols) is not decrypted", "serve TLS with OpenSSL, or terminate TLS in a proxy that uses it")
     shown = ", ".join(paths[:6]) + (f" and {len(paths) - 6} more" if len(paths) > 6 else "")
-    return Check("libssl", OK, f"{len(paths)} found: {shown}")
+    return Check("OpenSSL", OK, f"{len(paths)} found: {shown}")
 
 
 def _check_tls_reach() -> Check:
-    blind = unreadable_tls(int(p) for p in os.listdir("/proc") if p.isdigit())
+    # Not the doctor itself: its store (chDB) links rustls, and it serves nothing.
+    blind = unreadable_tls(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid())
     if not blind:
         return Check("TLS reach", OK, "no process uses a TLS library the probes cannot read")
     named = "; ".join(f"pid {r.pid} ({r.exe}): {r.library}" for r in blind[:8])
     more = f" and {len(blind) - 8} more" if len(blind) > 8 else ""
     return Check("TLS reach", WARN, f"TLS not readable in {len(blind)} process(es): {named}{more}; their "
                  "connections are counted as unsupported rows (reason tls_unprobed)",
-                 "serve TLS with a shared OpenSSL (libssl), or terminate TLS in a proxy that uses one")
+                 "serve TLS with OpenSSL, or terminate TLS in a proxy that uses it")
 
 
 def _check_nvml() -> Check:
@@ -128,14 +129,19 @@ def _check_nvml() -> Check:
         pynvml.nvmlShutdown()
 
 
-def _check_load() -> Check:
+def _check_load() -> list[Check]:
     try:
         probes = Probes(Targets(ports=[1]))
     except (ProbeError, ValueError) as exc:
-        return Check("BPF load", FAIL, str(exc), "see the checks above")
+        return [Check("BPF load", FAIL, str(exc), "see the checks above")]
     try:
-        return Check("BPF load", OK, f"the probes compile, pass the verifier and attach "
-                     f"({len(probes.attached_ssl)} libssl probed)")
+        sizes = ", ".join(f"{name} {size}" for name, size in probes.map_sizes().items())
+        return [Check("BPF load", OK, f"the probes compile, pass the verifier and attach "
+                      f"({len(probes.attached_ssl)} copies of OpenSSL probed)"),
+                # This program's own maps are empty: a running agent's overflows are on its /metrics.
+                Check("kernel maps", OK, f"entries each map holds (the ring buffer: bytes): {sizes}; every one is "
+                      "an LRU or counts what it could not hold, which a running agent reports as "
+                      "tokenprobe_agent_map_overflows_total{map=...} on /metrics and in its summary at stop")]
     finally:
         probes.close()
 
@@ -145,7 +151,7 @@ def run_checks(load: bool = True) -> list[Check]:
               _check_root(), _check_btf(), _check_tracefs(), _check_headers(), *_check_probe_types(),
               _check_bcc(), _check_libssl(), _check_tls_reach(), _check_nvml()]
     if load and os.geteuid() == 0:
-        checks.append(_check_load())
+        checks += _check_load()
     return checks
 
 

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
+import pandas as pd
 
 from ..contract import measures
 from ..contract.analysis import PREFILL_CALIBRATION_TABLE
@@ -47,6 +48,7 @@ TOKENS, BYTES = "tokens", "bytes"
 ENGINE_SCALE_BOUNDS = (0.2, 5.0)
 
 ServerModel = tuple[str, int, str]  # node, server_port, model
+IDLE_ARRIVALS_FIRST_SPAN_S = 300.0  # read first: where a busy server has enough idle arrivals
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ def calibrate(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSp
     """
     lookback = analysed.ending_span(spans.calibration_lookback_s)
     needed = _keys_with_requests(store, analysed, scope)
-    fresh = _fit_idle_arrivals(store, lookback, scope, spans, now_ns)
+    fresh = _fit_idle_arrivals(store, lookback, scope, spans, now_ns, needed)
     fresh = _check_against_engine(store, lookback, scope, spans, fresh)
     if fresh:
         store.insert_rows(PREFILL_CALIBRATION_TABLE, [row for c in fresh.values() for row in calibration_rows(c)])
@@ -109,21 +111,9 @@ def _keys_with_requests(store: Store, analysed: TimeRange, scope: Scope) -> list
     return [(node, int(port), model) for node, port, model in rows]
 
 
-def _fit_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: AnalysisSpans,
-                       now_ns: int) -> dict[ServerModel, Calibration]:
-    in_range, range_parameters = range_condition("req_start", "lookback", lookback)
-    in_scope, scope_parameters = scope.condition()
-    frame = store.query_df(
-        f"""SELECT node, server_port, model, toUnixTimestamp64Nano(req_start) AS start_ns,
-                   {measures.TTFT_SERVER_MS} AS ttft_ms, prompt_tokens, bytes_in
-            FROM {store.table(REQUESTS_TABLE)}
-            WHERE {measures.IS_INFERENCE} AND inflight_at_arrival = 0 AND status BETWEEN 200 AND 299
-              AND req_end IS NOT NULL AND first_token IS NOT NULL AND first_token > req_end
-              AND {in_range} AND {in_scope}
-            ORDER BY req_start DESC
-            LIMIT {{max_points:UInt32}} BY node, server_port, model""",
-        {**range_parameters, **scope_parameters, "max_points": spans.calibration_max_points},
-    )
+def _fit_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: AnalysisSpans, now_ns: int,
+                       needed: list[ServerModel]) -> dict[ServerModel, Calibration]:
+    frame = _latest_idle_arrivals(store, lookback, scope, spans, needed)
     calibrations: dict[ServerModel, Calibration] = {}
     if frame.empty:  # an empty result has no columns at all
         return calibrations
@@ -142,6 +132,42 @@ def _fit_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: A
             fits=fits,
         )
     return calibrations
+
+
+def _latest_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: AnalysisSpans,
+                          needed: list[ServerModel]) -> pd.DataFrame:
+    """The most recent ``calibration_max_points`` idle arrivals in ``lookback`` of each server and model ``needed``.
+
+    A busy server that still sees idle arrivals has that many in its last
+    minutes: the query reads those first, and the whole look-back only where
+    they are too few (at most a few minutes more than reading it at once).
+    Servers and models not ``needed`` (no request in the analysed range) are
+    not fitted.
+    """
+    in_scope, scope_parameters = scope.condition()
+    first = [lookback.ending_span(IDLE_ARRIVALS_FIRST_SPAN_S)] if IDLE_ARRIVALS_FIRST_SPAN_S < lookback.seconds else []
+    for searched in (*first, lookback):
+        in_range, range_parameters = range_condition("req_start", "lookback", searched)
+        frame = store.query_df(
+            f"""SELECT node, server_port, model, toUnixTimestamp64Nano(req_start) AS start_ns,
+                       {measures.TTFT_SERVER_MS} AS ttft_ms, prompt_tokens, bytes_in
+                FROM {store.table(REQUESTS_TABLE)}
+                WHERE {measures.IS_INFERENCE} AND inflight_at_arrival = 0 AND status BETWEEN 200 AND 299
+                  AND req_end IS NOT NULL AND first_token IS NOT NULL AND first_token > req_end
+                  AND {in_range} AND {in_scope}
+                ORDER BY req_start DESC
+                LIMIT {{max_points:UInt32}} BY node, server_port, model""",
+            {**range_parameters, **scope_parameters, "max_points": spans.calibration_max_points},
+        )
+        found = {} if frame.empty else frame.groupby(["node", "server_port", "model"], observed=True).size()
+        if all(found.get(key, 0) >= spans.calibration_max_points for key in needed):
+            break
+    if frame.empty:  # an empty result has no columns at all
+        return frame
+    # Only the servers and models needed: another one's points may reach further back than searched.
+    wanted = set(needed)
+    return frame[[(node, int(port), model) in wanted
+                  for node, port, model in zip(frame["node"], frame["server_port"], frame["model"], strict=True)]]
 
 
 def _unit_fit(unit: str, size: np.ndarray, ttft_ms: np.ndarray) -> UnitFit:

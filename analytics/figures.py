@@ -33,7 +33,25 @@ never deciding on a partial window.
   agent recorded (``tokenprobe agent --tenant-header``), else the client
   address. Prompt tokens come from usage, else from the request bytes at the
   server's bytes per prompt token (learnt from requests with usage; 4 where
-  none had it).
+  none had it). Charged as they leave: a request with a tenant header that
+  the agent sampled in flight (``inflight_samples``) is charged, in each
+  window, the token events it streamed since the sample before the window,
+  and when it ends, the rest of its count; so a long stream weighs on its
+  tenant's budget while it streams, not minutes later when it ends. (Without
+  a header the sample cannot be matched to the client address: charged on
+  ending.);
+- ``tokens_per_request``: the mean prompt + output tokens of the requests
+  that ended, which turns a capacity in requests into tokens;
+- ``indicators``: per indicator, the newest cell with data of the server's
+  indicator matrix (live analysis writes it) ending within
+  ``indicator_max_age_s`` of the window's end, when lit (warn or crit); for
+  a per-GPU indicator, its worst GPU;
+- ``queue``: requests in flight waiting for their first token at the
+  newest in-flight sample in the window and at the one before it.
+
+A server with requests in flight sampled in the window has figures even if
+no request ended or arrived in it: a jammed server ends nothing, and only
+its in-flight figures and its ``inflight_stall`` cell show it.
 """
 
 from __future__ import annotations
@@ -41,10 +59,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..contract import measures
-from ..contract.decisions import WindowFigures
+from ..contract.analysis import INDICATOR_MATRIX_TABLE
+from ..contract.decisions import IndicatorReading, QueueSample, WindowFigures
+from ..contract.inflight import INFLIGHT_SAMPLES_TABLE, WAITING
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
-from .config import DEFAULT_CONFIG, AnalysisSpans
+from .config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalysisSpans
+from .indicators import CRIT, WARN
 from .knee import engine_slots, latest_found_knees
 from .pipeline import server_capacities
 from .scope import EVERYTHING, Scope
@@ -60,6 +81,9 @@ TENANT = "if(tenant != '', tenant, client_addr)"
 # many seconds whose rate stayed under this share of the capacity.
 HEALTH_BUCKET_S = 10
 HEALTHY_LOAD_SHARE = 0.7
+# An indicator cell older than this says nothing of now (live analysis writes one every pass).
+INDICATOR_MAX_AGE_S = 2.0 * DEFAULT_LIVE_EVERY_S
+_SEVERITY = {WARN: 1, CRIT: 2}
 
 
 def default_upstream(node: str, server_port: int) -> str:
@@ -68,8 +92,10 @@ def default_upstream(node: str, server_port: int) -> str:
 
 def window_figures(store: Store, since: float, until: float, *, scope: Scope = EVERYTHING,
                    spans: AnalysisSpans = DEFAULT_CONFIG.spans,
-                   upstream_of: Callable[[str, int], str] = default_upstream) -> list[WindowFigures]:
-    """One ``WindowFigures`` per server with inference requests in [since, until) (Unix seconds).
+                   upstream_of: Callable[[str, int], str] = default_upstream,
+                   indicator_max_age_s: float = INDICATOR_MAX_AGE_S) -> list[WindowFigures]:
+    """One ``WindowFigures`` per server with inference requests (ended, arrived or sampled in flight)
+    in [since, until) (Unix seconds).
 
     ``upstream_of(node, port)`` names the upstream as the gateway knows it
     (default ``node:port``).
@@ -92,8 +118,13 @@ def window_figures(store: Store, since: float, until: float, *, scope: Scope = E
             GROUP BY node, server_port ORDER BY node, server_port""",
         {**ended_parameters, **arrived_parameters, **recent_parameters, **scope_parameters},
     )
+    queues = _queues(store, window, scope)
+    lit = _lit_indicators(store, window, scope, indicator_max_age_s)
+    # Servers sampled in flight with nothing ended or arrived: no latency, only in-flight figures.
+    with_traffic = {(node, int(port)) for node, port, *_ in traffic}
+    jammed = [(node, port, 0, None, None, None) for node, port in sorted(set(queues) - with_traffic)]
     figures = []
-    for node, port, requests, p99_ms, decode_ms, arrived_p99_ms in traffic:
+    for node, port, requests, p99_ms, decode_ms, arrived_p99_ms in [*traffic, *jammed]:
         server = (node, int(port))
         slots = slots_by_engine.get(server) or (capacities[server].knee_concurrency if server in capacities
                                                 else None)
@@ -106,11 +137,12 @@ def window_figures(store: Store, since: float, until: float, *, scope: Scope = E
             baseline_p99_ms = _healthy_p99(store, server, lookback, HEALTHY_LOAD_SHARE * capacity_rps, slots)
         if baseline_p99_ms is None and unqueued is not None:
             baseline_p99_ms = unqueued[1]
+        tenant_tokens, tokens_per_request = _tenant_tokens(store, server, window, lookback, scope)
         figures.append(WindowFigures(
             upstream=upstream_of(*server), window_end=until, request_rate=requests / window.seconds,
             p99_ttft_s=_seconds(p99_ms), knee_capacity_rps=capacity_rps, baseline_p99_s=_seconds(baseline_p99_ms),
-            tenant_tokens=_tenant_tokens(store, server, window, lookback, scope),
-            arrived_p99_ttft_s=_seconds(arrived_p99_ms),
+            tenant_tokens=tenant_tokens, arrived_p99_ttft_s=_seconds(arrived_p99_ms),
+            tokens_per_request=tokens_per_request, indicators=lit.get(server, {}), queue=queues.get(server),
         ))
     return figures
 
@@ -179,7 +211,8 @@ def _healthy_p99(store: Store, server: tuple[str, int], lookback: TimeRange, hea
 
 
 def _tenant_tokens(store: Store, server: tuple[str, int], window: TimeRange, lookback: TimeRange,
-                   scope: Scope) -> dict[str, int]:
+                   scope: Scope) -> tuple[dict[str, int], float | None]:
+    """(tokens charged to each tenant in the window, as they leave; mean tokens of the requests that ended)."""
     in_lookback, lookback_parameters = range_condition("req_start", "ratio", lookback)
     on_server, server_parameters = _server_condition(server)
     ratio = store.query_rows(
@@ -190,12 +223,88 @@ def _tenant_tokens(store: Store, server: tuple[str, int], window: TimeRange, loo
     bytes_per_token = DEFAULT_BYTES_PER_TOKEN if _missing(ratio) or not ratio else float(ratio)
     in_window, window_parameters = _ended_in(window)
     in_scope, scope_parameters = scope.condition()
+    sampled, sampled_parameters = range_condition("sampled_at", "sampled", TimeRange(window.start_ns, window.end_ns))
+    before, before_parameters = range_condition("sampled_at", "before", TimeRange(
+        window.start_ns - int(MAX_REQUEST_S * NS_PER_S), window.start_ns))
+    ended_by, ended_by_parameters = range_condition(measures.ENDED_AT, "ended_by", TimeRange(
+        window.start_ns - int(MAX_REQUEST_S * NS_PER_S), window.end_ns))
+    samples = store.table(INFLIGHT_SAMPLES_TABLE)
+    # What a request sampled in flight was charged by the window's start: the events of its newest sample then.
+    charged_before = f"""(SELECT conn_id, req_seq, argMax(token_events, sampled_at) AS charged
+                         FROM {samples} WHERE {on_server} AND role = 'server' AND tenant != '' AND {before}
+                         GROUP BY conn_id, req_seq)"""
     rows = store.query_rows(
-        f"""SELECT {TENANT},
-                   sum(ifNull(prompt_tokens, bytes_in / {{bytes_per_token:Float64}}) + {measures.OUTPUT_TOKENS})
-            FROM {store.table(REQUESTS_TABLE)}
-            WHERE {measures.IS_INFERENCE} AND {in_window} AND {on_server} AND {in_scope}
-            GROUP BY 1""",
-        {**window_parameters, **server_parameters, **scope_parameters, "bytes_per_token": bytes_per_token},
+        f"""SELECT tenant, sum(charge), sum(full_tokens), sum(ended) FROM (
+                SELECT tenant, greatest(0., full_tokens - charged) AS charge, full_tokens, 1 AS ended
+                FROM (SELECT {TENANT} AS tenant, conn_id, req_seq,
+                             toFloat64(ifNull(prompt_tokens, bytes_in / {{bytes_per_token:Float64}})
+                                       + {measures.OUTPUT_TOKENS}) AS full_tokens
+                      FROM {store.table(REQUESTS_TABLE)}
+                      WHERE {measures.IS_INFERENCE} AND {in_window} AND {on_server} AND {in_scope}) AS ended_rows
+                LEFT JOIN {charged_before} AS prior USING (conn_id, req_seq)
+                UNION ALL
+                -- still in flight at the newest sample in the window: the events streamed since the one before
+                SELECT tenant, toFloat64(greatest(0, toInt64(token_events) - charged)) AS charge, 0. AS full_tokens,
+                       0 AS ended
+                FROM (SELECT conn_id, req_seq, tenant, token_events FROM {samples}
+                      WHERE {on_server} AND role = 'server' AND tenant != '' AND {in_scope} AND sampled_at = (
+                          SELECT max(sampled_at) FROM {samples} WHERE {on_server} AND {sampled})
+                        AND (conn_id, req_seq) NOT IN (
+                          SELECT conn_id, req_seq FROM {store.table(REQUESTS_TABLE)}
+                          WHERE {measures.IS_INFERENCE} AND {on_server} AND {ended_by})) AS streaming
+                LEFT JOIN {charged_before} AS prior USING (conn_id, req_seq)
+            )
+            GROUP BY tenant
+            SETTINGS join_use_nulls = 0""",
+        {**window_parameters, **server_parameters, **scope_parameters, **sampled_parameters, **before_parameters,
+         **ended_by_parameters, "bytes_per_token": bytes_per_token},
     )
-    return {client: round(tokens) for client, tokens in rows}
+    ended = sum(int(row[3]) for row in rows)
+    tokens_per_request = sum(float(row[2]) for row in rows) / ended if ended else None
+    return {tenant: round(charge) for tenant, charge, _, _ in rows if charge > 0}, tokens_per_request
+
+
+def _queues(store: Store, window: TimeRange, scope: Scope) -> dict[tuple[str, int], QueueSample | None]:
+    """Per server sampled in the window: requests waiting for a first token at its newest sample in the
+    window and at the sample before (None when there is none within MAX_REQUEST_S)."""
+    in_range, range_parameters = range_condition("sampled_at", "queue", TimeRange(
+        window.start_ns - int(MAX_REQUEST_S * NS_PER_S), window.end_ns))
+    in_scope, scope_parameters = scope.condition()
+    rows = store.query_rows(
+        f"""SELECT node, server_port, toUnixTimestamp64Nano(sampled_at) AS at, countIf(stage = {{waiting:String}})
+            FROM {store.table(INFLIGHT_SAMPLES_TABLE)}
+            WHERE role = 'server' AND {in_range} AND {in_scope}
+            GROUP BY node, server_port, at ORDER BY node, server_port, at DESC LIMIT 2 BY node, server_port""",
+        {**range_parameters, **scope_parameters, "waiting": WAITING},
+    )
+    newest: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for node, port, at, waiting in rows:
+        newest.setdefault((node, int(port)), []).append((int(at), int(waiting)))
+    return {server: QueueSample(before=samples[-1][1], after=samples[0][1],
+                                span_s=(samples[0][0] - samples[-1][0]) / NS_PER_S) if len(samples) == 2 else None
+            for server, samples in newest.items() if samples[0][0] >= window.start_ns}
+
+
+def _lit_indicators(store: Store, window: TimeRange, scope: Scope,
+                    max_age_s: float) -> dict[tuple[str, int], dict[str, IndicatorReading]]:
+    """Per server, its lit indicators (see the module docstring)."""
+    in_scope, scope_parameters = scope.condition(with_model=False)
+    rows = store.query_rows(
+        f"""SELECT node, server_port, indicator, argMax((state, value, warn, crit), window_start)
+            FROM {store.table(INDICATOR_MATRIX_TABLE)} FINAL
+            WHERE state != 'n/a' AND {in_scope}
+              AND window_start <= fromUnixTimestamp64Nano({{until_ns:Int64}}, 'UTC')
+              AND window_end > fromUnixTimestamp64Nano({{oldest_ns:Int64}}, 'UTC')
+            GROUP BY node, server_port, device_id, indicator""",
+        {**scope_parameters, "until_ns": window.end_ns, "oldest_ns": window.end_ns - int(max_age_s * NS_PER_S)},
+    )
+    lit: dict[tuple[str, int], dict[str, IndicatorReading]] = {}
+    for node, port, indicator, (state, value, warn, crit) in rows:
+        if state not in _SEVERITY:
+            continue
+        readings = lit.setdefault((node, int(port)), {})
+        held = readings.get(indicator)
+        if held is None or _SEVERITY[state] > _SEVERITY[held.state]:  # a per-GPU indicator: its worst GPU
+            threshold = crit if state == CRIT else warn
+            readings[indicator] = IndicatorReading(indicator, state, float(value), float(threshold))
+    return lit

@@ -10,7 +10,9 @@ A pass:
    a flush after they end);
 2. re-analyses, with ``pipeline.analyze``, the windows of ``every_s``
    seconds (aligned to the epoch) from the one where the earliest of them
-   started up to the settle point, for the servers they belong to only.
+   started up to the settle point, for the servers they belong to only;
+   the phases of those requests only (the ones before them have theirs from
+   earlier passes), so a pass costs what the new rows cost.
    The analytics tables replace what an earlier pass wrote for the same
    request or window (ReplacingMergeTree), so a window analysed again, or a
    pass retried after a failure, leaves one result per request and cell;
@@ -45,6 +47,7 @@ from .indicators import NO_DATA, OK, Cell
 from .inflight import stall_cells, store_samples
 from .pipeline import AnalysisReport, analyze
 from .scope import Scope, Server
+from .slo import SloMinutes
 from .timerange import NS_PER_S, TimeRange, range_condition
 
 log = logging.getLogger("tokenprobe.analytics.live")
@@ -110,6 +113,7 @@ class LiveAnalysis:
         # A (re)started agent first covers the window before it: a previous agent may have stopped in it.
         self.watermark_ns = clock_ns() - self.settle_ns - every_s * NS_PER_S
         self.passes = self.failures = 0
+        self.slo_minutes = SloMinutes()  # so a pass counts only the minutes new since the last one
         self.outlet_failures: dict[str, int] = {}
         self.samples_inflight = samples_inflight
         self._offered: tuple[int, list[dict]] | None = None  # (taken at, Unix ns; samples)
@@ -141,8 +145,11 @@ class LiveAnalysis:
             earliest = max(min(int(start) for _, start in servers), until_ns - MAX_SPAN_S * NS_PER_S)
             analysed = TimeRange(earliest // window_ns * window_ns, until_ns)
             scope = Scope(tuple(Server(int(port), self.node) for port, _ in servers))
-            report = analyze(self.store, analysed, window_s=self.every_s, scope=scope, config=self.config)
-            cells, phases = list(report.cells), self._ended_phases(new, parameters)
+            # The agent made the schema when it started; the requests before these have their phases.
+            report = analyze(self.store, analysed, window_s=self.every_s, scope=scope, config=self.config,
+                             new_requests=(new, parameters), schema_ready=True,
+                             slo_minutes=self.slo_minutes)
+            cells, phases = list(report.cells), self._ended_phases(ended, new, parameters)
         if inflight is not None:
             cells += self._judge_inflight(inflight, {(self.node, int(port)) for port, _ in servers}, until_ns)
         self.watermark_ns = until_ns
@@ -189,18 +196,23 @@ class LiveAnalysis:
     def _ended_condition(self, ended: TimeRange) -> tuple[str, dict]:
         """This node's inference requests that ended in ``ended`` (and started at most MAX_SPAN_S before)."""
         in_range, parameters = range_condition(measures.ENDED_AT, "ended", ended)
-        recent, recent_parameters = range_condition(
-            "req_start", "started", ended.extended_back(MAX_SPAN_S))
+        recent, recent_parameters = self._started_recently(ended)
         return (f"{measures.IS_INFERENCE} AND node = {{live_node:String}} AND {in_range} AND {recent}",
                 {**parameters, **recent_parameters, "live_node": self.node})
 
-    def _ended_phases(self, new: str, parameters: dict) -> list[dict]:
+    @staticmethod
+    def _started_recently(ended: TimeRange) -> tuple[str, dict]:
+        return range_condition("req_start", "started", ended.extended_back(MAX_SPAN_S))
+
+    def _ended_phases(self, ended: TimeRange, new: str, parameters: dict) -> list[dict]:
         columns = ", ".join(
             f"toUnixTimestamp64Nano({name}) AS {name}" if name in ("req_end", "first_token") else name
             for name in PHASE_COLUMNS)
+        # The requests' start bound lets FINAL merge only the recent parts of request_phases.
+        started, _ = self._started_recently(ended)
         rows = self.store.query_rows(
             f"""SELECT {columns} FROM {self.store.table(REQUEST_PHASES_TABLE)} FINAL
-                WHERE node = {{live_node:String}} AND (server_port, conn_id, req_seq) IN (
+                WHERE node = {{live_node:String}} AND {started} AND (server_port, conn_id, req_seq) IN (
                     SELECT server_port, conn_id, req_seq FROM {self.store.table(REQUESTS_TABLE)} WHERE {new})
                 ORDER BY req_end""", parameters)
         return [dict(zip(PHASE_COLUMNS, row, strict=True)) for row in rows]

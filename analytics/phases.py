@@ -87,11 +87,14 @@ def _phase_expressions(thresholds: Thresholds) -> dict[str, str]:
 
 
 def compute_phases(store: Store, requests: TimeRange, calibrations: Mapping[ServerModel, Calibration],
-                   scope: Scope, thresholds: Thresholds, now_ns: int) -> None:
-    """(Re)compute the phases of every inference request that started in ``requests``."""
+                   scope: Scope, thresholds: Thresholds, now_ns: int, only: tuple[str, dict] | None = None) -> None:
+    """(Re)compute the phases of every inference request that started in ``requests`` (and, with
+    ``only``, meets that condition over the requests, given with its parameters)."""
     expressions = _phase_expressions(thresholds)
     in_range, range_parameters = range_condition("req_start", "requests", requests)
     in_scope, scope_parameters = scope.condition()
+    if only is not None:
+        in_scope, scope_parameters = f"{in_scope} AND {only[0]}", {**scope_parameters, **only[1]}
     names = [column.name for column in REQUEST_PHASES_COLUMNS]
     select_list = ",\n    ".join(f"{expressions[name]} AS {name}" for name in names)
     store.command(

@@ -30,7 +30,7 @@ from .indicators import (
 from .knee import Knee, fit_knees, latest_found_knees
 from .phases import compute_phases, phase_summary
 from .scope import EVERYTHING, Scope
-from .slo import SloStatus, evaluate_slos
+from .slo import SloMinutes, SloStatus, evaluate_slos
 from .timerange import NS_PER_S, TimeRange, range_condition
 
 # Window lengths offered when none is asked for: the smallest giving at most MAX_AUTO_WINDOWS windows.
@@ -83,23 +83,33 @@ def default_range(store: Store, scope: Scope) -> TimeRange | None:
 
 
 def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, scope: Scope = EVERYTHING,
-            config: AnalyticsConfig = DEFAULT_CONFIG, now_ns: int | None = None) -> AnalysisReport:
-    """Run every analysis over ``analysed`` and store the results (see the module docstring)."""
+            config: AnalyticsConfig = DEFAULT_CONFIG, now_ns: int | None = None,
+            new_requests: tuple[str, dict] | None = None, schema_ready: bool = False,
+            slo_minutes: SloMinutes | None = None) -> AnalysisReport:
+    """Run every analysis over ``analysed`` and store the results (see the module docstring).
+
+    ``new_requests`` (a condition over the requests, with its parameters) narrows the phases computed to
+    those requests: an incremental pass (the live analysis) computes the phases of the requests new
+    since the last one, whose earlier neighbours, which the matrix also reads, have theirs already.
+    ``schema_ready``: the caller made sure of the schema (the agent, at start), so no DDL runs.
+    ``slo_minutes``: the SLO counts of whole minutes an earlier pass took (``slo.SloMinutes``), reused.
+    """
     now_ns = time.time_ns() if now_ns is None else now_ns
     window_s = window_s or auto_window_s(analysed)
-    store.ensure_schema()
+    if not schema_ready:
+        store.ensure_schema()
     # Phases reach back before the first window: the matrix looks back for
     # fragmentation, and requests that started earlier may still be in flight.
     lead_s = matrix_lead_s(window_s, config.thresholds)
     first_window_ns = Windows(analysed, window_s, lead_s).base_ns
     phases_range = TimeRange(first_window_ns, analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
     calibrations = calibrate(store, phases_range, scope, config.spans, now_ns)
-    compute_phases(store, phases_range, calibrations, scope, config.thresholds, now_ns)
+    compute_phases(store, phases_range, calibrations, scope, config.thresholds, now_ns, only=new_requests)
     fitted = fit_knees(store, analysed, scope, config.spans, now_ns)
     knees = latest_found_knees(store, scope)  # this run's, where it found one, are the latest
     capacities = server_capacities(knees, fitted)
     cells = compute_matrix(store, analysed, window_s, scope, config.thresholds, capacities, now_ns)
-    slos = evaluate_slos(store, analysed.end_ns, config.objectives, scope)
+    slos = evaluate_slos(store, analysed.end_ns, config.objectives, scope, slo_minutes)
     return AnalysisReport(analysed, window_s, phase_summary(store, analysed, scope), calibrations, knees,
                           capacities, cells, slos)
 

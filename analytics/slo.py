@@ -26,12 +26,15 @@ from dataclasses import dataclass, replace
 from ..contract import measures
 from ..contract.analysis import SLO_STATUS_TABLE
 from ..contract.requests import REQUESTS_TABLE
+from ..contract.rollup import ALL_REQUESTS, ROLLUP_STEP_S, ROLLUP_TABLE
 from ..store.client import Store
+from .calibration import ServerModel
 from .config import Objective
 from .scope import Scope
 from .timerange import NS_PER_S, TimeRange, range_condition
 
 WINDOWS_S = {"5m": 300, "30m": 1800, "1h": 3600, "6h": 21600}
+LONGEST = "6h"
 PAGE_BURN, PAGE_WINDOWS = 14.4, ("1h", "5m")
 TICKET_BURN, TICKET_WINDOWS = 6.0, ("6h", "30m")
 GOODPUT = "goodput"
@@ -74,37 +77,144 @@ class SloStatus:
         return (1.0 - share) / (1.0 - self.target)
 
 
-def evaluate_slos(store: Store, at_ns: int, objectives: Sequence[Objective], scope: Scope) -> list[SloStatus]:
-    """Every objective (and goodput) of every server and model with requests in the 6 h before ``at_ns``; stored."""
-    longest = TimeRange(at_ns - max(WINDOWS_S.values()) * NS_PER_S, at_ns)
-    in_range, range_parameters = range_condition("req_start", "slo", longest)
-    in_scope, scope_parameters = scope.condition()
-    every = " AND ".join(good_condition(objective) for objective in objectives)
-    aggregates = []
+MINUTE_NS = ROLLUP_STEP_S * NS_PER_S
+Counts = tuple[int, ...]  # served (role server, any method), SLO-eligible requests, good: goodput, each objective
+
+
+class SloMinutes:
+    """Per whole minute and server and model, the counts an evaluation took, for the next one to reuse.
+
+    The live analysis keeps one, so a pass reads the raw requests of the minutes
+    new since the last pass instead of 6 h of them. A minute is counted again
+    when the rollup's count of its served requests (``request_latency_bands``,
+    kept by a view on every insert) differs from the one taken with it: a request
+    stored late (a spool replay) is counted too. The rollup counts the servers'
+    side only (``role = 'server'``): a client-side row stored late into a kept
+    minute is not seen until the counts are forgotten.
+    """
+
+    def __init__(self) -> None:
+        self._for: tuple | None = None
+        self.minutes: dict[int, dict[ServerModel, Counts]] = {}  # minute start (Unix ns) -> counts
+
+    def counts_for(self, objectives: Sequence[Objective], scope: Scope) -> dict[int, dict[ServerModel, Counts]]:
+        """The kept minutes, forgotten when the objectives or the scope differ from the last evaluation's."""
+        if self._for != (tuple(objectives), scope):
+            self._for, self.minutes = (tuple(objectives), scope), {}
+        return self.minutes
+
+
+def evaluate_slos(store: Store, at_ns: int, objectives: Sequence[Objective], scope: Scope,
+                  kept: SloMinutes | None = None) -> list[SloStatus]:
+    """Every objective (and goodput) of every server and model with requests in the 6 h before ``at_ns``; stored.
+
+    Each window ``[at_ns - length, at_ns)`` is its whole minutes (from ``kept`` where
+    still current, see ``SloMinutes``) and the parts of minutes at its two ends.
+    """
+    minutes = (kept or SloMinutes()).counts_for(objectives, scope)
+    whole = TimeRange(-(-(at_ns - WINDOWS_S[LONGEST] * NS_PER_S) // MINUTE_NS) * MINUTE_NS,
+                      at_ns // MINUTE_NS * MINUTE_NS)
+    for minute in [minute for minute in minutes if not whole.start_ns <= minute < whole.end_ns]:
+        del minutes[minute]
+    _count_stale_minutes(store, whole, objectives, scope, minutes)
+    edges = _edge_counts(store, at_ns, whole.end_ns, objectives, scope)
+    totals: dict[ServerModel, dict[str, list[int]]] = {}
     for window, seconds in WINDOWS_S.items():
-        recent = f"req_start >= fromUnixTimestamp64Nano({{slo_to:Int64}} - {seconds * NS_PER_S}, 'UTC')"
-        aggregates.append(f"countIf({recent}) AS requests_{window}")
-        aggregates.append(f"countIf({recent} AND {every}) AS good_{window}_{GOODPUT}")
-        for objective in objectives:
-            aggregates.append(f"countIf({recent} AND {good_condition(objective)}) "
-                              f"AS good_{window}_{objective.objective}")
-    frame = store.query_df(
-        f"""SELECT node, server_port, model, {", ".join(aggregates)}
-            FROM {store.table(REQUESTS_TABLE)}
-            WHERE {measures.IS_SLO_ELIGIBLE} AND {in_range} AND {in_scope}
-            GROUP BY node, server_port, model ORDER BY node, server_port, model""",
-        {**range_parameters, **scope_parameters},
-    )
+        starts_ns = at_ns - seconds * NS_PER_S
+        for minute, groups in minutes.items():
+            if minute >= starts_ns:
+                for group, counts in groups.items():
+                    _add(totals, group, window, counts[1:])
+        for edge in (window, None):  # the window's first minute, and the minute it shares with every window
+            for group, counts in edges.get(edge, {}).items():
+                _add(totals, group, window, counts)
     statuses = []
-    for _, row in frame.iterrows():
-        requests = {window: int(row[f"requests_{window}"]) for window in WINDOWS_S}
+    for (node, port, model), counts in sorted(totals.items()):
+        if LONGEST not in counts or not counts[LONGEST][0]:
+            continue  # served requests only, none SLO-eligible
+        requests = {window: counts[window][0] if window in counts else 0 for window in WINDOWS_S}
         for objective in (*objectives, None):
-            name = objective.objective if objective else GOODPUT
-            good = {window: int(row[f"good_{window}_{name}"]) for window in WINDOWS_S}
-            statuses.append(_status(row["node"], int(row["server_port"]), row["model"], objective, requests, good))
+            index = 2 + objectives.index(objective) if objective else 1  # _count_columns' order
+            good = {window: counts[window][index] if window in counts else 0 for window in WINDOWS_S}
+            statuses.append(_status(node, port, model, objective, requests, good))
     if statuses:
         store.insert_rows(SLO_STATUS_TABLE, [_row(status, at_ns) for status in statuses])
     return statuses
+
+
+def _add(totals: dict[ServerModel, dict[str, list[int]]], group: ServerModel, window: str, counts: Counts) -> None:
+    window_counts = totals.setdefault(group, {}).setdefault(window, [0] * len(counts))
+    for index, count in enumerate(counts):
+        window_counts[index] += count
+
+
+def _count_columns(objectives: Sequence[Objective]) -> str:
+    """SQL: the SLO-eligible requests, those that met every objective, and those that met each."""
+    every = " AND ".join(good_condition(objective) for objective in objectives)
+    met = [every, *(good_condition(objective) for objective in objectives)]
+    return ", ".join([f"countIf({measures.IS_SLO_ELIGIBLE})",
+                      *(f"countIf({measures.IS_SLO_ELIGIBLE} AND {condition})" for condition in met)])
+
+
+def _count_stale_minutes(store: Store, whole: TimeRange, objectives: Sequence[Objective], scope: Scope,
+                         minutes: dict[int, dict[ServerModel, Counts]]) -> None:
+    """Count again, from the requests, every minute of ``whole`` not kept or whose served count has changed."""
+    in_scope, scope_parameters = scope.condition()
+    served: dict[int, dict[ServerModel, int]] = {}
+    for node, port, model, minute, count in store.query_rows(
+            f"""SELECT node, server_port, model, toUnixTimestamp(minute), sum(requests)
+                FROM {store.table(ROLLUP_TABLE)}
+                WHERE metric = '{ALL_REQUESTS}' AND minute >= toDateTime({{slo_whole_from:Int64}}, 'UTC')
+                  AND minute < toDateTime({{slo_whole_to:Int64}}, 'UTC') AND {in_scope}
+                GROUP BY node, server_port, model, minute""",
+            {"slo_whole_from": whole.start_ns // NS_PER_S, "slo_whole_to": whole.end_ns // NS_PER_S,
+             **scope_parameters}):
+        served.setdefault(int(minute) * NS_PER_S, {})[(node, int(port), model)] = int(count)
+    stale = [minute for minute in range(whole.start_ns, whole.end_ns, MINUTE_NS)
+             if minute not in minutes
+             or {group: counts[0] for group, counts in minutes[minute].items() if counts[0]} != served.get(minute, {})]
+    if not stale:
+        return
+    in_range, range_parameters = range_condition("req_start", "slo", TimeRange(stale[0], stale[-1] + MINUTE_NS))
+    for minute in stale:
+        minutes[minute] = {}
+    for node, port, model, minute, *counts in store.query_rows(
+            f"""SELECT node, server_port, model, intDiv(toUnixTimestamp64Nano(req_start), {MINUTE_NS}) AS minute,
+                       countIf(role = 'server'), {_count_columns(objectives)}
+                FROM {store.table(REQUESTS_TABLE)}
+                WHERE {in_range} AND minute IN {{slo_stale:Array(Int64)}} AND {in_scope}
+                GROUP BY ALL""",
+            {**range_parameters, **scope_parameters, "slo_stale": [minute // MINUTE_NS for minute in stale]}):
+        minute = int(minute) * MINUTE_NS
+        minutes[minute][(node, int(port), model)] = tuple(int(count) for count in counts)
+
+
+def _edge_counts(store: Store, at_ns: int, last_minute_ns: int, objectives: Sequence[Objective],
+                 scope: Scope) -> dict[str | None, dict[ServerModel, Counts]]:
+    """The counts of each window's part of its first minute (by window), and of the minute ``at_ns`` is in (None)."""
+    edges = {None: TimeRange(last_minute_ns, at_ns)} if at_ns > last_minute_ns else {}
+    for window, seconds in WINDOWS_S.items():
+        starts_ns = at_ns - seconds * NS_PER_S
+        if starts_ns % MINUTE_NS:
+            edges[window] = TimeRange(starts_ns, starts_ns - starts_ns % MINUTE_NS + MINUTE_NS)
+    if not edges:
+        return {}
+    in_scope, scope_parameters = scope.condition()
+    conditions, parameters = [], dict(scope_parameters)
+    for index, edge in enumerate(edges.values()):
+        condition, edge_parameters = range_condition("req_start", f"slo_edge_{index}", edge)
+        conditions.append(f"({condition})")
+        parameters.update(edge_parameters)
+    which = f"multiIf({', '.join(f'{condition}, {index}' for index, condition in enumerate(conditions))}, -1)"
+    names = list(edges)
+    counts: dict[str | None, dict[ServerModel, Counts]] = {}
+    for node, port, model, edge, *edge_counts in store.query_rows(
+            f"""SELECT node, server_port, model, {which} AS edge, {_count_columns(objectives)}
+                FROM {store.table(REQUESTS_TABLE)}
+                WHERE ({" OR ".join(conditions)}) AND {in_scope}
+                GROUP BY ALL""", parameters):
+        counts.setdefault(names[int(edge)], {})[(node, int(port), model)] = tuple(int(count) for count in edge_counts)
+    return counts
 
 
 def _status(node: str, port: int, model: str, objective: Objective | None, requests: dict[str, int],

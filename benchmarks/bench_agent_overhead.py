@@ -4,7 +4,12 @@ Part 1 runs the same closed-loop load against the reference server twice in
 one run, without and with `tokenprobe agent` attached, and prints throughput
 and client-side TTFT/latency side by side as ratios.
 
-Part 2 points the agent at a "firehose": a server that streams tiny SSE
+Part 2 does the same per protocol against one hypercorn SSE server
+(refserver/h2_sse.py): HTTP/1.1 (one connection per concurrent stream) next
+to HTTP/2 in the clear (h2c, every stream multiplexed on one connection, each
+frame parsed and each header block HPACK-decoded by the agent).
+
+Part 3 points the agent at a "firehose": a server that streams tiny SSE
 chunks, one write() each, at a set rate; it prints, per offered rate, the
 events the agent processed per second and the share the kernel dropped
 because the agent fell behind (the workload never waits for the agent).
@@ -15,6 +20,7 @@ Prints figures; asserts nothing. Needs root (real BPF). Run: make bench
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 import socket
 import statistics
@@ -24,11 +30,32 @@ import threading
 import time
 from pathlib import Path
 
-from tokenprobe.refserver.harness import agent, free_port, reference_server
+import httpx
+from tokenprobe.refserver.harness import (
+    agent,
+    free_port,
+    listening_process,
+    reference_server,
+)
 from tokenprobe.refserver.loadgen import LoadConfig, burst
+from tokenprobe.store.embedded import open_store
 
 SSE_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
 CHUNK = b"%x\r\n%s\r\n" % (len(SSE_EVENT), SSE_EVENT)
+
+
+def figures(elapsed: float, requests: int, tokens: int, ttfts_ms: list[float], totals_ms: list[float],
+            errors: int) -> dict:
+    ttfts, totals = sorted(ttfts_ms), sorted(totals_ms)
+    return {
+        "requests/s": requests / elapsed,
+        "tokens/s": tokens / elapsed,
+        "TTFT p50 ms": statistics.median(ttfts),
+        "TTFT p99 ms": ttfts[int(0.99 * (len(ttfts) - 1))],
+        "latency p50 ms": statistics.median(totals),
+        "latency p99 ms": totals[int(0.99 * (len(totals) - 1))],
+        "errors": errors,
+    }
 
 
 def load_figures(port: int, requests: int, concurrency: int) -> dict:
@@ -37,17 +64,10 @@ def load_figures(port: int, requests: int, concurrency: int) -> dict:
     started = time.monotonic()
     result = burst(config, n=requests, concurrency=concurrency, per_connection=8)
     elapsed = time.monotonic() - started
-    ttfts = sorted(r.ttft_ns / 1e6 for r in result.records if r.ttft_ns is not None)
-    totals = sorted((r.end_ns - r.send_ns) / 1e6 for r in result.records if r.end_ns and r.send_ns)
-    return {
-        "requests/s": len(result.records) / elapsed,
-        "tokens/s": sum(r.token_events for r in result.records) / elapsed,
-        "TTFT p50 ms": statistics.median(ttfts),
-        "TTFT p99 ms": ttfts[int(0.99 * (len(ttfts) - 1))],
-        "latency p50 ms": statistics.median(totals),
-        "latency p99 ms": totals[int(0.99 * (len(totals) - 1))],
-        "errors": len(result.errors),
-    }
+    return figures(elapsed, len(result.records), sum(r.token_events for r in result.records),
+                   [r.ttft_ns / 1e6 for r in result.records if r.ttft_ns is not None],
+                   [(r.end_ns - r.send_ns) / 1e6 for r in result.records if r.end_ns and r.send_ns],
+                   len(result.errors))
 
 
 def overhead(tmp: Path, requests: int, concurrency: int) -> None:
@@ -65,6 +85,66 @@ def overhead(tmp: Path, requests: int, concurrency: int) -> None:
         base = without[key]
         ratio = f"{attached[key] / base:10.3f}" if base else f"{'-':>10}"
         print(f"{key:18}{base:12.2f}{attached[key]:12.2f}{ratio}{again[key]:16.2f}")
+
+
+async def _stream_load(port: int, http2: bool, requests: int, concurrency: int) -> dict:
+    """`concurrency` workers streaming chats back to back: over HTTP/1.1 each on its own
+    keep-alive connection, over h2c all on one connection."""
+    ttfts, totals, tokens, errors, left = [], [], 0, 0, iter(range(requests))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", http1=not http2, http2=http2, timeout=60,
+                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def worker() -> None:
+            nonlocal tokens, errors
+            for n in left:
+                sent = time.monotonic_ns()
+                first = None
+                async with client.stream("POST", "/v1/chat/completions", json={"model": "bench", "n": n % 16}) \
+                        as response:
+                    async for chunk in response.aiter_raw():
+                        first = first or time.monotonic_ns()
+                        tokens += chunk.count(b'"content": "t')
+                if response.status_code != 200 or first is None:
+                    errors += 1
+                    continue
+                ttfts.append((first - sent) / 1e6)
+                totals.append((time.monotonic_ns() - sent) / 1e6)
+
+        started = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.monotonic() - started
+    return figures(elapsed, len(totals), tokens, ttfts, totals, errors)
+
+
+def protocol_overhead(tmp: Path, requests: int, concurrency: int) -> None:
+    print(f"\n== server cost per protocol: {requests} streamed requests, {concurrency} concurrent, "
+          "hypercorn SSE (12-27 events, 2 ms apart)")
+    protocols = (("HTTP/1.1", False), ("h2c", True))
+    runs: dict[tuple[str, bool], dict] = {}
+    port = free_port()  # hypercorn serves HTTP/1.1 and h2c (prior knowledge) on one port
+    with listening_process([sys.executable, "-m", "tokenprobe.refserver.h2_sse", str(port)], port):
+        for name, http2 in protocols:
+            asyncio.run(_stream_load(port, http2, 40, concurrency))  # warm-up
+            runs[name, False] = asyncio.run(_stream_load(port, http2, requests, concurrency))
+        with agent(tmp, ports=[port]) as handle:
+            for name, http2 in protocols:
+                runs[name, True] = asyncio.run(_stream_load(port, http2, requests, concurrency))
+            handle.stop()
+    print(f"{'':18}" + "".join(f"{name + ' no agent':>18}{'agent':>10}{'agent/no':>10}" for name, _ in protocols))
+    for key in runs["HTTP/1.1", False]:
+        line = f"{key:18}"
+        for name, _ in protocols:
+            base, attached = runs[name, False][key], runs[name, True][key]
+            ratio = f"{attached / base:10.3f}" if base else f"{'-':>10}"
+            line += f"{base:18.2f}{attached:10.2f}{ratio}"
+        print(line)
+    store = open_store(handle.store_url, serve=False)
+    try:
+        stored = dict(store.query_df("SELECT protocol, count() AS n FROM tokenprobe.requests WHERE outcome = "
+                                     "'complete' GROUP BY protocol").itertuples(index=False))
+    finally:
+        store.close()
+    print(f"{'complete rows':18}" + "".join(f"{stored.get(label, 0):>18}" + " " * 20
+                                            for label in ("http/1.1", "h2c")) + f"  (of {requests} each)")
 
 
 class Firehose:
@@ -142,6 +222,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tokenprobe-bench-") as tmp:
         overhead(Path(tmp), args.requests, args.concurrency)
+        protocol_overhead(Path(tmp), args.requests, args.concurrency)
         firehose(Path(tmp), args.rates, args.seconds)
     return 0
 

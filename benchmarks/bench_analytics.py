@@ -1,22 +1,42 @@
-"""How fast the analytics run over a large store: phases and matrix over 10 million requests.
+"""How fast the analytics run: a full re-analysis of a day, and the agent's incremental live windows.
 
 Generates the requests inside ClickHouse itself (INSERT ... SELECT FROM
 numbers()) in a fresh embedded store: four servers over a day, load rising
 and falling so that some requests arrive to an idle server (the prefill
 calibration needs them) and some queue; streams of 8 to 32 token events.
-Then times each analysis step on the whole day and prints seconds and rows/s.
+Then times each analysis step on the whole day (``tokenprobe analyze`` over
+it) and prints seconds and rows/s, so a figure taken on fewer rows
+extrapolates to the 10 million of a busy day (the target: 5 s for those).
 
-    python benchmarks/bench_analytics.py                      # 10 million requests
-    python benchmarks/bench_analytics.py --requests 1000000   # a quicker look
+Then the live analysis (``analytics/live.py``): another node's four servers
+serve ``--live-rate`` requests/s (1000 by default) for ``--live-history``
+seconds and then ``--live-windows`` windows of ``--live-every`` seconds, and
+``LiveAnalysis.run_once`` analyses
+each window as the agent would when it ends (the target: 100 ms a window at
+1000 requests/s). The clock is the benchmark's, so no window waits for time
+to pass. With ``--baseline REF`` the analytics as of that git ref (loaded
+apart, as package ``tokenprobe_baseline``) analyse the same windows of the
+same store, each window by both in turn (alternating which goes first), so
+the two medians are taken under the same load.
 
-Not a test: nothing is asserted. On a 2-core machine the default run takes a
-few minutes, most of it generating the data.
+    python benchmarks/bench_analytics.py                       # 1 million requests: CI's size
+    python benchmarks/bench_analytics.py --rows 10000000       # a busy day
+    python benchmarks/bench_analytics.py --live-history 21600 --baseline 884fb47   # SLO windows full, A/B
+
+Not a test: nothing is asserted. On a 2-core machine 10 million rows take
+a few minutes, most of it generating the data.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
 import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +50,7 @@ from tokenprobe.analytics.indicators import (
     matrix_lead_s,
 )
 from tokenprobe.analytics.knee import fit_knees
+from tokenprobe.analytics.live import LiveAnalysis
 from tokenprobe.analytics.phases import compute_phases, phase_summary
 from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
@@ -39,12 +60,16 @@ from tokenprobe.store.embedded import open_store
 
 SERVERS = 4
 DAY_S = 86_400
+DEFAULT_ROWS = 1_000_000
+FULL_NODE, LIVE_NODE = "bench-node", "live-node"
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE_PACKAGE = "tokenprobe_baseline"
 
 # One request per number n; 'load' swings between 0 and 1 six times over the span.
 GENERATE = """
 INSERT INTO {db}.requests
 SELECT
-    'bench-node' AS node, n AS conn_id, 0 AS req_seq, 'server' AS role, 4242 AS pid, 'engine' AS comm,
+    '{node}' AS node, n AS conn_id, 0 AS req_seq, 'server' AS role, 4242 AS pid, 'engine' AS comm,
     8000 + n % {servers} AS server_port,
     concat('10.0.', toString(intDiv(n % 200, 50)), '.', toString(n % 50)) AS client_addr,
     toUInt16(30000 + n % 30000) AS client_port, '' AS tenant, false AS tls,
@@ -64,7 +89,9 @@ SELECT
     first_token AS first_content_token, 1 AS choices, token_events AS choice_events,
     NULL AS engine_prompt_ms, NULL AS engine_decode_ms,
     'exact' AS capture, toUInt64(0) AS bytes_unseen, 'http/1.1' AS protocol, toUInt32(0) AS stream_id,
-    NULL AS grpc_status, '' AS unreadable_reason
+    NULL AS grpc_status, '' AS unreadable_reason, toUInt32(0) AS request_messages,
+    toUInt64(0) AS request_message_bytes, toUInt64(0) AS response_message_bytes,
+    toUInt32(0) AS largest_response_message_bytes
 FROM (
     SELECT number AS n,
         {start_ns} + toInt64(n * ({span_ns} / {requests})) AS start_ns,
@@ -87,31 +114,87 @@ def timed(label: str, rows: int, step) -> object:
     return result
 
 
+def generate(store, node: str, start_ns: int, span_s: int, requests: int) -> None:
+    store.command(GENERATE.format(db=store.database, node=node, servers=SERVERS, start_ns=start_ns,
+                                  span_ns=span_s * NS_PER_S, requests=requests))
+
+
+def baseline_live_analysis(ref: str, directory: Path) -> type:
+    """``LiveAnalysis`` as of git ``ref``: the product imports itself relatively, so it loads under another name."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(directory / BASELINE_PACKAGE, filter="data")
+    sys.path.insert(0, str(directory))
+    return importlib.import_module(f"{BASELINE_PACKAGE}.analytics.live").LiveAnalysis
+
+
+def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, history_s: int,
+                 implementations: dict[str, type]) -> None:
+    """Time the live analysis of each of ``windows`` windows of ``rate`` requests/s, ending at ``end_ns``,
+    after ``history_s`` of the same traffic (what a pass reads back: occupancy, calibration, SLO windows),
+    by each implementation in turn."""
+    span_s = history_s + windows * every_s
+    start_ns = end_ns - span_s * NS_PER_S
+    timed(f"generate {rate:,} requests/s for {span_s} s", rate * span_s,
+          lambda: generate(store, LIVE_NODE, start_ns, span_s, rate * span_s))
+    window_ns = every_s * NS_PER_S
+    first_end_ns = end_ns - windows * window_ns
+    clock = [first_end_ns]
+    passes = {name: live(store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
+              for name, live in implementations.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in passes}
+    for index in range(windows):
+        clock[0] = first_end_ns + (index + 1) * window_ns
+        names = list(passes) if index % 2 == 0 else list(reversed(passes))
+        for name in names:
+            started = time.perf_counter()
+            passes[name].run_once()
+            seconds[name].append(time.perf_counter() - started)
+    per_window = rate * every_s
+    print(f"  live windows of {every_s} s at {rate:,} requests/s ({per_window:,} requests each), {windows} windows:")
+    for name, taken in seconds.items():
+        print(f"    {name:<24} median {statistics.median(taken) * 1000:6.0f} ms, max {max(taken) * 1000:6.0f} ms,"
+              f" {per_window / statistics.median(taken):10,.0f} requests/s", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=10_000_000)
+    parser.add_argument("--rows", "--requests", type=int, default=DEFAULT_ROWS, dest="rows",
+                        help="requests over the day of the full analysis (default %(default)s)")
+    parser.add_argument("--live-rate", type=int, default=1000, help="requests/s of the live windows")
+    parser.add_argument("--live-every", type=int, default=30, help="seconds per live window (the agent's default)")
+    parser.add_argument("--live-windows", type=int, default=5, help="live windows to time (0: none)")
+    parser.add_argument("--live-history", type=int, default=int(OCCUPANCY_LOOKBACK_S) + 60, metavar="S",
+                        help="seconds of traffic before the first live window (default: the occupancy look-back"
+                             " and a minute, as an agent in steady state; the SLO windows reach back 6 h)")
+    parser.add_argument("--baseline", metavar="REF", help="also time the live windows of the analytics as of this "
+                                                         "git ref, window by window with this checkout's")
     parser.add_argument("--store", metavar="DIR", help="where to build the store (default: a temporary folder, "
                                                       "removed afterwards)")
     args = parser.parse_args()
-    if args.requests < 1000:
-        parser.error("--requests must be at least 1000")
+    if args.rows < 1000:
+        parser.error("--rows must be at least 1000")
+    if args.live_rate < 1 or args.live_every < 1 or args.live_windows < 0 or args.live_history < 0:
+        parser.error("--live-rate and --live-every must be positive, --live-windows and --live-history not negative")
     directory = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="tokenprobe-bench-analytics-"))
+    baseline_directory = Path(tempfile.mkdtemp(prefix="tokenprobe-bench-baseline-"))
     config = DEFAULT_CONFIG
     end_ns = time.time_ns() // NS_PER_S * NS_PER_S
     analysed = TimeRange(end_ns - DAY_S * NS_PER_S, end_ns)
     store = open_store(f"chdb://{directory}", serve=False)
     try:
         store.ensure_schema()
-        n = args.requests
+        n = args.rows
         print(f"{n:,} requests from {SERVERS} servers over {DAY_S // 3600} h, embedded store in {directory}")
-        timed("generate (INSERT ... SELECT)", n, lambda: store.command(GENERATE.format(
-            db=store.database, servers=SERVERS, start_ns=analysed.start_ns, span_ns=DAY_S * NS_PER_S, requests=n)))
+        timed("generate (INSERT ... SELECT)", n, lambda: generate(store, FULL_NODE, analysed.start_ns, DAY_S, n))
         window_s = auto_window_s(analysed)
         lead_s = matrix_lead_s(window_s, config.thresholds)
         phases_range = TimeRange(Windows(analysed, window_s, lead_s).base_ns,
                                  analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
         now_ns = time.time_ns()
         print(f"analysis over the day, windows of {window_s} s:")
+        analysis_started = time.perf_counter()
         calibrations = timed("prefill calibration", n, lambda: calibrate(store, phases_range, EVERYTHING,
                                                                          config.spans, now_ns))
         timed("phases (INSERT ... SELECT)", n, lambda: compute_phases(store, phases_range, calibrations,
@@ -122,10 +205,22 @@ def main() -> int:
             store, analysed, window_s, EVERYTHING, config.thresholds, server_capacities(knees, knees), now_ns))
         timed("SLO burn rates (last 6 h)", n, lambda: evaluate_slos(store, analysed.end_ns, config.objectives,
                                                                    EVERYTHING))
+        full_s = time.perf_counter() - analysis_started
         found = ", ".join(f"{port}: {knee.knee_concurrency}" for (_, port, _), knee in sorted(knees.items()))
         print(f"{len(calibrations)} calibrations, knees {{{found}}}, {len(cells)} matrix cells")
+        print(f"  {'full analysis':<34} {full_s:8.1f} s  {n / full_s:12,.0f} requests/s"
+              f"  (10M requests: {10_000_000 * full_s / n:.1f} s at this rate)")
+        if args.live_windows:
+            print("live analysis (the agent's incremental windows, another node's servers):")
+            implementations = {"this checkout": LiveAnalysis}
+            if args.baseline:
+                implementations[f"baseline ({args.baseline})"] = baseline_live_analysis(args.baseline,
+                                                                                              baseline_directory)
+            live_windows(store, end_ns, args.live_rate, args.live_every, args.live_windows, args.live_history,
+                         implementations)
     finally:
         store.close()
+        shutil.rmtree(baseline_directory, ignore_errors=True)
         if not args.store:
             shutil.rmtree(directory, ignore_errors=True)
     return 0

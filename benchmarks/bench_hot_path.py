@@ -4,12 +4,15 @@ A C server (benchmarks/firehose.c, built here with cc) streams OpenAI chat
 chunks, one write per event, over keep-alive connections held by a client in
 this process; both run on CPU 0. The real `tokenprobe agent` runs pinned to
 CPU 1 and reports through its own /metrics what it handled and what the
-kernel dropped. Per implementation — this checkout, and a previous one given
-as a git ref (default: the commit before the capture work) — it prints:
+kernel dropped. Per implementation — this checkout with kernel batching (the
+default), this checkout with --no-kernel-batching, and a previous one given as
+a git ref (default: the commit before the capture work) — it prints:
 
-- for 1, 64 and 512 concurrent streams: per offered rate, events the agent
-  handled per second, the share the kernel dropped, the agent's CPU per 1k
-  events and its RSS; and the highest rate it kept up with, no drops;
+- for 1, 64 and 512 concurrent streams: per offered rate, the token events the
+  server wrote per second, the kernel records the agent handled per second and
+  the writes that came batched in them, the share of records the kernel
+  dropped, the agent's CPU per 1k token events and its RSS; and the highest
+  rate it kept up with, no drops;
 - the watched server at a fixed offered rate: events delivered per second and
   client-side p50/p99 TTFT without an agent and with each implementation,
   as ratios to no agent.
@@ -54,6 +57,7 @@ END_OF_RESPONSE = b"0\r\n\r\n"
 class Implementation:
     name: str
     pythonpath: str | None  # None: this checkout as installed
+    agent_args: tuple[str, ...] = ()
 
 
 def build_firehose(tmp: Path) -> Path:
@@ -85,44 +89,64 @@ class AgentProcess:
     """`tokenprobe agent` pinned to one CPU, read through its /metrics and /proc."""
 
     def __init__(self, impl: Implementation, port: int, tmp: Path):
+        self.log_path = tmp / f"agent-{port}.log"
+        # A free port may be taken before the agent binds it (its store's own server binds an
+        # ephemeral one first): then the agent exits, and starts again on another.
+        for _ in range(3):
+            if self._start(impl, port, tmp):
+                return
+        raise self._did_not_start()
+
+    def _start(self, impl: Implementation, port: int, tmp: Path) -> bool:
+        """True once the agent traces; False when it exited because its metrics port was taken."""
         self.metrics_port = free_port()
         env = dict(os.environ, TOKENPROBE_FINGERPRINT_KEY="bench-key", HOME=str(tmp))
         if impl.pythonpath:
             env["PYTHONPATH"] = impl.pythonpath
-        self.log_path = tmp / f"agent-{port}.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 ["taskset", "-c", AGENT_CPU, sys.executable, "-m", "tokenprobe", "agent", "--port", str(port),
-                 "--store", f"chdb://{tmp / f'store-{port}'}", "--quiet", "--metrics-port", str(self.metrics_port)],
+                 "--store", f"chdb://{tmp / f'store-{port}'}", "--quiet", "--metrics-port", str(self.metrics_port),
+                 *impl.agent_args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
         deadline = time.monotonic() + 240  # the first compile of the BPF program takes a while
         while "tracing ports" not in self.log_path.read_text(errors="replace"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"agent did not start:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+            if self.proc.poll() is not None:
+                if "Address already in use" in self.log_path.read_text(errors="replace"):
+                    return False
+                raise self._did_not_start()
+            if time.monotonic() > deadline:
+                raise self._did_not_start()
             time.sleep(0.2)
         wait_for_port(self.metrics_port)
+        return True
 
-    def settled_figures(self) -> tuple[float, float, float, int]:
+    def _did_not_start(self) -> RuntimeError:
+        return RuntimeError(f"agent did not start:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+
+    def settled_figures(self) -> tuple[tuple[float, float, float, float, int], float, float]:
         """The figures once the agent has handled what the kernel holds (they stop moving; the agent
-        publishes them every second, so two publications apart)."""
+        publishes them every second, so two publications apart), the CPU seconds a second it spent
+        idle between those two, and when they were read. (The agent's own idle work, its poll loop
+        and store, is not what the events cost.)"""
         time.sleep(2.5)
-        previous = self.figures()
+        previous, previous_at = self.figures(), time.monotonic()
         for _ in range(20):
             time.sleep(2.5)
-            current = self.figures()
+            current, now = self.figures(), time.monotonic()
             if current[:2] == previous[:2]:
-                return current
-            previous = current
-        return previous
+                return current, (current[3] - previous[3]) / (now - previous_at), now
+            previous, previous_at = current, now
+        return previous, 0.0, previous_at  # never idle: nothing to take off
 
-    def figures(self) -> tuple[float, float, float, int]:
-        """(events handled, kernel drops, CPU seconds, RSS bytes) so far."""
+    def figures(self) -> tuple[float, float, float, float, int]:
+        """(kernel records handled, kernel drops, writes that came batched, CPU seconds, RSS bytes) so far."""
         page = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
         stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         cpu = (int(stat[11]) + int(stat[12])) / TICKS
         rss = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{self.proc.pid}/status").read_text())[1]) * 1024
         return (metric(page, "tokenprobe_agent_events_total"), metric(page, "tokenprobe_agent_drops_total"),
-                cpu, rss)
+                metric(page, "tokenprobe_agent_batched_writes_total"), cpu, rss)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -205,7 +229,7 @@ def drive(port: int, streams: int, seconds: float) -> LoadFigures:
 
 def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], seconds: float) -> None:
     print(f"\n== {impl.name}: agent on CPU {AGENT_CPU}, server and clients on CPU {LOAD_CPU}, {seconds:.0f} s a rate")
-    print(f"{'streams':>8}{'offered ev/s':>14}{'served ev/s':>14}{'agent ev/s':>12}{'dropped':>9}"
+    print(f"{'streams':>8}{'offered ev/s':>14}{'served ev/s':>13}{'records/s':>11}{'batched/s':>11}{'dropped':>9}"
           f"{'CPU ms/1k ev':>14}{'RSS MiB':>9}")
     for streams in (1, 64, 512):
         port = free_port()
@@ -214,18 +238,20 @@ def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], 
             kept_up = 0.0
             try:
                 for rate in rates:
-                    before = agent.settled_figures()
+                    before, idle_cpu, started = agent.settled_figures()
                     hose.rate(rate)
                     load = drive(port, streams, seconds)
                     hose.rate(0)
-                    after = agent.settled_figures()
-                    events, drops, cpu = (after[i] - before[i] for i in range(3))
-                    share = drops / max(1.0, events + drops)
-                    per_1k = cpu * 1e6 / max(1.0, events)
-                    print(f"{streams:8}{rate:14.0f}{load.events_per_s:14.0f}{events / seconds:12.0f}{share:9.1%}"
-                          f"{per_1k:14.2f}{after[3] / 2**20:9.0f}")
+                    after, _, settled = agent.settled_figures()
+                    records, drops, batched, cpu = (after[i] - before[i] for i in range(4))
+                    cpu = max(0.0, cpu - idle_cpu * (settled - started))  # what the events cost, not the waits
+                    share = drops / max(1.0, records + drops)
+                    # Per token event the server wrote: with batching, a record holds many.
+                    per_1k = cpu * 1e6 / max(1.0, load.events_per_s * seconds)
+                    print(f"{streams:8}{rate:14.0f}{load.events_per_s:13.0f}{records / seconds:11.0f}"
+                          f"{batched / seconds:11.0f}{share:9.1%}{per_1k:14.2f}{after[4] / 2**20:9.0f}")
                     if drops == 0:
-                        kept_up = max(kept_up, events / seconds)
+                        kept_up = max(kept_up, load.events_per_s)
             finally:
                 agent.stop()
         print(f"{'':8}highest rate with no drops: {kept_up:.0f} events/s")
@@ -248,9 +274,9 @@ def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: floa
         rows.append((impl.name if impl else "no agent", load.events_per_s, statistics.median(ttfts),
                      ttfts[int(0.99 * (len(ttfts) - 1))]))
     base = rows[0]
-    print(f"{'':28}{'events/s':>10}{'ratio':>7}{'TTFT p50 ms':>13}{'p99 ms':>9}{'p99 Δ µs':>10}")
+    print(f"{'':36}{'events/s':>10}{'ratio':>7}{'TTFT p50 ms':>13}{'p99 ms':>9}{'p99 Δ µs':>10}")
     for name, rate_out, p50, p99 in rows:
-        print(f"{name:28}{rate_out:10.0f}{rate_out / base[1]:7.3f}{p50:13.3f}{p99:9.3f}{(p99 - base[3]) * 1000:10.0f}")
+        print(f"{name:36}{rate_out:10.0f}{rate_out / base[1]:7.3f}{p50:13.3f}{p99:9.3f}{(p99 - base[3]) * 1000:10.0f}")
 
 
 def main() -> int:
@@ -267,7 +293,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tokenprobe-hot-path-") as scratch:
         tmp = Path(scratch)
         binary = build_firehose(tmp)
-        impls = [Implementation("this checkout", None)]
+        impls = [Implementation("this checkout", None),
+                 Implementation("this checkout, no kernel batching", None, ("--no-kernel-batching",))]
         if args.baseline:
             impls.append(previous_implementation(args.baseline, tmp))
         for impl in impls:

@@ -1,8 +1,8 @@
 // A streaming server for the hot-path benchmark: it must never be the bottleneck.
 //
 // Serves keep-alive POSTs on 127.0.0.1:PORT. Each response is an SSE stream of
-// TOKENS OpenAI chat-completion chunks, chunked transfer encoding, one write()
-// per chunk (what uvicorn and most servers do at low load), paced so that all
+// TOKENS OpenAI chat-completion chunks as vLLM writes them, chunked transfer encoding,
+// one write() per chunk (what uvicorn and most servers do at low load), paced so that all
 // connections together write RATE events per second. Each line read on stdin
 // sets a new RATE (0 pauses); at the end of stdin it prints one line,
 // "written EVENTS RESPONSES", and exits.
@@ -25,11 +25,11 @@
 static const char HEADERS[] =
     "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
 static const char EVENT[] =
-    "data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"model\":\"bench\","
-    "\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok\"},\"finish_reason\":null}]}\n\n";
+    "data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,"
+    "\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok\"},\"finish_reason\":null}]}\n\n";
 static const char LAST[] =
-    "data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"model\":\"bench\","
-    "\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],"
+    "data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,"
+    "\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],"
     "\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":%d,\"total_tokens\":%d}}\n\n"
     "data: [DONE]\n\n";
 

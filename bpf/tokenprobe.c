@@ -31,8 +31,19 @@
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 4096
 #endif
+// Map sizes, set by the agent (probes.MapSizes); the agent reports each map's
+// overflows (map_overflows below) as tokenprobe_agent_map_overflows_total.
 #ifndef MAX_CONNS
 #define MAX_CONNS 65536
+#endif
+#ifndef MAX_TGIDS
+#define MAX_TGIDS 16384 // processes: targets, owners of tracked connections, listeners
+#endif
+#ifndef MAX_LISTENERS
+#define MAX_LISTENERS 16384
+#endif
+#ifndef MAX_PENDING
+#define MAX_PENDING 16384 // threads inside a traced call at once
 #endif
 #define MAX_IOV 64 // iovecs copied per program (hyper and libuv gather three a chunk); more: tail calls
 #define MAX_EXE_PATHS 8 // up to 4 executables, each as given and resolved
@@ -142,35 +153,49 @@ BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 // per-CPU array: per-CPU map values are limited to 32 KiB.
 BPF_ARRAY(scratch, struct event, NR_CPUS_POSSIBLE);
 BPF_PERCPU_ARRAY(drops, u64, 1);
+// Per map, entries it could not take: a failed insert into a full hash, or a
+// live connection evicted from the conns LRU. Slots in probes.MAP_OVERFLOW_SLOTS.
+enum map_slot {
+    MAP_CONNS = 0, MAP_LISTENERS, MAP_IO_PENDING, MAP_SSL_PENDING, MAP_ACCEPT_PENDING,
+    MAP_CONNECT_PENDING, MAP_BIND_PENDING, MAP_SLOTS
+};
+BPF_PERCPU_ARRAY(map_overflows, u64, MAP_SLOTS);
+// Live entries of conns, which the LRU cannot report: [0] the program's inserts
+// less its deletes, [1] the agent's (it alone writes that slot).
+BPF_ARRAY(conns_fill, s64, 2);
 BPF_ARRAY(config, u32, CFG_SLOTS);
 BPF_ARRAY(exe_paths, struct exe_path, MAX_EXE_PATHS);
 
 BPF_TABLE("lru_hash", struct conn_key, struct conn_info, conns, MAX_CONNS);
-BPF_HASH(target_ports, u16, u8, 256);
-BPF_TABLE("lru_hash", u32, u8, target_tgids, 16384);
+BPF_HASH(target_ports, u16, u8, 256); // probes.MAX_TARGET_PORTS
+BPF_TABLE("lru_hash", u32, u8, target_tgids, MAX_TGIDS);
 // Processes that own a tracked connection: the libssl uprobes return at once
 // for every other process on the node.
-BPF_TABLE("lru_hash", u32, u8, active_tgids, 16384);
+BPF_TABLE("lru_hash", u32, u8, active_tgids, MAX_TGIDS);
 
 // Listening sockets of target ports: (tgid, fd) → port. Filled from bind()
 // here and from /proc by the agent (sockets bound before it started, and
 // listening fds inherited by forked workers).
-BPF_HASH(listeners, struct conn_key, u16, 16384);
-BPF_HASH(bind_pending, u64, struct sockaddr_args, 4096);
-BPF_TABLE("lru_hash", u32, u8, listener_tgids, 16384);
+BPF_HASH(listeners, struct conn_key, u16, MAX_LISTENERS);
+BPF_HASH(bind_pending, u64, struct sockaddr_args, MAX_PENDING);
+BPF_TABLE("lru_hash", u32, u8, listener_tgids, MAX_TGIDS);
 
-BPF_HASH(io_pending, u64, struct io_args, 16384);
-BPF_HASH(accept_pending, u64, struct accept_args, 4096);
-BPF_HASH(connect_pending, u64, struct sockaddr_args, 4096);
-BPF_HASH(ssl_pending, u64, struct ssl_args, 16384);
+// A thread's call in progress, entry → exit; a thread that dies inside one
+// leaves its entry, removed at its exit (sched_process_exit).
+BPF_HASH(io_pending, u64, struct io_args, MAX_PENDING);
+BPF_HASH(accept_pending, u64, struct accept_args, MAX_PENDING);
+BPF_HASH(connect_pending, u64, struct sockaddr_args, MAX_PENDING);
+BPF_HASH(ssl_pending, u64, struct ssl_args, MAX_PENDING);
 // SSL* → fd, only ever from what names the fd itself: SSL_set_fd, a socket
 // syscall made inside a libssl call (socket BIOs: nginx, CPython's ssl), or,
 // for memory BIOs (asyncio, uvicorn, httpx/anyio clients), the ciphertext's
 // own path: the bytes a socket read delivered are the ones BIO_write feeds to
 // a BIO (matched by content: event loops copy them between buffers), and the
-// BIO libssl reads inside an SSL call is that SSL object's. Nothing depends
-// on having seen the SSL object created, so connections opened before the
-// agent started are bound at their next read too.
+// BIO libssl reads inside an SSL call is that SSL object's; for SSLs whose
+// output the application sends itself (Node), the records it wrote, met again
+// in a socket write (written_record_ssl). Nothing depends on having seen the
+// SSL object created, so connections opened before the agent started are
+// bound at their next read too.
 // Keyed by process too: forked workers (nginx) share an address layout, so
 // the same pointer names different objects in different processes.
 struct ptr_key {
@@ -195,11 +220,55 @@ BPF_TABLE("lru_hash", struct ptr_key, u32, ssl_fd, MAX_CONNS);
 BPF_TABLE("lru_hash", struct ptr_key, struct conn_ref, bio_conn, MAX_CONNS);       // memory BIO → its socket
 BPF_TABLE("lru_hash", struct cipher_key, struct conn_ref, cipher_read, 16384);   // bytes just read → socket
 
+// SSLs whose BIOs are the application's own (Node's TLSWrap, asyncio's memory
+// BIOs on the client side) write their records into memory, and the
+// application sends them later, outside any SSL call, maybe from another
+// stack frame (libuv). The record's own first bytes bind it: those an unbound
+// SSL wrote with BIO_write, met again at the start of a socket write, name
+// the SSL's socket. TLS records carry ciphertext or hello randoms from their
+// sixth byte on, so RECORD_FP_LEN bytes are never shared by two connections.
+#define RECORD_FP_LEN 32
+struct record_fp {
+    u32 tgid;
+    u8 bytes[RECORD_FP_LEN];
+};
+BPF_TABLE("lru_hash", struct record_fp, u64, written_record_ssl, 4096);
+
 static __always_inline void count_drop(void) {
     int zero = 0;
     u64 *d = drops.lookup(&zero);
     if (d)
         __sync_fetch_and_add(d, 1);
+}
+
+static __always_inline void count_overflow(int slot) {
+    u64 *n = map_overflows.lookup(&slot);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+
+// Adds a connection to conns. Full, the LRU evicts the least recently used
+// entry, which is one nobody removed: a live connection (idle, or a busy one
+// if that many are open) or one closed unseen (close_range, exec). Counted.
+static __always_inline void track_connection(struct conn_key *k, struct conn_info *ci) {
+    if (!conns.lookup(k)) {
+        int kernel = 0, agent = 1;
+        s64 *mine = conns_fill.lookup(&kernel), *theirs = conns_fill.lookup(&agent);
+        if (mine && theirs) {
+            if (*mine + *theirs >= MAX_CONNS)
+                count_overflow(MAP_CONNS); // one in, one evicted: the count stands
+            else
+                __sync_fetch_and_add(mine, 1);
+        }
+    }
+    conns.update(k, ci);
+}
+
+static __always_inline void untrack_connection(struct conn_key *k) {
+    int kernel = 0;
+    s64 *mine = conns_fill.lookup(&kernel);
+    if (conns.delete(k) == 0 && mine)
+        __sync_fetch_and_add(mine, -1);
 }
 
 static __always_inline struct event *new_event(u8 kind, u32 tgid, u32 fd,
@@ -391,6 +460,282 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
     return 0;
 }
 
+// ---------------------------------------------------------------- steady SSE streams
+//
+// Kernel batching. Once the agent has read a response as an SSE stream in which
+// each write is one HTTP chunk holding one token event, it names the bytes such
+// a write has around its text (steady_templates). Every later write on that
+// connection that has exactly those bytes, and a text of plain characters (no
+// quote, backslash or control byte: no escape, no second JSON member, no line
+// end), only needs its time and size: those go into a per-connection batch, sent
+// as one record every STEADY_BATCH writes, at the first write STEADY_AGE_NS after
+// the batch's first (a stalled stream's batch waits for its next write), and before any
+// other event of the connection (so the agent reads everything in order). Any
+// other write goes out whole, as always; one with other bytes around its text
+// (the last token's finish_reason, usage, [DONE], the next response) also ends
+// the steady state until the agent names it again. Batched writes advance the
+// connection's sequence numbers like any other: a batch the ring buffer refuses
+// is a gap the agent sees.
+#ifndef STEADY_BATCH
+#define STEADY_BATCH 64 // writes per batch record (power of two)
+#endif
+#ifndef STEADY_AGE_NS
+#define STEADY_AGE_NS 500000000ULL // a batch is sent at its first write this long after its first
+#endif
+#define STEADY_CONNS 8192
+#define STEADY_PREFIX_CAP 256 // bytes after the chunk-size line, up to the text (power of two)
+#define STEADY_SUFFIX_CAP 256 // bytes after the text, to the end of the write (power of two)
+#define STEADY_WRITE_MAX 1024 // longer writes are never batched (power of two)
+#define STEADY_CHUNK_DIGITS 8
+#define EV_STEADY_BATCH 8     // an event kind of its own, after those of enum event_kind
+
+struct steady_template {
+    u32 prefix_len; // 8..STEADY_PREFIX_CAP
+    u32 suffix_len; // 8..STEADY_SUFFIX_CAP, the chunk's closing CRLF included
+    u8 prefix[STEADY_PREFIX_CAP];
+    u8 suffix[STEADY_SUFFIX_CAP];
+    u8 slack[8]; // the word compares' bounds reach past suffix[]
+};
+
+struct steady_write {
+    u64 ts_ns;
+    u32 size;
+    u32 pad;
+};
+
+// The record sent to the ring buffer, straight from the map value. Its fields up
+// to `kind` are struct event's, in its layout, so that the agent tells the two
+// apart by `kind` alone; ts_ns is the last write's time, bytes and events the
+// connection's counters before the first.
+struct steady_batch {
+    u64 ts_ns, conn_ns, bytes[2];
+    u32 tgid, fd, events[2];
+    u8 kind, dir, tls, role;
+    u32 count;
+    struct steady_write writes[STEADY_BATCH];
+};
+_Static_assert(offsetof(struct steady_batch, kind) == offsetof(struct event, kind), "kind tells the records apart");
+_Static_assert(offsetof(struct steady_batch, role) == offsetof(struct event, role), "the same header");
+
+// Elements are freed after an RCU grace period: the agent may replace a template
+// while a write on another CPU is reading it.
+BPF_F_TABLE("hash", struct conn_key, struct steady_template, steady_templates, STEADY_CONNS,
+            BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct conn_key, struct steady_batch, steady_batches, STEADY_CONNS,
+            BPF_F_NO_PREALLOC);
+BPF_ARRAY(steady_empty, struct steady_batch, 1); // an all-zero batch to create entries from
+
+static __always_inline void steady_send(struct steady_batch *b) {
+    u32 count = b->count;
+    if (count == 0)
+        return;
+    if (count > STEADY_BATCH)
+        count = STEADY_BATCH;
+    u64 size = offsetof(struct steady_batch, writes) + (u64)count * sizeof(struct steady_write);
+    if (events.ringbuf_output(b, size, 0) != 0)
+        count_drop();
+    b->count = 0;
+}
+
+// Sends the connection's batch, if one is pending: before any other event of it.
+static __always_inline void steady_flush(struct conn_key *k) {
+    struct steady_batch *b = steady_batches.lookup(k);
+    if (b)
+        steady_send(b);
+}
+
+// A new connection on the fd starts with none of an old one's state (one the
+// conns LRU evicted never had its close() seen).
+static __always_inline void steady_forget(struct conn_key *k) {
+    steady_templates.delete(k);
+    steady_batches.delete(k);
+}
+
+static __always_inline void steady_end(struct conn_key *k) {
+    steady_flush(k);
+    steady_forget(k);
+}
+
+// The loops below branch only to leave, on a word count of their own: leaving
+// then teaches the verifier nothing about the lengths used after the loop, so the
+// states it leaves with are alike and it walks what follows once, not once per
+// iteration count.
+
+// Whether len bytes (8..cap) of data at off equal want: whole words, then the
+// word that ends them (overlapping the one before).
+static __always_inline int steady_same(const u8 *data, u32 off, const u8 *want, u32 len, u32 cap) {
+    u32 words = len / 8;
+    OPAQUE(words);
+    u64 diff = 0;
+    for (u32 i = 0; i <= cap / 8; i++) {
+        u32 at = i < words ? i * 8 : len - 8; // the last round: the word that ends them
+        u64 here = off + at, there = at;
+        OPAQUE(here); // the masks must stay: they are the verifier's bounds
+        OPAQUE(there);
+        diff |= *(const u64 *)(data + (here & (STEADY_WRITE_MAX - 1))) ^ *(const u64 *)(want + (there & (cap - 1)));
+        if (i >= words)
+            break;
+    }
+    return diff == 0;
+}
+
+// The chunk-size line's length (digits and CRLF) if data starts with one naming
+// the n-byte write's chunk exactly (data, then CRLF), else 0. Hex digits of either case.
+static __always_inline u32 steady_chunk_line(const u8 *data, u32 n) {
+    u32 digits = 0, found = 0;
+    for (u32 i = 1; i <= STEADY_CHUNK_DIGITS; i++) {
+        u32 cr = (((u32)(data[i] ^ '\r')) - 1) >> 31; // 1 at a CR
+        digits += i * (cr & ~found);
+        found |= cr;
+    }
+    if (!digits || data[(digits + 1) & 15] != '\n' || n < digits + 4)
+        return 0;
+    u64 size = n - digits - 4;
+    if (size >> (4 * digits))
+        return 0;
+    // The digits the size is written with, compared byte for byte (case aside).
+    u32 bad = 0;
+    for (u32 j = 0; j < STEADY_CHUNK_DIGITS; j++) {
+        u32 in = ((s32)(j - digits)) >> 31 & 1; // 1 for the line's digits
+        u32 nibble = (size >> ((4 * (digits - 1 - j)) & 31)) & 0xF;
+        u32 want = '0' + nibble + ((nibble + 6) >> 4) * ('a' - '0' - 10);
+        u32 got = data[j];
+        bad |= in * (((got | 0x20) ^ want) | ((got - 0x30) >> 31)); // below '0' never aliases a digit
+    }
+    return bad ? 0 : digits + 2;
+}
+
+// Any byte of the word a quote, a backslash or a control byte (exact SWAR tests).
+#define ONES 0x0101010101010101ULL
+#define HIGHS 0x8080808080808080ULL
+static __always_inline u64 steady_special(u64 w) {
+    u64 quote = w ^ (0x22 * ONES), backslash = w ^ (0x5c * ONES);
+    return (((quote - ONES) & ~quote) | ((backslash - ONES) & ~backslash) | ((w - 0x20 * ONES) & ~w)) & HIGHS;
+}
+
+// How a write compares with its connection's template.
+enum steady_verdict {
+    STEADY_DIFFERENT = 0, // other bytes around the text, or not one chunk: the steady state ends
+    STEADY_ESCAPED = 1,   // the template's bytes, but a text the agent must read itself
+    STEADY_PLAIN = 2,     // the template's bytes around plain text: batched
+};
+
+static __always_inline int steady_classify(const u8 *buf, u32 n, struct steady_template *t) {
+    u32 plen = t->prefix_len, slen = t->suffix_len;
+    if (plen < 8 || plen > STEADY_PREFIX_CAP || slen < 8 || slen > STEADY_SUFFIX_CAP)
+        return STEADY_DIFFERENT;
+    if (n > STEADY_WRITE_MAX || n < plen + slen + 4)
+        return STEADY_DIFFERENT;
+    u32 cpu = bpf_get_smp_processor_id();
+    struct event *e = scratch.lookup(&cpu);
+    if (!e)
+        return STEADY_DIFFERENT;
+    u8 *data = e->data; // borrowed, as exec does: it is rebuilt for any event sent
+    u64 len = n;
+    OPAQUE(len);
+    if (len > STEADY_WRITE_MAX)
+        return STEADY_DIFFERENT;
+    if (bpf_probe_read_user(data, len, buf) != 0)
+        return STEADY_DIFFERENT;
+    u32 from = steady_chunk_line(data, n);
+    if (!from || n < from + plen + slen + 1)
+        return STEADY_DIFFERENT;
+    if (!steady_same(data, from, t->prefix, plen, STEADY_PREFIX_CAP)
+        || !steady_same(data, n - slen, t->suffix, slen, STEADY_SUFFIX_CAP))
+        return STEADY_DIFFERENT;
+    // The text between them: whole words, then the word that ends the text, its
+    // bytes already judged replaced with a harmless 'a'.
+    from += plen;
+    u32 to = n - slen;
+    u32 words = (to - from) / 8;
+    OPAQUE(words);
+    u64 special = 0;
+    for (u32 i = 0; i < STEADY_WRITE_MAX / 8; i++) {
+        if (i >= words)
+            break;
+        u64 at = from + i * 8;
+        OPAQUE(at);
+        special |= steady_special(*(const u64 *)(data + (at & (STEADY_WRITE_MAX - 1))));
+    }
+    u64 judged = ~0ULL >> (((to - from) & 7) * 8);
+    u64 at = to - 8;
+    OPAQUE(at);
+    u64 last = *(const u64 *)(data + (at & (STEADY_WRITE_MAX - 1)));
+    special |= steady_special((last & ~judged) | (0x61 * ONES & judged));
+    return special ? STEADY_ESCAPED : STEADY_PLAIN;
+}
+
+// A write of n bytes from buf on a tracked connection, before it is sent as an
+// event: 1 if it joined the connection's batch (and was sequenced), 0 if it is to
+// be sent as usual, the pending batch sent ahead of it.
+static __always_inline int steady_write(struct conn_key *k, struct conn_info *ci, const u8 *buf, u32 n,
+                                        u64 ts) {
+    struct steady_template *t = steady_templates.lookup(k);
+    if (!t)
+        return 0; // no template: no batch either (both end together)
+    int verdict = steady_classify(buf, n, t);
+    if (verdict == STEADY_DIFFERENT) {
+        steady_end(k);
+        return 0;
+    }
+    if (verdict == STEADY_ESCAPED) {
+        steady_flush(k);
+        return 0;
+    }
+    int zero = 0;
+    struct steady_batch *empty = steady_empty.lookup(&zero);
+    if (!empty)
+        return 0;
+    struct steady_batch *b = steady_batches.lookup_or_try_init(k, empty);
+    if (!b)
+        return 0;
+    u32 count = b->count;
+    if (count == 0) {
+        b->conn_ns = ci->accept_ns;
+        __builtin_memcpy(b->bytes, ci->bytes, sizeof(b->bytes));
+        __builtin_memcpy(b->events, ci->events, sizeof(b->events));
+        b->tgid = k->tgid;
+        b->fd = k->fd;
+        b->kind = EV_STEADY_BATCH;
+        b->dir = DIR_WRITE;
+        b->tls = ci->tls;
+        b->role = ci->role;
+    }
+    struct steady_write *w = &b->writes[count & (STEADY_BATCH - 1)];
+    w->ts_ns = ts;
+    w->size = n;
+    b->count = count + 1;
+    b->ts_ns = ts;
+    sequence(ci, DIR_WRITE, n);
+    if (count + 1 >= STEADY_BATCH || ts - b->writes[0].ts_ns >= STEADY_AGE_NS)
+        steady_send(b);
+    return 1;
+}
+
+// Called where a data event of the connection is about to be built: 1 if it was a
+// write taken into the batch (nothing more to send), else 0 with any pending batch
+// sent first. A vectored write is batched only when one iovec holds it all.
+static __always_inline int steady_event(struct conn_key *k, struct conn_info *ci, u8 dir, long ret,
+                                        const u8 *buf, const struct iovec *iov, u32 iovcnt, u64 ts) {
+    // Judged on a copy: what the checks learn of the length must not follow the
+    // caller's own, or the verifier walks the caller's capture once per way out of here.
+    long n = ret;
+    OPAQUE(n);
+    if (dir != DIR_WRITE || n <= 0) {
+        steady_flush(k);
+        return 0;
+    }
+    if (iov) {
+        struct iovec v = {};
+        if (iovcnt != 1 || bpf_probe_read_user(&v, sizeof(v), iov) != 0 || v.iov_len < n) {
+            steady_flush(k);
+            return 0;
+        }
+        buf = v.iov_base;
+    }
+    return steady_write(k, ci, buf, n, ts);
+}
+
 // ---------------------------------------------------------------- sockets
 
 // Reads a socket fd's addresses from the kernel's own struct sock, through
@@ -441,7 +786,8 @@ static __always_inline int socket_endpoints(u32 fd, struct conn_info *ci) {
 static __always_inline int accept_enter(int fd, struct sockaddr *addr) {
     u64 id = bpf_get_current_pid_tgid();
     struct accept_args a = {.addr = addr, .listen_fd = fd};
-    accept_pending.update(&id, &a);
+    if (accept_pending.update(&id, &a) != 0)
+        count_overflow(MAP_ACCEPT_PENDING);
     return 0;
 }
 
@@ -485,7 +831,8 @@ static __always_inline int accept_exit(long ret) {
         return 0;
 
     struct conn_key k = {.tgid = tgid, .fd = (u32)ret};
-    conns.update(&k, &ci);
+    track_connection(&k, &ci);
+    steady_forget(&k);
     u8 one = 1;
     active_tgids.update(&tgid, &one);
 
@@ -509,7 +856,8 @@ TRACEPOINT_PROBE(syscalls, sys_exit_accept) { return accept_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_enter_bind) {
     u64 id = bpf_get_current_pid_tgid();
     struct sockaddr_args a = {.addr = (struct sockaddr *)args->umyaddr, .fd = args->fd};
-    bind_pending.update(&id, &a);
+    if (bind_pending.update(&id, &a) != 0)
+        count_overflow(MAP_BIND_PENDING);
     return 0;
 }
 
@@ -527,7 +875,8 @@ TRACEPOINT_PROBE(syscalls, sys_exit_bind) {
     if (!read_sockaddr(saved.addr, addr, &port) || !target_ports.lookup(&port))
         return 0;
     struct conn_key k = {.tgid = id >> 32, .fd = saved.fd};
-    listeners.update(&k, &port);
+    if (listeners.update(&k, &port) != 0)
+        count_overflow(MAP_LISTENERS);
     u8 one = 1;
     listener_tgids.update(&k.tgid, &one);
     return 0;
@@ -543,7 +892,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
     if (!target_tgids.lookup(&tgid))
         return 0;
     struct sockaddr_args a = {.addr = (struct sockaddr *)args->uservaddr, .fd = args->fd};
-    connect_pending.update(&id, &a);
+    if (connect_pending.update(&id, &a) != 0)
+        count_overflow(MAP_CONNECT_PENDING);
     return 0;
 }
 
@@ -564,7 +914,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_connect) {
         return 0; // not TCP/IP (e.g. a unix socket)
     u32 tgid = id >> 32;
     struct conn_key k = {.tgid = tgid, .fd = saved.fd};
-    conns.update(&k, &ci);
+    track_connection(&k, &ci);
     u8 one = 1;
     active_tgids.update(&tgid, &one);
     struct event *e = new_event(EV_CONNECT, tgid, k.fd, &ci, ci.accept_ns);
@@ -581,8 +931,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     struct conn_info *ci = conns.lookup(&k);
     if (!ci)
         return 0;
+    steady_end(&k);
     struct event *e = new_event(EV_CLOSE, k.tgid, k.fd, ci, bpf_ktime_get_ns());
-    conns.delete(&k);
+    untrack_connection(&k);
     if (e)
         submit(e, 0);
     return 0;
@@ -592,6 +943,34 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
 
 #define MSG_PEEK_FLAG 2
 
+// A TLS record header: content type 20-23 (change cipher spec, alert,
+// handshake, application data), protocol version 3.x.
+static __always_inline int starts_tls_record(const u8 *b) {
+    return b[0] >= 20 && b[0] <= 23 && b[1] == 3 && b[2] <= 4;
+}
+
+// A socket write outside any SSL call that starts with a record an unbound
+// SSL wrote (see written_record_ssl): that SSL's socket is this one.
+static __always_inline void bind_by_written_record(u32 tgid, u32 fd, const u8 *buf,
+                                                   const struct iovec *iov, struct conn_info *ci) {
+    if (!buf && iov) {
+        struct iovec v = {};
+        if (bpf_probe_read_user(&v, sizeof(v), &iov[0]) != 0 || v.iov_len < RECORD_FP_LEN)
+            return;
+        buf = v.iov_base;
+    }
+    struct record_fp fp = {.tgid = tgid};
+    if (!buf || bpf_probe_read_user(fp.bytes, RECORD_FP_LEN, buf) != 0 || !starts_tls_record(fp.bytes))
+        return;
+    u64 *ssl = written_record_ssl.lookup(&fp);
+    if (!ssl)
+        return;
+    struct ptr_key sk = {.ptr = *ssl, .tgid = tgid};
+    ssl_fd.update(&sk, &fd);
+    written_record_ssl.delete(&fp);
+    ci->tls = 1;
+}
+
 // Reads of a TLS candidate that are keyed for BIO_write: binding happens at the
 // first (the handshake, or an adopted connection's next read), so a connection
 // still unbound after these is TLS no probe reads, and costs no more.
@@ -600,8 +979,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
 // A captured call on a connection no SSL object is bound to yet. Its first
 // bytes, if the connection is seen from its start, tell TLS from cleartext
 // for good (cleartext costs nothing more); on a TLS candidate, a read that
-// starts with a TLS record header (content type 20-23, version 3.x) is
-// remembered by its first bytes for BIO_write to find (uprobe_bio_write).
+// starts with a TLS record header is remembered by its first bytes for
+// BIO_write to find (uprobe_bio_write).
 static __always_inline void note_cleartext_or_cipher(struct event *e, struct conn_info *ci, u8 dir) {
     if (ci->plain || e->head_len < 2)
         return;
@@ -610,7 +989,7 @@ static __always_inline void note_cleartext_or_cipher(struct event *e, struct con
         return;
     }
     if (dir != DIR_READ || ci->events[DIR_READ] > CIPHER_KEYED_READS || e->head_len < CIPHER_KEY_LEN ||
-        e->data[0] < 0x14 || e->data[0] > 0x17 || e->data[1] != 0x03)
+        !starts_tls_record(e->data))
         return;
     struct cipher_key ck = {.tgid = e->tgid};
     __builtin_memcpy(ck.head, e->data, CIPHER_KEY_LEN);
@@ -635,13 +1014,20 @@ static __always_inline int io_enter(u32 fd, const u8 *buf, const struct iovec *i
         ssl_fd.update(&sk, &fd);
         if (!ci->tls)
             ci->tls = 1;
+    } else if (dir == DIR_WRITE && !ci->tls && !ci->plain) {
+        bind_by_written_record(k.tgid, fd, buf, iov, ci);
     }
     // Ciphertext's bytes are not reported (the plaintext comes from the SSL
     // uprobes), but its EOF and errors are the connection's: libssl's return
     // values cannot tell them from "try again", whatever BIO it reads through.
     struct io_args a = {.enter_ns = bpf_ktime_get_ns(), .buf = buf, .iov = iov,
                         .iovcnt = iovcnt, .fd = fd, .dir = dir, .ciphertext = ci->tls};
-    io_pending.update(&id, &a);
+    if (io_pending.update(&id, &a) != 0) {
+        // The call goes unseen: count it as an event the ring buffer lost, so
+        // that the exchanges it belongs to say `dropped`.
+        count_overflow(MAP_IO_PENDING);
+        sequence(ci, dir, 0);
+    }
     return 0;
 }
 
@@ -666,6 +1052,8 @@ static __always_inline int io_exit(void *ctx, long ret) {
     // Reads count when the bytes reached the process, writes when the
     // process handed them over.
     u64 ts = saved.dir == DIR_READ ? bpf_ktime_get_ns() : saved.enter_ns;
+    if (steady_event(&k, ci, saved.dir, ret, saved.buf, saved.iov, saved.iovcnt, ts))
+        return 0;
     struct event *e = new_event(EV_DATA, k.tgid, k.fd, ci, ts);
     if (!e)
         return 0;
@@ -747,7 +1135,8 @@ static __always_inline int ssl_enter(struct pt_regs *ctx, u8 fn) {
     if (fn == SSL_FN_READ_EX || fn == SSL_FN_WRITE_EX)
         a.len_out = (size_t *)PT_REGS_PARM4(ctx);
     a.fn = fn;
-    ssl_pending.update(&id, &a);
+    if (ssl_pending.update(&id, &a) != 0)
+        count_overflow(MAP_SSL_PENDING);
     return 0;
 }
 
@@ -761,6 +1150,21 @@ static __always_inline struct conn_info *ssl_conn(struct ssl_args *a, u64 id,
     k->tgid = id >> 32;
     k->fd = *fdp;
     return conns.lookup(k);
+}
+
+// One data event of decrypted bytes: `n` bytes of `buf` that a TLS library
+// (libssl, Go crypto/tls) read from or wrote to connection `k`.
+static __always_inline void submit_plaintext(struct conn_key *k, struct conn_info *ci, u8 dir, u64 ts,
+                                             const u8 *buf, u32 n) {
+    struct event *e = new_event(EV_DATA, k->tgid, k->fd, ci, ts);
+    if (!e)
+        return;
+    e->dir = dir;
+    e->tls = 1;
+    e->ret = n;
+    e->total_len = n;
+    sequence(ci, dir, n);
+    submit(e, capture_flat(e, buf, n));
 }
 
 static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
@@ -802,16 +1206,10 @@ static __always_inline int ssl_exit(struct pt_regs *ctx, u8 fn) {
         n = ret;
     }
     u8 dir = (fn == SSL_FN_READ || fn == SSL_FN_READ_EX) ? DIR_READ : DIR_WRITE;
-    struct event *e = new_event(EV_DATA, k.tgid, k.fd, ci, dir == DIR_READ ? now : a.enter_ns);
-    if (!e)
+    u64 ts = dir == DIR_READ ? now : a.enter_ns;
+    if (steady_event(&k, ci, dir, n, a.buf, 0, 0, ts))
         return 0;
-    e->dir = dir;
-    e->tls = 1;
-    e->ret = n;
-    e->total_len = n;
-    sequence(ci, dir, n);
-    u32 len = capture_flat(e, a.buf, n);
-    submit(e, len);
+    submit_plaintext(&k, ci, dir, ts, a.buf, n);
     return 0;
 }
 
@@ -839,14 +1237,41 @@ int uprobe_ssl_set_bio(struct pt_regs *ctx) {
     return 0;
 }
 
+// SSL_free(ssl): its address may name another SSL next, on another socket.
+int uprobe_ssl_free(struct pt_regs *ctx) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    struct ptr_key sk = {.ptr = PT_REGS_PARM1(ctx), .tgid = tgid};
+    ssl_fd.delete(&sk);
+    return 0;
+}
+
+// BIO_write(bio, record, n) by an SSL not yet bound, inside its own SSL call:
+// remember the record's first bytes for bind_by_written_record.
+static __always_inline void remember_written_record(u64 ssl, u32 tgid, const u8 *buf, int len) {
+    struct ptr_key sk = {.ptr = ssl, .tgid = tgid};
+    if (len < RECORD_FP_LEN || ssl_fd.lookup(&sk))
+        return;
+    struct record_fp fp = {.tgid = tgid};
+    if (bpf_probe_read_user(fp.bytes, RECORD_FP_LEN, buf) != 0 || !starts_tls_record(fp.bytes))
+        return;
+    written_record_ssl.update(&fp, &ssl);
+}
+
 // BIO_write(bio, buf, n) outside libssl, of bytes a socket read just
-// delivered: bio is fed by that socket. (Inside an SSL call BIO_write is
-// libssl's own output.)
+// delivered: bio is fed by that socket. Inside an SSL call, BIO_write is
+// libssl's own output: a record the SSL writes out (remember_written_record).
 int uprobe_bio_write(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
-    if (!active_tgids.lookup(&tgid) || ssl_pending.lookup(&id))
+    if (!active_tgids.lookup(&tgid))
         return 0;
+    struct ssl_args *inside = ssl_pending.lookup(&id);
+    if (inside) {
+        remember_written_record((u64)inside->ssl, tgid, (const u8 *)PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx));
+        return 0;
+    }
     if ((int)PT_REGS_PARM3(ctx) < CIPHER_KEY_LEN)
         return 0;
     struct cipher_key ck = {.tgid = tgid};
@@ -899,6 +1324,122 @@ int uretprobe_ssl_write_ex(struct pt_regs *ctx) { return ssl_exit(ctx, SSL_FN_WR
 int uprobe_ssl_handshake(struct pt_regs *ctx) { return ssl_enter(ctx, SSL_FN_HANDSHAKE); }
 int uretprobe_ssl_handshake(struct pt_regs *ctx) { return ssl_exit(ctx, SSL_FN_HANDSHAKE); }
 
+// ---------------------------------------------------------------- Go crypto/tls
+//
+// Go links its TLS into the executable: crypto/tls.(*Conn).Read/Write carry the
+// plaintext. Go >= 1.17 on amd64 passes arguments and results in registers
+// (RAX, RBX, RCX, ...) and keeps the running goroutine's g in R14. Goroutine
+// stacks move and goroutines migrate between threads, so there are no
+// uretprobes here (they rewrite the return address on the stack) and nothing is
+// keyed by thread: the agent puts a uprobe on every RET instruction of Read and
+// of the handshakes, and a call is matched to its return by (process, goroutine).
+// Write is reported at its entry, with all of its buffer (Go's Write writes it
+// all or fails, and a failure is the socket's own error, reported by io_exit):
+// in HTTP/2 another goroutine may see the peer's close, and close the socket,
+// before the writer gets back to Write's RET.
+
+enum go_tls_fn { GO_TLS_READ = 1, GO_TLS_WRITE, GO_TLS_HANDSHAKE };
+
+struct go_call_key {
+    u64 g;              // the goroutine's runtime.g, from R14
+    u32 tgid;
+    u32 fn;
+};
+
+struct go_call {
+    const u8 *buf;
+    u32 fd;
+};
+
+BPF_TABLE("lru_hash", struct go_call_key, struct go_call, go_tls_pending, MAX_PENDING);
+// The itab hash (itab.hash, a copy of the type's hash) of *net.TCPConn as a
+// net.Conn in each probed binary: a tls.Conn over anything else is not followed.
+BPF_HASH(go_tcp_conn_itab_hashes, u32, u8, 64);
+
+// Layouts unchanged since Go 1.9: tls.Conn starts with `conn net.Conn` (itab,
+// data); *net.TCPConn points at {fd *netFD}; netFD starts with poll.FD, whose
+// Sysfd follows the 16-byte fdMutex.
+#define GO_ITAB_HASH_OFFSET 16
+#define GO_POLL_FD_SYSFD_OFFSET 16
+
+// The tracked socket under a *tls.Conn; 0 if it is not a tracked TCP connection.
+static __always_inline struct conn_info *go_tls_conn(void *tls_conn, u32 tgid, struct conn_key *k) {
+    void *iface[2] = {};
+    void *netfd = 0;
+    u32 hash = 0;
+    s64 sysfd = -1;
+    if (bpf_probe_read_user(iface, sizeof(iface), tls_conn) || !iface[0] || !iface[1])
+        return 0;
+    if (bpf_probe_read_user(&hash, sizeof(hash), iface[0] + GO_ITAB_HASH_OFFSET) ||
+        !go_tcp_conn_itab_hashes.lookup(&hash))
+        return 0;
+    if (bpf_probe_read_user(&netfd, sizeof(netfd), iface[1]) || !netfd)
+        return 0;
+    if (bpf_probe_read_user(&sysfd, sizeof(sysfd), netfd + GO_POLL_FD_SYSFD_OFFSET) || sysfd < 0)
+        return 0;
+    k->tgid = tgid;
+    k->fd = (u32)sysfd;
+    return conns.lookup(k);
+}
+
+static __always_inline int go_tls_enter(struct pt_regs *ctx, u32 fn) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!active_tgids.lookup(&tgid))
+        return 0;
+    struct conn_key k = {};
+    struct conn_info *ci = go_tls_conn((void *)ctx->ax, tgid, &k);
+    if (!ci)
+        return 0;
+    // The socket I/O inside the call is ciphertext: only its EOF and errors are reported (io_exit).
+    if (!ci->tls)
+        ci->tls = 1;
+    if (fn == GO_TLS_WRITE) { // Write(b []byte): b's pointer in RBX, its length in RCX
+        if (ctx->cx > 0)
+            submit_plaintext(&k, ci, DIR_WRITE, bpf_ktime_get_ns(), (const u8 *)ctx->bx, ctx->cx);
+        return 0;
+    }
+    struct go_call_key key = {.g = ctx->r14, .tgid = tgid, .fn = fn};
+    struct go_call call = {.buf = (const u8 *)ctx->bx, .fd = k.fd};
+    go_tls_pending.update(&key, &call);
+    return 0;
+}
+
+// At a RET: RAX holds the first result (Read's n, the handshake error's itab).
+static __always_inline int go_tls_return(struct pt_regs *ctx, u32 fn) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct go_call_key key = {.g = ctx->r14, .tgid = id >> 32, .fn = fn};
+    struct go_call *cp = go_tls_pending.lookup(&key);
+    if (!cp)
+        return 0;
+    struct go_call call = *cp;
+    go_tls_pending.delete(&key);
+    struct conn_key k = {.tgid = key.tgid, .fd = call.fd};
+    struct conn_info *ci = conns.lookup(&k);
+    if (!ci)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    if (fn == GO_TLS_HANDSHAKE) {
+        if (ctx->ax != 0) // a non-nil error
+            return 0;
+        struct event *e = new_event(EV_TLS_DONE, k.tgid, k.fd, ci, now);
+        if (e)
+            submit(e, 0);
+        return 0;
+    }
+    // n > 0 only: the socket's own EOF and errors speak for the rest, as for libssl.
+    s64 n = (s64)ctx->ax;
+    if (n > 0)
+        submit_plaintext(&k, ci, DIR_READ, now, call.buf, n);
+    return 0;
+}
+
+int uprobe_go_tls_read(struct pt_regs *ctx) { return go_tls_enter(ctx, GO_TLS_READ); }
+int uprobe_go_tls_read_ret(struct pt_regs *ctx) { return go_tls_return(ctx, GO_TLS_READ); }
+int uprobe_go_tls_write(struct pt_regs *ctx) { return go_tls_enter(ctx, GO_TLS_WRITE); }
+int uprobe_go_tls_handshake(struct pt_regs *ctx) { return go_tls_enter(ctx, GO_TLS_HANDSHAKE); }
+int uprobe_go_tls_handshake_ret(struct pt_regs *ctx) { return go_tls_return(ctx, GO_TLS_HANDSHAKE); }
+
 // ---------------------------------------------------------------- processes
 
 // Children of target processes are targets too (pre-fork servers: nginx
@@ -921,6 +1462,12 @@ TRACEPOINT_PROBE(sched, sched_process_fork) {
 TRACEPOINT_PROBE(sched, sched_process_exit) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
+    // A thread killed inside a call never reaches its exit probe.
+    io_pending.delete(&id);
+    ssl_pending.delete(&id);
+    accept_pending.delete(&id);
+    connect_pending.delete(&id);
+    bind_pending.delete(&id);
     if ((u32)id != tgid) // a thread, not the process
         return 0;
     target_tgids.delete(&tgid);

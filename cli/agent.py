@@ -9,6 +9,7 @@ returns.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -26,7 +27,7 @@ from ..agent.capture.inflight import inflight_snapshot
 from ..agent.capture.probes import Probes, Targets
 from ..agent.capture.procfs import target_port_sockets
 from ..agent.capture.tls_libraries import unreadable_tls
-from ..agent.capture.tracker import ConnectionTracker
+from ..agent.capture.tracker import DEFAULT_IDLE_TIMEOUT_S, ConnectionTracker
 from ..agent.export.metrics_endpoint import AgentMetrics
 from ..agent.export.otel_export import OtelExporter
 from ..agent.sampling.dcgm import DcgmScraper
@@ -48,6 +49,8 @@ log = logging.getLogger("tokenprobe.agent")
 
 DEFAULT_KEY_FILE = Path("/var/lib/tokenprobe/fingerprint.key")
 RESCAN_INTERVAL_S = 5.0
+# Connections that must have gone since the last release before freed memory is handed back.
+RELEASE_AFTER_CONNECTIONS = 10_000
 
 
 def load_fingerprint_key(path: Path = DEFAULT_KEY_FILE) -> bytes:
@@ -97,6 +100,7 @@ class AgentConfig:
     store_url: str
     duration_s: float | None = None
     ringbuf_pages: int = 4096
+    kernel_batching: bool = True  # the kernel batches steady SSE writes (bpf/tokenprobe.c)
     status: bool = True
     on_row: Callable[[dict], None] | None = None   # e.g. the demo's live lines
     on_ready: Callable[[], None] | None = None     # called once the probes are attached
@@ -107,6 +111,7 @@ class AgentConfig:
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES  # the disk spool's bound while the store is away
     analyze_every_s: int = DEFAULT_LIVE_EVERY_S     # live analysis window; 0: off
     alertmanager_urls: list[str] = field(default_factory=list)  # post the live analysis' findings here
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a connection with no I/O this long is forgotten
 
 
 @dataclass
@@ -118,6 +123,8 @@ class AgentSummary:
     rows_spooled: int
     parse_errors: int
     seconds: float
+    map_overflows: dict[str, int] = field(default_factory=dict)  # per kernel map, entries it could not hold
+    batched_writes: int = 0
 
 
 def node_name() -> str:
@@ -153,19 +160,26 @@ class Exporters:
         if self.otel:
             self.otel.export_request(row)
 
+    def unreadable(self, server_port: int, reason: str) -> None:
+        if self.metrics:
+            self.metrics.count_unreadable(server_port, reason)
+
     def serve_metrics(self) -> None:
         if self.metrics and self.metrics_address:
             host, port = self.metrics.serve(*self.metrics_address)
             log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
 
     def agent_stats(self, tracker: ConnectionTracker, drops: int, lag_s: float, rate: float,
-                    sink: RequestSink) -> None:
+                    sink: RequestSink, map_overflows: dict[str, int], map_sizes: dict[str, int] | None = None) -> None:
         if self.metrics:
             stats = tracker.stats
             self.metrics.set_agent_stats(
                 events_total=stats.events, drops_total=drops, lag_s=lag_s, events_per_s=rate,
                 parse_errors_total=stats.parse_errors, open_connections=len(tracker.connections),
-                inflight_requests=sum(stats.inflight.values()), sink=sink.stats())
+                inflight_requests=sum(stats.inflight.values()), sink=sink.stats(),
+                idle_evicted_total=stats.idle_evicted,
+                map_sizes=map_sizes, map_overflows=map_overflows,
+                batched_writes_total=stats.steady_writes, lost_events_total=stats.lost_events)
             if self.live:
                 self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
                                                 analysed_until_s=self.live.watermark_ns / 1e9)
@@ -258,6 +272,23 @@ class StoreServices:
             self._opened.close()
 
 
+class MemoryRelease:
+    """Hands the memory of many ended connections back to the system. glibc keeps what
+    Python frees in its heap, so after a burst of connections the agent's RSS would stay
+    at the burst's peak; malloc_trim returns the free pages (a no-op where there is none)."""
+
+    def __init__(self) -> None:
+        self._trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+        self._peak = 0
+
+    def after(self, tracked: int) -> None:
+        """Called now and then with the connections tracked now."""
+        self._peak = max(self._peak, tracked)
+        if self._trim is not None and self._peak - tracked >= RELEASE_AFTER_CONNECTIONS:
+            self._trim(0)
+            self._peak = tracked
+
+
 def offer_inflight(live: LiveAnalysis | None, tracker: ConnectionTracker) -> None:
     """On the capture thread, which alone may read the tracker: the requests in flight, when a pass asks."""
     if live is not None and live.inflight_wanted():
@@ -347,7 +378,9 @@ class Agent:
         tracker = ConnectionTracker(
             emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
-            forget_connection=probes.forget_connection, tenant_header=cfg.tenant_header)
+            forget_connection=probes.forget_connection, restart_connection=probes.restart_connection,
+            on_unreadable=exporters.unreadable, tenant_header=cfg.tenant_header, idle_timeout_s=cfg.idle_timeout_s,
+            steady=probes if cfg.kernel_batching else None)
         lag = LagMeter()
 
         def handle(event) -> None:
@@ -355,11 +388,12 @@ class Agent:
             tracker.handle(event)
 
         probes.open(handle)
-        exporters.agent_stats(tracker, 0, 0.0, 0.0, sink)
+        exporters.agent_stats(tracker, 0, 0.0, 0.0, sink, probes.map_overflows(), probes.map_sizes())
         exporters.serve_metrics()  # after the probes attach: readiness means tracing
         t = cfg.targets
-        log.info("tracing ports %s pids %s exes %s; libssl probed: %s", t.ports or "-", t.pids or "-",
-                 t.exes or "-", ", ".join(probes.attached_ssl) or "none")
+        log.info("tracing ports %s pids %s exes %s; OpenSSL probed: %s; Go crypto/tls probed: %s", t.ports or "-",
+                 t.pids or "-", t.exes or "-", ", ".join(probes.attached_ssl) or "none",
+                 ", ".join(probes.attached_go_tls) or "none")
         for reach in unreadable_tls([*t.pids, *(owner.pid for owner in target_port_sockets(set(t.ports))[0])]):
             log.warning("TLS of pid %d (%s) cannot be read: %s; its connections are written as unsupported "
                         "rows (tls_unprobed)", reach.pid, reach.exe, reach.library)
@@ -369,6 +403,7 @@ class Agent:
         started = time.monotonic()
         deadline = started + cfg.duration_s if cfg.duration_s else None
         next_rescan = started + RESCAN_INTERVAL_S
+        memory = MemoryRelease()
         last_tick, last_events = started, 0
         try:
             while not self._stop:
@@ -380,13 +415,17 @@ class Agent:
                     next_rescan = now + RESCAN_INTERVAL_S
                     clock.maybe_refresh()
                     for path in probes.attach_ssl():
-                        log.info("probing libssl %s", path)
+                        log.info("probing OpenSSL in %s", path)
                     probes.rescan_processes()
+                    for path in probes.attach_go_tls():
+                        log.info("probing Go crypto/tls in %s", path)
+                    tracker.evict_idle(time.monotonic_ns())
+                    memory.after(len(tracker.connections))
                 if now - last_tick >= 1.0:
                     rate = (tracker.stats.events - last_events) / (now - last_tick)
                     last_tick, last_events = now, tracker.stats.events
                     drops = probes.drops()
-                    exporters.agent_stats(tracker, drops, lag.seconds(), rate, sink)
+                    exporters.agent_stats(tracker, drops, lag.seconds(), rate, sink, probes.map_overflows())
                     offer_inflight(exporters.live, tracker)
                     if status:
                         status.show(self._status_text(tracker, drops, sink, rate, now - started))
@@ -399,7 +438,7 @@ class Agent:
             tracker.close_all(time.monotonic_ns())
         finally:
             # Read before close(): the program's maps go with it.
-            drops = probes.drops()
+            drops, overflows = probes.drops(), probes.map_overflows()
             probes.close()
             if status:
                 status.show(self._status_text(tracker, drops, sink, 0.0, time.monotonic() - started),
@@ -408,7 +447,8 @@ class Agent:
         return AgentSummary(
             requests=tracker.stats.requests, events=tracker.stats.events, drops=drops,
             rows_written=0, rows_spooled=0, parse_errors=tracker.stats.parse_errors,
-            seconds=time.monotonic() - started)
+            seconds=time.monotonic() - started, map_overflows=overflows,
+            batched_writes=tracker.stats.steady_writes)
 
     @staticmethod
     def _status_text(tracker: ConnectionTracker, drops: int, sink: RequestSink,

@@ -9,6 +9,11 @@ actuator's decisions, and a control loop turns what the agent stores into
 those decisions (``actuator.stack``): the overload phase is detected and
 contained with nobody touching anything, and the decisions are listed at the
 end from ``tokenprobe.decisions``.
+
+The agent analyses the traffic as it runs (``DEMO_ANALYZE_EVERY_S`` windows),
+and the demo analyses the whole run once more when the load is over, so the
+store it leaves has every table the dashboard shows filled: phases split into
+queue and prefill, the indicator matrix, the knee.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,6 +35,8 @@ from pathlib import Path
 from ..actuator.breaker import BreakerPolicy
 from ..actuator.controller import ControllerPolicy
 from ..agent.capture.probes import ProbeError, Targets
+from ..analytics.pipeline import analyze, default_range
+from ..analytics.scope import EVERYTHING
 from ..store.client import StoreUnavailable
 from ..store.embedded import open_store
 from .agent import Agent, AgentConfig, SamplerConfig
@@ -42,6 +50,8 @@ DEMO_TENANT = "demo"
 # deployment keeps ControllerPolicy's defaults.
 DEMO_POLICY = ControllerPolicy(window_s=2.0, breaker=BreakerPolicy(trip_windows=2, cooldown_s=5.0,
                                                                    recovery_shares=(0.25, 0.5, 0.75)))
+# Likewise the live analysis: windows of a few seconds, so a minute of load lights the matrix.
+DEMO_ANALYZE_EVERY_S = 5
 
 
 def _ms(later: int | None, earlier: int | None) -> str:
@@ -113,6 +123,22 @@ def decisions_summary(store_url: str, upstream: str) -> list[str]:
             action = f"tenant {tenant!r} held to {tokens_per_s:.0f} tokens/s"
         lines.append(f"{at}  {action}: {reason} [{outcome}]")
     return lines
+
+
+def analyse_the_run(store_url: str) -> str:
+    """Analyse the whole run once more, now that every row is stored (the live passes leave the last
+    seconds, still settling, to a pass that never comes), in the live windows; say what it found."""
+    with open_store(store_url, serve=False) as store:
+        traffic = default_range(store, EVERYTHING)
+        if traffic is None:
+            return "no inference requests to analyse"
+        report = analyze(store, traffic, window_s=DEMO_ANALYZE_EVERY_S)
+    phases = report.phases
+    requests, unsplit = int(phases["requests"].sum()), int(phases["unsplit"].sum())
+    states = Counter(cell.state for cell in report.cells)
+    return (f"{requests} requests split into phases ({requests - unsplit} with queue and prefill apart); "
+            f"{len(report.cells)} indicator cells in {DEMO_ANALYZE_EVERY_S} s windows ("
+            + ", ".join(f"{count} {state}" for state, count in sorted(states.items())) + ")")
 
 
 def gateway_answers(workdir: Path) -> str:
@@ -188,7 +214,8 @@ def run_demo(args: argparse.Namespace) -> int:
         engine_urls={f"http://127.0.0.1:{args.port}/metrics": args.port},
         gpus_by_port={args.port: ["0"]})
     agent = Agent(AgentConfig(targets=Targets(ports=[args.port]), store_url=args.store, status=False,
-                              on_row=totals.add, on_ready=driver.start, samplers=samplers))
+                              on_row=totals.add, on_ready=driver.start, samplers=samplers,
+                              analyze_every_s=DEMO_ANALYZE_EVERY_S))
     try:
         summary = agent.run()
     except ProbeError as exc:
@@ -208,8 +235,10 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"demo: {len(lines)} decisions by the control loop (tokenprobe.decisions):", file=sys.stderr)
         for line in lines:
             print(f"  {line}", file=sys.stderr)
+    print(f"demo: analysis: {analyse_the_run(args.store)}", file=sys.stderr)
     print(f"demo: {summary.rows_written} rows in {args.store} "
-          f"({summary.drops} kernel events dropped). Query it with:\n"
+          f"({summary.drops} kernel events dropped). See it with:\n"
+          f"  tokenprobe dashboard --store {args.store}\nor query it:\n"
           f"  tokenprobe query --store {args.store} "
           f"\"SELECT path, count(), quantile(0.5)(dateDiff('millisecond', req_end, first_token)) "
           f"AS ttft_p50_ms FROM tokenprobe.requests GROUP BY path\"", file=sys.stderr)

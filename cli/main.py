@@ -8,6 +8,7 @@ import os
 import sys
 
 from ..actuator.control_cli import add_control_parser
+from ..agent.capture.tracker import DEFAULT_IDLE_TIMEOUT_S
 from ..analytics.alerting import check_url as check_alertmanager_url
 from ..analytics.cli import add_analyze_parser
 from ..analytics.config import DEFAULT_LIVE_EVERY_S
@@ -46,6 +47,10 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
                    help="bound of the disk spool that holds request rows while the store is unreachable; past it "
                         "the oldest are dropped and counted (tokenprobe_agent_spool_dropped_rows_total). "
                         "Accepts K, M, G suffixes (default 1G)")
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S, metavar="S",
+                   help="forget a connection with no I/O for S seconds (its open request is written truncated; "
+                        "if it speaks again it is followed afresh), so that connections whose close the "
+                        "probes missed do not hold memory (default %(default)g)")
     p.add_argument("--tenant-header", default=DEFAULT_TENANT_HEADER, metavar="NAME",
                    help="request header whose value is stored as each request's tenant: an identifier, "
                         "not content; no other header is kept. The actuator's gateway hook reads the same "
@@ -64,6 +69,9 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
     live.add_argument("--alertmanager", action="append", default=[], metavar="URL",
                       help="post the live analysis' lit indicators to this Alertmanager (API v2), labelled as "
                            "the Prometheus rules label them (repeatable: every member of an HA cluster)")
+    p.add_argument("--no-kernel-batching", dest="kernel_batching", action="store_false",
+                   help="send every write of a steady SSE stream as its own kernel event, instead of the "
+                        "kernel batching their times and sizes (the rows are the same; the agent works harder)")
     ring = p.add_mutually_exclusive_group()
     ring.add_argument("--ringbuf-mb", type=int, default=16,
                       help="kernel ring buffer size in MiB, a power of two (default %(default)s)")
@@ -132,6 +140,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if not 0 <= args.metrics_port < 65536:
         print("tokenprobe agent: --metrics-port must be a TCP port (0: off)", file=sys.stderr)
         return 2
+    if args.idle_timeout <= 0:
+        print("tokenprobe agent: --idle-timeout must be a positive number of seconds", file=sys.stderr)
+        return 2
     if args.analyze_every < 0:
         print("tokenprobe agent: --analyze-every must be ≥ 0 seconds (0: off)", file=sys.stderr)
         return 2
@@ -145,10 +156,11 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         print(f"tokenprobe agent: --alertmanager: {exc}", file=sys.stderr)
         return 2
     config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
-                         ringbuf_pages=pages, status=not args.quiet, samplers=samplers,
+                         ringbuf_pages=pages, kernel_batching=args.kernel_batching, status=not args.quiet,
+                         samplers=samplers,
                          metrics_address=(args.metrics_host, args.metrics_port) if args.metrics_port else None,
                          otlp_endpoint=args.otlp_endpoint, tenant_header=tenant_header,
-                         spool_max_bytes=args.spool_max_bytes,
+                         spool_max_bytes=args.spool_max_bytes, idle_timeout_s=args.idle_timeout,
                          analyze_every_s=args.analyze_every, alertmanager_urls=args.alertmanager)
     try:
         if args.otlp_endpoint:
@@ -163,10 +175,12 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         print(f"tokenprobe agent: {exc}\nRun 'tokenprobe doctor' for what works on this node.",
               file=sys.stderr)
         return 1
-    print(f"done: {summary.requests} requests from {summary.events} kernel events in "
-          f"{summary.seconds:.1f}s; {summary.rows_written} rows stored"
+    print(f"done: {summary.requests} requests from {summary.events} kernel events "
+          f"({summary.batched_writes} writes in batches) in {summary.seconds:.1f}s; {summary.rows_written} rows stored"
           + (f", {summary.rows_spooled} spooled to disk for later" if summary.rows_spooled else "")
-          + f"; {summary.drops} events dropped by the kernel", file=sys.stderr)
+          + f"; {summary.drops} events dropped by the kernel"
+          + "".join(f"; kernel map {name} could not hold {count} entries"
+                    for name, count in summary.map_overflows.items() if count), file=sys.stderr)
     return 0
 
 

@@ -76,13 +76,17 @@ class TokenBudgetAction:
     tokens_per_second: float
     burst_tokens: float
     max_delay_s: float = 0.0
+    # A rejection's Retry-After is spread uniformly over this many more seconds, so clients
+    # told to back off do not all come back at once (a retry storm).
+    retry_jitter_s: float = 0.0
 
     def validate(self, max_lifetime_s: float) -> None:
         for name, value in (("tokens_per_second", self.tokens_per_second), ("burst_tokens", self.burst_tokens)):
             if not (math.isfinite(value) and value > 0):
                 raise InvalidDecision(f"a token budget needs a positive, finite {name}, got {value}")
-        if not 0.0 <= self.max_delay_s <= MAX_DELAY_LIMIT_S:
-            raise InvalidDecision(f"max_delay must be within [0, {MAX_DELAY_LIMIT_S:g}] s, got {self.max_delay_s}")
+        for name, value in (("max_delay", self.max_delay_s), ("retry_jitter", self.retry_jitter_s)):
+            if not 0.0 <= value <= MAX_DELAY_LIMIT_S:
+                raise InvalidDecision(f"{name} must be within [0, {MAX_DELAY_LIMIT_S:g}] s, got {value}")
 
 
 Action = BreakerAction | TokenBudgetAction
@@ -143,6 +147,25 @@ class Decision:
 
 
 @dataclass(frozen=True)
+class IndicatorReading:
+    """One lit (warn or crit) cell of the indicator matrix, as live analysis stored it for the upstream."""
+
+    name: str  # an indicator of analytics/indicators.py
+    state: str  # warn | crit
+    value: float
+    threshold: float  # the one it crossed: crit's when crit, else warn's
+
+
+@dataclass(frozen=True)
+class QueueSample:
+    """Requests in flight still waiting for their first token, at two of the agent's in-flight samples."""
+
+    before: int  # at the sample before the newest
+    after: int  # at the newest, taken in the window
+    span_s: float  # between the two
+
+
+@dataclass(frozen=True)
 class WindowFigures:
     """One upstream over one window, as the analytics measured it."""
 
@@ -152,10 +175,17 @@ class WindowFigures:
     p99_ttft_s: float | None
     knee_capacity_rps: float | None
     baseline_p99_s: float | None
-    # prompt + completion tokens each tenant used in the window, server-side counts
+    # prompt + completion tokens each tenant used in the window, server-side counts, charged as they
+    # leave: a stream still in flight is charged the tokens it streamed in the window
     tenant_tokens: Mapping[str, int] = field(default_factory=dict)
     model: str = ""  # empty: the breaker covers every model on the upstream
     arrived_p99_ttft_s: float | None = None  # of the requests that arrived in the window; judges probes
+    # mean prompt + completion tokens of the requests that ended: turns a capacity in requests into tokens
+    tokens_per_request: float | None = None
+    # the matrix's lit indicators for the upstream, newest cell of each (empty: none lit, or none analysed)
+    indicators: Mapping[str, IndicatorReading] = field(default_factory=dict)
+    # the queue of requests in flight, when the agent sampled it in the window (None: not sampled)
+    queue: QueueSample | None = None
 
 
 _LABEL = "LowCardinality(String)"

@@ -1,5 +1,9 @@
 """The latencies the heatmaps show, as SQL over ``tokenprobe.requests``, and their log-spaced bands.
 
+TTFT, TPOT and end-to-end have one value per request; ITL has one per gap
+between a request's consecutive text events (``Metric.per_gap``), so an ITL
+heatmap cell counts gaps, each request contributing all of its own.
+
 A band is ``floor(log10(ms) * bands_per_decade)``: band ``b`` holds latencies
 in [10^(b/k), 10^((b+1)/k)) ms. The heatmap queries and the per-minute rollup
 (``rollup``) compute bands with these same expressions, so both count every
@@ -34,8 +38,18 @@ class Metric:
     key: str
     title: str
     description: str
-    sql: str  # milliseconds, valid where `condition` holds
+    sql: str  # milliseconds, valid where `condition` holds; with `per_gap`, an array of them per request
     condition: str  # the requests that have this latency
+    per_gap: bool = False
+
+    @property
+    def counted(self) -> str:
+        """What a heatmap cell of this metric counts."""
+        return "inter-token gaps" if self.per_gap else "requests"
+
+    def bands_sql(self, bands_per_decade_sql: str) -> str:
+        """SQL for the array of a per-gap metric's bands, one per gap."""
+        return f"arrayMap(gap_ms -> {band_sql('gap_ms', bands_per_decade_sql)}, {self.sql})"
 
 
 # The figures are contract/measures.py's, so a heatmap cell and the analytics count a request alike.
@@ -48,6 +62,8 @@ METRICS: dict[str, Metric] = {
                "tokens from usage, else counted text events", measures.tpot_sql(known=True), measures.TPOT_KNOWN),
         Metric("e2e", "end-to-end", "end to end: connection setup (a connection's first request) + request's "
                "first byte → response's last byte", measures.e2e_sql(known=True), measures.E2E_KNOWN),
+        Metric("itl", "ITL", "inter-token latency: every gap between consecutive generated-text events",
+               measures.ITL_GAPS_MS, measures.HAS_ITL_GAPS, per_gap=True),
     )
 }
 

@@ -195,6 +195,8 @@ def itl_gaps_ms(row: Mapping) -> list[float]:
 
 # Inter-token gaps in µs: the first offset is the first event itself (0).
 ITL_GAPS_US = "arrayPopFront(arrayDifference(token_offsets_us))"
+ITL_GAPS_MS = f"arrayMap(gap -> gap / 1000, {ITL_GAPS_US})"  # itl_gaps_ms(row) in SQL
+HAS_ITL_GAPS = "length(token_offsets_us) > 1"
 
 
 def sorted_quantile(sorted_values: str, level: float) -> str:

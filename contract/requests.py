@@ -71,6 +71,12 @@ REQUEST_SCHEMA: tuple[Column, ...] = (
     Column("stream_id", "UInt32", INTEGER_CODEC, default="0"),
     Column("grpc_status", "Nullable(UInt16)", INTEGER_CODEC),
     Column("unreadable_reason", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
+    # Added with gRPC message sizes: the call's request messages and its response messages' payload
+    # (token_events counts the response messages). Sizes only, never the payload.
+    Column("request_messages", "UInt32", INTEGER_CODEC, default="0"),
+    Column("request_message_bytes", "UInt64", INTEGER_CODEC, default="0"),
+    Column("response_message_bytes", "UInt64", INTEGER_CODEC, default="0"),
+    Column("largest_response_message_bytes", "UInt32", INTEGER_CODEC, default="0"),
 )
 
 REQUESTS = Table(

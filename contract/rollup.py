@@ -3,6 +3,7 @@
 ``request_latency_bands`` counts the served requests per minute, server
 (``node``, ``server_port``), model, route, latency metric and band (10 per
 decade), plus the pseudo-metric ``all`` that counts every served request.
+For ITL its ``requests`` column counts inter-token gaps.
 The materialized view ``request_latency_bands_mv`` adds to it on every insert
 into ``tokenprobe.requests``, so a heatmap over a day reads a few hundred
 thousand rows instead of every request of the day.
@@ -10,7 +11,9 @@ thousand rows instead of every request of the day.
 The view sees only rows inserted after it was created. Readers therefore use
 the rollup for a window only where its ``all`` count equals the number of
 requests in the window, and scan the requests otherwise (see
-``DashboardQueries.heatmap_source``). Whoever creates the store's schema (the
+``DashboardQueries.heatmap_source``). A store made by an older release gets
+the current view from ``Store.ensure_schema``: the minutes rolled up before
+it lack the metrics added since, so that check counts the metric itself. Whoever creates the store's schema (the
 agent) creates both, so the rollup starts with the store.
 """
 
@@ -52,11 +55,16 @@ ROLLUP = Table(
     settings=DEDUPLICATION_WINDOW_SETTING,  # a replayed batch must not count twice here either
 )
 
-# Each request yields one (metric, band) pair per latency it has, and ('all', 0).
-_METRIC_BANDS = ", ".join(
+# Each request yields one (metric, band) pair per latency it has, one ('itl', band) pair per
+# inter-token gap, and ('all', 0).
+_REQUEST_BANDS = ", ".join(
     [f"('{key}', if({metric.condition}, {band_sql(metric.sql, str(ROLLUP_BANDS_PER_DECADE))}, NULL))"
-     for key, metric in METRICS.items()]
+     for key, metric in METRICS.items() if not metric.per_gap]
     + [f"('{ALL_REQUESTS}', 0)"]
+)
+_GAP_BANDS = ", ".join(
+    f"arrayMap(band -> ('{key}', band), {metric.bands_sql(str(ROLLUP_BANDS_PER_DECADE))})"
+    for key, metric in METRICS.items() if metric.per_gap
 )
 ROLLUP_VIEW_DDL = f"""CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.{ROLLUP_VIEW} TO {{db}}.{ROLLUP_TABLE} AS
 SELECT
@@ -66,7 +74,7 @@ SELECT
     toInt16(assumeNotNull(metric_band.2)) AS band,
     count() AS requests
 FROM {{db}}.{REQUESTS_TABLE}
-ARRAY JOIN arrayFilter(pair -> pair.2 IS NOT NULL, [{_METRIC_BANDS}]) AS metric_band
+ARRAY JOIN arrayConcat(arrayFilter(pair -> pair.2 IS NOT NULL, [{_REQUEST_BANDS}]), {_GAP_BANDS}) AS metric_band
 WHERE role = 'server'
 GROUP BY minute, node, server_port, model, path, metric, band"""
 

@@ -10,6 +10,7 @@ into a column, for writers that build typed batches themselves.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -105,12 +106,28 @@ TTL toDateTime({self.ttl_column}) + INTERVAL {{ttl_days}} DAY""" + (
                          for column in self.columns})
 
 
+VIEW_DEFINITION_PREFIX = "tokenprobe definition "
+
+
 @dataclass(frozen=True)
 class View:
-    """A view or materialized view: ``ddl_template`` is its whole CREATE statement ({db} placeholder)."""
+    """A view or materialized view: ``definition`` is its whole CREATE statement ({db} placeholder).
+
+    The view is created with a comment naming a digest of its definition
+    (``comment``), so that a store can tell a view made by an older definition
+    from the current one (``Store.ensure_schema`` replaces it).
+    """
 
     name: str
-    ddl_template: str
+    definition: str
+
+    @property
+    def comment(self) -> str:
+        return VIEW_DEFINITION_PREFIX + hashlib.sha256(self.definition.encode()).hexdigest()[:16]
+
+    @property
+    def ddl_template(self) -> str:
+        return f"{self.definition}\nCOMMENT '{self.comment}'"
 
 
 _SIMPLE_ARROW_TYPES = {

@@ -1,12 +1,14 @@
 """The tokenprobe dashboard, a Streamlit app; ``tokenprobe dashboard`` runs it.
 
 Panels, top to bottom, all on one UTC time axis over the chosen window:
-latency heatmaps (TTFT, TPOT, end-to-end: time × log-spaced latency band,
-colour = request count), the drill-down (a heatmap cell → its requests → one
-request's own timeline, every token included), the phase breakdown over time,
-GPU memory and utilization, the indicator matrix, and the actuator decisions.
-The sidebar filters by server, model and route; the panels refresh on their
-own every few seconds.
+latency heatmaps (TTFT, TPOT, end-to-end, ITL: time × log-spaced latency
+band, colour = request count, or gap count for ITL), the drill-down (a
+heatmap cell → its requests → one request's own timeline, every token
+included), the phase breakdown over time, GPU memory and utilization, the
+indicator matrix (and from one of its cells to the requests of that server's
+window), and the actuator decisions. The window fits the recent traffic
+unless another is chosen; the sidebar filters by server, model and route;
+the panels refresh on their own every few seconds.
 
 Every figure is aggregated in ClickHouse by ``queries.DashboardQueries``; this
 script only lays the results out. Clicking a heatmap cell fills the drill-down
@@ -34,17 +36,22 @@ from ..contract.samples import GPU_SAMPLES_TABLE
 from ..store.client import Store, StoreUnavailable
 from ..store.embedded import open_store
 from ..store.url import parse_store_url
-from .queries import DashboardQueries, Filters, choose_bin_seconds
+from .queries import DashboardQueries, Filters, choose_bin_seconds, fitting_span_s
 from .settings import DashboardSettings, from_environment
 
-WINDOWS_S = {"15 minutes": 900, "1 hour": 3600, "6 hours": 21600, "24 hours": 86400, "7 days": 604800}
-DEFAULT_WINDOW = "1 hour"
+FITTED_WINDOW = "fit the recent traffic"
+# None: as long as the traffic of the last hour that has any (``DashboardQueries.recent_traffic``).
+WINDOWS_S = {FITTED_WINDOW: None, "15 minutes": 900, "1 hour": 3600, "6 hours": 21600, "24 hours": 86400,
+             "7 days": 604800}
+DEFAULT_WINDOW = FITTED_WINDOW
+SPAN_WITHOUT_TRAFFIC_S = 3600  # a fitted window once the store holds no request any more
 ANCHORS = ("the latest request", "now")
 STATE_COLOURS = {OK: "#c8e6c9", WARN: "#ffe082", CRIT: "#ef9a9a"}
 NO_DATA_COLOUR = "#e0e0e0"  # n/a: the data for the indicator does not exist
 PHASE_ORDER = ["network in", "queue", "prefill", "server TTFT", "decode", "response tail"]
 EVENT_KINDS = ["connection", "request", "phase", "token", "response"]
-NO_INDICATORS = "No indicator data yet — run `tokenprobe analyze`."
+NO_INDICATORS = ("No indicator data in this window yet: the agent analyses its servers every `--analyze-every`"
+                 " seconds; `tokenprobe analyze` analyses a past range.")
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 
@@ -69,9 +76,9 @@ def format_epoch_s(seconds: float) -> str:
     return time.strftime(TIME_FORMAT, time.gmtime(seconds)) + " UTC"
 
 
-def band_label(band: int, requests: int) -> str:
+def band_label(band: int, count: int, counted: str) -> str:
     low, high = band_bounds_ms(band)
-    return f"{format_ms(low)} – {format_ms(high)} ({requests} requests)"
+    return f"{format_ms(low)} – {format_ms(high)} ({count} {counted})"
 
 
 def vega_time(epoch_ns: int) -> alt.DateTime:
@@ -111,18 +118,29 @@ def window_filters(queries: DashboardQueries, span_s: int, anchor: str, servers:
     return Filters(end_ns - span_s * 1_000_000_000, end_ns, servers, models, routes)
 
 
+def window_span_s(queries: DashboardQueries, window: str) -> int:
+    """The length of a window offered in the sidebar; the fitted one is measured on the store each time."""
+    if WINDOWS_S[window] is not None:
+        return WINDOWS_S[window]
+    traffic = queries.recent_traffic()
+    return fitting_span_s(*traffic) if traffic else SPAN_WITHOUT_TRAFFIC_S
+
+
 @dataclass(frozen=True)
 class Selection:
-    """What the sidebar asks for: a window (its length and what it ends at) and the filters."""
+    """What the sidebar asks for: a window (its name and what it ends at) and the filters."""
 
-    span_s: int
+    window: str
     anchor: str
     servers: tuple[str, ...]
     models: tuple[str, ...]
     routes: tuple[str, ...]
 
-    def filters(self, queries: DashboardQueries) -> Filters:
-        return window_filters(queries, self.span_s, self.anchor, self.servers, self.models, self.routes)
+    def filters(self, queries: DashboardQueries) -> tuple[Filters, int]:
+        """The window's filters as of now (a fitted window grows with the traffic) and its bin width."""
+        span_s = window_span_s(queries, self.window)
+        filters = window_filters(queries, span_s, self.anchor, self.servers, self.models, self.routes)
+        return filters, choose_bin_seconds(span_s)
 
 
 def sidebar(queries: DashboardQueries, settings: DashboardSettings) -> Selection:
@@ -130,14 +148,13 @@ def sidebar(queries: DashboardQueries, settings: DashboardSettings) -> Selection
     window = st.sidebar.selectbox("Window", list(WINDOWS_S), index=list(WINDOWS_S).index(DEFAULT_WINDOW),
                                   key="window")
     anchor = st.sidebar.radio("Window ends at", ANCHORS, key="anchor")
-    span_s = WINDOWS_S[window]
-    options = queries.filter_options(window_filters(queries, span_s, anchor))
+    options = queries.filter_options(window_filters(queries, window_span_s(queries, window), anchor))
     servers = st.sidebar.multiselect("Servers", options["servers"], key="servers", placeholder="all servers")
     models = st.sidebar.multiselect("Models", options["models"], key="models", placeholder="all models")
     routes = st.sidebar.multiselect("Routes", options["routes"], key="routes", placeholder="all routes")
     refresh = f"every {settings.refresh_s:g} s" if settings.refresh_s else "off"
     st.sidebar.caption(f"Auto-refresh: {refresh}. Times are UTC.")
-    return Selection(span_s, anchor, tuple(servers), tuple(models), tuple(routes))
+    return Selection(window, anchor, tuple(servers), tuple(models), tuple(routes))
 
 
 # --------------------------------------------------------------------------- heatmaps and drill-down
@@ -154,13 +171,13 @@ def heatmap_chart(cells: pd.DataFrame, metric_key: str, filters: Filters) -> alt
             x2="time_bin_end:T",
             y=alt.Y("low_ms:Q", title=f"{metric.title} (ms, log scale)", scale=alt.Scale(type="log")),
             y2="high_ms:Q",
-            color=alt.Color("requests:Q", title="requests", scale=alt.Scale(type="log", scheme="viridis")),
+            color=alt.Color("requests:Q", title=metric.counted, scale=alt.Scale(type="log", scheme="viridis")),
             opacity=alt.condition(cell, alt.value(1.0), alt.value(0.4)),
             tooltip=[
                 alt.Tooltip("time_bin:T", title="from (UTC)", format="%Y-%m-%d %H:%M:%S"),
                 alt.Tooltip("low_ms:Q", title="latency from (ms)", format=".3~g"),
                 alt.Tooltip("high_ms:Q", title="latency to (ms)", format=".3~g"),
-                alt.Tooltip("requests:Q", title="requests"),
+                alt.Tooltip("requests:Q", title=metric.counted),
             ],
         )
         .add_params(cell)
@@ -179,16 +196,18 @@ def on_cell_clicked(metric_key: str) -> None:
 
 def heatmaps(queries: DashboardQueries, filters: Filters, bin_s: int) -> dict[str, pd.DataFrame]:
     st.subheader("Latency heatmaps")
-    source = {"rollup": "the per-minute rollup", "requests": "the requests"}[queries.heatmap_source(filters, bin_s)]
-    st.caption(f"Requests per {bin_s} s bin and log-spaced latency band, counted from {source}; "
+    st.caption(f"Requests (for ITL, inter-token gaps) per {bin_s} s bin and log-spaced latency band; "
                "click a cell to list its requests.")
+    sources = {"rollup": "the per-minute rollup", "requests": "the requests"}
     cells_by_metric = {}
     tabs = st.tabs([metric.title for metric in METRICS.values()])
     for tab, (metric_key, metric) in zip(tabs, METRICS.items(), strict=True):
         with tab, panel_errors(f"{metric.title} heatmap"):
-            cells = queries.latency_heatmap(metric_key, filters, bin_s)
+            source = queries.heatmap_source(filters, bin_s, metric_key=metric_key)
+            cells = queries.latency_heatmap(metric_key, filters, bin_s, source=source)
             cells_by_metric[metric_key] = cells
-            st.caption(f"{metric.description}; {int(cells['requests'].sum())} requests.")
+            st.caption(f"{metric.description}; {int(cells['requests'].sum())} {metric.counted},"
+                       f" counted from {sources[source]}.")
             if cells.empty:
                 st.info(f"No requests with a {metric.title} in this window.")
                 continue
@@ -204,6 +223,13 @@ def keep_if_offered(key: str, options: Sequence) -> None:
         del st.session_state[key]
 
 
+def pick(label: str, options: Sequence, key: str, format_func, placeholder: str, container=st):
+    """A selectbox that starts empty and keeps its choice across refreshes while it is still offered."""
+    keep_if_offered(key, options)
+    return container.selectbox(label, options, index=None, format_func=format_func, key=key,
+                               placeholder=placeholder)
+
+
 def drill_down(queries: DashboardQueries, filters: Filters, bin_s: int,
                cells_by_metric: dict[str, pd.DataFrame]) -> None:
     st.subheader("Drill-down")
@@ -217,32 +243,35 @@ def drill_down(queries: DashboardQueries, filters: Filters, bin_s: int,
                                       key="drill_metric")
     cells = cells_by_metric[metric_key]
     bins = [int(value) for value in cells["bin_start_s"].unique()]
-    keep_if_offered("drill_bin", bins)
-    bin_start_s = columns[1].selectbox("Time bin", bins, index=None, format_func=format_epoch_s, key="drill_bin",
-                                       placeholder="click a heatmap cell, or pick a bin")
+    bin_start_s = pick("Time bin", bins, "drill_bin", format_epoch_s, "click a heatmap cell, or pick a bin",
+                       columns[1])
     if bin_start_s is None:
         return
     in_bin = cells[cells["bin_start_s"] == bin_start_s]
     counts = dict(zip(in_bin["band"].astype(int), in_bin["requests"].astype(int), strict=True))
-    keep_if_offered("drill_band", list(counts))
-    band = columns[2].selectbox("Latency band", list(counts), index=None, key="drill_band",
-                                format_func=lambda value: band_label(value, counts[value]),
-                                placeholder="pick a latency band")
+    counted = METRICS[metric_key].counted
+    band = pick("Latency band", list(counts), "drill_band", lambda value: band_label(value, counts[value], counted),
+                "pick a latency band", columns[2])
     if band is None:
         return
     with panel_errors("drill-down"):
         requests = queries.cell_requests(metric_key, filters, bin_start_s, bin_s, band)
-        shown = f"the {len(requests)} slowest" if len(requests) < counts[band] else f"all {len(requests)}"
-        st.caption(f"{counts[band]} requests in this cell; {shown} below.")
+        # Each request holds `in_cell` of the cell's samples: fewer in all means the list was cut.
+        shown = f"the {len(requests)} slowest" if requests["in_cell"].sum() < counts[band] else f"all {len(requests)}"
+        holding = " holding them" if METRICS[metric_key].per_gap else ""
+        st.caption(f"{counts[band]} {counted} in this cell; {shown} requests{holding} below.")
         st.dataframe(cell_table(requests, metric_key), hide_index=True, width="stretch")
         request_drill_down(queries, requests, metric_key)
 
 
 def cell_table(requests: pd.DataFrame, metric_key: str) -> pd.DataFrame:
-    table = requests[["server", "model", "route", "status", "outcome", "token_events", "latency_ms",
+    metric = METRICS[metric_key]
+    in_cell = ["in_cell"] if metric.per_gap else []
+    table = requests[["server", "model", "route", "status", "outcome", "token_events", "latency_ms", *in_cell,
                       "response_id"]].copy()
     table.insert(0, "started (UTC)", pd.to_datetime(requests["req_start_ms"], unit="ms", utc=True))
-    return table.rename(columns={"latency_ms": f"{METRICS[metric_key].title} (ms)"})
+    latency = f"slowest {metric.title} in the cell (ms)" if metric.per_gap else f"{metric.title} (ms)"
+    return table.rename(columns={"latency_ms": latency, "in_cell": f"{metric.counted} in the cell"})
 
 
 def request_drill_down(queries: DashboardQueries, requests: pd.DataFrame, metric_key: str) -> None:
@@ -258,9 +287,7 @@ def request_drill_down(queries: DashboardQueries, requests: pd.DataFrame, metric
         return (f"{started} · {request['server']} · {METRICS[metric_key].title} "
                 f"{format_ms(request['latency_ms'])} · {request['response_id'] or 'no id'}")
 
-    keep_if_offered("drill_request", identities)
-    chosen = st.selectbox("Request", identities, index=None, format_func=label, key="drill_request",
-                          placeholder="pick a request to see its timeline")
+    chosen = pick("Request", identities, "drill_request", label, "pick a request to see its timeline")
     if chosen is None:
         return
     events = queries.request_timeline(*chosen)
@@ -295,11 +322,11 @@ def phase_panel(queries: DashboardQueries, filters: Filters, bin_s: int) -> None
     with panel_errors("phase breakdown"):
         phases, analysed = queries.phase_breakdown(filters, bin_s)
         if analysed:
-            st.caption("Mean time per request in each phase, from `tokenprobe analyze` (inference requests it"
+            st.caption("Mean time per request in each phase, from the analysis (inference requests it"
                        " analysed; server TTFT where it could not split queue from prefill).")
         else:
             st.caption("Mean time per request in each phase. Queue and prefill show together as server TTFT"
-                       " until `tokenprobe analyze` splits them.")
+                       " until the analysis (the agent's, or `tokenprobe analyze`) splits them.")
         if phases.empty:
             st.info("No requests in this window.")
             return
@@ -359,6 +386,34 @@ def indicator_panel(queries: DashboardQueries, filters: Filters) -> None:
         if not attention.empty:
             st.dataframe(attention[["server", "device_id", "indicator", "state", "explanation"]],
                          hide_index=True, width="stretch")
+        indicator_drill_down(queries, matrix)
+
+
+def indicator_drill_down(queries: DashboardQueries, matrix: pd.DataFrame) -> None:
+    """From one cell of the matrix to the requests its server served in that cell's window."""
+    labels = {indicator.name: indicator.label for indicator in INDICATORS}
+    # A cell is chosen by its identity, not its row: a refresh may reorder the rows.
+    keys = matrix[["node", "server_port", "device_id", "indicator", "window_start_ns", "window_end_ns"]]
+    identities = [(str(node), int(port), str(device), str(indicator), int(start), int(end))
+                  for node, port, device, indicator, start, end in keys.itertuples(index=False)]
+    states = dict(zip(identities, matrix["state"], strict=True))
+
+    def label(identity: tuple) -> str:
+        node, port, device, indicator, start, end = identity
+        subject = f"{node}:{port}" + (f" · {device}" if device else "")
+        return (f"{subject} · {labels.get(indicator, indicator)} · {states[identity]} · "
+                f"{format_epoch_s(start / 1e9)} → {format_epoch_s(end / 1e9)}")
+
+    chosen = pick("Indicator cell", identities, "indicator_cell", label,
+                  "pick a cell to list the requests of its window")
+    if chosen is None:
+        return
+    node, port, _, _, start_ns, end_ns = chosen
+    requests = queries.window_requests(node, port, start_ns, end_ns)
+    total = int(requests["in_window"].iloc[0]) if not requests.empty else 0
+    shown = f"the {len(requests)} slowest end to end" if len(requests) < total else f"all {total}"
+    st.caption(f"{total} requests of {node}:{port} started in this window; {shown} below.")
+    st.dataframe(requests.drop(columns="in_window"), hide_index=True, width="stretch")
 
 
 def format_indicator_value(value: float | None, unit: str) -> str:
@@ -437,8 +492,7 @@ def panels(settings: DashboardSettings, selection: Selection | None) -> None:
             st.info(f"No requests in {queries.store.url} yet: start `tokenprobe agent --store …` on a node.")
             return
         # Anchored at the latest request, the window follows new traffic on every refresh.
-        filters = selection.filters(queries)
-        bin_s = choose_bin_seconds(selection.span_s)
+        filters, bin_s = selection.filters(queries)
         st.caption(f"{format_epoch_s(filters.start_ns / 1e9)} → {format_epoch_s(filters.end_ns / 1e9)}")
         cells_by_metric = heatmaps(queries, filters, bin_s)
         drill_down(queries, filters, bin_s, cells_by_metric)

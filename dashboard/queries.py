@@ -4,18 +4,22 @@
 (embedded chDB through its owner, or a ClickHouse server: the same SQL):
 
 - ``latency_heatmap``: requests counted per time bin × log-spaced latency band
-  (``latency``) for TTFT, TPOT or end-to-end latency, from the per-minute
-  rollup (``rollup``) where it is complete for the window, else by a scan;
+  (``latency``) for TTFT, TPOT or end-to-end latency, inter-token gaps for
+  ITL, from the per-minute rollup (``rollup``) where it is complete for the
+  window, else by a scan;
 - ``phase_breakdown``: per time bin, the mean time a request spent in each
   phase. From ``request_phases`` (``tokenprobe analyze``: queue and prefill
   split) where it covers the window, else from the raw requests, with queue
   and prefill together as server TTFT;
 - ``gpu_usage``: memory used and utilization per GPU per time bin;
 - ``indicator_matrix``: the latest state of every indicator for every server
-  (and GPU) in the window;
+  (and GPU) in the window; ``window_requests``: the requests of one server in
+  one analysed window (an indicator cell's);
 - ``decisions``: the actuator decisions in force during the window;
 - ``cell_requests`` / ``request_timeline``: the drill-down, from one heatmap
-  cell to its requests (bounded by a limit) and from one request to its events.
+  cell to its requests (bounded by a limit) and from one request to its events;
+- ``recent_traffic``: when the traffic of the last hour that has any began and
+  ended, for a window that fits it.
 
 Time bins start at multiples of the bin width since the epoch; the window's
 own bounds also apply, so a cell's count is exactly the number of requests
@@ -27,6 +31,7 @@ outbound legs a gateway opens (``role = 'client'``) would count each request twi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,7 +47,7 @@ from ..contract.latency import (
     band_sql,
     metric,
 )
-from ..contract.measures import ms_between, ns
+from ..contract.measures import E2E_MS, TPOT_MS, TTFT_SERVER_MS, ms_between, ns
 from ..contract.requests import REQUESTS_TABLE
 from ..contract.rollup import (
     ALL_REQUESTS,
@@ -57,6 +62,8 @@ from ..store.client import Store
 NICE_BIN_SECONDS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
 DEFAULT_TARGET_BINS = 120
 DEFAULT_CELL_LIMIT = 200
+RECENT_TRAFFIC_S = 3600  # how far back from the newest request a fitted window reaches, at most
+MIN_FITTED_SPAN_S = 60
 SERVER_SQL = "concat(node, ':', toString(server_port))"
 
 
@@ -90,6 +97,16 @@ def choose_bin_seconds(span_s: float, target_bins: int = DEFAULT_TARGET_BINS) ->
     return next((width for width in NICE_BIN_SECONDS if width >= wanted), NICE_BIN_SECONDS[-1])
 
 
+def fitting_span_s(first_ns: int, latest_ns: int, target_bins: int = DEFAULT_TARGET_BINS) -> int:
+    """The shortest window, in whole bins of the width it is drawn with, that holds requests started
+    from ``first_ns`` to ``latest_ns`` (at least a minute of them) once its end is rounded up to a
+    whole bin after the latest: the traffic fills the heatmap instead of a sliver of it."""
+    traffic_s = max((latest_ns - first_ns) / 1e9, MIN_FITTED_SPAN_S)
+    # One bin more than the traffic needs: rounding the end up may push the start past the first request.
+    return next((math.ceil(traffic_s / width) + 1) * width for width in NICE_BIN_SECONDS
+                if math.ceil(traffic_s / width) + 1 <= target_bins)
+
+
 @dataclass(frozen=True)
 class Filters:
     """The time window [start_ns, end_ns) and, where not empty, the servers, models and routes kept.
@@ -115,11 +132,14 @@ class Filters:
     def window_parameters(self) -> dict:
         return {"window_start_ns": self.start_ns, "window_end_ns": self.end_ns}
 
-    def conditions(self, time_column: str, *, models: bool = True, routes: bool = True) -> tuple[str, dict]:
-        """A WHERE clause keeping rows whose ``time_column`` is in the window and whose server, model
-        (if ``models``) and route (if ``routes``) pass the filters, with its bound parameters. For
-        tables with the requests' ``node``, ``server_port``, ``model`` and ``path`` columns."""
-        conditions = [f"{time_column} >= {_timestamp('window_start_ns')}",
+    def conditions(self, time_column: str, *, models: bool = True, routes: bool = True,
+                   end_column: str | None = None) -> tuple[str, dict]:
+        """A WHERE clause keeping rows whose ``time_column`` is in the window (with ``end_column``: whose
+        span from ``time_column`` to ``end_column`` overlaps it) and whose server, model (if ``models``)
+        and route (if ``routes``) pass the filters, with its bound parameters. For tables with the
+        requests' ``node``, ``server_port``, ``model`` and ``path`` columns."""
+        after_start = f"{end_column} >" if end_column else f"{time_column} >="
+        conditions = [f"{after_start} {_timestamp('window_start_ns')}",
                       f"{time_column} < {_timestamp('window_end_ns')}"]
         parameters = self.window_parameters()
         scope = Scope(tuple(Server.parse(server) for server in self.servers), self.models)
@@ -178,6 +198,19 @@ class DashboardQueries:
         )
         return latest
 
+    def recent_traffic(self) -> tuple[int, int] | None:
+        """(first, newest) start in epoch ns of the served requests of the last hour before the newest
+        one, or None if there is none: a store a finished run left (the demo's) has a minute, a live one
+        an hour; requests older than that are not what a newcomer looks for first."""
+        latest = self.latest_request_ns()
+        if latest is None:
+            return None
+        ((earliest,),) = self.store.query_rows(
+            f"SELECT {ns('min(req_start)')} FROM {self.store.table(REQUESTS_TABLE)}"
+            f" WHERE role = 'server' AND req_start >= {_timestamp('since_ns')}",
+            {"since_ns": latest - RECENT_TRAFFIC_S * 1_000_000_000})
+        return earliest, latest
+
     def filter_options(self, filters: Filters) -> dict[str, list[str]]:
         """The servers (``node:port``), models and routes seen in the window, ignoring the other filters."""
         window = Filters(filters.start_ns, filters.end_ns)
@@ -197,26 +230,36 @@ class DashboardQueries:
 
     # -- heatmaps and their drill-down ------------------------------------------------
 
-    def heatmap_source(self, filters: Filters, bin_s: int,
-                       bands_per_decade: int = DEFAULT_BANDS_PER_DECADE) -> str:
+    def heatmap_source(self, filters: Filters, bin_s: int, bands_per_decade: int = DEFAULT_BANDS_PER_DECADE,
+                       metric_key: str | None = None) -> str:
         """Where a heatmap over ``filters`` comes from: "rollup" (the per-minute rollup, when its bins
-        and bands fit and it counts every request of the window) or "requests" (a scan)."""
+        and bands fit and it counts every request of the window) or "requests" (a scan).
+
+        With ``metric_key`` the rollup must count every sample of that metric in the window: minutes
+        rolled up by an older view lack the metrics added since (ITL) though they count every request.
+        """
         step_ns = ROLLUP_STEP_S * 1_000_000_000
         fits = (bands_per_decade == ROLLUP_BANDS_PER_DECADE and bin_s % ROLLUP_STEP_S == 0
                 and filters.start_ns % step_ns == 0 and filters.end_ns % step_ns == 0)
         if not fits or not self.has_table(ROLLUP_TABLE):
             return "requests"
-        if filters not in self._rollup_complete:
+        if (filters, metric_key) not in self._rollup_complete:
+            if metric_key is None:
+                samples, rolled_metric = "1", ALL_REQUESTS
+            else:
+                chosen = metric(metric_key)
+                samples = f"length({chosen.sql})" if chosen.per_gap else f"toUInt8({chosen.condition})"
+                rolled_metric = chosen.key
             where, parameters = filters.request_conditions()
             ((requests,),) = self.store.query_rows(
-                f"SELECT count() FROM {self.store.table(REQUESTS_TABLE)} WHERE {where}", parameters)
+                f"SELECT sum({samples}) FROM {self.store.table(REQUESTS_TABLE)} WHERE {where}", parameters)
             rolled_where, rolled_parameters = filters.conditions("minute")
             ((rolled,),) = self.store.query_rows(
                 f"SELECT sum(requests) FROM {self.store.table(ROLLUP_TABLE)}"
-                f" WHERE metric = {{all:String}} AND {rolled_where}",
-                {**rolled_parameters, "all": ALL_REQUESTS})
-            self._rollup_complete[filters] = requests == rolled
-        return "rollup" if self._rollup_complete[filters] else "requests"
+                f" WHERE metric = {{metric:String}} AND {rolled_where}",
+                {**rolled_parameters, "metric": rolled_metric})
+            self._rollup_complete[(filters, metric_key)] = requests == rolled
+        return "rollup" if self._rollup_complete[(filters, metric_key)] else "requests"
 
     def latency_heatmap(self, metric_key: str, filters: Filters, bin_s: int,
                         bands_per_decade: int = DEFAULT_BANDS_PER_DECADE, source: str | None = None) -> pd.DataFrame:
@@ -225,7 +268,7 @@ class DashboardQueries:
         ``source`` forces "requests" (a scan) or "rollup" (only valid where ``heatmap_source`` allows
         it); by default ``heatmap_source`` chooses.
         """
-        source = source or self.heatmap_source(filters, bin_s, bands_per_decade)
+        source = source or self.heatmap_source(filters, bin_s, bands_per_decade, metric_key)
         if source not in ("rollup", "requests"):
             raise ValueError(f"unknown heatmap source {source!r}: 'rollup' or 'requests'")
         if source == "rollup":
@@ -241,11 +284,13 @@ class DashboardQueries:
                                bands_per_decade: int) -> pd.DataFrame:
         chosen = metric(metric_key)
         where, parameters = filters.request_conditions()
+        # A per-gap metric counts each gap of a request in its own band.
+        band, gaps = ("gap_band", f"ARRAY JOIN {chosen.bands_sql('{bands:UInt32}')} AS gap_band\n") \
+            if chosen.per_gap else (band_sql(chosen.sql, "{bands:UInt32}"), "")
         return self._frame(
-            {"bin_start_s": _bin_start("req_start"), "band": band_sql(chosen.sql, "{bands:UInt32}"),
-             "requests": "count()"},
+            {"bin_start_s": _bin_start("req_start"), "band": band, "requests": "count()"},
             f"""FROM {self.store.table(REQUESTS_TABLE)}
-WHERE {where} AND {chosen.condition}
+{gaps}WHERE {where} AND {chosen.condition}
 GROUP BY bin_start_s, band
 ORDER BY bin_start_s, band""",
             {**parameters, "bin_s": bin_s, "bands": bands_per_decade},
@@ -265,13 +310,22 @@ ORDER BY bin_start_s, band""",
     def cell_requests(self, metric_key: str, filters: Filters, bin_start_s: int, bin_s: int, band: int,
                       bands_per_decade: int = DEFAULT_BANDS_PER_DECADE,
                       limit: int = DEFAULT_CELL_LIMIT) -> pd.DataFrame:
-        """The requests of one heatmap cell, slowest first, at most ``limit`` of them."""
+        """The requests of one heatmap cell, slowest first, at most ``limit`` of them; ``in_cell`` is how
+        many of the cell's samples each holds (1, or for ITL its gaps in the band, ``latency_ms`` the
+        slowest of them)."""
         chosen = metric(metric_key)
         where, parameters = filters.request_conditions()
+        if chosen.per_gap:
+            in_band = f"gap_ms -> {band_sql('gap_ms', '{bands:UInt32}')} = {{band:Int32}}"
+            latency, in_cell = f"arrayMax(arrayFilter({in_band}, {chosen.sql}))", f"arrayCount({in_band}, {chosen.sql})"
+            cell_condition = f"{in_cell} > 0"
+        else:
+            latency, in_cell = chosen.sql, "1"
+            cell_condition = f"{band_sql(chosen.sql, '{bands:UInt32}')} = {{band:Int32}}"
         return self._frame(
             {"req_start_ns": ns("req_start"), "req_start_ms": "toUnixTimestamp64Milli(req_start)",
              "server": SERVER_SQL, "model": "model", "route": "path", "status": "status", "outcome": "outcome",
-             "token_events": "token_events", "latency_ms": chosen.sql, "node": "node",
+             "token_events": "token_events", "latency_ms": latency, "in_cell": in_cell, "node": "node",
              "server_port": "server_port", "conn_id": "conn_id", "req_seq": "req_seq",
              "response_id": "response_id"},
             f"""FROM {self.store.table(REQUESTS_TABLE)}
@@ -279,7 +333,7 @@ WHERE {where}
     AND req_start >= fromUnixTimestamp64Nano({{cell_start_s:Int64}} * 1000000000, 'UTC')
     AND req_start < fromUnixTimestamp64Nano({{cell_end_s:Int64}} * 1000000000, 'UTC')
     AND {chosen.condition}
-    AND {band_sql(chosen.sql, '{bands:UInt32}')} = {{band:Int32}}
+    AND {cell_condition}
 ORDER BY latency_ms DESC
 LIMIT {{limit:UInt32}}""",
             {**parameters, "cell_start_s": bin_start_s, "cell_end_s": bin_start_s + bin_s,
@@ -396,22 +450,45 @@ ORDER BY gpu, bin_start_s""",
         return frame
 
     def indicator_matrix(self, filters: Filters) -> pd.DataFrame:
-        """The cell of the latest analysed window that starts in the dashboard's window, per server (and
-        GPU) and indicator: server, device_id, indicator, state, value, unit, explanation, window_end."""
+        """The cell of the latest analysed window that overlaps the dashboard's window, per server (and
+        GPU) and indicator: server, node, server_port, device_id, indicator, state, value, unit,
+        explanation, window_start_ns, window_end_ns and window_end (UTC)."""
         # The matrix is per server (and GPU): model and route filters do not narrow it.
-        where, parameters = filters.conditions("window_start", models=False, routes=False)
+        where, parameters = filters.conditions("window_start", models=False, routes=False, end_column="window_end")
         frame = self._frame(
-            {"server": SERVER_SQL, "device_id": "device_id", "indicator": "indicator",
-             "state": "argMax(state, window_end)", "value": "argMax(value, window_end)",
+            {"server": SERVER_SQL, "node": "node", "server_port": "server_port", "device_id": "device_id",
+             "indicator": "indicator", "state": "argMax(state, window_end)", "value": "argMax(value, window_end)",
              "unit": "any(unit)", "explanation": "argMax(explanation, window_end)",
-             "window_end_ms": "toUnixTimestamp64Milli(max(window_end))"},
+             "window_start_ns": f"argMax({ns('window_start')}, window_end)",
+             "window_end_ns": ns("max(window_end)")},
             f"""FROM {self.store.table(INDICATOR_MATRIX_TABLE)} FINAL
 WHERE {where}
-GROUP BY server, device_id, indicator
+GROUP BY server, node, server_port, device_id, indicator
 ORDER BY server, device_id, indicator""",
             parameters,
         )
-        frame["window_end"] = _epoch_ms_to_utc(frame.pop("window_end_ms"))
+        frame["window_end"] = pd.to_datetime(frame["window_end_ns"].astype("int64"), unit="ns", utc=True)
+        return frame
+
+    def window_requests(self, node: str, server_port: int, start_ns: int, end_ns: int,
+                        limit: int = DEFAULT_CELL_LIMIT) -> pd.DataFrame:
+        """The requests one server served that started in [start_ns, end_ns) (an indicator cell's window),
+        slowest end to end first, at most ``limit``: started, model, route, status, outcome, TTFT, TPOT
+        and end-to-end ms, token_events, response_id, and ``in_window`` (how many there are in all)."""
+        window = Filters(start_ns, end_ns, (f"{node}:{server_port}",))
+        where, parameters = window.request_conditions()
+        frame = self._frame(
+            {"req_start_ms": "toUnixTimestamp64Milli(req_start)", "model": "model", "route": "path",
+             "status": "status", "outcome": "outcome", "ttft_ms": TTFT_SERVER_MS, "tpot_ms": TPOT_MS,
+             "e2e_ms": E2E_MS, "token_events": "token_events", "response_id": "response_id",
+             "in_window": "count() OVER ()"},
+            f"""FROM {self.store.table(REQUESTS_TABLE)}
+WHERE {where}
+ORDER BY e2e_ms DESC NULLS FIRST
+LIMIT {{limit:UInt32}}""",
+            {**parameters, "limit": limit},
+        )
+        frame.insert(0, "started (UTC)", _epoch_ms_to_utc(frame.pop("req_start_ms")))
         return frame
 
     def decisions(self, filters: Filters, limit: int = 1000) -> pd.DataFrame:

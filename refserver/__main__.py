@@ -43,6 +43,10 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve a simulated vLLM-style /metrics and dcgm-exporter page at /sim/dcgm (no GPU needed; "
         'every series is labelled simulated="true")',
     )
+    p.add_argument(
+        "--kv-cache-blocks", type=int, default=defaults.kv_cache_blocks,
+        help="blocks of 16 tokens in the simulated KV cache; sized to what the slots hold, it fills with load",
+    )
     p.add_argument("--slowdown", type=float, default=timing.slowdown, help="multiplier on prefill and decode times")
     p.add_argument(
         "--model", default=defaults.model, help="served model name (requests may name any model; it is echoed)"
@@ -163,6 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
                 tls_cert=cert,
                 tls_key=key,
                 simulated_metrics=args.simulated_metrics,
+                kv_cache_blocks=args.kv_cache_blocks,
             )
         except ValueError as exc:
             raise SystemExit(f"invalid setting: {exc}") from None

@@ -63,9 +63,9 @@ def fill_requests(store: Store, *, count: int, start_ns: int, span_s: float, see
                   token_offsets: bool = True) -> None:
     """Insert ``count`` synthetic requests starting evenly over [start_ns, start_ns + span_s).
 
-    ``token_offsets=False`` leaves ``token_offsets_us`` empty: the heatmaps never
-    read it, and for ten million rows its billions of elements would dominate
-    the time to generate them.
+    ``token_offsets=False`` leaves ``token_offsets_us`` empty: only the ITL
+    heatmap and the stall and decode-rate figures read it, and for ten million
+    rows its billions of elements would dominate the time to generate them.
     """
     if count < 1 or span_s <= 0:
         raise ValueError("count must be >= 1 and span_s > 0")
@@ -125,7 +125,11 @@ SELECT
     'http/1.1' AS protocol,
     toUInt32(0) AS stream_id,
     NULL AS grpc_status,
-    '' AS unreadable_reason
+    '' AS unreadable_reason,
+    toUInt32(0) AS request_messages,
+    toUInt64(0) AS request_message_bytes,
+    toUInt64(0) AS response_message_bytes,
+    toUInt32(0) AS largest_response_message_bytes
 FROM (
     SELECT
         number,

@@ -1,6 +1,6 @@
 """The reference server and the real `tokenprobe agent` as processes, for the tests and the
 benchmarks: each in its own process, so the agent sees the server only through the kernel.
-Ports, and waiting for them."""
+Ports, and waiting for them; an ASGI request's whole body."""
 
 from __future__ import annotations
 
@@ -40,6 +40,16 @@ def wait_for_port(port: int, timeout: float = 20.0, host: str = "127.0.0.1") -> 
         time.sleep(0.05)
 
 
+async def asgi_body(receive) -> bytes:
+    """The whole request body an ASGI app receives, however many messages carry it."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            return body
+
+
 def kernel_unavailable() -> str | None:
     """Why real BPF cannot run here, or None if it can."""
     if os.geteuid() != 0:
@@ -58,30 +68,43 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
                      decode_ms: float = 8.0, prefill_base_ms: float = 4.0,
                      prefill_ms_per_token: float = 0.02,
                      simulated_metrics: bool = False,
-                     send_buffer: int | None = None) -> Iterator[tuple[int, Path]]:
+                     send_buffer: int | None = None,
+                     kv_cache_blocks: int | None = None) -> Iterator[tuple[int, Path]]:
     """The reference server in a child process; yields (port, truth log).
 
     ``simulated_metrics``: it also serves simulated vLLM /metrics (the slot
-    count the controller reads) and dcgm-exporter text. ``send_buffer``: the
+    count the controller reads) and dcgm-exporter text, with a KV cache of
+    ``kv_cache_blocks`` (the server's default when None). ``send_buffer``: the
     accepted sockets' SO_SNDBUF (small: a slow client pushes back on its writes)."""
     port = port or free_port()
     truth = tmp / f"truth-{port}.jsonl"
     cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(port),
            "--slots", str(slots), "--decode-ms", str(decode_ms), "--prefill-base-ms", str(prefill_base_ms),
            "--prefill-ms-per-token", str(prefill_ms_per_token), "--truth-log", str(truth),
-           "--log-level", "WARNING"]
+           "--log-level", "WARNING",
+           # A keep-alive connection opened before the agent must outlive its BPF compile on a busy machine.
+           "--idle-timeout", "300"]
     if tls:
         cmd.append("--tls-self-signed")
     if simulated_metrics:
         cmd.append("--simulated-metrics")
     if send_buffer is not None:
         cmd += ["--send-buffer", str(send_buffer)]
+    if kv_cache_blocks is not None:
+        cmd += ["--kv-cache-blocks", str(kv_cache_blocks)]
     # The ground truth is stamped in Python just after a read and just before a write: at a raised
     # priority, the load generator's threads on the same few cores cannot delay those stamps.
-    proc = subprocess.Popen(cmd, cwd=tmp, preexec_fn=_raise_priority)
+    with listening_process(cmd, port, cwd=tmp, preexec_fn=_raise_priority):
+        yield port, truth
+
+
+@contextmanager
+def listening_process(cmd: list[str], port: int, **popen) -> Iterator[subprocess.Popen]:
+    """`cmd` as a child process, handed over once it listens on `port`, terminated after."""
+    proc = subprocess.Popen(cmd, **popen)
     try:
         wait_for_port(port)
-        yield port, truth
+        yield proc
     finally:
         proc.terminate()
         proc.wait(timeout=20)

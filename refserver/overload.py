@@ -3,7 +3,11 @@
 A reference server with 2 slots at 20 ms a token (about 24 tokens a request:
 ~0.5 s a slot, so it sustains ~4 requests/s), tenants sending open-loop
 Poisson load with their id in the x-tenant-id header, and a controller policy
-on short windows so the scenario fits in a couple of minutes.
+on short windows so the scenario fits in a couple of minutes. Its simulated
+KV cache holds about what the two slots do (``KV_CACHE_BLOCKS``), so the
+engine's gauge fills with the batch as a vLLM's would, and the agent's live
+analysis runs every ``ANALYZE_EVERY_S`` so the indicator matrix keeps pace
+with the control windows.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ DECODE_MS = 20.0
 # The server sustains about 4 requests/s; uncontained, 13 requests/s grow its queue by 9 requests a
 # second, so a request sent 45 s into the overload waits about 100 s for a slot.
 TTFT_OBJECTIVE_S = 5.0
+# 7 blocks of 16 tokens: a full batch of two requests of ~64 tokens (prompt and output) fills the cache.
+KV_CACHE_BLOCKS = 7
+ANALYZE_EVERY_S = 3
 OVERLOAD_POLICY = ControllerPolicy(window_s=3.0, decision_ttl_windows=3,
                                    breaker=BreakerPolicy(trip_windows=3, cooldown_s=6.0, recovery_shares=(0.25, 0.5)))
 

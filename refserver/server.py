@@ -35,6 +35,7 @@ from .engine import Engine, EngineSnapshot, EngineStopped, EngineTiming
 from .sim_metrics import (
     PROMETHEUS_CONTENT_TYPE,
     SIMULATED_METRICS_PATHS,
+    SimulatedKvCache,
     SimulatedMetrics,
 )
 from .text import generated_tokens
@@ -80,6 +81,10 @@ class ServerConfig:
     # Serve a simulated vLLM-style /metrics and dcgm-exporter page (/sim/dcgm)
     # derived from the engine's slots, so GPU joins can be shown without a GPU.
     simulated_metrics: bool = False
+    # The simulated KV cache's size in blocks of 16 tokens. Sized to what the slots hold, a full batch
+    # fills it, as vLLM's scheduler admits sequences until its blocks run out: the gauge then rises
+    # with load before requests queue long enough to move TTFT.
+    kv_cache_blocks: int = SimulatedKvCache.num_blocks
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -92,6 +97,8 @@ class ServerConfig:
             raise ValueError("idle_timeout_s must be positive")
         if self.send_buffer is not None and self.send_buffer < 1:
             raise ValueError(f"send_buffer must be a positive number of bytes, got {self.send_buffer}")
+        if self.kv_cache_blocks < 1:
+            raise ValueError(f"kv_cache_blocks must be at least 1, got {self.kv_cache_blocks}")
 
 
 @dataclass(frozen=True)
@@ -170,7 +177,8 @@ class ReferenceServer:
         if self.config.truth_log is not None:
             self._truth_log = TruthLog(self.config.truth_log)
         wall_offset_ns = time.time_ns() - time.monotonic_ns()
-        simulated = (SimulatedMetrics(self._listener.getsockname()[1], self.config.model)
+        simulated = (SimulatedMetrics(self._listener.getsockname()[1], self.config.model,
+                                      kv_cache=SimulatedKvCache(num_blocks=self.config.kv_cache_blocks))
                      if self.config.simulated_metrics else None)
         self._context = _ServingContext(
             self.config, self._engine, self._truth_log, self._stopping, wall_offset_ns, simulated)

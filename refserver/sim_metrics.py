@@ -201,9 +201,10 @@ class SimulatedMetrics:
     """The reference server's simulated pages: vLLM-style at /metrics, a
     dcgm-exporter page at /sim/dcgm, both following the live engine state."""
 
-    def __init__(self, port: int, model_name: str, hostname: str | None = None) -> None:
+    def __init__(self, port: int, model_name: str, hostname: str | None = None,
+                 kv_cache: SimulatedKvCache = SimulatedKvCache()) -> None:
         self.gpu = SimulatedGpu(hostname=hostname or socket.gethostname(), port=port)
-        self.kv_cache = SimulatedKvCache()
+        self.kv_cache = kv_cache
         self.model_name = model_name
 
     def render(self, path: str, snapshot: ServerSnapshot) -> str:

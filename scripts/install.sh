@@ -10,8 +10,8 @@ log() { printf '[install] %s\n' "$*"; }
 # BCC for the probes; nginx, Prometheus, Alertmanager and chromium (driven by
 # Playwright against the dashboard) for the tests; Go (net/http, crypto/tls)
 # for the server matrix's Go server, built by the tests; python3-seccomp for the
-# seccomp profile's test.
-APT_PACKAGES="bpfcc-tools python3-bpfcc python3-seccomp nginx-light prometheus prometheus-alertmanager chromium golang-go"
+# seccomp profile's test; binutils (objdump) to check the Go RET offsets against.
+APT_PACKAGES="bpfcc-tools python3-bpfcc python3-seccomp nginx-light prometheus prometheus-alertmanager chromium golang-go binutils curl"
 # Remembers what apt installed, so a second run skips apt until the list changes.
 stamp=.venv/.apt-done
 

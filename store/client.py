@@ -20,8 +20,9 @@ from clickhouse_connect.driver.exceptions import OperationalError
 
 logger = logging.getLogger(__name__)
 
-from ..contract.registry import TABLES, create_statements
-from ..contract.tables import DEDUPLICATION_WINDOW_SETTING, DEFAULT_TTL_DAYS, Table
+from ..contract.registry import MATERIALIZED_VIEWS, TABLES, create_statements
+from ..contract.requests import REQUESTS_TABLE
+from ..contract.tables import DEDUPLICATION_WINDOW_SETTING, DEFAULT_TTL_DAYS, Table, View
 from .rows import RowSchema
 from .url import StoreURL
 
@@ -147,16 +148,45 @@ class Store:
         """Create the database and every registered table; safe to repeat.
 
         A table made by an older tokenprobe gets the columns added since (rows
-        stored before read the column type's default). ``ttl_days`` applies to
-        tables this call creates; existing tables keep theirs.
+        stored before read the column type's default); a materialized view made
+        by another definition is replaced by the current one (its target table,
+        and the rows in it, stay). ``ttl_days`` applies to tables this call
+        creates; existing tables keep theirs.
         """
         tables = {table.ddl_template.format(db=self.database, ttl_days=ttl_days): table for table in TABLES}
+        views = {view.ddl_template.format(db=self.database): view for view in MATERIALIZED_VIEWS}
         for statement in create_statements(self.database, ttl_days):
+            if statement in views:
+                self._drop_outdated_view(views[statement])
             self.command(statement)
             if statement in tables:
                 # Before the views that read the table are created: one may read a new column.
                 self._add_missing_columns(tables[statement])
         self._enable_insert_deduplication()
+
+    def _drop_outdated_view(self, view: View) -> None:
+        """Drop ``view`` if the store has it by another definition than the current one (its comment
+        names the definition's digest), so that the statement after this creates the current one."""
+        rows = self.query_rows("SELECT comment FROM system.tables WHERE database = {database:String}"
+                               " AND name = {view:String}", {"database": self.database, "view": view.name})
+        if not rows or rows[0][0] == view.comment:
+            return
+        (requests_engine,), = self.query_rows(
+            "SELECT engine FROM system.tables WHERE database = {database:String} AND name = {table:String}",
+            {"database": self.database, "table": REQUESTS_TABLE})
+        if requests_engine.startswith(("Replicated", "Distributed")):
+            # A cluster's view reads the shard-local tables (deploy/render.py): the single-node one
+            # would count every request again.
+            logger.warning("store %s: materialized view %s was made by another definition (%s); on a cluster"
+                           " replace it from deploy/clickhouse/cluster.sql (DROP VIEW ... ON CLUSTER, then its"
+                           " CREATE)", self.url, self.table(view.name), rows[0][0] or "no digest")
+            return
+        # Rows inserted between the drop and the create miss the view; its readers check that it counts
+        # every row of a window before they use it.
+        logger.warning("store %s: replacing materialized view %s, made by another definition (%s), with the"
+                       " current one (%s); the rows it already wrote stay", self.url, self.table(view.name),
+                       rows[0][0] or "no digest", view.comment)
+        self.command(f"DROP VIEW IF EXISTS {self.table(view.name)}")
 
     def _add_missing_columns(self, table: Table) -> None:
         existing = {name for (name,) in self.query_rows(

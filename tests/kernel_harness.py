@@ -18,14 +18,15 @@ from tokenprobe.refserver.harness import (
     AgentProcess,
     agent,
     kernel_unavailable,
+    listening_process,
     read_truth,
     reference_server,
 )
 
 from tests.support import free_port, wait_for_port
 
-__all__ = ["REQUIRE_KERNEL", "AgentProcess", "agent", "free_port", "kernel_unavailable", "nginx_tls_proxy",
-           "read_rows", "read_truth", "reference_server", "require_kernel", "wait_for_port"]
+__all__ = ["REQUIRE_KERNEL", "AgentProcess", "agent", "free_port", "kernel_unavailable", "listening_process",
+           "nginx_tls_proxy", "read_rows", "read_truth", "reference_server", "require_kernel", "wait_for_port"]
 
 REQUIRE_KERNEL = os.environ.get("TOKENPROBE_REQUIRE_KERNEL") == "1"
 
@@ -92,7 +93,8 @@ def read_rows(store_url: str) -> list[dict]:
         df = store.query_df("""
             SELECT response_id, path, status, outcome, error, tls, req_seq, conn_id, token_events, role, server_port,
                    client_addr, client_port, sse_events, capture, bytes_unseen, tenant, protocol, stream_id,
-                   unreadable_reason,
+                   unreadable_reason, grpc_status, token_offsets_us, request_messages, request_message_bytes,
+                   response_message_bytes, largest_response_message_bytes,
                    completion_tokens, prompt_tokens, model, inflight_at_arrival, bytes_in, bytes_out, api, pid,
                    toUnixTimestamp64Nano(req_start) AS req_start_ns,
                    toUnixTimestamp64Nano(req_end) AS req_end_ns,

@@ -8,6 +8,7 @@ expiry and cool-down is exact.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,6 +22,8 @@ from tokenprobe.actuator.breaker import (
 )
 from tokenprobe.actuator.buckets import TokenBucket
 from tokenprobe.actuator.controller import (
+    QUEUE_GROWTH,
+    TTFT_SIGNALS,
     Controller,
     ControllerPolicy,
     fair_share_level,
@@ -37,7 +40,9 @@ from tokenprobe.contract.decisions import (
     BreakerAction,
     BreakerState,
     Decision,
+    IndicatorReading,
     InvalidDecision,
+    QueueSample,
     Target,
     TokenBudgetAction,
     WindowFigures,
@@ -465,9 +470,11 @@ def test_budget_never_admits_more_than_it_refills(rate, burst, max_delay, reques
 # --------------------------------------------------------------------------- controller
 
 
-def figures(end: float, window: UpstreamWindow, tenant_tokens=None, upstream: str = "vllm-a") -> WindowFigures:
+def figures(end: float, window: UpstreamWindow, tenant_tokens=None, upstream: str = "vllm-a", *,
+            lit: tuple[IndicatorReading, ...] = (), queue: QueueSample | None = None) -> WindowFigures:
     return WindowFigures(upstream, end, window.request_rate, window.p99_ttft_s, window.knee_capacity_rps,
-                         window.baseline_p99_s, tenant_tokens or {}, arrived_p99_ttft_s=window.arrived_p99_ttft_s)
+                         window.baseline_p99_s, tenant_tokens or {}, arrived_p99_ttft_s=window.arrived_p99_ttft_s,
+                         indicators={reading.name: reading for reading in lit}, queue=queue)
 
 
 def test_fair_share_level_is_max_min_fair():
@@ -599,3 +606,113 @@ def test_controller_decisions_are_unique_per_target_and_always_accepted(steps):
         for decision in decisions:
             enforcer.apply(decision)
             assert decision.expires_at > clock.now
+
+
+# --------------------------------------------------------------------------- the controller on the matrix
+
+KV_CRIT = IndicatorReading("kv_cache_usage", "crit", 0.97, 0.95)
+KV_WARN = IndicatorReading("kv_cache_usage", "warn", 0.85, 0.80)
+GPU_MEMORY_CRIT = IndicatorReading("gpu_memory_pressure", "crit", 0.96, 0.92)
+RETRIES_CRIT = IndicatorReading("retry_storm", "crit", 0.3, 0.2)
+RETRIES_WARN = IndicatorReading("retry_storm", "warn", 0.1, 0.05)
+STALLED = IndicatorReading("inflight_stall", "crit", 45.0, 30.0)
+# Healthy by rate and TTFT (3 req/s against a threshold of 8): the TTFT-only policy does nothing.
+USAGE = {"light": 500, "heavy": 2500}  # tokens in a 5 s window: 600 tokens/s used
+
+
+def budgets_of(decisions) -> dict[str, TokenBudgetAction]:
+    return {d.target.tenant: d.action for d in decisions if d.kind == "token_budget"}
+
+
+def evidence_of(decision) -> dict[str, tuple[float, float]]:
+    return {e.name: (e.value, e.threshold) for e in decision.evidence}
+
+
+@pytest.mark.parametrize("reading", [KV_CRIT, GPU_MEMORY_CRIT, RETRIES_CRIT], ids=lambda r: r.name)
+def test_a_demand_signal_tightens_budgets_while_ttft_is_still_healthy(reading):
+    matrix, ttft_only = Controller(ControllerPolicy(window_s=5.0)), Controller(
+        ControllerPolicy(window_s=5.0, signals=TTFT_SIGNALS))
+    assert ttft_only.decide(figures(T0 + 5, HEALTHY, USAGE, lit=(reading,))) == []
+    [first] = matrix.decide(figures(T0 + 5, HEALTHY, USAGE, lit=(reading,)))
+    # The demand is cut to 0.7 × the 600 tokens/s used, max-min fairly: light's 100 fit, heavy gets the rest.
+    assert first.target.tenant == "heavy" and first.action.tokens_per_second == pytest.approx(0.7 * 600 - 100)
+    assert evidence_of(first)[reading.name] == (reading.value, reading.threshold)
+    assert reading.name in first.reason and "before TTFT degraded" in first.reason
+    # Still lit a window later, heavy using all it may: cut again, to 0.7 × the budget or to the fair
+    # level of 0.7 × what was used (420 tokens/s), whichever is lower.
+    [second] = matrix.decide(figures(T0 + 10, HEALTHY, {"light": 500, "heavy": 1600}, lit=(reading,)))
+    assert second.action.tokens_per_second == pytest.approx(min(0.7 * 420 - 100, 320 * 0.7), rel=1e-3)
+
+
+def test_a_signal_at_warn_holds_budgets_instead_of_relaxing_them():
+    controller = Controller(ControllerPolicy(window_s=5.0))
+    [tightened] = controller.decide(figures(T0 + 5, HEALTHY, USAGE, lit=(KV_CRIT,)))
+    used = {"heavy": int(tightened.action.tokens_per_second * 5)}  # all it may: it would be raised if healthy
+    assert controller.decide(figures(T0 + 10, HEALTHY, used, lit=(KV_WARN,))) == []  # held: nothing new
+    [renewed] = controller.decide(figures(T0 + 15, HEALTHY, used, lit=(KV_WARN,)))
+    assert renewed.action == tightened.action and "kv_cache_usage lit: budgets held" in renewed.reason
+    [raised] = controller.decide(figures(T0 + 20, HEALTHY, used))  # nothing lit: relaxed step by step
+    assert raised.action.tokens_per_second == pytest.approx(tightened.action.tokens_per_second * 1.5, rel=1e-3)
+
+
+def test_a_growing_in_flight_queue_is_a_demand_signal_a_steady_one_is_not():
+    controller = Controller(ControllerPolicy(window_s=5.0))
+    # A long queue wait (absolute thresholds) that is not growing cuts nothing.
+    long_waits = IndicatorReading("queue_wait_p95", "crit", 800.0, 450.0)
+    assert controller.decide(figures(T0, HEALTHY, USAGE, lit=(long_waits,))) == []
+    # 3 req/s ended over the 5 s between samples: growth must pass max(3, 0.25 × 15) = 3.75 requests.
+    assert controller.decide(figures(T0 + 5, HEALTHY, USAGE, queue=QueueSample(2, 5, 5.0))) == []
+    [budget] = controller.decide(figures(T0 + 10, HEALTHY, USAGE, queue=QueueSample(5, 14, 5.0)))
+    assert budget.target.tenant == "heavy"
+    assert evidence_of(budget)[QUEUE_GROWTH] == (9, pytest.approx(3.75))
+
+
+def test_a_retry_storm_makes_budgets_reject_at_once_with_a_spread_retry_after():
+    controller = Controller(ControllerPolicy(window_s=5.0, retry_jitter_s=8.0))
+    [stormy] = controller.decide(figures(T0 + 5, OVER_CAPACITY, {"light": 500, "heavy": 5500}, lit=(RETRIES_WARN,)))
+    assert (stormy.action.max_delay_s, stormy.action.retry_jitter_s) == (0.0, 8.0)
+    assert "retry storm" in stormy.reason and "retry_storm" in evidence_of(stormy)
+    [calm] = controller.decide(figures(T0 + 10, OVER_CAPACITY, {"light": 500, "heavy": 5500}))
+    assert (calm.action.max_delay_s, calm.action.retry_jitter_s) == (0.5, 0.0)
+
+
+def test_the_enforcer_spreads_retry_after_over_the_jitter():
+    import random
+    enforcer = Enforcer(clock=ManualClock(), rng=random.Random(7))
+    enforcer.apply(Decision(target=Target(upstream="vllm-a", tenant="acme"),
+                            action=TokenBudgetAction(100.0, 100.0, retry_jitter_s=10.0), issued_at=T0,
+                            expires_at=T0 + 60))
+    assert enforcer.check("vllm-a", "m", "acme", 100).allowed
+    waits = [enforcer.check("vllm-a", "m", "acme", 100).retry_after_s for _ in range(50)]  # 1 s to refill
+    assert all(1.0 <= wait <= 11.0 for wait in waits)
+    assert max(waits) - min(waits) > 5.0, "rejected clients are told to come back at spread-out times"
+
+
+def test_a_budget_crosses_the_wire_with_its_delay_and_jitter():
+    from tokenprobe.actuator import wire
+    decision = budget_decision(T0, rate=10.0, burst=20.0, max_delay_s=0.5)
+    decision = replace(decision, action=replace(decision.action, retry_jitter_s=7.5))
+    assert wire.decision_from_proto(wire.decision_to_proto(decision)) == decision
+
+
+def test_a_stall_opens_the_breaker_of_a_server_that_ends_nothing():
+    jammed = UpstreamWindow(0.0, None, KNEE_RPS, BASELINE_S)  # nothing ended: no latency to judge
+    policy = ControllerPolicy(window_s=5.0, breaker=BreakerPolicy(cooldown_s=10.0, recovery_shares=(0.25,)))
+    assert Controller(replace(policy, signals=TTFT_SIGNALS)).decide(figures(T0 + 5, jammed, lit=(STALLED,))) == []
+    controller = Controller(policy)
+    [opened] = controller.decide(figures(T0 + 5, jammed, lit=(STALLED,)))
+    assert opened.action.state == BreakerState.OPEN and "inflight_stall crit" in opened.reason
+    assert evidence_of(opened)["inflight_stall"] == (45.0, 30.0)
+    controller.decide(figures(T0 + 10, jammed, lit=(STALLED,)))
+    [probing] = controller.decide(figures(T0 + 15, jammed, lit=(STALLED,)))  # cool-down over: probes
+    assert probing.action.state == BreakerState.HALF_OPEN and probing.action.admitted_share == 0.25
+    # Still stalled while probing: re-opened, with no latency figure needed.
+    [reopened] = controller.decide(figures(T0 + 20, jammed, lit=(STALLED,)))
+    assert reopened.action.state == BreakerState.OPEN
+
+
+def test_bad_signal_policies_are_refused():
+    with pytest.raises(ValueError, match="signals"):
+        ControllerPolicy(signals="everything")
+    with pytest.raises(ValueError, match="retry_jitter_s"):
+        ControllerPolicy(retry_jitter_s=-1)

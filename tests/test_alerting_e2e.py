@@ -5,16 +5,16 @@ Prometheus and Alertmanager are Debian's (`prometheus`, `prometheus-alertmanager
 run as subprocesses on 127.0.0.1 with their state in a temporary folder.
 Prometheus loads deploy/prometheus/tokenprobe-rules.yml with each rule's
 `for:` shortened to 2 s and evaluates every second, so an alert travels in
-seconds instead of minutes; the expressions are the shipped ones. The live
-analysis of overloaded (simulated) traffic lights an indicator that reaches
-Alertmanager both through Prometheus and posted directly, with the same labels.
+seconds instead of minutes; the expressions are the shipped ones. The agent's
+live analysis of a really overloaded reference server (kernel capture) lights
+an indicator that reaches Alertmanager both through Prometheus and posted
+directly, with the same labels.
 """
 
 from __future__ import annotations
 
 import subprocess
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,14 +30,12 @@ from tokenprobe.analytics.alerting import (
     AlertmanagerError,
     finding,
 )
-from tokenprobe.analytics.live import LiveAnalysis
-from tokenprobe.analytics.outlets import AlertmanagerOutlet, MetricsOutlet
-from tokenprobe.analytics.timerange import NS_PER_S
+from tokenprobe.cli.agent import node_name
 from tokenprobe.cli.stack import stop_process
-from tokenprobe.store.embedded import open_store
+from tokenprobe.refserver.overload import DECODE_MS, SLOTS, load_together
 
+from tests.kernel_harness import agent, reference_server, require_kernel
 from tests.support import free_port, wait_until
-from tests.support.slot_simulation import LoadPhase, SlotServer, simulate
 from tests.test_alert_rules import RULES, require_binary
 
 # Generous: a loaded 2-core CI machine starts Prometheus slowly; the alert itself needs seconds.
@@ -179,36 +177,39 @@ def test_an_alert_travels_from_the_agent_through_prometheus_to_alertmanager(aler
     assert not alertmanager.alerts({"alertname": "TokenprobeIndicatorCritical", "indicator": "queue_depth"})
 
 
-def test_live_analysis_lights_the_same_indicator_alert_through_prometheus_and_directly(alertmanager, tmp_path):
-    """Overloaded traffic of the last minutes, one live pass: its verdict reaches Alertmanager both ways."""
-    store = open_store(f"chdb://{tmp_path / 'store'}", serve=False)
-    metrics = AgentMetrics()
-    _, agent_port = metrics.serve("127.0.0.1", 0)
-    try:
-        store.ensure_schema()
-        start_ns = time.time_ns() - 150 * NS_PER_S
-        overloaded = simulate(SlotServer(), [LoadPhase(30, 2.0), LoadPhase(60, 30.0)], start_ns=start_ns,
-                              node="live-node", port=8100)
-        store.insert_rows("requests", [request.row for request in overloaded])
-        live = LiveAnalysis(store, "live-node", outlets=[MetricsOutlet(metrics), AlertmanagerOutlet(alertmanager)])
-        live.watermark_ns = start_ns
-        assert live.run_once() is not None
-        with prometheus(tmp_path, agent_port, alertmanager.urls[0]) as log_path:
+@pytest.mark.kernel
+def test_live_traffic_fires_the_same_indicator_alert_through_prometheus_and_directly(alertmanager, tmp_path):
+    """An overloaded reference server and only ``tokenprobe agent --port P --metrics-port M`` (its live
+    analysis on a short window, posting to Alertmanager too): no analyse step, no hand-made rows. The
+    queue the overload builds lights ``queue_wait_p95``, whose alert reaches Alertmanager both through
+    the rule files and posted by the agent, with the same labels."""
+    require_kernel()
+    metrics_port = free_port()
+    with reference_server(tmp_path, slots=SLOTS, decode_ms=DECODE_MS) as (port, _), \
+            agent(tmp_path, "--metrics-port", str(metrics_port), "--analyze-every", "5",
+                  "--alertmanager", alertmanager.urls[0], ports=[port]) as running_agent, \
+            prometheus(tmp_path, metrics_port, alertmanager.urls[0]):
+        # Below the knee first: idle arrivals calibrate prefill, so queueing can be told from it.
+        load_together(port, 20, {"steady": 1.0}, seed=1)
+        overload = threading.Thread(target=load_together, args=(port, 45, {"steady": 1.0, "heavy": 12.0}, 2))
+        overload.start()
+        try:
             def both() -> list[dict] | None:
-                held = alertmanager.alerts({"alertname": "TokenprobeIndicatorCritical", "server_port": "8100",
+                held = alertmanager.alerts({"alertname": "TokenprobeIndicatorCritical", "server_port": str(port),
                                             "indicator": "queue_wait_p95"})
                 return held if len(held) == 2 else None
 
-            held = poll(both, ALERT_TIMEOUT_S, "Alertmanager does not hold both queue_wait_p95 alerts", log_path)
-    finally:
-        metrics.close()
-        store.close()
+            held = poll(both, ALERT_TIMEOUT_S, "Alertmanager does not hold both queue_wait_p95 alerts",
+                        running_agent.log_path)
+        finally:
+            overload.join()
     by_source = {alert["labels"].get("source", "prometheus"): alert["labels"] for alert in held}
     direct, ruled = by_source.pop("tokenprobe-analytics"), by_source.pop("prometheus")
+    assert ruled["instance"] == f"127.0.0.1:{metrics_port}"
     assert {k: v for k, v in ruled.items() if k not in ("job", "instance")} == \
         {k: v for k, v in direct.items() if k != "source"} == {
-            "alertname": "TokenprobeIndicatorCritical", "severity": "critical", "server_port": "8100",
-            "node": "live-node", "indicator": "queue_wait_p95"}
+            "alertname": "TokenprobeIndicatorCritical", "severity": "critical", "server_port": str(port),
+            "node": node_name(), "indicator": "queue_wait_p95"}
 
 
 def test_the_analytics_post_a_finding_and_resolve_it(alertmanager):

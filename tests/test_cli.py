@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +31,8 @@ def test_help_names_every_command():
     (["agent", "--port", "8000", "--gpu", "8000"], "expected PORT=GPU"),
     (["agent", "--port", "8000", "--dcgm", "ftp://x"], "must be http"),
     (["agent", "--port", "8000", "--ringbuf-mb", "3"], "power of two"),
+    (["agent", "--port", "8000", "--idle-timeout", "0"], "--idle-timeout must be a positive"),
+    (["agent", *(f"--port={port}" for port in range(1, 258))], "at most 256 --port"),
 ])
 def test_agent_refuses_bad_options_in_plain_words(args, message):
     result = run(*args)
@@ -44,6 +47,9 @@ def test_doctor_reports_this_node():
     assert "BPF load" in result.stdout and "libssl" in result.stdout and "NVML" in result.stdout
     assert result.returncode == 0, result.stdout
     assert "tokenprobe can run here" in result.stdout
+    # The kernel maps' sizes, and where a running agent reports their overflows.
+    assert re.search(r"kernel maps .*conns 65536, .*listeners 16384", result.stdout)
+    assert "tokenprobe_agent_map_overflows_total" in result.stdout
 
 
 def test_query_reads_a_store(tmp_path):

@@ -27,7 +27,12 @@ from tokenprobe.contract.rollup import ROLLUP_TABLE
 from tokenprobe.contract.tables import DEFAULT_TTL_DAYS
 from tokenprobe.dashboard import queries as dashboard_queries
 from tokenprobe.dashboard.cli import add_dashboard_parser
-from tokenprobe.dashboard.queries import DashboardQueries, Filters, choose_bin_seconds
+from tokenprobe.dashboard.queries import (
+    DashboardQueries,
+    Filters,
+    choose_bin_seconds,
+    fitting_span_s,
+)
 from tokenprobe.dashboard.settings import (
     OWN_STORE_ENV,
     REFRESH_ENV,
@@ -198,6 +203,19 @@ def test_bins_and_bands():
     assert choose_bin_seconds(3600) == 30
     assert choose_bin_seconds(86400) == 900
     assert choose_bin_seconds(10 * 365 * 86400) == 86400
+
+
+def test_a_fitted_window_holds_the_traffic_in_whole_bins():
+    # A demo's minute and a half fits in 1 s bins, an hour of traffic in 1-minute bins, one request in a minute.
+    assert fitting_span_s(T0, T0 + 92 * S + 5) == 94
+    assert fitting_span_s(T0, T0 + 3600 * S) == 3660
+    assert fitting_span_s(T0, T0) == 61
+    for first, latest in ((T0 + 7 * S + 123, T0 + 95 * S + 999_999_999), (T0 - 3599 * S, T0 + 1)):
+        span_s = fitting_span_s(first, latest)
+        bin_ns = choose_bin_seconds(span_s) * S
+        end_ns = -(-(latest + 1) // bin_ns) * bin_ns  # the app rounds the end up to a whole bin
+        assert end_ns - span_s * S <= first < latest < end_ns
+        assert span_s * S < 2 * max(latest - first, 60 * S)  # no sliver: the traffic fills most of it
     low, high = band_bounds_ms(16)
     assert low <= 50 < high
     with pytest.raises(ValueError, match="empty"):
@@ -215,6 +233,8 @@ def test_heatmap_counts_each_cell_and_filters_narrow_them(queries):
     assert cells(queries.latency_heatmap("tpot", window(), 30)) == {(T0_S, 13): 7, (T0_S + 90, 13): 3}
     # End to end counts the request that gave up too: 2 ms connection setup + 1 ms in + 5 ms = 8 ms, band 9.
     assert cells(queries.latency_heatmap("e2e", window(), 30))[(T0_S, 9)] == 1
+    # ITL counts gaps: every request streamed 4 events 20 ms apart, 3 gaps each (band 13).
+    assert cells(queries.latency_heatmap("itl", window(), 30)) == {(T0_S, 13): 3 * 7, (T0_S + 90, 13): 3 * 3}
     with pytest.raises(ValueError, match="unknown latency metric"):
         queries.latency_heatmap("nope", window(), 30)
 
@@ -250,6 +270,21 @@ def test_a_cell_lists_exactly_its_requests(queries):
     assert listed["latency_ms"].round(6).eq(50.0).all()
     assert len(queries.cell_requests("ttft", window(), T0_S, 30, 16, limit=2)) == 2
     assert queries.cell_requests("ttft", window(models=["m2"]), T0_S, 30, 16).empty
+    gaps = queries.cell_requests("itl", window(), T0_S, 30, 13)
+    assert sorted(gaps["response_id"]) == sorted(row["response_id"] for row in FAST + OTHER_SERVER)
+    assert gaps["in_cell"].eq(3).all() and gaps["latency_ms"].round(6).eq(20.0).all()
+    assert queries.cell_requests("itl", window(), T0_S, 30, 16).empty
+
+
+def test_an_indicator_window_lists_its_servers_requests(queries):
+    listed = queries.window_requests("node-a", 8000, T0 + 5 * S, T0 + 101 * S)
+    assert sorted(listed["response_id"]) == sorted(row["response_id"] for row in FAST + GAVE_UP + SLOW_COMPLETIONS[:1])
+    assert listed["in_window"].eq(7).all()
+    assert listed["response_id"].iloc[0] == SLOW_COMPLETIONS[0]["response_id"]  # the slowest end to end first
+    assert listed["e2e_ms"].is_monotonic_decreasing
+    cut = queries.window_requests("node-a", 8000, T0 + 5 * S, T0 + 101 * S, limit=2)
+    assert len(cut) == 2 and cut["in_window"].eq(7).all()
+    assert queries.window_requests("node-b", 8001, T0 + 100 * S, T0 + 200 * S).empty
 
 
 def test_request_timeline_has_every_event_and_token(queries):
@@ -289,6 +324,10 @@ def test_indicator_matrix_keeps_the_latest_window(queries):
     assert states == {("node-a:8000", "", "queue_wait_p95"): "crit", ("node-a:8000", "", "batch_fill"): "ok",
                       ("node-a:8000", "GPU-0", "gpu_memory_pressure"): "warn"}
     assert queries.indicator_matrix(window(servers=["node-b:8001"])).empty
+    # A window that overlaps an analysed one shows it, though the analysed one started earlier.
+    overlapping = queries.indicator_matrix(Filters(T0 + 10 * S, T0 + 103 * S))
+    assert set(overlapping["state"]) == {"crit", "ok", "warn"}
+    assert set(overlapping["window_start_ns"]) == {T0 - 180 * S} and set(overlapping["window_end_ns"]) == {T0 + 120 * S}
 
 
 def test_gpu_usage_and_decisions(queries):
@@ -306,10 +345,17 @@ def test_gpu_usage_and_decisions(queries):
 
 
 @pytest.fixture
-def app(store_url, monkeypatch) -> AppTest:
+def fitted_app(store_url, monkeypatch) -> AppTest:
+    """The app as it opens: its window fits the recent traffic."""
     monkeypatch.setenv(STORE_ENV, store_url)
     monkeypatch.setenv(REFRESH_ENV, "0")
     return AppTest.from_file(str(APP), default_timeout=APP_TIMEOUT_S).run()
+
+
+@pytest.fixture
+def app(fitted_app) -> AppTest:
+    """The app over the last hour (30 s bins)."""
+    return fitted_app.sidebar.selectbox(key="window").set_value("1 hour").run()
 
 
 def chart_data(element) -> pd.DataFrame:
@@ -325,8 +371,9 @@ def heatmap_cells(app: AppTest, tab: int) -> dict[tuple[int, int], int]:
 def test_app_draws_heatmaps_matrix_and_panels(app):
     assert not app.exception
     assert not app.error
-    assert [tab.label for tab in app.tabs] == ["TTFT", "TPOT", "end-to-end"]
+    assert [tab.label for tab in app.tabs] == ["TTFT", "TPOT", "end-to-end", "ITL"]
     assert heatmap_cells(app, 0) == {(T0_S, 16): 5, (T0_S, 33): 2, (T0_S + 90, 26): 3}
+    assert heatmap_cells(app, 3) == {(T0_S, 13): 21, (T0_S + 90, 13): 9}
     matrix = app.table[0].value
     assert matrix.loc["node-a:8000", "queue p95"] == "crit 2.5 s"
     assert matrix.loc["node-a:8000 · GPU-0", "GPU mem"] == "warn 91%"
@@ -356,6 +403,28 @@ def test_app_drills_from_a_cell_to_a_request_timeline(app):
     assert (timeline["kind"] == "token").sum() == 4
     assert {"accept", "request first byte in", "response first byte out"} <= set(timeline["event"])
     assert not app.exception
+
+
+def test_app_opens_on_a_window_that_fits_the_recent_traffic(fitted_app):
+    assert not fitted_app.exception
+    (window,) = [caption.value for caption in fitted_app.caption if caption.value.endswith(" UTC")]
+    start, end = (time.mktime(time.strptime(moment, "%Y-%m-%d %H:%M:%S UTC")) - time.timezone
+                  for moment in window.split(" → "))
+    # The requests of the last hour (T0 + 10 s to T0 + 102 s; not the one days older) fill the window.
+    assert start <= T0_S + 10 and end > T0_S + 102 and end - start < 120, window
+    assert sum(heatmap_cells(fitted_app, 0).values()) == len(FAST + SLOW_COMPLETIONS + OTHER_SERVER)
+    assert fitted_app.table[0].value.loc["node-a:8000", "queue p95"] == "crit 2.5 s"
+
+
+def test_app_goes_from_an_indicator_cell_to_the_requests_of_its_window(app):
+    cell = app.selectbox(key="indicator_cell")
+    chosen = ("node-a", 8000, "", "queue_wait_p95", T0 - 180 * S, T0 + 120 * S)
+    assert any(option.startswith("node-a:8000 · queue p95 · crit · ") for option in cell.options), cell.options
+    cell.set_value(chosen).run()
+    assert not app.exception
+    (listed,) = [frame.value for frame in app.dataframe if "e2e_ms" in frame.value.columns]
+    assert sorted(listed["response_id"]) == sorted(row["response_id"] for row in FAST + SLOW_COMPLETIONS + GAVE_UP)
+    assert any("9 requests of node-a:8000 started in this window" in caption.value for caption in app.caption)
 
 
 def test_app_never_takes_a_store_nobody_owns_unless_told_to(tmp_path, monkeypatch):
@@ -393,7 +462,7 @@ def test_app_told_to_own_a_store_nobody_serves_says_what_is_missing(tmp_path, mo
         assert any("(embedded-owner)" in caption.value for caption in app.sidebar.caption)
         assert heatmap_cells(app, 0) == {(T0_S, 16): 1}
         messages = [info.value for info in app.info]
-        assert "No indicator data yet — run `tokenprobe analyze`." in messages
+        assert any(message.startswith("No indicator data in this window yet") for message in messages)
         assert any("No GPU samples table" in message for message in messages)
         assert any("No decisions table" in message for message in messages)
     finally:

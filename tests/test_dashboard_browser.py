@@ -4,15 +4,18 @@ An owner process fills an embedded store with an hour of synthetic fleet
 traffic, GPU samples and decisions, runs the real analytics over it, and
 serves the store as an agent would. The dashboard runs through its CLI code
 path (``streamlit run`` as a subprocess, auto-refreshing every few seconds). The test checks
-that the heatmap and the indicator matrix rendered, that clicking a heatmap
-cell drills down to its requests and on to one request's timeline, and that a
-request arriving later shows up on its own; it saves a screenshot (path
-printed, copy in /tmp).
+that the page opens on a window that fits the traffic, that the heatmaps (ITL
+among them) and the indicator matrix rendered, that clicking a heatmap cell
+drills down to its requests and on to one request's timeline, that an
+indicator cell lists the requests of its window, and that a request arriving
+later shows up on its own; it saves a screenshot (path printed, copy in /tmp).
 """
 
 from __future__ import annotations
 
+import calendar
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +38,7 @@ PAGE_TIMEOUT_MS = 120_000
 ATTEMPT_TIMEOUT_MS = 8_000
 REFRESH_S = 10  # the default: long enough for a click between two refreshes on a busy machine
 SPAN_S = 3600
+FITTED_BIN_S = 60  # a fitted window over an hour of traffic is drawn in 1-minute bins
 
 OWNER_SCRIPT = """
 import sys, time
@@ -104,7 +108,7 @@ def served_store(tmp_path):
     try:
         start_ns = owner.stdout.readline().strip()
         assert start_ns.isdigit(), "the store's owner did not fill the store"
-        yield url
+        yield url, int(start_ns)
     finally:
         owner.stdin.close()
         owner.wait(timeout=60)
@@ -112,10 +116,11 @@ def served_store(tmp_path):
 
 @pytest.fixture
 def dashboard(served_store, tmp_path):
+    url, _ = served_store
     port = free_port()
     with open(tmp_path / "dashboard.log", "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-c", DASHBOARD_SCRIPT, "dashboard", "--store", served_store, "--port", str(port),
+            [sys.executable, "-c", DASHBOARD_SCRIPT, "dashboard", "--store", url, "--port", str(port),
              "--refresh", str(REFRESH_S)],
             # Streamlit keeps files under ~/.streamlit: a home of its own keeps the test off the user's.
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HOME": str(tmp_path)})
@@ -142,8 +147,16 @@ def act_until_shown(page, action, shown, what: str, attempts: int = 20) -> None:
     raise AssertionError(f"{what} did not work in {attempts} attempts")
 
 
+def shown_window(page) -> tuple[float, float]:
+    """The window the page says it shows (its caption "start UTC → end UTC"), as epoch seconds."""
+    caption = page.get_by_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC → ")).first.inner_text()
+    return tuple(calendar.timegm(time.strptime(moment.strip(), "%Y-%m-%d %H:%M:%S UTC"))
+                 for moment in caption.split("→"))
+
+
 def test_dashboard_renders_in_a_browser(dashboard, served_store, tmp_path):
     require_browser()
+    store_url, start_ns = served_store
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as playwright:
@@ -156,6 +169,15 @@ def test_dashboard_renders_in_a_browser(dashboard, served_store, tmp_path):
             # The heatmap: Vega drew its marks (on a canvas, or as SVG for small charts).
             heatmap = page.locator('[data-testid="stTabPanel"] [data-testid="stVegaLiteChart"]').first
             heatmap.locator("canvas, svg .mark-rect").first.wait_for()
+            # The window it opens on fits the hour of traffic: all of it, and not much more.
+            start_s, end_s = shown_window(page)
+            assert start_s <= start_ns / 1e9 < start_s + 2 * FITTED_BIN_S, (start_s, start_ns)
+            assert end_s - start_s <= SPAN_S + 2 * FITTED_BIN_S
+            # Beside TTFT, TPOT and end-to-end: the ITL heatmap, counting gaps.
+            page.get_by_role("tab", name="ITL").click()
+            itl_panel = page.locator('[data-testid="stTabPanel"]').filter(has_text="inter-token gaps")
+            itl_panel.locator('[data-testid="stVegaLiteChart"]').locator("canvas, svg .mark-rect").first.wait_for()
+            page.get_by_role("tab", name="TTFT").click()
 
             # The indicator matrix, computed by the real analytics: every server has a row, cells carry states.
             matrix = page.locator('[data-testid="stTable"]')
@@ -179,8 +201,20 @@ def test_dashboard_renders_in_a_browser(dashboard, served_store, tmp_path):
 
             act_until_shown(page, pick_first_request, page.get_by_text("Request timeline:"), "picking a request")
 
+            # An indicator cell leads to the requests its server served in that window.
+            cell_selector = page.locator('[data-testid="stSelectbox"]',
+                                         has=page.get_by_text("Indicator cell", exact=True))
+
+            def pick_an_indicator_cell(_attempt: int) -> None:
+                cell_selector.click(timeout=ATTEMPT_TIMEOUT_MS)
+                page.get_by_role("option").filter(has_text="node-a:8000").first.click(timeout=ATTEMPT_TIMEOUT_MS)
+
+            window_listed = page.get_by_text(re.compile(r"\d+ requests of node-a:8000 started in this window"))
+            act_until_shown(page, pick_an_indicator_cell, window_listed, "picking an indicator cell")
+            assert int(window_listed.inner_text().split()[0]) > 0
+
             # Auto-refresh: a request arriving later moves the window on its own.
-            with open_store(served_store) as store:
+            with open_store(store_url) as store:
                 (latest,), = store.query_rows(
                     "SELECT toUnixTimestamp64Nano(max(req_start)) FROM tokenprobe.requests")
                 late = latest + 600 * 1_000_000_000
@@ -189,7 +223,7 @@ def test_dashboard_renders_in_a_browser(dashboard, served_store, tmp_path):
                     " VALUES ('node-a', 999999999, 'server', 8000,"
                     " fromUnixTimestamp64Nano({late:Int64}, 'UTC'), '/v1/chat/completions', 'llama-3.1-8b')",
                     {"late": late})
-            bin_ns = 30 * 1_000_000_000
+            bin_ns = FITTED_BIN_S * 1_000_000_000
             new_end = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(-(-(late + 1) // bin_ns) * bin_ns / 1e9))
             expect(page.get_by_text(f"→ {new_end} UTC")).to_be_visible(timeout=PAGE_TIMEOUT_MS)
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from tokenprobe.analytics.indicators import NO_DATA
 from tokenprobe.cli.demo import port_in_use
 from tokenprobe.store.embedded import open_store
 
@@ -36,4 +37,11 @@ def test_demo_contains_the_overload_and_lists_its_decisions(tmp_path):
     listed = [line for line in result.stderr.splitlines() if line.startswith("  ") and "[applied]" in line]
     with open_store(store, serve=False) as opened:
         kinds = dict(opened.query_rows("SELECT kind, count() FROM tokenprobe.decisions GROUP BY kind"))
+        # Analysis ran on its own: the dashboard's phase and indicator panels have data.
+        split, = opened.query_rows("SELECT countIf(calibration_id != ''), count() FROM tokenprobe.request_phases FINAL")
+        matrix, = opened.query_rows("SELECT count(), countIf(state != {no_data:String})"
+                                    " FROM tokenprobe.indicator_matrix FINAL", {"no_data": NO_DATA})
     assert kinds.get("token_budget", 0) + kinds.get("breaker", 0) == len(listed) > 0, (kinds, listed)
+    assert any(line.startswith("demo: analysis: ") for line in result.stderr.splitlines()), result.stderr[-3000:]
+    assert 0 < split[0] <= split[1], split
+    assert matrix[1] > 0, matrix

@@ -25,6 +25,7 @@ from tokenprobe.agent.capture.assembler import HttpConnectionAssembler
 from tokenprobe.agent.capture.dialects import openai
 
 from benchmarks import bench_assembler
+from tests.support.steady_kernel import KernelBatching
 from tests.support.twin_assembler import TwinAssembler, comparable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,8 +66,8 @@ def test_the_assembler_and_dialect_corpus_on_both_paths():
          "tests/test_http_assembler.py", "tests/test_dialects.py", "tests/test_tracker.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    made = re.search(r"twin assemblers compared: (\d+)", result.stdout)
-    assert made and int(made[1]) > 1000, result.stdout[-2000:]
+    made = re.search(r"twin assemblers compared: (\d+); writes batched: (\d+)", result.stdout)
+    assert made and int(made[1]) > 1000 and int(made[2]) > 0, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("name", CAPTURES)
@@ -81,6 +82,16 @@ def test_captures_as_written_take_the_fast_path(name, monkeypatch):
     (exchange,) = [e for ts, w in enumerate(writes, start=10) for e in fast.feed_response_bytes(ts, w, len(w))]
     assert exchange.outcome == "complete" and exchange.completion_tokens == len(exchange.token_event_ns) == 12
     assert len(parsed) == 3  # the first event (id and model), the one with a finish reason, usage
+
+
+@pytest.mark.parametrize("name", CAPTURES)
+def test_captures_as_written_are_batched_by_the_kernel(name):
+    """One chunk a write: all but the events that name id and model, end the stream or carry
+    usage come in the kernel's batches, and the twin finds the same exchange."""
+    request, writes = capture(name)
+    before = KernelBatching.batched
+    (exchange,) = run(request, writes)
+    assert KernelBatching.batched - before == exchange["choice_events"] - 2
 
 
 @pytest.mark.parametrize("name", CAPTURES)

@@ -450,7 +450,8 @@ def test_grpc_server_streaming_with_ok_status():
     assert assembler.unreadable is None
     assert (row.api, row.path, row.status, row.grpc_status, row.grpc_message) == \
         ("grpc", "/inference.Generator/Generate", 200, 0, None)
-    assert (row.response_messages, row.response_message_bytes) == (4, sum(map(len, messages)))
+    assert (row.response_messages, row.response_message_bytes, row.largest_response_message_bytes) == \
+        (4, sum(map(len, messages)), 300)
     assert (row.request_messages, row.request_message_bytes) == (1, 7)
     assert row.token_event_ns == times and len(times) == 4
     assert (row.outcome, row.error, row.streamed, row.req_model, row.sse_events) == \

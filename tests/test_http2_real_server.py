@@ -15,15 +15,18 @@ import json
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import httpx
 import pytest
 from hypercorn.asyncio import serve
 from tokenprobe.agent.capture.http2 import Http2ConnectionAssembler
+from tokenprobe.refserver.h2_sse import config, sse_app
 
-from tests.servers.hypercorn_sse import config, sse_app
+from tests.servers.grpc_generator import (
+    METHOD,
+    call_generate,
+    start_generator,
+)
 from tests.support import free_port, wait_for_port
 from tests.support.h2_wire import assemble
 
@@ -143,39 +146,16 @@ def test_hypercorn_h2c_sse_streams_match_what_the_client_saw(hypercorn_h2c):
         assert row.token_event_ns[0] >= row.resp_start_ns and row.resp_end_ns <= client["done_ns"]
 
 
-def generate(request: bytes, context):
-    """Server-streaming: request[0] messages, then OK, or an error status when request[1] is set."""
-    for i in range(request[0]):
-        time.sleep(0.002)
-        yield b"\x0a\x04tok%d" % i
-    if request[1]:
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache full: 100%")
-
-
 @pytest.fixture
 def grpc_server():
-    server = grpc.server(ThreadPoolExecutor(4))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "inference.Generator", {"Generate": grpc.unary_stream_rpc_method_handler(generate)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = start_generator("127.0.0.1:0")
     yield port
     server.stop(None)
 
 
 def test_grpc_server_streaming_calls_match_what_the_client_saw(grpc_server):
     relay = Relay(grpc_server)
-    seen = []
-    with grpc.insecure_channel(f"127.0.0.1:{relay.port}") as channel:
-        call = channel.unary_stream("/inference.Generator/Generate")
-        for count, fail in ((5, 0), (3, 1)):
-            times, code, details = [], grpc.StatusCode.OK, None
-            try:
-                for _ in call(bytes([count, fail])):
-                    times.append(time.monotonic_ns())
-            except grpc.RpcError as exc:
-                code, details = exc.code(), exc.details()
-            seen.append((times, code.value[0], details))
+    seen = call_generate(relay.port, ((5, 0), (3, 1)))
     assert relay.done.wait(30), "the client's connection did not close"
 
     assembler = Http2ConnectionAssembler(fingerprint_key=b"k")
@@ -183,12 +163,14 @@ def test_grpc_server_streaming_calls_match_what_the_client_saw(grpc_server):
 
     assert assembler.unreadable is None, assembler.error
     assert [(row.grpc_status, row.grpc_message) for row in rows] == \
-        [(code, details) for _, code, details in seen] == [(0, None), (8, "KV cache full: 100%")]
-    for row, (times, _, _) in zip(rows, seen):
+        [(call.code, call.details) for call in seen] == [(0, None), (8, "KV cache full: 100%")]
+    for row, call in zip(rows, seen):
+        times = call.arrived_ns
         assert (row.api, row.method, row.path, row.status, row.outcome, row.error) == \
-            ("grpc", "POST", "/inference.Generator/Generate", 200, "complete", None)
-        assert (row.request_messages, row.request_message_bytes) == (1, 2)
-        assert row.response_messages == len(times) and row.response_message_bytes == 6 * len(times)
+            ("grpc", "POST", METHOD, 200, "complete", None)
+        assert (row.request_messages, row.request_message_bytes) == (1, call.request_bytes)
+        assert (row.response_messages, row.response_message_bytes, row.largest_response_message_bytes) == \
+            (len(times), sum(call.message_sizes), max(call.message_sizes))
         assert len(row.token_event_ns) == len(times)
         assert all(sent <= read for sent, read in zip(row.token_event_ns, times))
         assert row.req_start_ns <= row.req_end_ns <= row.resp_start_ns <= row.token_event_ns[0]

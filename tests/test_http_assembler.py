@@ -38,7 +38,7 @@ KEY = b"assembler-test-key"
 REQ_T0 = 1_000
 RESP_T0 = 1_000_000
 OUTCOME_BY_REASON = {"server_closed": "truncated", "client_closed": "client_closed",
-                     "reset": "reset", "agent_stop": "truncated"}
+                     "reset": "reset", "agent_stop": "truncated", "idle_timeout": "truncated"}
 
 
 def expected_fp(body: bytes, key: bytes = KEY) -> int:

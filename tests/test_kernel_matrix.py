@@ -34,6 +34,7 @@ from tests.server_matrix import (
     READ,
     SILENT,
     STACKS,
+    TLS_UNPROBED_ERROR,
     UNREADABLE,
     Outcome,
     Stack,
@@ -168,13 +169,15 @@ def serving(argv: list[str], port: int, env: dict[str, str], log: Path) -> Itera
             proc.wait()
 
 
-def build_go_server(tmp: Path) -> Path:
+def build_go_server(tmp: Path, *, stripped: bool = False) -> Path:
+    """tests/servers/go_sse.go built with Debian's Go; `stripped`: without symbol table and DWARF."""
     go = shutil.which("go")
     if go is None:
         pytest.fail("go is not installed (apt-get install golang-go; scripts/install.sh does)")
-    binary = tmp / "go_sse"
+    binary = tmp / ("go_sse_stripped" if stripped else "go_sse")
     env = dict(os.environ, GOCACHE=str(tmp / "gocache"), GOPATH=str(tmp / "gopath"), GO111MODULE="off")
-    subprocess.run([go, "build", "-o", str(binary), str(SERVERS / "go_sse.go")], check=True, env=env)
+    flags = ["-ldflags=-s -w"] if stripped else []
+    subprocess.run([go, "build", *flags, "-o", str(binary), str(SERVERS / "go_sse.go")], check=True, env=env)
     return binary
 
 
@@ -276,6 +279,13 @@ def test_gateway_outbound(matrix: MatrixRun, gateway: Stack):
     outbound = [r for r in matrix.rows if r["server_port"] == matrix.upstream_port]
     assert all(r["role"] == "client" for r in outbound)
     check_read(outbound, run.views, tls=True)
+
+
+@pytest.mark.parametrize("stack", [pytest.param(s, id=s.key) for s in STACKS if s.outcome.error == TLS_UNPROBED_ERROR])
+def test_unreadable_tls_is_named_at_start_up(matrix: MatrixRun, stack: Stack):
+    """The agent's start-up log names the TLS library of each stack whose TLS it cannot read."""
+    named = [line for line in matrix.log.splitlines() if " cannot be read: " in line]
+    assert any(f"cannot be read: {stack.tls}" in line for line in named), named
 
 
 def test_no_row_outside_the_matrix(matrix: MatrixRun):

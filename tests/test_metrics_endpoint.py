@@ -98,10 +98,12 @@ def test_health_checks_are_counted_but_not_timed(metrics):
 
 
 def test_connections_that_could_not_be_read_are_counted_by_port_and_reason(metrics):
-    blind = dict(method="", path="", model="", status=0, outcome="unsupported", streamed=False, token_events=0,
-                 first_token=None, last_token=None, resp_start=None, resp_end=None)
     for reason, port in (("tls_unprobed", 8443), ("tls_unprobed", 8443), ("h2_midstream", 8000)):
-        metrics.observe_request(row(**blind, server_port=port, unreadable_reason=reason))
+        metrics.count_unreadable(port, reason)
+    # Their rows, at close, are requests like any other: counted once already.
+    metrics.observe_request(row(method="", path="", model="", status=0, outcome="unsupported", streamed=False,
+                                token_events=0, first_token=None, last_token=None, resp_start=None, resp_end=None,
+                                server_port=8443, unreadable_reason="tls_unprobed"))
     metrics.observe_request(row())
     page = read(metrics)
     name = "tokenprobe_agent_unreadable_connections_total"
@@ -190,6 +192,19 @@ def test_agent_health_figures(metrics):
     assert value(page, "process_resident_memory_bytes") > 0
     with pytest.raises(TypeError, match="drops_total"):
         metrics.set_agent_stats(events_total=1, drops_total="7", lag_s=0, events_per_s=0)
+
+
+def test_bounded_state_figures(metrics):
+    metrics.set_agent_stats(events_total=1, drops_total=0, lag_s=0, events_per_s=0, idle_evicted_total=5,
+                            map_sizes={"conns": 65536, "listeners": 16384},
+                            map_overflows={"conns": 36, "listeners": 0})
+    metrics.set_agent_stats(events_total=2, drops_total=0, lag_s=0, events_per_s=0, map_overflows={"conns": 40})
+    page = read(metrics)
+    assert value(page, "tokenprobe_agent_idle_evicted_connections_total") == 5
+    assert value(page, "tokenprobe_agent_map_size", map="conns") == 65536
+    assert value(page, "tokenprobe_agent_map_overflows_total", map="conns") == 40
+    assert value(page, "tokenprobe_agent_map_overflows_total", map="listeners") == 0
+    assert page.families["tokenprobe_agent_map_overflows_total"].type == "counter"
 
 
 def test_scrapes_while_rows_arrive_from_other_threads(metrics):

@@ -467,6 +467,36 @@ def test_one_slot_queues_requests_in_order(tmp_path: Path) -> None:
     assert snapshot.completed == 3 and snapshot.waiting == 0 and snapshot.generation_tokens_total == 36
 
 
+def test_a_kv_cache_sized_to_the_slots_fills_with_load(tmp_path: Path) -> None:
+    """The simulated vLLM gauge the controller's matrix reads rises with the batch, before anything queues."""
+    from tokenprobe.agent.sampling.prom_text import parse_exposition
+
+    def kv_usage(port: int) -> float:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=IO_TIMEOUT_S)
+        try:
+            connection.request("GET", "/metrics")
+            page = parse_exposition(connection.getresponse().read().decode())
+        finally:
+            connection.close()
+        (gauge,) = page.series_by_name()["vllm:kv_cache_usage_perc"]
+        return gauge.value
+
+    config = ServerConfig(engine=EngineTiming(slots=2, prefill_base_ms=5.0, prefill_ms_per_token=0.0, decode_ms=20.0),
+                          simulated_metrics=True, kv_cache_blocks=2)
+    with ReferenceServer(config) as server:
+        idle = kv_usage(server.port)
+        streams = threading.Thread(target=run_concurrently, args=(2, lambda _: stream_ttft(server.port, chat_body(60))))
+        streams.start()
+        # Each running stream holds its prompt and what it generated so far: the cache fills as they decode.
+        readings = []
+        while streams.is_alive():
+            readings.append((server.snapshot().running, kv_usage(server.port)))
+            time.sleep(0.05)
+        streams.join()
+    assert idle == 0.0
+    assert max(usage for running, usage in readings if running == 2) == 1.0
+
+
 def test_prefill_time_grows_with_prompt_size(tmp_path: Path) -> None:
     with make_server(tmp_path, slots=4, prefill_base_ms=10.0, prefill_ms_per_token=0.5) as server:
         for content in ("x" * 40, "x" * 2000):

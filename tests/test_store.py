@@ -22,6 +22,7 @@ import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 from tokenprobe.contract import registry
 from tokenprobe.contract import requests as schema
+from tokenprobe.contract.rollup import ROLLUP_MV
 from tokenprobe.contract.tables import (
     OPAQUE_CODEC,
     TIMESTAMP_CODEC,
@@ -127,7 +128,7 @@ def test_unreachable_server_is_store_unavailable_naming_the_url():
 def test_requests_columns_match_row_schema_doc(owner):
     documented = re.findall(r"^\| (\w+) \| ([A-Za-z0-9()]+(?:\([^|]*\))?) \|", ROW_SCHEMA_DOC.read_text(), re.M)
     documented = [(name, ch_type.replace("DateTime64(9)", "DateTime64(9, 'UTC')")) for name, ch_type in documented]
-    assert len(documented) == 48
+    assert len(documented) == 52
     assert schema.REQUEST_COLUMNS == [name for name, _ in documented]
     described = owner.query_rows("SELECT name, type FROM system.columns"
                                  " WHERE database = 'tokenprobe' AND table = 'requests' ORDER BY position")
@@ -201,14 +202,46 @@ def test_ensure_schema_adds_any_missing_request_columns_before_views_read_them(s
         owner.command("CREATE DATABASE tokenprobe")
         owner.command(schema.REQUESTS_DDL.format(db="tokenprobe", ttl_days=30))
         owner.insert_rows("requests", [make_row(conn_id=1)])
-        for name in ("node", "tenant", "error"):  # the first column, one in the middle and the last
+        # The first column, some in the middle and the last.
+        for name in ("node", "tenant", "error", "largest_response_message_bytes"):
             owner.command(f"ALTER TABLE tokenprobe.requests DROP COLUMN {name}")
         with open_store(f"chdb://{store_dir}") as reader:  # through the owner, as a second agent would
             reader.ensure_schema()
         assert requests_columns(owner) == schema.REQUEST_COLUMNS
-        assert owner.query_rows("SELECT node, tenant, error, conn_id FROM tokenprobe.requests") == [("", "", "", 1)]
+        assert owner.query_rows("SELECT node, tenant, error, largest_response_message_bytes, conn_id"
+                                " FROM tokenprobe.requests") == [("", "", "", 0, 1)]
         owner.insert_rows("requests", [make_row(conn_id=2)])
         assert owner.command("SELECT sum(requests) FROM tokenprobe.request_latency_bands") > 0
+
+
+OLD_ROLLUP_VIEW = Path(__file__).with_name("data") / "request_latency_bands_mv.v1.sql"
+
+
+def test_ensure_schema_replaces_a_rollup_view_made_by_an_older_definition(store_dir, caplog):
+    """A store made before the ITL rollup: its view is replaced on the next start, the rows it rolled up stay."""
+    with open_store(f"chdb://{store_dir}") as owner:
+        for statement in registry.create_statements("tokenprobe", 30)[:-1]:  # every table, not the view
+            owner.command(statement)
+        owner.command(OLD_ROLLUP_VIEW.read_text().format(db="tokenprobe"))
+        owner.insert_rows("requests", [make_row(conn_id=1)])
+
+        def rolled_up() -> dict[str, int]:
+            return dict(owner.query_rows(
+                "SELECT metric, sum(requests) FROM tokenprobe.request_latency_bands GROUP BY metric"))
+
+        assert rolled_up() == {"all": 1, "ttft": 1, "tpot": 1, "e2e": 1}  # the old view knows no ITL
+        with caplog.at_level("WARNING", logger="tokenprobe.store.client"):
+            owner.ensure_schema()
+        (replaced,) = [record.getMessage() for record in caplog.records]
+        assert "replacing materialized view tokenprobe.request_latency_bands_mv" in replaced
+        assert "no digest" in replaced and ROLLUP_MV.comment in replaced
+        assert rolled_up() == {"all": 1, "ttft": 1, "tpot": 1, "e2e": 1}
+        owner.insert_rows("requests", [make_row(conn_id=2)])  # 3 text events: 2 gaps
+        assert rolled_up() == {"all": 2, "ttft": 2, "tpot": 2, "e2e": 2, "itl": 2}
+        caplog.clear()
+        owner.ensure_schema()  # the current definition: left alone
+        assert not caplog.records
+        assert rolled_up()["all"] == 2
 
 
 def test_ttl_days_is_configurable(tmp_path):

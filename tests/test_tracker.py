@@ -231,11 +231,17 @@ class Numbered:
         self.tracker = tracker
         self.bytes, self.events = [0, 0], [0, 0]
         self.ts = 1_000_000
+        self.conn_ns = 500
+
+    def restart(self, tgid, fd):
+        """What Probes.restart_connection does to the kernel's entry."""
+        assert (tgid, fd) == (42, 7)
+        self.bytes, self.events, self.conn_ns = [0, 0], [0, 0], 0
 
     def send(self, direction, data=b"", *, total=None, tail=b"", lose=False, kind=EV_DATA):
         self.ts += 1_000_000
         total = len(data) + len(tail) if total is None else total
-        event = ev(kind, self.ts, direction=direction, data=data, tail=tail, total=total,
+        event = ev(kind, self.ts, direction=direction, data=data, tail=tail, total=total, conn_ns=self.conn_ns,
                    bytes_before=tuple(self.bytes), events_before=tuple(self.events))
         if kind == EV_DATA:
             self.bytes[direction] += total
@@ -304,6 +310,55 @@ def test_process_exit_ends_its_connections_and_their_inflight_count():
     assert [r["outcome"] for r in rows.rows] == ["truncated", "truncated"]
     assert tracker.stats.inflight == {8000: 0} and not tracker.connections
     assert sorted(forgotten) == [(42, 7), (42, 8)]
+
+
+IDLE_S = 60
+IDLE_NS = IDLE_S * 1_000_000_000
+
+
+def test_idle_connections_are_evicted_with_their_open_request_truncated():
+    restarted = []
+    tracker, rows = make_tracker(idle_timeout_s=IDLE_S, restart_connection=lambda *key: restarted.append(key))
+    for fd in (7, 8):
+        tracker.handle(ev(EV_ACCEPT, 500, fd=fd))
+    tracker.handle(ev(EV_DATA, 1000, fd=7, data=REQUEST))       # in flight, then silent
+    serve_one(tracker, fd=8, t0=IDLE_NS // 2)                   # busy until half-way
+    assert tracker.evict_idle(IDLE_NS) == 0, "no connection has idled for the timeout yet"
+    assert tracker.evict_idle(IDLE_NS + 2000) == 1
+    assert list(tracker.connections) == [(42, 8)] and tracker.stats.inflight == {8000: 0}
+    assert restarted == [(42, 7)]  # its kernel entry
+    evicted = rows.rows[-1]
+    assert (evicted["outcome"], evicted["capture"], evicted["path"]) == ("truncated", "exact", "/v1/completions")
+    assert f"no I/O for {IDLE_S} s" in evicted["error"]
+    assert tracker.evict_idle(IDLE_NS // 2 + 120_000_000 + IDLE_NS + 1) == 1 and not tracker.connections
+    assert tracker.stats.idle_evicted == 2 and len(rows.rows) == 2  # the idle keep-alive one had nothing open
+
+
+def test_an_evicted_connection_that_speaks_again_is_adopted_afresh_without_a_wrong_row():
+    tracker, rows = make_tracker(idle_timeout_s=IDLE_S)
+    tracker.handle(ev(EV_ACCEPT, 500))
+    conn = Numbered(tracker)
+    tracker.restart_connection = conn.restart
+    conn.send(DIR_READ, REQUEST)
+    conn.send(DIR_WRITE, HEAD)
+    tracker.evict_idle(conn.ts + IDLE_NS + 1)
+    conn.ts += IDLE_NS
+    # The rest of that response, then a whole exchange: the tail is not read as a row of its own.
+    conn.send(DIR_WRITE, sse_chunk(b'{"id":"cmpl-1","choices":[{"text":"late"}]}'))
+    conn.send(DIR_WRITE, sse_chunk(b"[DONE]") + b"0\r\n\r\n")
+    stream_tokens(conn, 4)
+    conn.send(DIR_READ, kind=EV_CLOSE)
+    assert [(r["outcome"], r["capture"], r["token_events"]) for r in rows.rows] == [
+        ("truncated", "exact", 0), ("complete", "exact", 4)]
+    first, again = rows.rows
+    assert first["conn_id"] != again["conn_id"] and again["req_seq"] == 0 and again["accept_ts"] is None
+    assert (tracker.stats.lost_events, tracker.stats.bytes_unseen) == (0, 0)
+    assert tracker.stats.inflight == {8000: 0} and not tracker.connections
+
+
+def test_the_idle_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="idle timeout"):
+        make_tracker(idle_timeout_s=0)
 
 
 def test_clock_offset_maps_monotonic_to_wall():
@@ -419,6 +474,48 @@ def test_ciphertext_never_named_by_libssl_is_one_unsupported_row(accept_seen: bo
     assert "TLS records" in row["error"] and tracker.stats.unreadable_connections == 1
 
 
+WEBSOCKET_UPGRADE = [
+    (DIR_READ, b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"),
+    (DIR_WRITE, b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"),
+    (DIR_WRITE, b"\x81\x05hello"),
+]
+TLS_NO_PROBE_SAW = [  # hellos, then application data both ways: a handshake done where no probe looks
+    (DIR_READ, b"\x16\x03\x01\x02\x00" + bytes(24)), (DIR_WRITE, b"\x16\x03\x03\x00\x7a" + bytes(24)),
+    (DIR_READ, b"\x17\x03\x03\x00\x40" + bytes(24)), (DIR_WRITE, b"\x17\x03\x03\x00\x40" + bytes(24)),
+]
+
+
+@pytest.mark.parametrize("segments, reason", [
+    (TLS_NO_PROBE_SAW, "tls_unprobed"),
+    ([(DIR_READ, b"SSH-2.0-OpenSSH_9.2\r\n" + bytes(8))], "unknown_protocol"),
+    (WEBSOCKET_UPGRADE, "websocket"),
+])
+def test_an_unreadable_connection_is_counted_when_found_and_written_at_close(segments, reason):
+    """A long-lived connection is counted while it is open, once, and still written as one row at its close."""
+    counted = []
+    tracker, rows = make_tracker(on_unreadable=lambda port, why: counted.append((port, why)))
+    tracker.handle(ev(EV_ACCEPT, 500))
+    for ts, (direction, data) in enumerate(segments + segments[-1:] * 3, start=1000):
+        tracker.handle(ev(EV_DATA, ts, direction=direction, data=data))
+    assert counted == [(8000, reason)] and tracker.stats.unreadable_connections == 1
+    assert all(r["outcome"] != "unsupported" for r in rows.rows)
+    tracker.handle(ev(EV_CLOSE, 5000))
+    assert counted == [(8000, reason)]
+    assert [r["unreadable_reason"] for r in rows.rows if r["outcome"] == "unsupported"] == [reason]
+
+
+def test_tls_seen_only_one_way_is_counted_at_close():
+    """Raw records one way only may still be read (a probe binds the SSL at its first write):
+    such a connection is decided, and counted, when it closes."""
+    counted = []
+    tracker, rows = make_tracker(on_unreadable=lambda port, why: counted.append((port, why)))
+    tracker.handle(ev(EV_ACCEPT, 500))
+    tracker.handle(ev(EV_DATA, 900, data=TLS_NO_PROBE_SAW[2][1]))
+    assert counted == []
+    tracker.handle(ev(EV_CLOSE, 3000))
+    assert counted == [(8000, "tls_unprobed")] and [r["outcome"] for r in rows.rows] == ["unsupported"]
+
+
 def test_traffic_after_a_websocket_upgrade_is_one_unsupported_row():
     tracker, rows = make_tracker()
     tracker.handle(ev(EV_ACCEPT, 500))
@@ -430,3 +527,27 @@ def test_traffic_after_a_websocket_upgrade_is_one_unsupported_row():
     tracker.handle(ev(EV_CLOSE, 4000))
     assert [(r["req_seq"], r["status"], r["outcome"], r["unreadable_reason"]) for r in rows.rows] == [
         (0, 101, "complete", ""), (1, 0, "unsupported", "websocket")]
+
+
+def test_an_h2c_upgrade_continues_in_http2_with_the_upgraded_request_as_stream_1():
+    """`Upgrade: h2c`: the 101 and the server's SETTINGS in one write, the GET answered on stream 1
+    in HTTP/2, then a stream the client opens itself; no blind spot counted."""
+    wire = H2Wire(upgrade_path="/v1/chat/completions?stream=1")
+    upgrade_request = wire.segments[0][2]
+    for stream_id in (1, 3):
+        if stream_id == 3:
+            wire.request(stream_id, *chat_request([("x-tenant-id", "t3")]))
+        wire.respond(stream_id, SSE_RESPONSE)
+        wire.send(stream_id, h2_sse_chunk("hi"))
+        wire.send(stream_id, h2_sse_chunk("there"))
+        wire.send(stream_id, SSE_DONE, end_stream=True)
+    tracker, rows = make_tracker()
+    feed_wire(tracker, wire.segments)
+    assert [(r["stream_id"], r["req_seq"], r["method"], r["path"], r["tenant"], r["protocol"], r["status"],
+             r["token_events"], r["outcome"], r["error"], r["unreadable_reason"]) for r in rows.rows] == [
+        (1, 0, "GET", "/v1/chat/completions", "", "h2c", 200, 2, "complete", "", ""),
+        (3, 1, "POST", "/v1/chat/completions", "t3", "h2c", 200, 2, "complete", "", "")]
+    upgraded = rows.rows[0]
+    assert upgraded["bytes_in"] == len(upgrade_request)
+    assert upgraded["req_end"] <= upgraded["resp_start"] <= upgraded["first_token"]
+    assert tracker.stats.unreadable_connections == 0 and tracker.stats.inflight == {8000: 0}

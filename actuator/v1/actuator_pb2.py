@@ -26,49 +26,49 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%tokenprobe/actuator/v1/actuator.proto\x12\x16tokenprobe.actuator.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"9\n\x06Target\x12\x10\n\x08upstream\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"\xa0\x01\n\x0f\x42reakerDecision\x12\x33\n\x05state\x18\x01 \x01(\x0e\x32$.tokenprobe.actuator.v1.BreakerState\x12\x16\n\x0e\x61\x64mitted_share\x18\x02 \x01(\x01\x12+\n\x08\x63ooldown\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x0bprobe_share\x18\x04 \x01(\x01\"l\n\x0bTokenBudget\x12\x19\n\x11tokens_per_second\x18\x01 \x01(\x01\x12\x14\n\x0c\x62urst_tokens\x18\x02 \x01(\x01\x12,\n\tmax_delay\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"H\n\x08\x45vidence\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x11\n\tthreshold\x18\x03 \x01(\x01\x12\x0c\n\x04unit\x18\x04 \x01(\t\"\xfc\x02\n\x08\x44\x65\x63ision\x12\n\n\x02id\x18\x01 \x01(\t\x12.\n\x06target\x18\x02 \x01(\x0b\x32\x1e.tokenprobe.actuator.v1.Target\x12:\n\x07\x62reaker\x18\x03 \x01(\x0b\x32\'.tokenprobe.actuator.v1.BreakerDecisionH\x00\x12;\n\x0ctoken_budget\x18\x04 \x01(\x0b\x32#.tokenprobe.actuator.v1.TokenBudgetH\x00\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x32\n\x08\x65vidence\x18\x06 \x03(\x0b\x32 .tokenprobe.actuator.v1.Evidence\x12-\n\tissued_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06issuer\x18\t \x01(\tB\x08\n\x06\x61\x63tion\"J\n\x14\x41pplyDecisionRequest\x12\x32\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32 .tokenprobe.actuator.v1.Decision\"K\n\x15\x41pplyDecisionResponse\x12\x32\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32 .tokenprobe.actuator.v1.Decision\"\x11\n\x0fGetStateRequest\"\xe2\x01\n\x0bTargetState\x12\x32\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32 .tokenprobe.actuator.v1.Decision\x12=\n\x0f\x65\x66\x66\x65\x63tive_state\x18\x02 \x01(\x0e\x32$.tokenprobe.actuator.v1.BreakerState\x12\x16\n\x0e\x61\x64mitted_share\x18\x03 \x01(\x01\x12\x18\n\x10tokens_available\x18\x04 \x01(\x01\x12.\n\nchanged_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"y\n\x10GetStateResponse\x12\x34\n\x07targets\x18\x01 \x03(\x0b\x32#.tokenprobe.actuator.v1.TargetState\x12/\n\x0bserver_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x17\n\x15WatchDecisionsRequest\"e\n\x16WatchDecisionsResponse\x12\x32\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32 .tokenprobe.actuator.v1.Decision\x12\x17\n\x0f\x65nd_of_snapshot\x18\x02 \x01(\x08\"Y\n\x0c\x43heckRequest\x12\x10\n\x08upstream\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x18\n\x10\x65stimated_tokens\x18\x04 \x01(\x04\"\xed\x01\n\rCheckResponse\x12\x30\n\x07verdict\x18\x01 \x01(\x0e\x32\x1f.tokenprobe.actuator.v1.Verdict\x12\x13\n\x0bhttp_status\x18\x02 \x01(\r\x12.\n\x0bretry_after\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05\x64\x65lay\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\"@\n\rSettleRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x17\n\x0fobserved_tokens\x18\x02 \x01(\x04\"<\n\x0eSettleResponse\x12\x0f\n\x07settled\x18\x01 \x01(\x08\x12\x19\n\x11\x61\x64justment_tokens\x18\x02 \x01(\x03*|\n\x0c\x42reakerState\x12\x1d\n\x19\x42REAKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42REAKER_STATE_CLOSED\x10\x01\x12\x16\n\x12\x42REAKER_STATE_OPEN\x10\x02\x12\x1b\n\x17\x42REAKER_STATE_HALF_OPEN\x10\x03*\\\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x11\n\rVERDICT_ALLOW\x10\x01\x12\x11\n\rVERDICT_DELAY\x10\x02\x12\x12\n\x0eVERDICT_REJECT\x10\x03\x32\xf9\x03\n\x08\x41\x63tuator\x12l\n\rApplyDecision\x12,.tokenprobe.actuator.v1.ApplyDecisionRequest\x1a-.tokenprobe.actuator.v1.ApplyDecisionResponse\x12]\n\x08GetState\x12\'.tokenprobe.actuator.v1.GetStateRequest\x1a(.tokenprobe.actuator.v1.GetStateResponse\x12q\n\x0eWatchDecisions\x12-.tokenprobe.actuator.v1.WatchDecisionsRequest\x1a..tokenprobe.actuator.v1.WatchDecisionsResponse0\x01\x12T\n\x05\x43heck\x12$.tokenprobe.actuator.v1.CheckRequest\x1a%.tokenprobe.actuator.v1.CheckResponse\x12W\n\x06Settle\x12%.tokenprobe.actuator.v1.SettleRequest\x1a&.tokenprobe.actuator.v1.SettleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%tokenprobe/actuator/v1/actuator.proto\x12\x16tokenprobe.actuator.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"9\n\x06Target\x12\x10\n\x08upstream\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"\xa0\x01\n\x0f\x42reakerDecision\x12\x33\n\x05state\x18\x01 \x01(\x0e\x32$.tokenprobe.actuator.v1.BreakerState\x12\x16\n\x0e\x61\x64mitted_share\x18\x02 \x01(\x01\x12+\n\x08\x63ooldown\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x0bprobe_share\x18\x04 \x01(\x01\"\x9d\x01\n\x0bTokenBudget\x12\x19\n\x11tokens_per_second\x18\x01 \x01(\x01\x12\x14\n\x0c\x62urst_tokens\x18\x02 \x01(\x01\x12,\n\tmax_delay\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0cretry_jitter\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"H\n\x08\x45vidence\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01\x12\x11\n\tthreshold\x18\x03 \x01(\x01\x12\x0c\n\x04unit\x18\x04 \x01(\t\"\xfc\x02\n\x08\x44\x65\x63ision\x12\n\n\x02id\x18\x01 \x01(\t\x12.\n\x06target\x18\x02 \x01(\x0b\x32\x1e.tokenprobe.actuator.v1.Target\x12:\n\x07\x62reaker\x18\x03 \x01(\x0b\x32\'.tokenprobe.actuator.v1.BreakerDecisionH\x00\x12;\n\x0ctoken_budget\x18\x04 \x01(\x0b\x32#.tokenprobe.actuator.v1.TokenBudgetH\x00\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x32\n\x08\x65vidence\x18\x06 \x03(\x0b\x32 .tokenprobe.actuator.v1.Evidence\x12-\n\tissued_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06issuer\x18\t \x01(\tB\x08\n\x06\x61\x63tion\"J\n\x14\x41pplyDecisionRequest\x12\x32\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32 .tokenprobe.actuator.v1.Decision\"K\n\x15\x41pplyDecisionResponse\x12\x32\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32 .tokenprobe.actuator.v1.Decision\"\x11\n\x0fGetStateRequest\"\xe2\x01\n\x0bTargetState\x12\x32\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32 .tokenprobe.actuator.v1.Decision\x12=\n\x0f\x65\x66\x66\x65\x63tive_state\x18\x02 \x01(\x0e\x32$.tokenprobe.actuator.v1.BreakerState\x12\x16\n\x0e\x61\x64mitted_share\x18\x03 \x01(\x01\x12\x18\n\x10tokens_available\x18\x04 \x01(\x01\x12.\n\nchanged_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"y\n\x10GetStateResponse\x12\x34\n\x07targets\x18\x01 \x03(\x0b\x32#.tokenprobe.actuator.v1.TargetState\x12/\n\x0bserver_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x17\n\x15WatchDecisionsRequest\"e\n\x16WatchDecisionsResponse\x12\x32\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32 .tokenprobe.actuator.v1.Decision\x12\x17\n\x0f\x65nd_of_snapshot\x18\x02 \x01(\x08\"Y\n\x0c\x43heckRequest\x12\x10\n\x08upstream\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x18\n\x10\x65stimated_tokens\x18\x04 \x01(\x04\"\xed\x01\n\rCheckResponse\x12\x30\n\x07verdict\x18\x01 \x01(\x0e\x32\x1f.tokenprobe.actuator.v1.Verdict\x12\x13\n\x0bhttp_status\x18\x02 \x01(\r\x12.\n\x0bretry_after\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05\x64\x65lay\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\"@\n\rSettleRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x17\n\x0fobserved_tokens\x18\x02 \x01(\x04\"<\n\x0eSettleResponse\x12\x0f\n\x07settled\x18\x01 \x01(\x08\x12\x19\n\x11\x61\x64justment_tokens\x18\x02 \x01(\x03*|\n\x0c\x42reakerState\x12\x1d\n\x19\x42REAKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42REAKER_STATE_CLOSED\x10\x01\x12\x16\n\x12\x42REAKER_STATE_OPEN\x10\x02\x12\x1b\n\x17\x42REAKER_STATE_HALF_OPEN\x10\x03*\\\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x11\n\rVERDICT_ALLOW\x10\x01\x12\x11\n\rVERDICT_DELAY\x10\x02\x12\x12\n\x0eVERDICT_REJECT\x10\x03\x32\xf9\x03\n\x08\x41\x63tuator\x12l\n\rApplyDecision\x12,.tokenprobe.actuator.v1.ApplyDecisionRequest\x1a-.tokenprobe.actuator.v1.ApplyDecisionResponse\x12]\n\x08GetState\x12\'.tokenprobe.actuator.v1.GetStateRequest\x1a(.tokenprobe.actuator.v1.GetStateResponse\x12q\n\x0eWatchDecisions\x12-.tokenprobe.actuator.v1.WatchDecisionsRequest\x1a..tokenprobe.actuator.v1.WatchDecisionsResponse0\x01\x12T\n\x05\x43heck\x12$.tokenprobe.actuator.v1.CheckRequest\x1a%.tokenprobe.actuator.v1.CheckResponse\x12W\n\x06Settle\x12%.tokenprobe.actuator.v1.SettleRequest\x1a&.tokenprobe.actuator.v1.SettleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenprobe.actuator.v1.actuator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BREAKERSTATE']._serialized_start=2030
-  _globals['_BREAKERSTATE']._serialized_end=2154
-  _globals['_VERDICT']._serialized_start=2156
-  _globals['_VERDICT']._serialized_end=2248
+  _globals['_BREAKERSTATE']._serialized_start=2080
+  _globals['_BREAKERSTATE']._serialized_end=2204
+  _globals['_VERDICT']._serialized_start=2206
+  _globals['_VERDICT']._serialized_end=2298
   _globals['_TARGET']._serialized_start=130
   _globals['_TARGET']._serialized_end=187
   _globals['_BREAKERDECISION']._serialized_start=190
   _globals['_BREAKERDECISION']._serialized_end=350
-  _globals['_TOKENBUDGET']._serialized_start=352
-  _globals['_TOKENBUDGET']._serialized_end=460
-  _globals['_EVIDENCE']._serialized_start=462
-  _globals['_EVIDENCE']._serialized_end=534
-  _globals['_DECISION']._serialized_start=537
-  _globals['_DECISION']._serialized_end=917
-  _globals['_APPLYDECISIONREQUEST']._serialized_start=919
-  _globals['_APPLYDECISIONREQUEST']._serialized_end=993
-  _globals['_APPLYDECISIONRESPONSE']._serialized_start=995
-  _globals['_APPLYDECISIONRESPONSE']._serialized_end=1070
-  _globals['_GETSTATEREQUEST']._serialized_start=1072
-  _globals['_GETSTATEREQUEST']._serialized_end=1089
-  _globals['_TARGETSTATE']._serialized_start=1092
-  _globals['_TARGETSTATE']._serialized_end=1318
-  _globals['_GETSTATERESPONSE']._serialized_start=1320
-  _globals['_GETSTATERESPONSE']._serialized_end=1441
-  _globals['_WATCHDECISIONSREQUEST']._serialized_start=1443
-  _globals['_WATCHDECISIONSREQUEST']._serialized_end=1466
-  _globals['_WATCHDECISIONSRESPONSE']._serialized_start=1468
-  _globals['_WATCHDECISIONSRESPONSE']._serialized_end=1569
-  _globals['_CHECKREQUEST']._serialized_start=1571
-  _globals['_CHECKREQUEST']._serialized_end=1660
-  _globals['_CHECKRESPONSE']._serialized_start=1663
-  _globals['_CHECKRESPONSE']._serialized_end=1900
-  _globals['_SETTLEREQUEST']._serialized_start=1902
-  _globals['_SETTLEREQUEST']._serialized_end=1966
-  _globals['_SETTLERESPONSE']._serialized_start=1968
-  _globals['_SETTLERESPONSE']._serialized_end=2028
-  _globals['_ACTUATOR']._serialized_start=2251
-  _globals['_ACTUATOR']._serialized_end=2756
+  _globals['_TOKENBUDGET']._serialized_start=353
+  _globals['_TOKENBUDGET']._serialized_end=510
+  _globals['_EVIDENCE']._serialized_start=512
+  _globals['_EVIDENCE']._serialized_end=584
+  _globals['_DECISION']._serialized_start=587
+  _globals['_DECISION']._serialized_end=967
+  _globals['_APPLYDECISIONREQUEST']._serialized_start=969
+  _globals['_APPLYDECISIONREQUEST']._serialized_end=1043
+  _globals['_APPLYDECISIONRESPONSE']._serialized_start=1045
+  _globals['_APPLYDECISIONRESPONSE']._serialized_end=1120
+  _globals['_GETSTATEREQUEST']._serialized_start=1122
+  _globals['_GETSTATEREQUEST']._serialized_end=1139
+  _globals['_TARGETSTATE']._serialized_start=1142
+  _globals['_TARGETSTATE']._serialized_end=1368
+  _globals['_GETSTATERESPONSE']._serialized_start=1370
+  _globals['_GETSTATERESPONSE']._serialized_end=1491
+  _globals['_WATCHDECISIONSREQUEST']._serialized_start=1493
+  _globals['_WATCHDECISIONSREQUEST']._serialized_end=1516
+  _globals['_WATCHDECISIONSRESPONSE']._serialized_start=1518
+  _globals['_WATCHDECISIONSRESPONSE']._serialized_end=1619
+  _globals['_CHECKREQUEST']._serialized_start=1621
+  _globals['_CHECKREQUEST']._serialized_end=1710
+  _globals['_CHECKRESPONSE']._serialized_start=1713
+  _globals['_CHECKRESPONSE']._serialized_end=1950
+  _globals['_SETTLEREQUEST']._serialized_start=1952
+  _globals['_SETTLEREQUEST']._serialized_end=2016
+  _globals['_SETTLERESPONSE']._serialized_start=2018
+  _globals['_SETTLERESPONSE']._serialized_end=2078
+  _globals['_ACTUATOR']._serialized_start=2301
+  _globals['_ACTUATOR']._serialized_end=2806
 # @@protoc_insertion_point(module_scope)

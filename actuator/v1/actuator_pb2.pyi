@@ -56,14 +56,16 @@ class BreakerDecision(_message.Message):
     def __init__(self, state: _Optional[_Union[BreakerState, str]] = ..., admitted_share: _Optional[float] = ..., cooldown: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., probe_share: _Optional[float] = ...) -> None: ...
 
 class TokenBudget(_message.Message):
-    __slots__ = ("tokens_per_second", "burst_tokens", "max_delay")
+    __slots__ = ("tokens_per_second", "burst_tokens", "max_delay", "retry_jitter")
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     BURST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_DELAY_FIELD_NUMBER: _ClassVar[int]
+    RETRY_JITTER_FIELD_NUMBER: _ClassVar[int]
     tokens_per_second: float
     burst_tokens: float
     max_delay: _duration_pb2.Duration
-    def __init__(self, tokens_per_second: _Optional[float] = ..., burst_tokens: _Optional[float] = ..., max_delay: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    retry_jitter: _duration_pb2.Duration
+    def __init__(self, tokens_per_second: _Optional[float] = ..., burst_tokens: _Optional[float] = ..., max_delay: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., retry_jitter: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Evidence(_message.Message):
     __slots__ = ("name", "value", "threshold", "unit")

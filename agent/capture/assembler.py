@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from .exchange import CLOSE_REASONS, OUTCOME_BY_CLOSE_REASON, Exchange, Txn
@@ -43,6 +43,16 @@ MAX_SEGMENT_BYTES = 1 << 40
 # What a feed returns when no exchange became complete, as most do: one shared list,
 # never a new one per call. Callers only read what feeds return.
 _NOTHING: list[Exchange] = []
+
+
+@dataclass(slots=True)
+class H2cUpgrade:
+    """An h2c upgrade the server accepted (RFC 7540, section 3.2): the exchange whose request was
+    read in HTTP/1.1 and whose response comes as HTTP/2 stream 1, and the response bytes after the
+    101, as (ts, head, total_len) segments, for the HTTP/2 assembler that reads on from there."""
+
+    exchange: Exchange
+    response_segments: list[tuple[int, bytes, int]] = field(default_factory=list)
 
 
 class HttpConnectionAssembler:
@@ -67,14 +77,20 @@ class HttpConnectionAssembler:
         self._fingerprint_key = bytes(fingerprint_key)
         self._tenant_header = tenant_header_name(tenant_header)
         self._on_request_start = on_request_start
-        self._open: deque[Txn] = deque()  # started and not yet returned, in request order
-        self._awaiting_response: deque[Txn] = deque()  # their responses have not started
+        # Lists, not deques: they hold one or two exchanges, and an empty deque costs over 700 bytes
+        # on each of a node's (maybe 100k) idle keep-alive connections.
+        self._open: list[Txn] = []  # started and not yet returned, in request order
+        self._awaiting_response: list[Txn] = []  # their responses have not started
         self._ready: list[Exchange] = []
         self._next_seq = 0
         self._error: str | None = None
         self._closed = False
         self._request = RequestStream(self, max_header_bytes)
         self._response = ResponseStream(self, max_header_bytes, fast_path=fast_path)
+        self._steady_named: tuple[bytes, bytes] | None = None  # the last steady_template returned
+        # Set once the server switched to HTTP/2 (`Upgrade: h2c`): this assembler reads no more,
+        # its owner hands the connection to the HTTP/2 assembler.
+        self.h2c_upgrade: H2cUpgrade | None = None
 
     def open_exchanges(self) -> list[Exchange]:
         """The exchanges started and not yet returned, oldest first; for looking at, never changing."""
@@ -95,6 +111,22 @@ class HttpConnectionAssembler:
         """One segment travelling towards the client."""
         return self._feed(self._response, ts_ns, head, total_len, tail)
 
+    def steady_template(self, write: bytes) -> tuple[bytes, bytes] | None:
+        """After a whole response segment was fed (kernel batching): the bytes before and after its
+        text, if it was one whole chunk of one event that can be counted from its size alone and
+        they are not the template this returned last; else None."""
+        named = self._steady_named
+        if named is not None and write.endswith(named[1]) and write.startswith(named[0], write.find(b"\n") + 1):
+            return None  # the same template (a write that came before the kernel had it, or had escapes)
+        template = None if self._closed else self._response.steady_template(write)
+        self._steady_named = template
+        return template
+
+    def feed_steady_response_writes(self, writes: list[tuple[int, int]]) -> bool:
+        """Response writes (time, size) the kernel matched against a steady_template; False, with
+        nothing read, when the response is not where such writes can be counted."""
+        return not self._closed and self._response.steady_writes(writes)
+
     def close(self, ts_ns: int, reason: str) -> list[Exchange]:
         """The connection closed: every exchange still open is returned.
 
@@ -113,7 +145,7 @@ class HttpConnectionAssembler:
             self._request.stop()
             self._awaiting_response.clear()
             while self._open:  # popped one by one: the safety net below must not return one twice
-                txn = self._open.popleft()
+                txn = self._open.pop(0)
                 exchange = txn.exchange
                 if not txn.response_done and exchange.outcome == "complete":
                     exchange.outcome = outcome
@@ -135,7 +167,7 @@ class HttpConnectionAssembler:
                 stream.feed(*segment)
         except Exception as exc:  # safety net: a parser bug must not take down the agent
             self._internal_failure(exc)
-        return self._take_ready()
+        return self._take_ready() if self._ready else _NOTHING
 
     def _take_ready(self) -> list[Exchange]:
         ready = self._ready
@@ -166,7 +198,7 @@ class HttpConnectionAssembler:
         the capture missed)."""
         waiting = self._awaiting_response
         if waiting and waiting[0].exchange.req_start_ns <= ts:
-            return waiting.popleft()
+            return waiting.pop(0)
         return None
 
     def _abandon(self, txn: Txn, reason: str, *, request_side: bool) -> None:
@@ -185,7 +217,7 @@ class HttpConnectionAssembler:
         FIFO order, so only the oldest open exchange can be the next one."""
         open_txns = self._open
         while open_txns and open_txns[0].request_done and open_txns[0].response_done:
-            self._ready.append(open_txns.popleft().exchange)
+            self._ready.append(open_txns.pop(0).exchange)
 
     def _stop(self, reason: str) -> None:
         """Stop parsing the connection: every open exchange is returned; those
@@ -201,6 +233,21 @@ class HttpConnectionAssembler:
             self._ready.append(exchange)
         self._open.clear()
         self._awaiting_response.clear()
+
+    def _upgrade_to_http2(self, txn: Txn) -> bool:
+        """The server answered txn's `Upgrade: h2c` with a 101: True, and h2c_upgrade set, if the
+        connection can be followed into HTTP/2, i.e. that request was read whole and is the only one
+        open (a client sends nothing more before the 101); else it is an upgrade like any other."""
+        if not txn.request_done or self._open != [txn]:
+            return False
+        self._request.stop()
+        self._open.clear()
+        self._awaiting_response.clear()
+        self.h2c_upgrade = H2cUpgrade(txn.exchange)
+        return True
+
+    def _handed_off(self, ts: int, head: bytes, total_len: int) -> None:
+        self.h2c_upgrade.response_segments.append((ts, head, total_len))
 
     def _internal_failure(self, exc: Exception) -> None:
         # Only the type and location are logged: an exception's message may quote payload bytes.

@@ -6,13 +6,14 @@ from dataclasses import dataclass, field
 
 __all__ = ["CLOSE_REASONS", "OUTCOME_BY_CLOSE_REASON", "Exchange", "MAX_TOKEN_EVENTS", "Txn"]
 
-CLOSE_REASONS = ("server_closed", "client_closed", "reset", "agent_stop")
+CLOSE_REASONS = ("server_closed", "client_closed", "reset", "agent_stop", "idle_timeout")
 # The outcome of an exchange whose response had not finished when the connection closed.
 OUTCOME_BY_CLOSE_REASON = {
     "server_closed": "truncated",
     "client_closed": "client_closed",
     "reset": "reset",
     "agent_stop": "truncated",
+    "idle_timeout": "truncated",  # no I/O for the agent's idle timeout: it stopped following the connection
 }
 # Token event timestamps kept per exchange (far above any model's output length);
 # an endless stream must not grow the list without bound.

@@ -56,12 +56,13 @@ class GrpcMessages:
     byte is appended to it, up to `max_events` (the response side: those are the
     token events, appended straight to the record's list)."""
 
-    __slots__ = ("messages", "message_bytes", "error", "_events", "_max_events", "_prefix",
+    __slots__ = ("messages", "message_bytes", "largest_message_bytes", "error", "_events", "_max_events", "_prefix",
                  "_remaining", "_lost")
 
     def __init__(self, events: list[int] | None = None, max_events: int = 0) -> None:
         self.messages = 0
         self.message_bytes = 0  # payload bytes of the messages, prefixes excluded
+        self.largest_message_bytes = 0
         self.error: str | None = None
         self._events = events
         self._max_events = max_events
@@ -94,6 +95,7 @@ class GrpcMessages:
                 self._lose("gRPC message prefix is invalid; messages after it were not counted")
                 return
             self.message_bytes += length
+            self.largest_message_bytes = max(self.largest_message_bytes, length)
             self._remaining = length
             if not length:
                 self._message_done(ts)

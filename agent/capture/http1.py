@@ -41,6 +41,8 @@ class Connection(Protocol):
     def _settle(self) -> None: ...
     def _set_error(self, message: str) -> None: ...
     def _stop(self, reason: str) -> None: ...
+    def _upgrade_to_http2(self, txn: Txn) -> bool: ...
+    def _handed_off(self, ts: int, head: bytes, total_len: int) -> None: ...
 
 __all__ = ["FramingError", "RequestStream", "ResponseStream", "foreign_protocol",
            "response_body_reader"]
@@ -59,6 +61,7 @@ _TRAILERS = 7  # trailer fields after the last chunk, up to the blank line
 _BODY_UNTIL_CLOSE = 8  # body delimited by the connection's close
 _STOPPED = 9  # not HTTP/1.x any more (upgrade, TLS, HTTP/2) or connection closed
 _CHUNK_HUNT = 10  # a capture gap hid chunk framing: look for the next chunk boundary the bytes prove
+_HANDED_OFF = 11  # HTTP/2 after an h2c upgrade: the bytes go to the connection's HTTP/2 reader
 
 # How a message's body is delimited, decided from its header block.
 _NO_BODY = 0
@@ -67,6 +70,7 @@ _CHUNKED = 2
 _UNTIL_CLOSE = 3
 _INTERIM = 4  # a 1xx response: the final response for the same request follows
 _STOP = 5  # the connection stopped being HTTP/1.x
+_SWITCH = 6  # the connection speaks HTTP/2 from the end of this 101 (an accepted `Upgrade: h2c`)
 
 _TOO_LONG = object()  # marker returned by the line/block readers when a cap is hit
 
@@ -228,6 +232,9 @@ class MessageStream:
                         self._conn._set_error(self._pending_note)
                         self._pending_note = None
                     pos = end
+            elif state == _HANDED_OFF:
+                self._conn._handed_off(ts, data[pos:], end - pos)
+                return
             else:  # _STOPPED
                 return
 
@@ -253,6 +260,8 @@ class MessageStream:
             self._body_gap(ts, nbytes)
         elif state == _BODY_UNTIL_CLOSE:
             self._body_gap(ts, nbytes)
+        elif state == _HANDED_OFF:
+            self._conn._handed_off(ts, b"", nbytes)
         elif state == _IDLE:
             self.lose_framing(ts, f"capture gap hides the start of a {self.noun}")
         elif state == _HEADERS:
@@ -313,6 +322,9 @@ class MessageStream:
             return len(data)
         if mode == _STOP:
             return len(data)
+        if mode == _SWITCH:
+            self._state = _HANDED_OFF
+            return pos
         if mode == _INTERIM:
             self._state = _IDLE
         elif mode == _NO_BODY or (mode == _LENGTH and length == 0):
@@ -529,12 +541,43 @@ class ResponseStream(MessageStream):
                 break
             start = size_line.end()
             stop = start + int(size_line[1], 16)
-            if (stop == start or data[stop:stop + 2] != b"\r\n"
+            if (stop == start or not data.startswith(b"\r\n", stop)
                     or not self._body.whole_events(ts, data, start, stop)):
                 break
-            self._count(stop + 2 - pos)
+            self._txn.exchange.resp_bytes += stop + 2 - pos  # a body is read only for a matched response
             pos = stop + 2
         return pos
+
+    def steady_template(self, write: bytes) -> tuple[bytes, bytes] | None:
+        """The bytes before and after the text of `write`, just read whole, if it was one whole
+        chunk of one event that can be counted from its size alone (SseBody.steady_text); else None."""
+        body = self._steady_body()
+        size_line = _CHUNK_SIZE_LINE.match(write) if body is not None else None
+        if size_line is None:
+            return None
+        start = size_line.end()
+        stop = start + int(size_line[1], 16)
+        if stop + 2 != len(write) or write[stop:] != b"\r\n":
+            return None
+        span = body.steady_text(write, start, stop)
+        return None if span is None else (write[start:span[0]], write[span[1]:])
+
+    def steady_writes(self, writes: list[tuple[int, int]]) -> bool:
+        """Writes (time, size) the kernel took in around a template steady_template named, each
+        one whole chunk of one such event; False, with nothing read, when the stream is not in step."""
+        body = self._steady_body()
+        if body is None or not body.steady_events([ts for ts, _ in writes]):
+            return False
+        self._count(sum(size for _, size in writes))
+        self.last_ts = writes[-1][0]
+        return True
+
+    def _steady_body(self) -> SseBody | None:
+        """The event stream read between two chunks, as the fast path reads it; None otherwise."""
+        body = self._body
+        if self._fast_path and self._state == _CHUNK_SIZE and not self._buf and type(body) is SseBody:
+            return body
+        return None
 
     def _starts_message(self, data: bytes) -> bool:
         # A segment may also be shorter than "HTTP/1." (a server writing in pieces).
@@ -567,6 +610,8 @@ class ResponseStream(MessageStream):
         exchange = txn.exchange if txn is not None else None
         if status == 101:
             protocol = printable(headers.get("upgrade", "")) or "another protocol"
+            if protocol.lower() == "h2c" and txn is not None and self._conn._upgrade_to_http2(txn):
+                return _SWITCH, 0
             self._end_http(ts, txn, status, f"connection upgraded to {protocol}; "
                                             "HTTP parsing stopped")
             return _STOP, 0

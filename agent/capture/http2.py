@@ -33,7 +33,7 @@ import logging
 import struct
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import hpack
 
@@ -150,6 +150,7 @@ class H2Exchange(Exchange):
     request_message_bytes: int = 0
     response_messages: int = 0
     response_message_bytes: int = 0
+    largest_response_message_bytes: int = 0
 
 
 class _Stream:
@@ -207,6 +208,18 @@ class Http2ConnectionAssembler:
     def error(self) -> str | None:
         """The last per-connection error, in plain words; None if there was none."""
         return self._error
+
+    def continue_upgraded(self, request: Exchange) -> None:
+        """The connection was upgraded from HTTP/1.1 (`Upgrade: h2c`, RFC 7540 section 3.2) and is read
+        from the end of the 101 on: `request`, read whole in HTTP/1.1, is stream 1, whose response
+        comes in HTTP/2; the streams after it number on from its seq. Call before any feed."""
+        exchange = H2Exchange(**{f.name: getattr(request, f.name) for f in fields(Exchange)}, stream_id=1)
+        exchange.resp_start_ns = None  # the 101 is not the response: stream 1's HEADERS start it
+        stream = _Stream(exchange)
+        stream.request_headers_seen = stream.request_done = True
+        self._streams[1] = stream
+        self._last_client_stream = 1
+        self._next_seq = request.seq + 1
 
     def open_exchanges(self) -> list[H2Exchange]:
         """The streams started and not yet returned, oldest first; for looking at, never changing."""
@@ -410,6 +423,7 @@ class Http2ConnectionAssembler:
             else:
                 exchange.response_messages, exchange.response_message_bytes = \
                     body.messages, body.message_bytes
+                exchange.largest_response_message_bytes = body.largest_message_bytes
             exchange.error = exchange.error or body.error
 
     def _reset(self, is_request: bool, stream: _Stream | None, code: int) -> None:

@@ -13,15 +13,16 @@ import importlib.resources
 import ipaddress
 import logging
 import os
-import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .go_tls import GO_TLS_HANDSHAKES, GO_TLS_READ, GO_TLS_WRITE
 from .kernel_btf import BtfError, socket_offset_flags
 from .kernel_headers import HeaderChoice, choose_headers
 from .procfs import target_port_sockets
+from .tls_libraries import ElfTls, elf_tls, mapped_elves
 
 log = logging.getLogger("tokenprobe.probes")
 
@@ -30,19 +31,32 @@ TAIL_CAP = 4096
 MAX_EXE_PATHS = 8  # up to MAX_EXES executables, each as given and resolved
 MAX_EXES = 4
 EXE_PATH_LEN = 256
+MAX_TARGET_PORTS = 256  # the target_ports map's size
 
 # Must match struct event in bpf/tokenprobe.c, up to data[].
 _HEADER = struct.Struct("<QQQQIIIIBBBBiIIIHH16s16s")
 HEADER_SIZE = _HEADER.size
 
 EV_ACCEPT, EV_CONNECT, EV_DATA, EV_CLOSE, EV_TLS_DONE, EV_EXEC, EV_EXIT = 1, 2, 3, 4, 5, 6, 7
+EV_STEADY_BATCH = 8
 DIR_READ, DIR_WRITE = 0, 1
 ROLE_SERVER, ROLE_CLIENT = 0, 1
 CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
+# The slots of map_overflows (enum map_slot in bpf/tokenprobe.c), by map name.
+MAP_OVERFLOW_SLOTS = ("conns", "listeners", "io_pending", "ssl_pending", "accept_pending", "connect_pending",
+                      "bind_pending")
+# Every map of the program (README "Bounded state" says how each stays bounded).
+KERNEL_MAPS = ("events", "scratch", "drops", "map_overflows", "conns_fill", "config", "exe_paths", "conns",
+               "target_ports", "target_tgids", "active_tgids", "listeners", "bind_pending", "listener_tgids",
+               "io_pending", "accept_pending", "connect_pending", "ssl_pending", "ssl_fd", "bio_conn",
+               "cipher_read", "written_record_ssl", "go_tls_pending", "go_tcp_conn_itab_hashes", "steady_templates",
+               "steady_batches", "steady_empty", "iov_walks", "iov_more")
 
 # (symbol, entry handler, return handler or None). Both OpenSSL call
 # families: CPython calls the _ex forms, nginx and most C servers the classic
-# ones. SSL_set_fd binds an SSL object to its socket; SSL_set_bio names a fresh read BIO.
+# ones. SSL_set_fd binds an SSL object to its socket, SSL_set_bio names a fresh
+# read BIO, SSL_free unbinds it. A copy that lacks some (BoringSSL has no _ex
+# forms) is probed through those it has.
 SSL_PROBES = (
     ("SSL_read", "uprobe_ssl_read", "uretprobe_ssl_read"),
     ("SSL_read_ex", "uprobe_ssl_read_ex", "uretprobe_ssl_read_ex"),
@@ -51,11 +65,37 @@ SSL_PROBES = (
     ("SSL_do_handshake", "uprobe_ssl_handshake", "uretprobe_ssl_handshake"),
     ("SSL_set_fd", "uprobe_ssl_set_fd", None),
     ("SSL_set_bio", "uprobe_ssl_set_bio", None),
+    ("SSL_free", "uprobe_ssl_free", None),
 )
-# In libcrypto, next to its libssl: memory BIOs are fed with BIO_write, and
-# libssl reads an SSL object's read BIO with BIO_read (bpf/tokenprobe.c ties
-# the two to bind the SSL object to its socket).
+# In libcrypto, or in the program OpenSSL is linked into: memory BIOs are fed,
+# and records written out, with BIO_write, and libssl reads an SSL object's
+# read BIO with BIO_read (bpf/tokenprobe.c ties the two to bind the SSL object
+# to its socket).
 CRYPTO_PROBES = (("BIO_write", "uprobe_bio_write", None), ("BIO_read", "uprobe_bio_read", None))
+# Go crypto/tls function → (entry handler, handler put on each of its RET instructions, or None:
+# Write is read whole at its entry, see bpf/tokenprobe.c).
+GO_TLS_PROBES = {
+    GO_TLS_READ: ("uprobe_go_tls_read", "uprobe_go_tls_read_ret"),
+    GO_TLS_WRITE: ("uprobe_go_tls_write", None),
+    **{name: ("uprobe_go_tls_handshake", "uprobe_go_tls_handshake_ret") for name in GO_TLS_HANDSHAKES},
+}
+
+
+@dataclass(frozen=True)
+class MapSizes:
+    """Entries of the kernel maps that grow with the node's load (compile-time constants)."""
+
+    conns: int = 65536       # tracked connections (ssl_fd and bio_conn hold as many)
+    tgids: int = 16384       # target processes, owners of tracked connections, listeners' processes
+    listeners: int = 16384   # listening sockets of target ports
+    pending: int = 16384     # threads inside a traced call at once (each *_pending map)
+
+    def cflags(self) -> list[str]:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"map size {name} must be at least 1")
+        return [f"-DMAX_CONNS={self.conns}", f"-DMAX_TGIDS={self.tgids}", f"-DMAX_LISTENERS={self.listeners}",
+                f"-DMAX_PENDING={self.pending}"]
 
 
 class ProbeError(RuntimeError):
@@ -86,6 +126,37 @@ class KernelEvent:
     comm: str
 
 
+# struct steady_batch (bpf/tokenprobe.c): laid out as struct event up to `kind`, then the count
+# and (time, size) of each write.
+_STEADY_HEADER = struct.Struct("<QQQQIIIIBBBBI")
+_STEADY_WRITE = struct.Struct("<QI4x")
+KIND_OFFSET = 48  # of `kind`, in both records
+STEADY_BATCH = 64  # writes per batch record at most
+# What a template may hold (the kernel's STEADY_PREFIX_CAP, STEADY_SUFFIX_CAP, STEADY_WRITE_MAX).
+STEADY_PART_MIN, STEADY_PART_CAP, STEADY_WRITE_MAX = 8, 256, 1024
+
+
+def steady_template_fits(prefix: bytes, suffix: bytes) -> bool:
+    """Whether the kernel can hold a template with these parts."""
+    return STEADY_PART_MIN <= len(prefix) <= STEADY_PART_CAP and STEADY_PART_MIN <= len(suffix) <= STEADY_PART_CAP
+
+
+@dataclass(slots=True)
+class SteadyBatch:
+    """Writes of a steady SSE stream that the kernel took in as one record: each one whole
+    HTTP chunk with the bytes of the connection's template around plain text."""
+
+    kind: int
+    ts_ns: int  # the last write's
+    conn_ns: int
+    bytes_before: tuple[int, int]  # the connection's counters before the first write
+    events_before: tuple[int, int]
+    tgid: int
+    fd: int
+    tls: bool  # always writes (DIR_WRITE), of a server (ROLE_SERVER): the agent names templates for no others
+    writes: list[tuple[int, int]]  # (ts_ns, bytes) of each write
+
+
 class EventDecodeError(ValueError):
     pass
 
@@ -103,8 +174,21 @@ def _peer_text(raw: bytes) -> str:
     return text
 
 
-def decode_event(buf: bytes) -> KernelEvent:
-    """One ring-buffer record → KernelEvent; EventDecodeError if malformed."""
+def decode_steady_batch(buf: bytes) -> SteadyBatch:
+    if len(buf) < _STEADY_HEADER.size:
+        raise EventDecodeError(f"batch record of {len(buf)} bytes is shorter than its header")
+    (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, _, tls, _,
+     count) = _STEADY_HEADER.unpack_from(buf)
+    if not 0 < count <= STEADY_BATCH or len(buf) != _STEADY_HEADER.size + count * _STEADY_WRITE.size:
+        raise EventDecodeError(f"batch record of {len(buf)} bytes says it holds {count} writes")
+    return SteadyBatch(kind, ts, conn_ns, (bytes_rd, bytes_wr), (events_rd, events_wr), tgid, fd, bool(tls),
+                       list(_STEADY_WRITE.iter_unpack(memoryview(buf)[_STEADY_HEADER.size:])))
+
+
+def decode_event(buf: bytes) -> KernelEvent | SteadyBatch:
+    """One ring-buffer record → KernelEvent (or SteadyBatch); EventDecodeError if malformed."""
+    if len(buf) > KIND_OFFSET and buf[KIND_OFFSET] == EV_STEADY_BATCH:
+        return decode_steady_batch(buf)
     if len(buf) < HEADER_SIZE:
         raise EventDecodeError(f"record of {len(buf)} bytes is shorter than the {HEADER_SIZE}-byte header")
     (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, direction, tls, role, ret,
@@ -136,6 +220,8 @@ class Targets:
     def validate(self) -> None:
         if not (self.ports or self.pids or self.exes):
             raise ValueError("no targets: give at least one --port, --pid or --exe")
+        if len(set(self.ports)) > MAX_TARGET_PORTS:
+            raise ValueError(f"at most {MAX_TARGET_PORTS} --port targets")
         for port in self.ports:
             if not 0 < port < 65536:
                 raise ValueError(f"port {port} is not a TCP port")
@@ -164,34 +250,49 @@ def ensure_tracefs() -> str:
     return "/sys/kernel/tracing"
 
 
-def libssl_paths(pids: Iterable[int] | None = None) -> list[str]:
-    """libssl files mapped by processes (through /proc/PID/root, so libraries
-    inside containers are found), plus the system's own; one path per file."""
-    found: dict[tuple[int, int], str] = {}
+@dataclass(frozen=True)
+class OpenSsl:
+    """One copy of OpenSSL to probe."""
 
-    def add(path: str) -> None:
+    path: str               # the file exporting the SSL API: a libssl, or a program with OpenSSL linked in
+    api: frozenset[bytes]   # the probed functions it exports
+    crypto: str | None      # the file exporting BIO_write beside it (its libcrypto, or itself), if any
+
+
+def openssl_copies(pids: Iterable[int] | None = None) -> list[OpenSsl]:
+    """Every copy of OpenSSL that processes map (through /proc/PID/root, so that those
+    inside containers are found), found by what the files export rather than by their
+    names, plus the system's own; one per file."""
+    found: dict[tuple[int, int], OpenSsl] = {}
+
+    def add(path: str, crypto_candidates: list[tuple[str, ElfTls]], file_id=None) -> None:
         try:
             st = os.stat(path)
         except OSError:
             return
-        found.setdefault((st.st_dev, st.st_ino), path)
+        tls = elf_tls(path, file_id)
+        if not tls.openssl_io or (st.st_dev, st.st_ino) in found:
+            return
+        crypto = path if b"BIO_write" in tls.openssl else next(
+            (other for other, other_tls in crypto_candidates if b"BIO_write" in other_tls.openssl), None)
+        found[(st.st_dev, st.st_ino)] = OpenSsl(path, tls.openssl, crypto)
 
     # The system's own first, so that its plain path names the common case.
     for pattern in ("/usr/lib/*/libssl.so.3", "/usr/lib/libssl.so.3", "/lib/*/libssl.so.1.1",
                     "/usr/lib/*/libssl.so.1.1"):
         for path in glob.glob(pattern):
-            add(path)
+            crypto = path.replace("libssl", "libcrypto")
+            add(path, [(crypto, elf_tls(crypto))])
     proc_pids = pids if pids is not None else [int(p) for p in os.listdir("/proc") if p.isdigit()]
     for pid in proc_pids:
+        root = f"/proc/{pid}/root"
         try:
-            with open(f"/proc/{pid}/maps") as maps:
-                for line in maps:
-                    if "libssl" in line:
-                        path = line.split(None, 5)[-1].strip()
-                        if re.search(r"/libssl\.so[.\d]*$", path):
-                            add(f"/proc/{pid}/root{path}")
+            held = [(root + elf.path, elf_tls(root + elf.path, elf.file_id), elf.file_id) for elf in mapped_elves(pid)]
         except OSError:
             continue
+        for path, tls, file_id in held:
+            if tls.openssl_io:
+                add(path, [(other, other_tls) for other, other_tls, _ in held], file_id)
     return list(found.values())
 
 
@@ -209,13 +310,18 @@ class Probes:
     """The loaded BPF program: targets in, decoded events out."""
 
     def __init__(self, targets: Targets, *, ringbuf_pages: int = 4096,
-                 headers: HeaderChoice | None = None) -> None:
+                 headers: HeaderChoice | None = None, map_sizes: MapSizes = MapSizes()) -> None:
         targets.validate()
         self.targets = targets
         self.headers = headers or choose_headers()
         self.attached_ssl: list[str] = []
+        self.attached_go_tls: list[str] = []
+        self._go_files: set[tuple[str, int]] = set()  # (device, inode) of each mapped file looked at
         self.decode_errors = 0
         self._full_maps: set[str] = set()
+        # Map entries the agent itself could not store (listeners learnt from /proc).
+        self._refused: dict[str, int] = {}
+        self._conns_added = 0  # the agent's own inserts less its deletes (conns_fill[1])
         ensure_tracefs()
         if self.headers.kernel_source is not None:
             os.environ["BCC_KERNEL_SOURCE"] = str(self.headers.kernel_source)
@@ -226,7 +332,7 @@ class Probes:
         bcc = _bcc()
         cpus = max(bcc.utils.get_possible_cpus()) + 1  # the scratch records are indexed by CPU id
         cflags = [f"-DHEAD_CAP={HEAD_CAP}", f"-DTAIL_CAP={TAIL_CAP}", f"-DRINGBUF_PAGES={ringbuf_pages}",
-                  f"-DNR_CPUS_POSSIBLE={cpus}", "-w"]
+                  f"-DNR_CPUS_POSSIBLE={cpus}", *map_sizes.cflags(), "-w"]
         try:
             cflags += socket_offset_flags()
         except BtfError as exc:
@@ -241,6 +347,7 @@ class Probes:
         self.bpf["iov_more"][ctypes.c_int(0)] = ctypes.c_int(more.fd)
         self._configure()
         self.attach_ssl()
+        self.attach_go_tls()
 
     # -- configuration -------------------------------------------------
     def _configure(self) -> None:
@@ -325,32 +432,69 @@ class Probes:
             info.local_port, info.peer_port = sock.local_port, sock.peer_port
             raw = ipaddress.IPv6Address(f"::ffff:{sock.peer_addr}" if "." in sock.peer_addr else sock.peer_addr).packed
             ctypes.memmove(ctypes.addressof(info) + type(info).peer_addr.offset, raw, 16)
+            if not self._has(conns, key):
+                self._conns_added += 1
             conns[key] = info
             self.bpf["active_tgids"][ctypes.c_uint32(sock.pid)] = ctypes.c_uint8(1)
+        self._write_conns_fill()
         return len(established)
 
     def attach_ssl(self) -> list[str]:
-        """Attaches the libssl uprobes to every libssl not yet attached."""
+        """Attaches the OpenSSL uprobes to every copy of OpenSSL not yet attached."""
         new = []
-        for path in libssl_paths():
-            real = os.path.realpath(path)
+        for copy in openssl_copies():
+            real = os.path.realpath(copy.path)
             if real in self.attached_ssl:
                 continue
             try:
-                self._attach(path, SSL_PROBES)
-            except Exception as exc:  # a libssl without one of the symbols
-                log.warning("libssl %s not probed: %s", path, exc)
+                self._attach(copy.path, [probe for probe in SSL_PROBES if probe[0].encode() in copy.api])
+            except Exception as exc:  # BCC raises bare Exceptions when a uprobe does not attach
+                log.warning("OpenSSL in %s not probed: %s", copy.path, exc)
                 continue
-            crypto = os.path.join(os.path.dirname(path), os.path.basename(path).replace("libssl", "libcrypto"))
             try:
-                self._attach(crypto, CRYPTO_PROBES)
+                if copy.crypto is None:
+                    raise ValueError("no file beside it exports BIO_write")
+                self._attach(copy.crypto, CRYPTO_PROBES)
             except Exception as exc:
-                log.warning("%s not probed (%s): TLS through memory BIOs (asyncio) is not followed", crypto, exc)
+                log.warning("BIO_write and BIO_read of %s not probed (%s): TLS through memory BIOs (asyncio, "
+                            "Node.js) is not followed", copy.path, exc)
             self.attached_ssl.append(real)
-            new.append(path)
+            new.append(copy.path)
         return new
 
-    def _attach(self, path: str, probes: tuple) -> None:
+    def attach_go_tls(self) -> list[str]:
+        """Attaches the Go crypto/tls probes to the files mapped by the processes the kernel
+        watches (targets, and listeners on target ports) not looked at yet; the paths attached.
+        One that cannot be probed is left to tls_reach, which names why."""
+        tgids = {key.value for table in ("target_tgids", "listener_tgids", "active_tgids")
+                 for key in self.bpf[table]}
+        new = []
+        for tgid in sorted(tgids):
+            try:
+                mapped = [elf for elf in mapped_elves(tgid) if elf.file_id not in self._go_files]
+            except OSError:
+                continue
+            for elf in mapped:
+                self._go_files.add(elf.file_id)
+                path = f"/proc/{tgid}/root{elf.path}"
+                go = elf_tls(path, elf.file_id).go
+                if go is None:
+                    continue
+                try:  # a full hash map (more than 64 Go executables) raises here too
+                    self.bpf["go_tcp_conn_itab_hashes"][ctypes.c_uint32(go.tcp_conn_itab_hash)] = ctypes.c_uint8(1)
+                    for function, rets in go.returns.items():
+                        entry, ret = GO_TLS_PROBES[function]
+                        self.bpf.attach_uprobe(name=path, sym=function, fn_name=entry)
+                        for offset in rets if ret else ():
+                            self.bpf.attach_uprobe(name=path, sym=function, sym_off=offset, fn_name=ret)
+                except Exception as exc:  # BCC raises bare Exceptions (uprobe quota, vanished file)
+                    log.warning("Go crypto/tls in %s not probed: %s", path, exc)
+                    continue
+                self.attached_go_tls.append(f"{path} ({go.version})")
+                new.append(path)
+        return new
+
+    def _attach(self, path: str, probes) -> None:
         for sym, entry, ret in probes:
             self.bpf.attach_uprobe(name=path, sym=sym, fn_name=entry)
             if ret:
@@ -381,12 +525,91 @@ class Probes:
     def drops(self) -> int:
         return int(sum(self.bpf["drops"][ctypes.c_int(0)]))
 
+    def map_overflows(self) -> dict[str, int]:
+        """Per map that can overflow, entries it could not take since the probes loaded."""
+        counts = self.bpf["map_overflows"]
+        overflows = {name: int(sum(counts[ctypes.c_int(slot)])) for slot, name in enumerate(MAP_OVERFLOW_SLOTS)}
+        for name, refused in self._refused.items():
+            overflows[name] = overflows.get(name, 0) + refused
+        return overflows
+
+    def map_sizes(self) -> dict[str, int]:
+        """Every map's capacity in entries, as loaded (the ring buffer's in bytes)."""
+        return {name: int(self.bpf[name].max_entries) for name in KERNEL_MAPS}
+
     def forget_connection(self, tgid: int, fd: int) -> None:
-        """Stops kernel-side tracking of a connection the agent does not want."""
-        table = self.bpf["conns"]
+        """Stops kernel-side tracking of a connection the agent does not want (or whose process is gone)."""
+        conns = self.bpf["conns"]
+        if self._delete(conns, self._conn_key(conns, tgid, fd)):
+            self._conns_added -= 1
+            self._write_conns_fill()
+        self._forget_steady(tgid, fd)
+
+    def _forget_steady(self, tgid: int, fd: int) -> None:
+        for name in ("steady_templates", "steady_batches"):
+            table = self.bpf[name]
+            self._delete(table, self._conn_key(table, tgid, fd))
+
+    @staticmethod
+    def _conn_key(table, tgid: int, fd: int):
         key = table.Key()
         key.tgid, key.fd = tgid, fd
+        return key
+
+    def restart_connection(self, tgid: int, fd: int) -> None:
+        """An idle connection the agent forgot: its kernel entry is kept (should it speak
+        again) but made one adopted at start, without accept time or counters, so that the
+        agent follows it afresh under a new conn_id, and nothing before reads as lost."""
+        table = self.bpf["conns"]
+        key = self._conn_key(table, tgid, fd)
+        try:
+            info = table[key]
+        except KeyError:  # closed meanwhile, or evicted from the LRU
+            return
+        self._forget_steady(tgid, fd)  # its template is learnt again from what it says next
+        info.accept_ns = 0
+        for direction in (0, 1):
+            info.bytes[direction], info.events[direction] = 0, 0
+        table[key] = info
+
+    def _write_conns_fill(self) -> None:
+        self.bpf["conns_fill"][ctypes.c_int(1)] = ctypes.c_int64(self._conns_added)
+
+    @staticmethod
+    def _has(table, key) -> bool:
+        try:
+            table[key]
+            return True
+        except KeyError:
+            return False
+
+    def arm_steady(self, tgid: int, fd: int, prefix: bytes, suffix: bytes) -> bool:
+        """Names the bytes around the text of the connection's steady writes: the kernel batches
+        those that match from now on (bpf/tokenprobe.c, steady SSE streams). False when the map is
+        full (the connection's writes stay whole events)."""
+        if not steady_template_fits(prefix, suffix):
+            raise ValueError(f"a steady template's parts hold {STEADY_PART_MIN}..{STEADY_PART_CAP} bytes")
+        table = self.bpf["steady_templates"]
+        leaf = table.Leaf()
+        leaf.prefix_len, leaf.suffix_len = len(prefix), len(suffix)
+        ctypes.memmove(ctypes.addressof(leaf) + type(leaf).prefix.offset, prefix, len(prefix))
+        ctypes.memmove(ctypes.addressof(leaf) + type(leaf).suffix.offset, suffix, len(suffix))
+        return self._put("steady_templates", self._conn_key(table, tgid, fd), leaf)
+
+    def take_steady_batch(self, tgid: int, fd: int) -> SteadyBatch | None:
+        """The batch a connection of a process that is gone left in the kernel (no close()
+        sent it), removed from the kernel; None if there is none."""
+        table = self.bpf["steady_batches"]
+        key = self._conn_key(table, tgid, fd)
+        try:
+            leaf = table[key]
+        except KeyError:
+            return None
         self._delete(table, key)
+        if not leaf.count:
+            return None
+        size = _STEADY_HEADER.size + min(leaf.count, STEADY_BATCH) * _STEADY_WRITE.size
+        return decode_steady_batch(ctypes.string_at(ctypes.addressof(leaf), size))
 
     def _put(self, name: str, key, leaf) -> bool:
         """Writes a map entry; False (logged once per map) when the map is full."""
@@ -394,6 +617,7 @@ class Probes:
             self.bpf[name][key] = leaf
             return True
         except Exception as exc:  # BCC raises a bare Exception with the errno's text
+            self._refused[name] = self._refused.get(name, 0) + 1
             if name not in self._full_maps:
                 self._full_maps.add(name)
                 log.warning("BPF map %s refused an entry (%s): some sockets are resolved from /proc only",
@@ -401,11 +625,13 @@ class Probes:
             return False
 
     @staticmethod
-    def _delete(table, key) -> None:
+    def _delete(table, key) -> bool:
+        """Removes a map entry; False if it was already gone (closed, or evicted from an LRU map)."""
         try:
             del table[key]
-        except KeyError:  # already gone (closed, or evicted from an LRU map)
-            pass
+            return True
+        except KeyError:
+            return False
 
     def close(self) -> None:
         self.bpf.cleanup()

@@ -25,12 +25,14 @@ SSE_EVENT_JSON_MAX = 65536
 SSE_EVENT_TAIL = 4096
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+# What a text read from its template's bytes alone may not hold (Dialect.steady_text).
+_NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]')
 
 
 class _LineEvents:
     """Line splitting across pieces and gaps, and the dispatch of events to the dialect."""
 
-    __slots__ = ("_exchange", "_dialect", "_scan", "_line", "_cr_ts", "_gap_bytes")
+    __slots__ = ("_exchange", "_dialect", "_scan", "_line", "_cr_ts", "_gap_bytes", "_template")
 
     def __init__(self, exchange: Exchange, dialect: dialects.Dialect | None, *, scan: bool = True) -> None:
         self._exchange = exchange
@@ -39,6 +41,9 @@ class _LineEvents:
         self._line = HeadTailSample(SSE_EVENT_JSON_MAX, SSE_EVENT_TAIL)  # a line split across pieces
         self._cr_ts: int | None = None  # a piece ended in CR: it may be the first half of CRLF
         self._gap_bytes = 0
+        # The bytes around the text of the stream's events of visible text, once the dialect named
+        # them (Dialect.steady_text): an event that has them around plain text is counted at once.
+        self._template: tuple[bytes, bytes] | None = None
 
     # Hooks for the framings.
     def _whole_line(self, ts: int, line: bytes) -> None:
@@ -110,8 +115,20 @@ class _LineEvents:
     def _event(self, ts: int, payload: bytes) -> None:
         """A whole event's payload."""
         dialect = self._dialect
-        if self._scan and dialect is not None and dialect.scan(self._exchange, payload, ts):
-            return
+        if self._scan and dialect is not None:
+            exchange = self._exchange
+            template = self._template
+            if template is not None and dialect.counts_steady(exchange):
+                end = len(payload) - len(template[1])
+                if (end > len(template[0]) and payload.startswith(template[0]) and payload.endswith(template[1])
+                        and _NOT_PLAIN.search(payload, len(template[0]), end) is None):
+                    exchange.record_output(ts)
+                    return
+            outputs, tokens = exchange.choice_events, len(exchange.token_event_ns)
+            if dialect.scan(exchange, payload, ts):
+                if exchange.choice_events == outputs + 1 and len(exchange.token_event_ns) == tokens + 1:
+                    self._learn_template(payload)  # one output, of choice 0: it may name a template
+                return
         obj = json_object(payload)
         if obj is None:
             self._partial_event(ts, payload, b"")
@@ -121,6 +138,18 @@ class _LineEvents:
             dialect = self._dialect = dialects.sniff(obj) or dialects.UNKNOWN
             self._exchange.api = dialect.name
         dialect.event(self._exchange, obj, ts)
+
+    def _learn_template(self, payload: bytes) -> tuple[int, int] | None:
+        """Where the text of `payload`, an event just read, lies, if the dialect counts events like
+        it from their template (Dialect.steady_text); a new template is kept for the next ones."""
+        template = self._template
+        if template is not None and payload.startswith(template[0]) and payload.endswith(template[1]) \
+                and len(payload) > len(template[0]) + len(template[1]):
+            return len(template[0]), len(payload) - len(template[1])
+        span = self._dialect.steady_text(payload)
+        if span is not None:
+            self._template = payload[:span[0]], payload[span[1]:]
+        return span
 
     def _partial_event(self, ts: int, head: bytes, tail: bytes) -> None:
         """An event too large for json.loads, cut by a gap, or not valid JSON."""
@@ -181,8 +210,19 @@ class SseBody(_LineEvents):
         SGLang holds. False, with nothing read, otherwise: then `data` reads it."""
         if self._line.length or self._cr_ts is not None or self._event_has_data:
             return False
-        if stop - start < 7 or data[stop - 2:stop] != b"\n\n" or data.find(b"\r", start, stop) >= 0:
+        if stop - start < 7 or not data.endswith(b"\n\n", start, stop) or data.find(b"\r", start, stop) >= 0:
             return False
+        if data.find(b"\n", start, stop - 2) < 0 and data.startswith(b"data:", start):
+            # One event of one line, as one write of vLLM or SGLang holds: read without splitting.
+            if stop - start - 7 > SSE_EVENT_JSON_MAX:
+                return False
+            self._exchange.sse_events += 1
+            value = data[start + 6:stop - 2] if data[start + 5] == 0x20 else data[start + 5:stop - 2]
+            if value[:1] == b"{":  # a JSON object: never [DONE]
+                self._event(ts, value)
+            else:
+                self._payload(ts, value)
+            return True
         events = data[start:stop - 2].split(b"\n\n")
         for line in events:  # all checked before any is read
             # Longer values are read from their samples by _dispatch.
@@ -193,6 +233,36 @@ class SseBody(_LineEvents):
             exchange.sse_events += 1
             self._payload(ts, line[6:] if line[5:6] == b" " else line[5:])
         return True
+
+    def steady_text(self, data, start: int, stop: int) -> tuple[int, int] | None:
+        """Where the text of data[start:stop] lies, if that is one whole event of one `data:` line,
+        just read, that the dialect counts from its size alone (Dialect.steady_text), and the
+        stream is in step to count more like it (steady_events); else None."""
+        if not self._in_step() or data[stop - 2:stop] != b"\n\n" or not data.startswith(b"data:", start):
+            return None
+        value = start + (6 if data[start + 5:start + 6] == b" " else 5)
+        payload = data[value:stop - 2]
+        if b"\n" in payload or b"\r" in payload:
+            return None
+        span = self._learn_template(payload)
+        return None if span is None else (value + span[0], value + span[1])
+
+    def steady_events(self, times: list[int]) -> bool:
+        """Events the kernel counted from their size alone (kernel batching), at `times`: each one
+        whole event of visible text around a template steady_text named, read as `data` would read
+        it. False, with nothing read, when the stream is not in step for them."""
+        if not self._in_step():
+            return False
+        exchange = self._exchange
+        exchange.sse_events += len(times)
+        for ts in times:
+            exchange.record_output(ts)
+        return True
+
+    def _in_step(self) -> bool:
+        dialect = self._dialect
+        return (self._scan and dialect is not None and not self._line.length and self._cr_ts is None
+                and not self._event_has_data and dialect.counts_steady(self._exchange))
 
     def _dispatch(self, ts: int) -> None:
         if not self._event_has_data:  # a blank line after comments only: no event

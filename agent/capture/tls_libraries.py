@@ -1,94 +1,104 @@
 """Which TLS library each process uses, read from its ELF files, so that a
-process whose TLS the probes cannot read is named rather than looking idle.
+process whose TLS the probes cannot read is named rather than looking idle,
+and so that every copy of OpenSSL the probes can read is found.
 
-libssl is found by content (a mapped shared object whose DT_SONAME is
-libssl.so*, whatever its file is called); OpenSSL or BoringSSL linked into the
-executable by its exported SSL_read/SSL_write; Go's crypto/tls and rustls by
-their symbols, which no uprobe of libssl can ever see.
+OpenSSL is found by content, whatever its file is called: any mapped ELF file
+(a libssl, a wheel's bundled `libssl-<hash>.so.3`, or an executable with
+OpenSSL linked in and its API exported, such as Node.js) that exports
+SSL_read and SSL_write is probed. Go's crypto/tls and rustls are found by
+their own names inside the file (Go's function table, rustls's crate paths),
+which survive stripping; no uprobe of OpenSSL can ever see them. Go's is
+probed where the file keeps its symbol table (go_tls.py); rustls is not.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["TlsReach", "dynamic_symbols", "soname", "tls_reach", "unreadable_tls"]
+from .elf import exported_names, open_elf
+from .go_tls import GoTlsBinary, GoTlsUnprobed, go_tls_in
 
-_ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
-_SECTION = struct.Struct("<IIQQQQIIQQ")
-_SYMBOL = struct.Struct("<IBBHQQ")
-_DYN = struct.Struct("<qQ")
-_SHT_SYMTAB, _SHT_DYNAMIC, _SHT_DYNSYM = 2, 6, 11
-_DT_SONAME = 14
-_SSL_IO = (b"SSL_read", b"SSL_write")
-_GO_TLS = b"crypto/tls.(*Conn).Read"
-_RUSTLS = b"rustls"
+__all__ = ["OPENSSL_IO", "ElfTls", "MappedElf", "TlsReach", "elf_tls", "mapped_elves", "tls_reach", "unreadable_tls"]
 
-
-def _sections(elf: mmap.mmap) -> list[tuple]:
-    header = _ELF64_HEADER.unpack_from(elf)
-    if header[0][:4] != b"\x7fELF" or header[0][4] != 2:  # 64-bit ELF only: what this agent runs on
-        raise ValueError("not a 64-bit ELF file")
-    shoff, shentsize, shnum = header[6], header[11], header[12]
-    return [_SECTION.unpack_from(elf, shoff + i * shentsize) for i in range(shnum)]
+OPENSSL_IO = frozenset({b"SSL_read", b"SSL_write"})  # what a file must export to be probed as OpenSSL
+# The OpenSSL API functions the probes attach to (agent/capture/probes.py); the rest of a file's symbols is dropped.
+_OPENSSL_API = frozenset({b"SSL_read", b"SSL_read_ex", b"SSL_write", b"SSL_write_ex", b"SSL_do_handshake",
+                          b"SSL_set_fd", b"SSL_set_bio", b"SSL_free", b"BIO_write", b"BIO_read"})
+# Rust keeps its crates' source paths (panic locations) in .rodata, stripped or not: ".../rustls-0.23.1/src/...".
+_RUSTLS = b"/rustls-"
 
 
-def _string(elf: mmap.mmap, table: tuple, offset: int) -> bytes:
-    start = table[4] + offset
-    return elf[start:elf.find(b"\0", start)]
+@dataclass(frozen=True)
+class ElfTls:
+    """What one ELF file holds of TLS: the OpenSSL API functions it exports, Go's crypto/tls
+    where its probes go (`go`), and a TLS library no probe reads (`unprobed`, in words)
+    found in its content."""
+
+    openssl: frozenset[bytes]
+    unprobed: str | None
+    go: GoTlsBinary | None = None
+
+    @property
+    def openssl_io(self) -> bool:
+        return OPENSSL_IO <= self.openssl
 
 
-def _symbols(elf: mmap.mmap, sections: list[tuple], kind: int, defined_only: bool):
-    for section in sections:
-        if section[1] != kind:
-            continue
-        strings = sections[section[6]]
-        for pos in range(section[4], section[4] + section[5], _SYMBOL.size):
-            name, _info, _other, shndx, _value, _size = _SYMBOL.unpack_from(elf, pos)
-            if name and (shndx or not defined_only):
-                yield _string(elf, strings, name)
+_NO_TLS = ElfTls(frozenset(), None)
+_elf_cache: dict[tuple[str, int], ElfTls] = {}
 
 
-def _open(path: str) -> tuple[mmap.mmap, list[tuple]]:
-    with open(path, "rb") as f:
-        elf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+def elf_tls(path: str, file_id: tuple[str, int] | None = None) -> ElfTls:
+    """What TLS the ELF file at `path` holds; `file_id` (device, inode) caches the answer,
+    since the agent asks again for every process mapping the file."""
+    cached = _elf_cache.get(file_id) if file_id else None
+    if cached is not None:
+        return cached
     try:
-        return elf, _sections(elf)
-    except (ValueError, struct.error, IndexError):
-        elf.close()
-        raise ValueError(f"{path}: not a readable 64-bit ELF file") from None
-
-
-def soname(path: str) -> str | None:
-    """The shared object's DT_SONAME, None if it has none or is no ELF file."""
-    try:
-        elf, sections = _open(path)
+        elf, sections = open_elf(path)
     except (OSError, ValueError):
-        return None
-    with elf:
-        for section in sections:
-            if section[1] == _SHT_DYNAMIC:
-                for pos in range(section[4], section[4] + section[5], _DYN.size):
-                    tag, value = _DYN.unpack_from(elf, pos)
-                    if tag == _DT_SONAME:
-                        return _string(elf, sections[section[6]], value).decode("latin-1")
-    return None
+        found = _NO_TLS
+    else:
+        with elf:
+            openssl = frozenset(_OPENSSL_API.intersection(exported_names(elf, sections)))
+            unprobed, go = None, None
+            if not OPENSSL_IO <= openssl:
+                try:
+                    go = go_tls_in(elf, sections)
+                except GoTlsUnprobed as why:
+                    unprobed = f"Go crypto/tls, {why}"
+                if go is None and unprobed is None and elf.find(_RUSTLS) >= 0:
+                    unprobed = "rustls"
+            found = ElfTls(openssl, unprobed, go)
+    if file_id and len(_elf_cache) < 65536:
+        _elf_cache[file_id] = found
+    return found
 
 
-def dynamic_symbols(path: str) -> set[bytes]:
-    """The symbols the file defines and exports (its .dynsym)."""
-    elf, sections = _open(path)
-    with elf:
-        return set(_symbols(elf, sections, _SHT_DYNSYM, defined_only=True))
+@dataclass(frozen=True)
+class MappedElf:
+    path: str                   # as the process sees it
+    file_id: tuple[str, int]    # (device, inode), from /proc/PID/maps
+
+
+def mapped_elves(pid: int | str) -> list[MappedElf]:
+    """The files process `pid` maps executable code from (its executable and shared objects), each once."""
+    found: dict[tuple[str, int], MappedElf] = {}
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            # address perms offset dev inode path: only code, so each ELF file counts once.
+            if len(fields) == 6 and "x" in fields[1] and fields[5].startswith("/"):
+                file_id = (fields[3], int(fields[4]))
+                found.setdefault(file_id, MappedElf(fields[5].rstrip("\n"), file_id))
+    return list(found.values())
 
 
 @dataclass(frozen=True)
 class TlsReach:
     """What TLS library a process uses (`library`, in words) and whether the agent's
-    libssl uprobes read it (`probed`)."""
+    uprobes read it (`probed`)."""
 
     pid: int
     exe: str
@@ -97,32 +107,25 @@ class TlsReach:
 
 
 def tls_reach(pid: int) -> TlsReach | None:
-    """What TLS library process `pid` uses; None if it maps none the agent knows of."""
+    """What TLS library process `pid` uses; None if it maps none the agent knows of. A TLS
+    library no probe reads is named first: the process serves through it, even if it maps a
+    libssl too (asyncio imports one)."""
     root = f"/proc/{pid}/root"
     try:
         exe = os.readlink(f"/proc/{pid}/exe")
-        with open(f"/proc/{pid}/maps") as maps:
-            mapped = {line.split(None, 5)[5].strip() for line in maps if line.count(" ") >= 5 and "/" in line}
-    except (OSError, IndexError):
+        mapped = mapped_elves(pid)
+    except OSError:
         return None
-    for path in sorted(mapped):
-        if ".so" in path and (soname(root + path) or "").startswith("libssl.so"):
-            return TlsReach(pid, exe, f"OpenSSL ({path})", True)
-    try:
-        exported = dynamic_symbols(root + exe)
-        elf, sections = _open(root + exe)
-    except (OSError, ValueError):
-        return None
-    with elf:
-        if all(name in exported for name in _SSL_IO):
-            # Its SSL_read/SSL_write could be probed in the executable; the agent does not yet.
-            return TlsReach(pid, exe, "static OpenSSL", False)
-        # Go keeps its function names in .gopclntab even when .symtab is stripped.
-        if elf.find(_GO_TLS) >= 0:
-            return TlsReach(pid, exe, "Go crypto/tls", False)
-        if any(_RUSTLS in name for name in _symbols(elf, sections, _SHT_SYMTAB, defined_only=True)):
-            return TlsReach(pid, exe, "rustls", False)
-    return None
+    held = {elf.path: elf_tls(root + elf.path, elf.file_id) for elf in sorted(mapped, key=lambda m: m.path)}
+    unprobed = [tls.unprobed + ("" if path == exe else f" ({path})") for path, tls in held.items() if tls.unprobed]
+    probed = [*("OpenSSL linked into the executable" if path == exe else f"OpenSSL ({path})"
+                for path, tls in held.items() if tls.openssl_io),
+              *(f"Go crypto/tls ({tls.go.version})" + ("" if path == exe else f" in {path}")
+                for path, tls in held.items() if tls.go)]
+    if unprobed:
+        beside = f"; TLS through its {probed[0]} is read" if probed else ""
+        return TlsReach(pid, exe, ", ".join(unprobed) + beside, False)
+    return TlsReach(pid, exe, probed[0], True) if probed else None
 
 
 def unreadable_tls(pids: Iterable[int]) -> list[TlsReach]:

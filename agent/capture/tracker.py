@@ -15,16 +15,37 @@ framing stays in step. Bytes a delivered event did not carry (beyond its
 head and tail) are counted too: a response with any, or a request whose
 framing they broke, is `gaps`. Everything else is `exact`.
 
+Kernel batching (`steady`): after a whole response write that the assembler
+reads as one chunk of one event of a steady SSE stream, the tracker names the
+bytes around its text to the kernel (HttpConnectionAssembler.steady_template);
+the kernel then sends the writes that match as batches of (time, size), which
+the assembler counts as the same events, provided the stream is still in step
+for them; if it is not (it moved on before the kernel learnt the template),
+their bytes are booked as unseen. Batched writes carry sequence numbers like
+any other, so a lost batch is a gap like any other.
+
 The protocol is chosen per connection at its first captured bytes, in either
 direction (a server's SETTINGS may precede the client's preface): HTTP/2
 (`starts_http2`), else HTTP/1; too few bytes to tell and the segments are
 held until the next one. A connection picked up mid-way whose bytes read as
 HTTP/2 frames goes to the HTTP/2 assembler, which names it `h2_midstream`.
+An HTTP/1.1 connection whose server accepts `Upgrade: h2c` moves to the
+HTTP/2 assembler at the end of the 101, the upgraded request as stream 1.
 A connection that cannot be read (HTTP/2 it lost track of, TLS no libssl
 probe saw, TLS picked up mid-way that ended before libssl named it, what
-follows a 101 upgrade, bytes of no known protocol) becomes one
+follows another 101 upgrade, bytes of no known protocol) becomes one
 `unsupported` row at its close, with the reason in `unreadable_reason`:
-missing data never reads as health.
+missing data never reads as health. It is counted (`on_unreadable`) as soon as
+it is known to be unreadable, so a long-lived one does not stay invisible
+until it closes.
+
+The tracker's memory is bounded: a connection with no I/O for the idle
+timeout is forgotten (`evict_idle`, called by the agent's loop), its open
+exchanges written `truncated`. Its kernel entry stays, restarted
+(`restart_connection`) as if adopted when the agent started: no accept time,
+counters at zero. If the connection speaks again it is followed afresh under
+a new conn_id, read from the middle, and nothing it said before is counted
+twice or as lost; the tracker remembers nothing of it meanwhile.
 """
 
 from __future__ import annotations
@@ -35,10 +56,10 @@ import logging
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
-from .assembler import Exchange, HttpConnectionAssembler
+from .assembler import Exchange, H2cUpgrade, HttpConnectionAssembler
 from .clock import MonotonicWallClock
 from .http2 import (
     H2Exchange,
@@ -55,20 +76,31 @@ from .probes import (
     EV_DATA,
     EV_EXEC,
     EV_EXIT,
+    EV_STEADY_BATCH,
     EV_TLS_DONE,
     ROLE_CLIENT,
     KernelEvent,
+    SteadyBatch,
+    steady_template_fits,
 )
 from .procfs import comm_of, socket_endpoints
 
 log = logging.getLogger("tokenprobe.tracker")
 
 TLS_RECORD_START = (b"\x16\x03", b"\x17\x03", b"\x15\x03")  # handshake, data, alert
+# Application data flows only after the handshake: met unread in both directions, no probe will read the connection.
+TLS_APPLICATION_DATA = b"\x17\x03"
+TLS_UNPROBED_WORDS = "TLS records on a connection no libssl probe saw (a TLS library the agent does not probe)"
+TLS_MIDSTREAM_WORDS = ("TLS records on a connection opened before the agent started that no libssl read named "
+                       "(it ended before one was seen, or its TLS library the agent does not probe)")
 # How an HTTP/1 connection's first bytes begin: a request line's method, or a status line.
 _HTTP1_REQUEST_START = re.compile(rb"[A-Z][A-Z_-]{2,19} ")
 _HTTP1_RESPONSE_START = b"HTTP/1."
 # What a connection's first bytes must hold before HTTP/1 or HTTP/2 can be told apart.
 _PROTOCOL_PROBE_BYTES = 24
+# Longer than servers' keep-alive timeouts (nginx 75 s, uvicorn 5 s) and than a long
+# non-streamed generation waits for its response: what outlives it has lost its close.
+DEFAULT_IDLE_TIMEOUT_S = 600.0
 
 
 def _boot_id() -> bytes:
@@ -88,6 +120,13 @@ def connection_id(tgid: int, fd: int, opened_ns: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+class SteadyKernel(Protocol):
+    """The kernel's side of batching steady SSE streams (probes.Probes)."""
+
+    def arm_steady(self, tgid: int, fd: int, prefix: bytes, suffix: bytes) -> bool: ...
+    def take_steady_batch(self, tgid: int, fd: int) -> SteadyBatch | None: ...
+
+
 @dataclass(slots=True)
 class Fidelity:
     """What the capture missed of one exchange while it was open."""
@@ -97,7 +136,7 @@ class Fidelity:
     response_unseen: int = 0    # bytes towards the client not captured
 
 
-@dataclass
+@dataclass(slots=True)
 class Connection:
     tgid: int
     fd: int
@@ -117,10 +156,12 @@ class Connection:
     unreadable: str | None = None   # why the connection is not read (a blind spot), if so
     unreadable_words: str = ""
     first_ns: int = 0               # the first data event's time
+    last_ns: int = 0                # the latest event's time (idle eviction)
     rows: int = 0                   # rows written for the connection so far
     tls: bool = False
     tls_done_ns: int | None = None
     ciphertext_only: bool = False   # raw TLS bytes seen and no plaintext probe yet
+    raw_application_data: set[int] = field(default_factory=set)  # directions it was seen in, unread
     peer_eof: bool = False
     reset: bool = False
     client_gone: bool = False
@@ -140,7 +181,10 @@ class TrackerStats:
     unknown_api_streams: int = 0   # event streams in no known API shape (rows with api 'unknown')
     lost_events: int = 0           # data events the kernel numbered and the agent never received
     bytes_unseen: int = 0          # bytes moved on tracked connections and not captured
-    unreadable_connections: int = 0  # connections written as one `unsupported` row (blind spots)
+    unreadable_connections: int = 0  # connections found unreadable (blind spots), each one `unsupported` row
+    idle_evicted: int = 0          # connections forgotten after the idle timeout
+    steady_writes: int = 0         # writes that came in the kernel's batches, not as events of their own
+    steady_templates: int = 0      # templates named to the kernel
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -149,8 +193,15 @@ class ConnectionTracker:
                  fingerprint_key: bytes, node: str | None = None,
                  target_ports: set[int] | None = None, target_pids: set[int] | None = None,
                  forget_connection: Callable[[int, int], None] | None = None,
-                 tenant_header: str | None = DEFAULT_TENANT_HEADER) -> None:
+                 on_unreadable: Callable[[int, str], None] | None = None,
+                 restart_connection: Callable[[int, int], None] | None = None,
+                 tenant_header: str | None = DEFAULT_TENANT_HEADER,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, steady: SteadyKernel | None = None) -> None:
+        """`on_unreadable(server_port, reason)`: a connection was found unreadable, once per connection."""
+        if idle_timeout_s <= 0:
+            raise ValueError("the idle timeout must be positive")
         self.emit_row = emit_row
+        self.on_unreadable = on_unreadable
         self.clock = clock
         self.fingerprint_key = fingerprint_key
         # Checked here, not at the first connection: a bad name must stop the agent at start.
@@ -159,12 +210,15 @@ class ConnectionTracker:
         self.target_ports = target_ports or set()
         self.target_pids = target_pids or set()
         self.forget_connection = forget_connection
+        self.restart_connection = restart_connection  # the kernel's side of an idle eviction
+        self.steady = steady  # None: kernel batching off (every write comes as its own event)
         self.connections: dict[tuple[int, int], Connection] = {}
+        self.idle_timeout_ns = int(idle_timeout_s * 1e9)
         self.stats = TrackerStats()
         self._handlers = {
             EV_ACCEPT: self._on_open, EV_CONNECT: self._on_open, EV_DATA: self._on_data,
             EV_CLOSE: self._on_close, EV_TLS_DONE: self._on_tls_done, EV_EXEC: self._on_exec,
-            EV_EXIT: self._on_exit,
+            EV_EXIT: self._on_exit, EV_STEADY_BATCH: self._on_steady_batch,
         }
 
     # -- event dispatch --------------------------------------------------
@@ -178,7 +232,7 @@ class ConnectionTracker:
             tgid=ev.tgid, fd=ev.fd, opened_ns=opened_ns, accept_seen=accept_seen, role=ev.role,
             local_port=ev.local_port, peer_addr=ev.peer_addr, peer_port=ev.peer_port,
             comm=ev.comm or comm_of(ev.tgid), conn_id=connection_id(ev.tgid, ev.fd, opened_ns),
-            first_ns=ev.ts_ns)
+            first_ns=ev.ts_ns, last_ns=ev.ts_ns)
         self.connections[(ev.tgid, ev.fd)] = conn
         self.stats.connections += 1
         return conn
@@ -248,7 +302,9 @@ class ConnectionTracker:
 
     def _on_data(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
-        self._check_sequence(conn, ev)
+        conn.last_ns = ev.ts_ns
+        if ev.events_before[0] > conn.next_event[0] or ev.events_before[1] > conn.next_event[1]:
+            self._check_sequence(conn, ev)  # only then was anything lost
         direction = ev.dir & 1
         conn.next_event[direction] = max(conn.next_event[direction], ev.events_before[direction] + 1)
         conn.next_byte[direction] = max(conn.next_byte[direction], ev.bytes_before[direction] + max(ev.ret, 0))
@@ -259,6 +315,10 @@ class ConnectionTracker:
             # Ciphertext: read before libssl's probes named the connection, or TLS no probe
             # sees at all (whose reads may split a record's header from its payload).
             conn.ciphertext_only = True
+            if not conn.tls and ev.head.startswith(TLS_APPLICATION_DATA):
+                conn.raw_application_data.add(direction)
+                if len(conn.raw_application_data) == 2:
+                    self._mark_tls_unread(conn)
             return
         if ev.ret < 0:
             if ev.ret in (-errno.ECONNRESET, -errno.ETIMEDOUT):
@@ -276,7 +336,50 @@ class ConnectionTracker:
         if unseen:
             self.stats.bytes_unseen += unseen
             self._note_unseen(conn, is_request, unseen)
+        elif self.steady is not None and direction == DIR_WRITE and not is_request and not ev.tail:
+            self._follow_steady(conn, ev.head)
         self._finish(conn, exchanges)
+
+    # -- kernel batching ---------------------------------------------------
+    def _follow_steady(self, conn: Connection, write: bytes) -> None:
+        """After a whole response write: names a new template to the kernel when the write shows one.
+        (One the stream has left ends in the kernel at the first write that differs from it.)"""
+        assembler = conn.assembler
+        template = assembler.steady_template(write) if isinstance(assembler, HttpConnectionAssembler) else None
+        if template is not None and steady_template_fits(*template):
+            self.stats.steady_templates += 1
+            self.steady.arm_steady(conn.tgid, conn.fd, *template)
+
+    def _take_kernel_batch(self, key: tuple[int, int]) -> None:
+        """Reads a batch the kernel still holds for a connection from its map (kernel batching)."""
+        batch = self.steady.take_steady_batch(*key) if self.steady is not None else None
+        if batch is not None:
+            self._on_steady_batch(batch)
+
+    def _on_steady_batch(self, batch: SteadyBatch) -> None:
+        """Response writes the kernel matched against the connection's template: each one chunk of
+        one event of visible text, counted from its time and size."""
+        conn = self.connections.get((batch.tgid, batch.fd))
+        if conn is None or (conn.accept_seen and conn.opened_ns != batch.conn_ns):
+            self.stats.lost_events += len(batch.writes)  # a connection this agent no longer follows
+            return
+        self._check_sequence(conn, batch)
+        writes = batch.writes
+        nbytes = sum(size for _, size in writes)
+        conn.next_event[DIR_WRITE] = max(conn.next_event[DIR_WRITE], batch.events_before[DIR_WRITE] + len(writes))
+        conn.next_byte[DIR_WRITE] = max(conn.next_byte[DIR_WRITE], batch.bytes_before[DIR_WRITE] + nbytes)
+        self.stats.steady_writes += len(writes)
+        if batch.tls:
+            conn.tls = True
+        assembler = conn.assembler
+        if (isinstance(assembler, HttpConnectionAssembler) and not self._is_request(conn, DIR_WRITE)
+                and assembler.feed_steady_response_writes(writes)):
+            return
+        # The stream is not where the template was named (it moved on before the kernel learnt
+        # the template): what the writes held is unknown, and booked as unseen.
+        self.stats.bytes_unseen += nbytes
+        self._note_unseen(conn, False, nbytes)
+        self._finish(conn, self._feed(conn, False, batch.ts_ns, b"", nbytes))
 
     def _on_close(self, ev: KernelEvent) -> None:
         conn = self.connections.pop((ev.tgid, ev.fd), None)
@@ -293,6 +396,7 @@ class ConnectionTracker:
 
     def _on_tls_done(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
+        conn.last_ns = ev.ts_ns
         self._check_sequence(conn, ev)
         conn.tls = True
         conn.tls_done_ns = ev.ts_ns
@@ -303,14 +407,29 @@ class ConnectionTracker:
     def _on_exit(self, ev: KernelEvent) -> None:
         """The process died: the kernel closed its sockets without close()."""
         for key in [key for key in self.connections if key[0] == ev.tgid]:
+            self._take_kernel_batch(key)  # no close() sent it
             conn = self.connections.pop(key)
             if self.forget_connection:
                 self.forget_connection(conn.tgid, conn.fd)
             self._close(conn, ev.ts_ns, "server_closed")
 
+    def evict_idle(self, now_ns: int) -> int:
+        """Forgets every connection with no I/O for the idle timeout (its open
+        exchanges written `truncated`); returns how many."""
+        deadline = now_ns - self.idle_timeout_ns
+        idle = [key for key, conn in self.connections.items() if conn.last_ns < deadline]
+        for key in idle:
+            conn = self.connections.pop(key)
+            if self.restart_connection:
+                self.restart_connection(conn.tgid, conn.fd)
+            self._close(conn, now_ns, "idle_timeout")
+        self.stats.idle_evicted += len(idle)
+        return len(idle)
+
     def close_all(self, ts_ns: int) -> None:
         """Agent stop: every exchange still open is written, marked truncated."""
-        for conn in list(self.connections.values()):
+        for key, conn in list(self.connections.items()):
+            self._take_kernel_batch(key)  # the writes of a stream still going that the kernel holds
             self._close(conn, ts_ns, "agent_stop")
         self.connections.clear()
 
@@ -324,8 +443,34 @@ class ConnectionTracker:
         if conn.assembler is None:
             conn.pending.append((is_request, ts, head, total_len, tail))
             return self._decide(conn, closing=False)
-        feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
-        return feed(ts, head, total_len, tail)
+        exchanges = self._feed_assembler(conn, is_request, ts, head, total_len, tail)
+        self._note_http2_unreadable(conn)
+        return exchanges
+
+    def _feed_assembler(self, conn: Connection, is_request: bool, ts: int, head: bytes, total_len: int,
+                        tail: bytes = b"") -> list[Exchange]:
+        assembler = conn.assembler
+        feed = assembler.feed_request_bytes if is_request else assembler.feed_response_bytes
+        exchanges = feed(ts, head, total_len, tail)
+        if isinstance(assembler, HttpConnectionAssembler) and assembler.h2c_upgrade is not None:
+            exchanges = [*exchanges, *self._continue_in_http2(conn, assembler.h2c_upgrade)]
+        return exchanges
+
+    def _continue_in_http2(self, conn: Connection, upgrade: H2cUpgrade) -> list[Exchange]:
+        """The server accepted `Upgrade: h2c`: the HTTP/2 assembler reads on from the end of the 101,
+        the upgraded request as its stream 1."""
+        conn.protocol = "h2" if conn.tls else "h2c"
+        conn.assembler = assembler = self._new_assembler(conn, Http2ConnectionAssembler)
+        assembler.continue_upgraded(upgrade.exchange)
+        exchanges: list[Exchange] = []
+        for segment in upgrade.response_segments:
+            exchanges += assembler.feed_response_bytes(*segment)
+        return exchanges
+
+    def _note_http2_unreadable(self, conn: Connection) -> None:
+        """The HTTP/2 assembler stopped reading the connection (lost track, limits): it is unreadable."""
+        if isinstance(conn.assembler, Http2ConnectionAssembler) and conn.assembler.unreadable:
+            self._mark_unreadable(conn, conn.assembler.unreadable, conn.assembler.error)
 
     def _decide(self, conn: Connection, *, closing: bool) -> list[Exchange]:
         """Chooses the connection's assembler and feeds it the held segments; [] while undecided."""
@@ -334,8 +479,8 @@ class ConnectionTracker:
         segments, conn.pending = conn.pending, []
         exchanges: list[Exchange] = []
         for is_request, *segment in segments:
-            feed = conn.assembler.feed_request_bytes if is_request else conn.assembler.feed_response_bytes
-            exchanges += feed(*segment)
+            exchanges += self._feed_assembler(conn, is_request, *segment)
+        self._note_http2_unreadable(conn)
         return exchanges
 
     def _choose_protocol(self, conn: Connection, *, closing: bool) -> bool:
@@ -367,15 +512,29 @@ class ConnectionTracker:
             return False
         else:
             conn.protocol, assembler = "http/1.1", HttpConnectionAssembler
-        conn.assembler = assembler(
-            fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
-            on_request_start=lambda exchange: self._request_started(conn, exchange))
+        conn.assembler = self._new_assembler(conn, assembler)
         return True
 
-    @staticmethod
-    def _mark_unreadable(conn: Connection, reason: str, words: str) -> None:
+    def _new_assembler(self, conn: Connection, assembler: type[HttpConnectionAssembler | Http2ConnectionAssembler]):
+        return assembler(fingerprint_key=self.fingerprint_key, tenant_header=self.tenant_header,
+                         on_request_start=lambda exchange: self._request_started(conn, exchange))
+
+    def _mark_unreadable(self, conn: Connection, reason: str, words: str) -> None:
+        """The connection cannot be read: counted now, written as one `unsupported` row at its close."""
         if conn.unreadable is None:
             conn.unreadable, conn.unreadable_words = reason, words
+            self.stats.unreadable_connections += 1
+            if self.on_unreadable:
+                self.on_unreadable(self._server_port(conn), reason)
+
+    def _mark_tls_unread(self, conn: Connection) -> None:
+        """TLS records no probe read: a TLS library the agent does not probe, or, on a
+        connection opened before the agent, one libssl had not named yet (the SSL object
+        is bound at its next read)."""
+        if conn.accept_seen:
+            self._mark_unreadable(conn, "tls_unprobed", TLS_UNPROBED_WORDS)
+        else:
+            self._mark_unreadable(conn, "tls_midstream", TLS_MIDSTREAM_WORDS)
 
     def _close(self, conn: Connection, ts: int, reason: str) -> None:
         """The connection ended: its open exchanges are written, and if it could not
@@ -383,18 +542,15 @@ class ConnectionTracker:
         if conn.assembler is None and conn.pending:
             self._finish(conn, self._decide(conn, closing=True))
         if conn.assembler is not None:
-            self._finish(conn, conn.assembler.close(ts, reason))
-            if isinstance(conn.assembler, Http2ConnectionAssembler) and conn.assembler.unreadable:
-                self._mark_unreadable(conn, conn.assembler.unreadable, conn.assembler.error)
-        elif conn.ciphertext_only and not conn.tls and conn.accept_seen:
-            self._mark_unreadable(conn, "tls_unprobed", "TLS records on a connection no libssl "
-                                  "probe saw (a TLS library the agent does not probe)")
+            exchanges = conn.assembler.close(ts, reason)
+            if reason == "idle_timeout":
+                for exchange in exchanges:
+                    exchange.error = exchange.error or (f"no I/O for {self.idle_timeout_ns / 1e9:g} s: the agent "
+                                                        "stopped following the connection")
+            self._finish(conn, exchanges)
+            self._note_http2_unreadable(conn)
         elif conn.ciphertext_only and not conn.tls:
-            # Opened before the agent: libssl binds its SSL object at the next read the
-            # agent sees, and this one ended first (or its TLS library is not probed).
-            self._mark_unreadable(conn, "tls_midstream", "TLS records on a connection opened before "
-                                  "the agent started, which ended before any libssl read on it "
-                                  "was seen (or whose TLS library the agent does not probe)")
+            self._mark_tls_unread(conn)
         if conn.unreadable:
             self._unsupported_row(conn, ts)
 
@@ -403,7 +559,6 @@ class ConnectionTracker:
                             error=conn.unreadable_words)
         exchange.req_bytes, exchange.resp_bytes = (conn.next_byte[DIR_READ], conn.next_byte[DIR_WRITE]) \
             if conn.role != ROLE_CLIENT else (conn.next_byte[DIR_WRITE], conn.next_byte[DIR_READ])
-        self.stats.unreadable_connections += 1
         conn.rows += 1
         self.emit_row(self._row(conn, exchange, Fidelity()))
 
@@ -420,6 +575,8 @@ class ConnectionTracker:
         conn.open[exchange.seq] = Fidelity()
 
     def _finish(self, conn: Connection, exchanges: list[Exchange]) -> None:
+        if not exchanges:  # what almost every event brings
+            return
         server_port = self._server_port(conn)
         for exchange in exchanges:
             inflight = self.stats.inflight
@@ -503,4 +660,8 @@ class ConnectionTracker:
             "stream_id": h2.stream_id if h2 else 0,
             "grpc_status": h2.grpc_status if h2 else None,
             "unreadable_reason": (conn.unreadable or "") if ex.outcome == "unsupported" else "",
+            "request_messages": h2.request_messages if h2 else 0,
+            "request_message_bytes": h2.request_message_bytes if h2 else 0,
+            "response_message_bytes": h2.response_message_bytes if h2 else 0,
+            "largest_response_message_bytes": h2.largest_response_message_bytes if h2 else 0,
         }

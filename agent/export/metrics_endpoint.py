@@ -29,7 +29,10 @@ too, computed from the row the same way.
   verdict never keeps an alert firing (or silent).
 - ``tokenprobe_agent_*`` — kernel events handled and dropped, processing lag,
   events per second, parse errors, the store's health (rows written, rows
-  waiting in the disk spool, rows rejected or lost); plus the standard
+  waiting in the disk spool, rows rejected or lost), connections forgotten
+  after the idle timeout, and per kernel map (label ``map``)
+  its size (``tokenprobe_agent_map_size``) and the entries it could not hold
+  (``tokenprobe_agent_map_overflows_total``; see README "Bounded state"); plus the standard
   ``process_*`` series (the agent's own CPU and memory).
 
 Only inference requests (``measures.is_inference``: POSTs) feed the latency
@@ -209,10 +212,15 @@ _AGENT_STATS = {
     "events_total": ("counter", "Kernel events the agent handled"),
     "drops_total": ("counter", "Kernel events lost because the ring buffer was full"),
     "parse_errors_total": ("counter", "Connections whose bytes could not be parsed as HTTP"),
+    "batched_writes_total": ("counter", ("Writes of steady SSE streams the kernel sent in batch records "
+                                         "(each one token event), not as kernel events of their own")),
+    "lost_events_total": ("counter", ("Data events (batched writes included) the kernel numbered and the agent "
+                                      "never received")),
     "lag_seconds": ("gauge", "Kernel timestamp of the latest handled event to its handling, in seconds"),
     "events_per_second": ("gauge", "Kernel events handled per second, over the last status interval"),
     "open_connections": ("gauge", "Connections the agent is following"),
     "inflight_requests": ("gauge", "Requests started and not yet finished, all ports"),
+    "idle_evicted_connections_total": ("counter", "Connections forgotten after the idle timeout with no I/O"),
     # From the request sink (SinkCounters).
     "rows_written_total": ("counter", "Request rows written to the store"),
     "rows_rejected_total": ("counter", "Request rows the store refused outright (kept in the spool's rejected/)"),
@@ -233,15 +241,33 @@ class _AgentStatsCollector(Collector):
 
     def __init__(self) -> None:
         self._values: dict[str, float] = {}
+        self._map_sizes: dict[str, int] = {}
+        self._map_overflows: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def update(self, values: dict[str, float]) -> None:
+    def update(self, values: dict[str, float], map_sizes: dict[str, int] | None = None,
+               map_overflows: dict[str, int] | None = None) -> None:
         with self._lock:
             self._values.update(values)
+            self._map_sizes.update(map_sizes or {})
+            self._map_overflows.update(map_overflows or {})
 
     def collect(self):
         with self._lock:
-            values = dict(self._values)
+            values, sizes, overflows = dict(self._values), dict(self._map_sizes), dict(self._map_overflows)
+        if sizes:
+            size = GaugeMetricFamily("tokenprobe_agent_map_size", "Entries a kernel map holds at most (the ring "
+                                     "buffer: bytes)", labels=("map",))
+            for name, value in sorted(sizes.items()):
+                size.add_metric([name], value)
+            yield size
+        if overflows:
+            overflow = CounterMetricFamily("tokenprobe_agent_map_overflows", "Entries a kernel map could not hold: "
+                                           "inserts a full hash refused, live connections the conns LRU evicted",
+                                           labels=("map",))
+            for name, value in sorted(overflows.items()):
+                overflow.add_metric([name], value)
+            yield overflow
         for name, value in values.items():
             kind, help_text = _AGENT_STATS[name]
             if kind == "counter":
@@ -295,7 +321,7 @@ class AgentMetrics:
                                  registry=self.registry)
         self._requests = Counter("tokenprobe_requests", "Requests finished, by status class and outcome",
                                 (*_REQUEST_LABELS, "status_class", "outcome"), registry=self.registry)
-        # Blind spots: connections written as one `unsupported` row, by why they could not be read.
+        # Blind spots: connections found unreadable (each later one `unsupported` row), by why.
         self._unreadable = Counter("tokenprobe_agent_unreadable_connections",
                                    "Connections the agent could not read, by server port and reason",
                                    ("server_port", "reason"), registry=self.registry)
@@ -313,8 +339,6 @@ class AgentMetrics:
         model = self._models.label(row["server_port"], row.get("model") or "")
         labels = (str(row["server_port"]), model, row.get("role") or "server")
         self._requests.labels(*labels, status_class(row.get("status") or 0), row.get("outcome") or "").inc()
-        if row.get("outcome") == "unsupported":
-            self._unreadable.labels(str(row["server_port"]), row.get("unreadable_reason") or "").inc()
         if not measures.is_inference(row):
             return
         timings = RequestTimings.from_row(row)
@@ -323,20 +347,31 @@ class AgentMetrics:
             if seconds is not None:
                 histogram.labels(*labels).observe(seconds)
 
+    def count_unreadable(self, server_port: int, reason: str) -> None:
+        """One connection found unreadable, when it is found (its `unsupported` row comes at its close)."""
+        self._unreadable.labels(str(server_port), reason).inc()
+
     def set_agent_stats(self, *, events_total: int, drops_total: int, lag_s: float, events_per_s: float,
                         parse_errors_total: int | None = None, open_connections: int | None = None,
-                        inflight_requests: int | None = None, sink: SinkCounters | None = None) -> None:
+                        inflight_requests: int | None = None, sink: SinkCounters | None = None,
+                        idle_evicted_total: int | None = None,
+                        map_sizes: dict[str, int] | None = None,
+                        map_overflows: dict[str, int] | None = None,
+                        batched_writes_total: int | None = None, lost_events_total: int | None = None) -> None:
         """Publish the runner's figures; totals are cumulative since the agent started.
 
         ``lag_s``: for the latest event handled, the time it was handled minus
         the kernel's timestamp on it (both CLOCK_MONOTONIC), 0 when no event
         was waiting — how far behind the kernel the agent runs. ``sink``: the
-        request sink's ``stats()``, for the store's health.
+        request sink's ``stats()``, for the store's health. ``map_sizes`` and
+        ``map_overflows``: per kernel map, its size and the entries it could not hold.
         """
         given = {
             "events_total": events_total, "drops_total": drops_total, "lag_seconds": lag_s,
             "events_per_second": events_per_s, "parse_errors_total": parse_errors_total,
             "open_connections": open_connections, "inflight_requests": inflight_requests,
+            "idle_evicted_connections_total": idle_evicted_total,
+            "batched_writes_total": batched_writes_total, "lost_events_total": lost_events_total,
         }  # fmt: skip
         if sink is not None:
             given.update(rows_written_total=sink.rows_written, rows_rejected_total=sink.rows_rejected,
@@ -344,7 +379,8 @@ class AgentMetrics:
                          spooled_rows=sink.rows_spooled, spool_bytes=sink.spool_bytes,
                          spool_dropped_rows_total=sink.spool_dropped_rows)
         self._agent_stats.update(
-            {name: _check_number(name, value) for name, value in given.items() if value is not None})
+            {name: _check_number(name, value) for name, value in given.items() if value is not None},
+            map_sizes, map_overflows)
 
     # -- fed by the analytics -----------------------------------------------------------------
     def set_analysis_stats(self, *, passes_total: int, failures_total: int, analysed_until_s: float) -> None:

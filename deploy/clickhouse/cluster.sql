@@ -64,7 +64,11 @@ CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
     `protocol` LowCardinality(String) DEFAULT 'http/1.1' CODEC(ZSTD(1)),
     `stream_id` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1)),
     `grpc_status` Nullable(UInt16) CODEC(T64, ZSTD(1)),
-    `unreadable_reason` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1))
+    `unreadable_reason` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1)),
+    `request_messages` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1)),
+    `request_message_bytes` UInt64 DEFAULT 0 CODEC(T64, ZSTD(1)),
+    `response_message_bytes` UInt64 DEFAULT 0 CODEC(T64, ZSTD(1)),
+    `largest_response_message_bytes` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(req_start)
@@ -436,9 +440,10 @@ SELECT
     toInt16(assumeNotNull(metric_band.2)) AS band,
     count() AS requests
 FROM tokenprobe.requests_local
-ARRAY JOIN arrayFilter(pair -> pair.2 IS NOT NULL, [('ttft', if(req_end IS NOT NULL AND first_token IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(first_token)) - toUnixTimestamp64Nano(assumeNotNull(req_end))) / 1e6), 0.01)) * 10)), NULL)), ('tpot', if(coalesce(completion_tokens, token_events) > 1 AND first_token IS NOT NULL AND last_token IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(last_token)) - toUnixTimestamp64Nano(assumeNotNull(first_token))) / 1e6) / (coalesce(completion_tokens, token_events) - 1), 0.01)) * 10)), NULL)), ('e2e', if(req_start IS NOT NULL AND resp_end IS NOT NULL, toInt32(floor(log10(greatest((((toUnixTimestamp64Nano(assumeNotNull(resp_end)) - toUnixTimestamp64Nano(assumeNotNull(req_start))) / 1e6) + if((req_seq = 0 AND accept_ts IS NOT NULL), ((toUnixTimestamp64Nano(req_start) - toUnixTimestamp64Nano(accept_ts)) / 1e6), 0)), 0.01)) * 10)), NULL)), ('all', 0)]) AS metric_band
+ARRAY JOIN arrayConcat(arrayFilter(pair -> pair.2 IS NOT NULL, [('ttft', if(req_end IS NOT NULL AND first_token IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(first_token)) - toUnixTimestamp64Nano(assumeNotNull(req_end))) / 1e6), 0.01)) * 10)), NULL)), ('tpot', if(coalesce(completion_tokens, token_events) > 1 AND first_token IS NOT NULL AND last_token IS NOT NULL, toInt32(floor(log10(greatest(((toUnixTimestamp64Nano(assumeNotNull(last_token)) - toUnixTimestamp64Nano(assumeNotNull(first_token))) / 1e6) / (coalesce(completion_tokens, token_events) - 1), 0.01)) * 10)), NULL)), ('e2e', if(req_start IS NOT NULL AND resp_end IS NOT NULL, toInt32(floor(log10(greatest((((toUnixTimestamp64Nano(assumeNotNull(resp_end)) - toUnixTimestamp64Nano(assumeNotNull(req_start))) / 1e6) + if((req_seq = 0 AND accept_ts IS NOT NULL), ((toUnixTimestamp64Nano(req_start) - toUnixTimestamp64Nano(accept_ts)) / 1e6), 0)), 0.01)) * 10)), NULL)), ('all', 0)]), arrayMap(band -> ('itl', band), arrayMap(gap_ms -> toInt32(floor(log10(greatest(gap_ms, 0.01)) * 10)), arrayMap(gap -> gap / 1000, arrayPopFront(arrayDifference(token_offsets_us)))))) AS metric_band
 WHERE role = 'server'
-GROUP BY minute, node, server_port, model, path, metric, band;
+GROUP BY minute, node, server_port, model, path, metric, band
+COMMENT 'tokenprobe definition 02b996bcaa492179';
 
 CREATE VIEW IF NOT EXISTS tokenprobe.request_gpu_state_local ON CLUSTER '{cluster}' AS
 WITH

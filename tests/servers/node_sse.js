@@ -1,5 +1,7 @@
 // The matrix's Node.js server: node's own `https` module (the OpenSSL linked
 // into the node binary) streaming OpenAI chat-completions SSE, one write per chunk.
+// A request with "burst": true gets its chunks without pauses (llm_script.py's
+// rule): node then gathers them into vectored writes.
 // Run: node node_sse.js PORT CERT KEY
 "use strict";
 const fs = require("fs");
@@ -17,7 +19,7 @@ async function chat(req, res, body) {
   res.writeHead(200, { "Content-Type": "text/event-stream" });
   const send = async (obj) => {
     res.write(`data: ${JSON.stringify({ id, object: "chat.completion.chunk", model: request.model, ...obj })}\n\n`);
-    await sleep(10); // llm_script.py's FRAME_GAP_S
+    if (!request.burst) await sleep(10); // llm_script.py's FRAME_GAP_S
   };
   const choice = (delta, finish) => ({ choices: [{ index: 0, delta, finish_reason: finish }] });
   await send(choice({ role: "assistant", content: "" }, null));

@@ -7,11 +7,19 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from tokenprobe.refserver.harness import free_port, port_open, wait_for_port
+from tokenprobe.refserver.harness import asgi_body, free_port, port_open, wait_for_port
 
-__all__ = ["WAIT_S", "asgi_body", "free_port", "port_open", "wait_for_port", "wait_until"]
+__all__ = ["WAIT_S", "asgi_body", "free_port", "mapped_libssl", "port_open", "wait_for_port", "wait_until"]
 
 WAIT_S = 60.0
+
+
+def mapped_libssl() -> str:
+    """The libssl file CPython's ssl module runs on in this process."""
+    import _ssl  # noqa: F401  (maps libssl)
+
+    with open("/proc/self/maps") as maps:
+        return next(line.split()[-1] for line in maps if "/libssl" in line)
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = WAIT_S) -> None:
@@ -20,13 +28,3 @@ def wait_until(predicate: Callable[[], object], timeout: float = WAIT_S) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(0.05)
-
-
-async def asgi_body(receive) -> bytes:
-    """The whole request body an ASGI app receives, however many messages carry it."""
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body", False):
-            return body

@@ -34,17 +34,36 @@ def assemble(segments, assembler: Http2ConnectionAssembler,
 
 
 class H2Wire:
-    def __init__(self, *, server_settings: dict | None = None) -> None:
+    """With `upgrade_path`, the connection starts in HTTP/1.1 and upgrades (RFC 7540, section 3.2):
+    a GET of that path with `Upgrade: h2c`, the server's 101 and SETTINGS in one write, then the
+    client's preface; the GET is stream 1, whose response the server sends in HTTP/2."""
+
+    def __init__(self, *, server_settings: dict | None = None, upgrade_path: str | None = None) -> None:
         self.client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         self.server = h2.connection.H2Connection(h2.config.H2Configuration(
             client_side=False, validate_inbound_headers=False))
         self.segments: list[tuple[int, bool, bytes]] = []
         self.ts = T0
+        if upgrade_path is not None:
+            settings = self.client.initiate_upgrade_connection().decode("ascii")
+            self._write(True, f"GET {upgrade_path} HTTP/1.1\r\nHost: gpu-node:8000\r\n"
+                              "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                              f"HTTP2-Settings: {settings}\r\n\r\n".encode("ascii"))
+            self.server.initiate_upgrade_connection(settings)
+            self._write(False, b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+                        + self.server.data_to_send())
+            self.flush()
+            return
         self.server.initiate_connection()
         if server_settings:
             self.server.update_settings(server_settings)
         self.client.initiate_connection()
         self.flush(server_first=True)  # a server may write its SETTINGS before the preface arrives
+
+    def _write(self, is_request: bool, data: bytes) -> None:
+        """One write the state machines do not see (the HTTP/1.1 of an upgrade)."""
+        self.ts += STEP_NS
+        self.segments.append((self.ts, is_request, data))
 
     def flush(self, server_first: bool = False) -> int:
         """Deliver what both sides wrote, one segment per side and turn, until quiet;

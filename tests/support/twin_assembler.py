@@ -1,8 +1,9 @@
 """An assembler that reads every segment on both paths and requires the same exchanges.
 
-`TwinAssembler` is the assembler with its fast path (the default); beside it runs
+`TwinAssembler` is the assembler with its fast path (the default); beside it run
 a shadow assembler with `fast_path=False` (the general framing, every event
-parsed), fed the same calls. Each feed and close must return equal exchanges
+parsed) and one fed as if the kernel batched steady streams (steady_kernel.py),
+fed the same calls. Each feed and close must return equal exchanges
 (`dataclasses.asdict`), and the connections the same error. `inflight_at_arrival`
 is left out: the caller's `on_request_start` fills it, on the exchange it was given.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from tokenprobe.agent.capture.assembler import HttpConnectionAssembler
+
+from .steady_kernel import KernelBatching
 
 __all__ = ["TwinAssembler", "comparable"]
 
@@ -29,21 +32,30 @@ class TwinAssembler(HttpConnectionAssembler):
         kwargs.pop("fast_path", None)
         super().__init__(**kwargs)
         TwinAssembler.made += 1
-        self.general = HttpConnectionAssembler(**dict(kwargs, on_request_start=None), fast_path=False)
+        shadow = dict(kwargs, on_request_start=None)
+        self.general = HttpConnectionAssembler(**shadow, fast_path=False)
+        self.kernel_batching = KernelBatching(HttpConnectionAssembler(**shadow))
 
     def feed_request_bytes(self, *args, **kwargs):
         return self._same(super().feed_request_bytes(*args, **kwargs),
-                          self.general.feed_request_bytes(*args, **kwargs))
+                          self.general.feed_request_bytes(*args, **kwargs),
+                          self.kernel_batching.feed_request_bytes(*args, **kwargs))
 
     def feed_response_bytes(self, *args, **kwargs):
         return self._same(super().feed_response_bytes(*args, **kwargs),
-                          self.general.feed_response_bytes(*args, **kwargs))
+                          self.general.feed_response_bytes(*args, **kwargs),
+                          self.kernel_batching.feed_response_bytes(*args, **kwargs))
 
     def close(self, *args, **kwargs):
-        return self._same(super().close(*args, **kwargs), self.general.close(*args, **kwargs))
+        return self._same(super().close(*args, **kwargs), self.general.close(*args, **kwargs),
+                          self.kernel_batching.close(*args, **kwargs))
 
-    def _same(self, fast: list, general: list) -> list:
-        assert [comparable(e) for e in fast] == [comparable(e) for e in general], \
+    def _same(self, fast: list, general: list, batched: list) -> list:
+        fast_rows = [comparable(e) for e in fast]
+        assert fast_rows == [comparable(e) for e in general], \
             "the fast path returned other exchanges than the general path"
-        assert self.error == self.general.error, "the fast path set another connection error"
+        assert fast_rows == [comparable(e) for e in batched], \
+            "kernel batching returned other exchanges than the fast path"
+        assert self.error == self.general.error == self.kernel_batching.error, \
+            "the paths set different connection errors"
         return fast

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tokenprobe.agent.capture import assembler
 
+from .steady_kernel import KernelBatching
 from .twin_assembler import TwinAssembler
 
 # Loaded before the test modules are collected: their imports see the twin.
@@ -14,4 +15,5 @@ assembler.HttpConnectionAssembler = TwinAssembler
 
 def pytest_terminal_summary(terminalreporter) -> None:
     # Proof for the caller that the tests ran on twins.
-    terminalreporter.write_line(f"twin assemblers compared: {TwinAssembler.made}")
+    terminalreporter.write_line(f"twin assemblers compared: {TwinAssembler.made}; "
+                                f"writes batched: {KernelBatching.batched}")

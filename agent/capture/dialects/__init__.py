@@ -32,7 +32,10 @@ class _Unknown(ChoicesDialect):
         set_id_model(exchange, obj.get("id"), obj.get("model"))
         set_usage(exchange, *self.usage(obj))
 
-    scan = Dialect.scan  # its events count no output: every one is parsed
+    # Its events count no output: every one is parsed, none is counted from a template.
+    scan = Dialect.scan
+    steady_text = Dialect.steady_text
+    counts_steady = Dialect.counts_steady
 
 
 UNKNOWN = _Unknown("unknown", counts=USAGE)

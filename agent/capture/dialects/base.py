@@ -107,6 +107,19 @@ class Dialect:
         has no such reading: then the event is parsed."""
         return False
 
+    def steady_text(self, payload: bytes) -> tuple[int, int] | None:
+        """Where the text lies in an event (payload[start:end]) that reads as one event of
+        visible text of choice 0 and nothing else, such that every event differing from it only
+        in a text that is a non-empty run of bytes, none of them a quote, a backslash or a
+        control byte, reads the same, once `counts_steady` holds: the kernel then counts such
+        events from their size alone (kernel batching, bpf/tokenprobe.c). None when the event
+        is not one of those, or the dialect has no such reading."""
+        return None
+
+    def counts_steady(self, exchange: Exchange) -> bool:
+        """Whether events of a template `steady_text` named can be counted without their bytes now."""
+        return False
+
     def usage(self, obj: dict) -> tuple[int | None, int | None]:
         """(prompt, completion) tokens that an event or body reports, None where it does not."""
         inner = obj.get(self._wrapper) if self._wrapper else None

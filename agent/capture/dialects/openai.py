@@ -151,6 +151,27 @@ class ChoicesDialect(Dialect):
         _record_choices(exchange, ts, choices)
         return True
 
+    def steady_text(self, payload: bytes) -> tuple[int, int] | None:
+        if b'"content":"' not in payload and b'"text":"' not in payload:
+            return None  # no visible text at all (reasoning, tool calls): a cheap no
+        start = _CHUNK_START.match(payload)
+        if start is None:
+            return None
+        text = 4 if start[4] is not None else 3
+        if start[text] is None:
+            return None
+        span = start.start(text) + 1, start.end(text) - 1  # inside the quotes
+        # Checked on a stand-in rather than inferred from the regexes: with a one-letter text the
+        # chunk reads as one event of visible text of choice 0. Any other plain text matches _STRING
+        # as that letter does; a text json.loads refuses (bad UTF-8) is read by `partial`, which
+        # finds the same visible text.
+        if _scanned_choices(payload[:span[0]] + b"x" + payload[span[1]:]) != [(_VISIBLE, 0)]:
+            return None
+        return span
+
+    def counts_steady(self, exchange: Exchange) -> bool:
+        return exchange.response_id is not None and exchange.resp_model is not None  # what scan needs
+
 
 CHAT = ChoicesDialect("openai.chat", counts=USAGE, visible=_TEXT_VALUE, hidden=_HIDDEN_VALUE)
 COMPLETIONS = ChoicesDialect("openai.completions", counts=USAGE, visible=_TEXT_VALUE, hidden=_HIDDEN_VALUE)

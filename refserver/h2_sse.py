@@ -1,9 +1,10 @@
 """Hypercorn serving an ASGI app that streams a chat completion as SSE: HTTP/2
-with prior knowledge (h2c) in the clear, or over TLS with ALPN h2 (Python's
-ssl module, so the libssl probes read it in plaintext).
+with prior knowledge (h2c) or HTTP/1.1 in the clear, or over TLS with ALPN h2
+(Python's ssl module, so the libssl probes read it in plaintext). The kernel
+tests and the overhead benchmark's HTTP/2 workload run it.
 
-Run: python -m tests.servers.hypercorn_sse PORT [CERT KEY] (from the repository
-root); the tests in-process import `sse_app`."""
+Run: python -m tokenprobe.refserver.h2_sse PORT [CERT KEY]; the tests
+in-process import `sse_app`. Request body: {"model": ..., "n": extra tokens}, both optional."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
-from tests.support import asgi_body
+from .harness import asgi_body
 
 TOKENS = 12
 
@@ -23,7 +24,8 @@ async def sse_app(scope, receive, send):
     """A streamed chat completion: role chunk, TOKENS + n text chunks, usage, [DONE]."""
     if scope["type"] != "http":
         return
-    request = json.loads(await asgi_body(receive))
+    # Both fields optional: a GET, the request an `Upgrade: h2c` carries (it has no body), streams the defaults.
+    request = {"model": "h2-sse", "n": 0} | json.loads(await asgi_body(receive) or b"{}")
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})
 

@@ -1,0 +1,124 @@
+"""Go's crypto/tls inside an executable: where its uprobes go.
+
+Go links its TLS into the program, so the plaintext is read at
+crypto/tls.(*Conn).Read and Write (and the handshake's end at
+serverHandshake/clientHandshake), found by name in the symbol table. The
+returns of Read and of the handshakes are probed at each RET instruction,
+found by disassembling the function (capstone): a uretprobe rewrites the
+return address on the goroutine's stack, which Go moves when it grows. Write
+is read whole at its entry (bpf/tokenprobe.c says why). The kernel side (bpf/tokenprobe.c, "Go
+crypto/tls") reads the register ABI of Go >= 1.17 on x86-64; this module
+accepts Go >= 1.18, whose build information carries its version inline.
+
+An executable without its symbol table (`go build -ldflags=-s`) cannot be
+probed: GoTlsUnprobed names why, and its connections are counted as
+tls_unprobed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+from dataclasses import dataclass
+
+from .elf import EM_X86_64, SHT_SYMTAB, file_offset, machine, open_elf, symbol_entries
+
+__all__ = ["GO_TLS_HANDSHAKES", "GO_TLS_READ", "GO_TLS_WRITE", "GoTlsBinary", "GoTlsUnprobed", "go_tls_binary",
+           "go_tls_in"]
+
+GO_TLS_READ = "crypto/tls.(*Conn).Read"
+GO_TLS_WRITE = "crypto/tls.(*Conn).Write"
+GO_TLS_HANDSHAKES = ("crypto/tls.(*Conn).serverHandshake", "crypto/tls.(*Conn).clientHandshake")
+# *net.TCPConn as a net.Conn: the one kind of tls.Conn transport whose socket the kernel side follows.
+_TCP_CONN_ITABS = (b"go:itab.*net.TCPConn,net.Conn", b"go.itab.*net.TCPConn,net.Conn")  # Go >= 1.20, older
+_ITAB_HASH_OFFSET = 16  # itab{inter, _type *T; hash uint32}: the same offset in the kernel side
+_BUILDINFO_MAGIC = b"\xff Go buildinf:"
+_MIN_GO_MINOR = 18
+
+
+class GoTlsUnprobed(ValueError):
+    """This Go executable's TLS cannot be probed; the message says why."""
+
+
+@dataclass(frozen=True)
+class GoTlsBinary:
+    version: str                        # "go1.19.8"
+    tcp_conn_itab_hash: int
+    returns: dict[str, tuple[int, ...]]  # function → offsets of its RET instructions (Write: none sought)
+
+
+def _links_go_tls(elf: mmap.mmap) -> bool:
+    # Go keeps its function names in .gopclntab even when .symtab is stripped.
+    return elf.find(GO_TLS_READ.encode()) >= 0
+
+
+def _go_version(elf: mmap.mmap) -> str:
+    at = elf.find(_BUILDINFO_MAGIC)
+    if at < 0 or not elf[at + 15] & 2:  # flag 2: the version is inline (Go >= 1.18)
+        raise GoTlsUnprobed(f"built by a Go older than 1.{_MIN_GO_MINOR}")
+    pos, length, shift = at + 32, 0, 0
+    while True:  # a uvarint length, then the version
+        byte = elf[pos]
+        length |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if byte < 0x80:
+            break
+    version = elf[pos:pos + length].decode("ascii", "replace")
+    found = re.match(r"go1\.(\d+)", version)
+    if not found or int(found[1]) < _MIN_GO_MINOR:
+        raise GoTlsUnprobed(f"built by {version}; Go >= 1.{_MIN_GO_MINOR} is read")
+    return version
+
+
+def _ret_offsets(code: bytes, start: int, name: str) -> tuple[int, ...]:
+    try:
+        import capstone
+    except ImportError:
+        raise GoTlsUnprobed("capstone (pip install capstone) is not installed: "
+                            "the functions' returns cannot be found") from None
+    decoder = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    covered, rets = 0, []
+    for address, size, mnemonic, _operands in decoder.disasm_lite(code, start):
+        covered += size
+        if mnemonic == "ret":
+            rets.append(address - start)
+    # A sweep that stopped early would miss returns: the calls would never end.
+    if covered != len(code) or not rets:
+        raise GoTlsUnprobed(f"{name} does not disassemble whole")
+    return tuple(rets)
+
+
+def go_tls_binary(path: str) -> GoTlsBinary | None:
+    """Where the probes go in the executable at `path`: None if it links no Go crypto/tls,
+    GoTlsUnprobed if it does and cannot be probed (OSError, ValueError: no readable ELF file)."""
+    elf, sections = open_elf(path)
+    with elf:
+        return go_tls_in(elf, sections)
+
+
+def go_tls_in(elf: mmap.mmap, sections: list[tuple]) -> GoTlsBinary | None:
+    """go_tls_binary of an ELF file already open (elf.open_elf)."""
+    if not _links_go_tls(elf):
+        return None
+    if machine(elf) != EM_X86_64:
+        raise GoTlsUnprobed("not an x86-64 executable: the register ABI read is x86-64's")
+    version = _go_version(elf)
+    disassembled = {GO_TLS_READ, *GO_TLS_HANDSHAKES}
+    returns, itab_hash = {}, None
+    for raw, value, size, shndx in symbol_entries(elf, sections, SHT_SYMTAB):
+        name = raw.decode("utf-8", "replace")
+        start = file_offset(sections, shndx, value)
+        if start is None:
+            continue
+        if name == GO_TLS_WRITE:
+            returns[name] = ()
+        elif name in disassembled and size:
+            returns[name] = _ret_offsets(elf[start:start + size], value, name)
+        elif raw in _TCP_CONN_ITABS:
+            itab_hash = int.from_bytes(elf[start + _ITAB_HASH_OFFSET:start + _ITAB_HASH_OFFSET + 4], "little")
+    if GO_TLS_READ not in returns or GO_TLS_WRITE not in returns:
+        raise GoTlsUnprobed("no symbol table (built with -ldflags=-s): crypto/tls.(*Conn).Read and "
+                            "Write cannot be found")
+    if itab_hash is None:
+        raise GoTlsUnprobed("its TLS runs over no *net.TCPConn, the one transport whose socket is followed")
+    return GoTlsBinary(version, itab_hash, returns)

@@ -1,0 +1,66 @@
+"""SLO windows from kept whole-minute counts (analytics/slo.py ``SloMinutes``) on a real embedded store.
+
+The live analysis reuses the minutes an earlier pass counted; each window's
+counts must still be those of its raw requests, to the nanosecond at both
+ends, and a request stored late into a kept minute (a spool replay) must be
+counted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from tokenprobe.analytics.config import DEFAULT_OBJECTIVES
+from tokenprobe.analytics.scope import Scope, Server
+from tokenprobe.analytics.slo import WINDOWS_S, SloMinutes, evaluate_slos
+from tokenprobe.analytics.timerange import NS_PER_S
+from tokenprobe.contract import measures
+from tokenprobe.store.embedded import open_store
+
+from tests.support.slot_simulation import LoadPhase, SlotServer, simulate
+
+NODE = "slo-node"
+SCOPE = Scope((Server(8000, NODE),))
+# Minute boundaries and window starts fall inside the traffic, off the second.
+START_NS = time.time_ns() // NS_PER_S * NS_PER_S - 3600 * NS_PER_S + 17_250_000_000
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    store = open_store(f"chdb://{tmp_path_factory.mktemp('slo') / 'store'}", serve=False)
+    store.ensure_schema()
+    quiet_then_overloaded = [LoadPhase(200, 2.0), LoadPhase(200, 30.0)]
+    rows = [request.row for request in simulate(SlotServer(), quiet_then_overloaded, start_ns=START_NS,
+                                                node=NODE, port=8000, seed=3)]
+    store.insert_rows("requests", rows)
+    yield store, rows
+    store.close()
+
+
+def window_requests(store, at_ns: int) -> dict[str, int]:
+    """The SLO-eligible requests of each window ending at ``at_ns``, counted from the raw rows."""
+    columns = ", ".join(f"countIf(toUnixTimestamp64Nano(req_start) >= {at_ns - seconds * NS_PER_S})"
+                        for seconds in WINDOWS_S.values())
+    counts = store.query_rows(
+        f"SELECT {columns} FROM {store.table('requests')} WHERE {measures.IS_SLO_ELIGIBLE}"
+        f" AND node = '{NODE}' AND toUnixTimestamp64Nano(req_start) < {at_ns}")[0]
+    return dict(zip(WINDOWS_S, (int(count) for count in counts), strict=True))
+
+
+def test_kept_minutes_give_each_window_its_raw_counts_and_count_late_rows(store):
+    store, rows = store
+    kept = SloMinutes()
+    # Passes 7.3 s apart: the 5 min window's start crosses minute boundaries inside the traffic.
+    for at_ns in (START_NS + step * 7_300_000_000 + 300 * NS_PER_S for step in range(6)):
+        statuses = evaluate_slos(store, at_ns, DEFAULT_OBJECTIVES, SCOPE, kept)
+        assert statuses[0].requests == window_requests(store, at_ns)
+        assert len(statuses) == len(DEFAULT_OBJECTIVES) + 1
+    assert kept.minutes, "whole minutes are kept for the next pass"
+    # A request of the first minute stored again late, as a spool replay would.
+    store.insert_rows("requests", [dict(rows[0], conn_id=rows[0]["conn_id"] + 10**9)])
+    again = evaluate_slos(store, at_ns, DEFAULT_OBJECTIVES, SCOPE, kept)
+    fresh = evaluate_slos(store, at_ns, DEFAULT_OBJECTIVES, SCOPE)
+    assert again[0].requests["6h"] == statuses[0].requests["6h"] + 1
+    assert [(status.objective, status.requests, status.good, status.alert) for status in again] == \
+        [(status.objective, status.requests, status.good, status.alert) for status in fresh]

@@ -1,0 +1,194 @@
+"""Kernel batching, the tracker's half, without the kernel: batch records decoded, templates
+named after steady writes, batched writes counted as the events they hold, and a batch that
+finds its stream out of step or never arrives marked in the row (tests/test_kernel_batching.py
+runs it with the real kernel)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from tokenprobe.agent.capture.clock import MonotonicWallClock
+from tokenprobe.agent.capture.probes import (
+    DIR_READ,
+    DIR_WRITE,
+    EV_ACCEPT,
+    EV_CLOSE,
+    EV_DATA,
+    EV_EXIT,
+    EV_STEADY_BATCH,
+    EventDecodeError,
+    SteadyBatch,
+    decode_event,
+)
+
+from tests.support.steady_kernel import DIFFERENT, PLAIN, classify
+from tests.test_tracker import HEAD, REQUEST, ev, make_tracker, sse_chunk
+
+BATCH_HEADER = struct.Struct("<QQQQIIIIBBBBI")
+CLOCK = MonotonicWallClock()  # one for every tracker here: their rows compare equal
+
+
+def batch_record(writes, *, count=None) -> bytes:
+    head = BATCH_HEADER.pack(9, 500, 10, 20, 42, 7, 1, 2, EV_STEADY_BATCH, DIR_WRITE, 1, 0,
+                             len(writes) if count is None else count)
+    return head + b"".join(struct.pack("<QI4x", ts, size) for ts, size in writes)
+
+
+def test_batch_records_decode_and_bad_ones_are_refused():
+    batch = decode_event(batch_record([(5, 100), (7, 120)]))
+    assert isinstance(batch, SteadyBatch) and batch.kind == EV_STEADY_BATCH
+    assert (batch.tgid, batch.fd, batch.conn_ns, batch.tls) == (42, 7, 500, True)
+    assert (batch.bytes_before, batch.events_before, batch.writes) == ((10, 20), (1, 2), [(5, 100), (7, 120)])
+    for raw in (batch_record([(5, 100)], count=2), batch_record([]), batch_record([(5, 100)])[:-1]):
+        with pytest.raises(EventDecodeError, match="writes|shorter"):
+            decode_event(raw)
+
+
+def token(i: int) -> bytes:
+    text = b'w\\"q' if i % 7 == 3 else b"w%d" % i  # now and then a text with an escape: sent whole
+    return sse_chunk(b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
+                     b'"choices":[{"index":0,"text":"%s","logprobs":null,"finish_reason":null}]}' % text)
+
+
+LAST = sse_chunk(b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
+                 b'"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"length"}]}')
+END = sse_chunk(b"[DONE]") + b"0\r\n\r\n"
+
+
+class Kernel:
+    """What the kernel does with the templates the tracker names (bpf/tokenprobe.c, modelled by
+    tests/support/steady_kernel.py): it numbers every write, batches the plain ones and sends a
+    batch ahead of any other event; `lose_batches` drops batches as a full ring buffer would."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+        self.template = None
+        self.pending: list[tuple[int, int]] = []
+        self.start = None
+        self.bytes, self.events = [0, 0], [0, 0]
+        self.ts = 1_000_000
+        self.lose_batches = False
+
+    def arm_steady(self, tgid, fd, prefix, suffix):
+        self.template = (prefix, suffix)
+        return True
+
+    def take_steady_batch(self, tgid, fd):
+        batch, self.pending = self._batch(), []
+        return batch
+
+    def send(self, direction, data=b"", kind=EV_DATA):
+        self.ts += 1_000_000
+        if kind == EV_DATA and direction == DIR_WRITE and self.template is not None:
+            verdict = classify(data, self.template)
+            if verdict == PLAIN:
+                if not self.pending:
+                    self.start = (tuple(self.bytes), tuple(self.events))
+                self.pending.append((self.ts, len(data)))
+                self._count(direction, data)
+                return
+            if verdict == DIFFERENT:
+                self.template = None
+        self.flush()
+        event = ev(kind, self.ts, direction=direction, data=data,
+                   bytes_before=tuple(self.bytes), events_before=tuple(self.events))
+        if kind == EV_DATA:
+            self._count(direction, data)
+        self.tracker.handle(event)
+
+    def flush(self):
+        batch, self.pending = self._batch(), []
+        if batch is not None and not self.lose_batches:
+            self.tracker.handle(batch)
+
+    def _batch(self) -> SteadyBatch | None:
+        if not self.pending:
+            return None
+        return SteadyBatch(EV_STEADY_BATCH, self.pending[-1][0], 500, *self.start, 42, 7, False, list(self.pending))
+
+    def _count(self, direction, data):
+        self.bytes[direction] += len(data)
+        self.events[direction] += 1
+
+
+def serve(kernel: Kernel, tokens: int = 20) -> None:
+    kernel.send(DIR_READ, REQUEST)
+    kernel.send(DIR_WRITE, HEAD)
+    for i in range(tokens):
+        kernel.send(DIR_WRITE, token(i))
+    kernel.send(DIR_WRITE, LAST)
+    kernel.send(DIR_WRITE, END)
+
+
+def batching_tracker(**kwargs):
+    tracker, rows = make_tracker(**kwargs)
+    tracker.clock = CLOCK
+    kernel = Kernel(tracker)
+    tracker.steady = kernel
+    return tracker, rows, kernel
+
+
+def rows_of(*, batching: bool = True, lose_batches: bool = False) -> tuple[list[dict], object]:
+    """Two requests on one connection, with kernel batching on or off (the kernel then numbers
+    the events as it always does)."""
+    tracker, rows, kernel = batching_tracker()
+    kernel.lose_batches = lose_batches
+    if not batching:
+        tracker.steady = None
+    tracker.handle(ev(EV_ACCEPT, 500))
+    serve(kernel)
+    serve(kernel)
+    kernel.send(DIR_READ, kind=EV_CLOSE)
+    return rows.rows, tracker.stats
+
+
+def test_batched_writes_give_the_rows_every_event_gives():
+    full, _ = rows_of(batching=False)
+    batched, stats = rows_of()
+    assert batched == full and [r["capture"] for r in full] == ["exact", "exact"]
+    assert full[0]["token_events"] == 20 and stats.steady_templates == 2
+    # Each response's first text is read whole (it names the template); so are those with escapes.
+    assert stats.steady_writes == 2 * (20 - 1 - 3)
+
+
+def test_a_lost_batch_marks_its_row_dropped():
+    rows, stats = rows_of(lose_batches=True)
+    assert [r["capture"] for r in rows] == ["dropped", "dropped"]
+    assert stats.lost_events == 2 * 16
+
+
+def test_a_batch_for_a_stream_out_of_step_is_booked_unseen():
+    tracker, rows, kernel = batching_tracker()
+    tracker.handle(ev(EV_ACCEPT, 500))
+    kernel.send(DIR_READ, REQUEST)
+    kernel.send(DIR_WRITE, HEAD)
+    kernel.send(DIR_WRITE, token(0))
+    named, kernel.template = kernel.template, None
+    # The response ends before the kernel learns the template the agent named: the writes it then
+    # batches belong to no event stream the agent is in step with.
+    kernel.send(DIR_WRITE, END)
+    kernel.send(DIR_READ, REQUEST)
+    kernel.send(DIR_WRITE, HEAD.replace(b"text/event-stream", b"application/json"))
+    kernel.template = named
+    kernel.send(DIR_WRITE, token(1))
+    kernel.send(DIR_WRITE, END)
+    kernel.send(DIR_READ, kind=EV_CLOSE)
+    assert [(r["capture"], r["bytes_unseen"]) for r in rows.rows] == [("exact", 0), ("gaps", len(token(1)))]
+
+
+@pytest.mark.parametrize("end", ["process_exit", "agent_stop"])
+def test_a_batch_the_kernel_still_holds_is_read_from_its_map(end):
+    """No close() sends it: the process died (its sockets closed without one), or the agent stops."""
+    tracker, rows, kernel = batching_tracker(forget_connection=lambda tgid, fd: None)
+    tracker.handle(ev(EV_ACCEPT, 500))
+    kernel.send(DIR_READ, REQUEST)
+    kernel.send(DIR_WRITE, HEAD)
+    for i in range(10):
+        kernel.send(DIR_WRITE, token(i))
+    assert kernel.pending
+    if end == "process_exit":
+        tracker.handle(ev(EV_EXIT, kernel.ts + 1))
+    else:
+        tracker.close_all(kernel.ts + 1)
+    assert [(r["outcome"], r["capture"], r["token_events"]) for r in rows.rows] == [("truncated", "exact", 10)]
