@@ -39,13 +39,16 @@ ROLLUP_BANDS_PER_DECADE = DEFAULT_BANDS_PER_DECADE
 ALL_REQUESTS = "all"  # the pseudo-metric that counts every served request
 
 _LABEL = "LowCardinality(String)"
+_MINUTE_SERVER_MODEL = (  # the key both rollups start with
+    Column("minute", "DateTime('UTC')", TIMESTAMP_CODEC),
+    Column("node", _LABEL, OPAQUE_CODEC),
+    Column("server_port", "UInt16", INTEGER_CODEC),
+    Column("model", _LABEL, OPAQUE_CODEC),
+)
 ROLLUP = Table(
     ROLLUP_TABLE,
     (
-        Column("minute", "DateTime('UTC')", TIMESTAMP_CODEC),
-        Column("node", _LABEL, OPAQUE_CODEC),
-        Column("server_port", "UInt16", INTEGER_CODEC),
-        Column("model", _LABEL, OPAQUE_CODEC),
+        *_MINUTE_SERVER_MODEL,
         Column("path", _LABEL, OPAQUE_CODEC),
         Column("metric", _LABEL, OPAQUE_CODEC),
         Column("band", "Int16", INTEGER_CODEC),
@@ -96,10 +99,7 @@ KNEE_TTFT_MS = f"toFloat64({measures.SERVER_TTFT.sql_when_known})"  # valid wher
 KNEE_ROLLUP = Table(
     KNEE_ROLLUP_TABLE,
     (
-        Column("minute", "DateTime('UTC')", TIMESTAMP_CODEC),
-        Column("node", _LABEL, OPAQUE_CODEC),
-        Column("server_port", "UInt16", INTEGER_CODEC),
-        Column("model", _LABEL, OPAQUE_CODEC),
+        *_MINUTE_SERVER_MODEL,
         Column("concurrency", "UInt32", INTEGER_CODEC),
         Column("served", "SimpleAggregateFunction(sum, UInt64)", INTEGER_CODEC),
         Column("requests", "SimpleAggregateFunction(sum, UInt64)", INTEGER_CODEC),
