@@ -96,10 +96,11 @@ def fit_knees(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSp
 def ttft_curves(store: Store, span: TimeRange, scope: Scope, min_requests: int):
     """Per server, model and concurrency at arrival (in flight + 1): requests, TTFT p50 and p99 (ms).
 
-    The whole minutes of ``span`` come from the per-minute digests (``KNEE_ROLLUP_TABLE``, kept by a view on
-    every insert) where they count every served request of the minute; the rest (the partial minutes at the
-    span's ends, minutes the view missed or with rows stored since the latency rollup counted them
-    differently) is digested from the requests alike, and both are merged. A late row thus counts.
+    The whole minutes of ``span`` come from the per-minute digests (``KNEE_ROLLUP_TABLE``), which its view
+    adds to on every insert, a late row (a spool replay) too; where a minute's digests count fewer or other
+    served requests than the latency rollup (rows inserted before the view existed, or while it was being
+    replaced), that minute is digested from the requests instead, as are the partial minutes at the span's
+    ends, and all digests are merged.
     """
     whole = span.whole_steps(MINUTE_NS)
     stale = _stale_minutes(store, whole, scope) if whole else []
@@ -139,8 +140,8 @@ def ttft_curves(store: Store, span: TimeRange, scope: Scope, min_requests: int):
 
 
 def _stale_minutes(store: Store, whole: TimeRange, scope: Scope) -> list[int]:
-    """The minutes of ``whole`` (Unix ns) whose digests do not count what the latency rollup counts: rows the
-    knee's view never saw (it was created later) or a server and model whose counts differ."""
+    """The minutes of ``whole`` (Unix ns) where, for some server and model, the digests' served count differs
+    from the latency rollup's: rows one of the two views never saw."""
     in_scope, scope_parameters = scope.condition()
     counted = f"""minute >= toDateTime({{knee_whole_from:Int64}}, 'UTC')
                   AND minute < toDateTime({{knee_whole_to:Int64}}, 'UTC') AND {in_scope}"""

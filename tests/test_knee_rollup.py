@@ -1,8 +1,9 @@
 """The knee's curves from per-minute TTFT digests (contract/rollup.py KNEE_ROLLUP) on a real embedded store.
 
 The curves must count what a scan of the requests counts: minutes from the
-digests, the span's partial minutes and any minute the digests do not fully
-count (rows stored late, a view created after the rows) from the requests.
+digests (rows stored late reach them through the view), the span's partial
+minutes and any minute the digests lack (rows from before the view) from the
+requests.
 """
 
 from __future__ import annotations
