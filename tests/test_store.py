@@ -56,6 +56,8 @@ def make_row(**overrides) -> dict:
         "outcome": "complete", "error": "", "api": "openai.chat", "first_content_token": start + 30_000_007,
         "choices": 1, "choice_events": 3, "engine_prompt_ms": None, "engine_decode_ms": None,
         "capture": "exact", "bytes_unseen": 0, "protocol": "http/1.1", "stream_id": 0, "unreadable_reason": "",
+        "request_messages": 0, "request_message_bytes": 0, "response_message_bytes": 0,
+        "largest_response_message_bytes": 0,
     }
     row.update(overrides)
     return row
