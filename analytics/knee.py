@@ -3,7 +3,8 @@
 Passively, from traffic alone: every request knows how many requests were in
 flight on its server when it arrived (``inflight_at_arrival``). Its
 concurrency is that plus itself. Per server and model, ClickHouse gives TTFT
-p50 and p99 at each concurrency level; ``robust.fit_knee`` fits a
+p50 and p99 at each concurrency level (merged from per-minute t-digests,
+``contract/rollup.py``'s ``KNEE_ROLLUP``, so a live pass reads minutes, not 6 h of requests); ``robust.fit_knee`` fits a
 two-segment line through each curve (levels weighted by √requests) and the
 last level before the turn is the knee. On a server with N slots, requests
 at concurrency ≤ N get a slot at once (TTFT flat: prefill only) and each one
@@ -24,16 +25,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..contract import measures
 from ..contract.analysis import KNEE_TABLE
 from ..contract.requests import REQUESTS_TABLE
+from ..contract.rollup import (
+    ALL_REQUESTS,
+    KNEE_ROLLUP_TABLE,
+    KNEE_TTFT_MS,
+    KNEE_TTFT_REQUESTS,
+    ROLLUP_TABLE,
+    TTFT_QUANTILE_LEVELS,
+)
 from ..contract.samples import ENGINE_SAMPLES_TABLE
 from ..store.client import Store
 from .calibration import ServerModel
 from .config import AnalysisSpans
 from .robust import fit_knee
 from .scope import Scope
-from .timerange import TimeRange, range_condition
+from .slo import MINUTE_NS
+from .timerange import NS_PER_S, TimeRange, range_condition
 
 METHOD = "flat line, then jump and steeper line: least squares on TTFT p50 vs concurrency at arrival"
 
@@ -85,21 +94,87 @@ def fit_knees(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSp
 
 
 def ttft_curves(store: Store, span: TimeRange, scope: Scope, min_requests: int):
-    """Per server, model and concurrency at arrival (in flight + 1): requests, TTFT p50 and p99 (ms)."""
-    in_range, range_parameters = range_condition("req_start", "span", span)
+    """Per server, model and concurrency at arrival (in flight + 1): requests, TTFT p50 and p99 (ms).
+
+    The whole minutes of ``span`` come from the per-minute digests (``KNEE_ROLLUP_TABLE``), which its view
+    adds to on every insert, a late row (a spool replay) too; where a minute's digests count fewer or other
+    served requests than the latency rollup (rows inserted before the view existed, or while it was being
+    replaced), that minute is digested from the requests instead, as are the partial minutes at the span's
+    ends, and all digests are merged.
+    """
+    whole = span.whole_steps(MINUTE_NS)
+    stale = _stale_minutes(store, whole, scope) if whole else []
+    raw = _raw_ranges(span, whole, stale)
     in_scope, scope_parameters = scope.condition()
-    return store.query_df(
-        f"""SELECT node, server_port, model, inflight_at_arrival + 1 AS concurrency, count() AS requests,
-                   quantile(0.5)({measures.TTFT_SERVER_MS}) AS ttft_p50_ms,
-                   quantile(0.99)({measures.TTFT_SERVER_MS}) AS ttft_p99_ms
+    parameters = {**scope_parameters, "min_requests": min_requests}
+    parts = []
+    if whole:
+        parameters.update(knee_whole_from=whole.start_ns // NS_PER_S, knee_whole_to=whole.end_ns // NS_PER_S,
+                          knee_stale=[minute // NS_PER_S for minute in stale])
+        parts.append(f"""SELECT node, server_port, model, concurrency, toUInt64(requests) AS requests, ttft_ms
+            FROM {store.table(KNEE_ROLLUP_TABLE)}
+            WHERE minute >= toDateTime({{knee_whole_from:Int64}}, 'UTC')
+              AND minute < toDateTime({{knee_whole_to:Int64}}, 'UTC')
+              AND toUnixTimestamp(minute) NOT IN {{knee_stale:Array(Int64)}} AND {in_scope}""")
+    if raw:
+        conditions = []
+        for index, raw_range in enumerate(raw):
+            condition, range_parameters = range_condition("req_start", f"knee_raw_{index}", raw_range)
+            conditions.append(f"({condition})")
+            parameters.update(range_parameters)
+        parts.append(f"""SELECT node, server_port, model, inflight_at_arrival + 1 AS concurrency,
+                   count() AS requests, quantilesTDigestState({TTFT_QUANTILE_LEVELS})({KNEE_TTFT_MS}) AS ttft_ms
             FROM {store.table(REQUESTS_TABLE)}
-            WHERE {measures.IS_INFERENCE} AND status BETWEEN 200 AND 299 AND req_end IS NOT NULL
-              AND first_token IS NOT NULL AND {in_range} AND {in_scope}
-            GROUP BY node, server_port, model, concurrency
-            HAVING requests >= {{min_requests:UInt32}}
+            WHERE {KNEE_TTFT_REQUESTS} AND ({" OR ".join(conditions)}) AND {in_scope}
+            GROUP BY node, server_port, model, concurrency""")
+    return store.query_df(
+        f"""SELECT node, server_port, model, concurrency, requests, ttft[1] AS ttft_p50_ms, ttft[2] AS ttft_p99_ms
+            FROM (SELECT node, server_port, model, concurrency, sum(requests) AS requests,
+                         quantilesTDigestMerge({TTFT_QUANTILE_LEVELS})(ttft_ms) AS ttft
+                  FROM ({" UNION ALL ".join(parts)})
+                  GROUP BY node, server_port, model, concurrency
+                  HAVING requests >= {{min_requests:UInt32}})
             ORDER BY node, server_port, model, concurrency""",
-        {**range_parameters, **scope_parameters, "min_requests": min_requests},
+        parameters,
     )
+
+
+def _stale_minutes(store: Store, whole: TimeRange, scope: Scope) -> list[int]:
+    """The minutes of ``whole`` (Unix ns) where, for some server and model, the digests' served count differs
+    from the latency rollup's: rows one of the two views never saw."""
+    in_scope, scope_parameters = scope.condition()
+    counted = f"""minute >= toDateTime({{knee_whole_from:Int64}}, 'UTC')
+                  AND minute < toDateTime({{knee_whole_to:Int64}}, 'UTC') AND {in_scope}"""
+    rows = store.query_rows(
+        f"""SELECT DISTINCT toUnixTimestamp(minute)
+            FROM (SELECT minute, node, server_port, model, sum(requests) AS rolled
+                  FROM {store.table(ROLLUP_TABLE)} WHERE metric = '{ALL_REQUESTS}' AND {counted}
+                  GROUP BY minute, node, server_port, model) AS rollup
+            FULL OUTER JOIN (SELECT minute, node, server_port, model, sum(served) AS digested
+                             FROM {store.table(KNEE_ROLLUP_TABLE)} WHERE {counted}
+                             GROUP BY minute, node, server_port, model) AS digests
+            USING (minute, node, server_port, model)
+            WHERE rolled != digested""",
+        {**scope_parameters, "knee_whole_from": whole.start_ns // NS_PER_S, "knee_whole_to": whole.end_ns // NS_PER_S},
+    )
+    return sorted(int(minute) * NS_PER_S for (minute,) in rows)
+
+
+def _raw_ranges(span: TimeRange, whole: TimeRange | None, stale: list[int]) -> list[TimeRange]:
+    """The parts of ``span`` read from the requests: outside its whole minutes, and each run of stale minutes."""
+    if whole is None:
+        return [span]
+    edges = [(span.start_ns, whole.start_ns), *((minute, minute + MINUTE_NS) for minute in stale),
+             (whole.end_ns, span.end_ns)]
+    merged: list[list[int]] = []
+    for start_ns, end_ns in edges:
+        if start_ns >= end_ns:
+            continue
+        if merged and merged[-1][1] >= start_ns:
+            merged[-1][1] = max(merged[-1][1], end_ns)
+        else:
+            merged.append([start_ns, end_ns])
+    return [TimeRange(start_ns, end_ns) for start_ns, end_ns in merged]
 
 
 def engine_slots(store: Store, span: TimeRange, scope: Scope) -> dict[tuple[str, int], float]:

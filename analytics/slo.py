@@ -112,8 +112,7 @@ def evaluate_slos(store: Store, at_ns: int, objectives: Sequence[Objective], sco
     still current, see ``SloMinutes``) and the parts of minutes at its two ends.
     """
     minutes = (kept or SloMinutes()).counts_for(objectives, scope)
-    whole = TimeRange(-(-(at_ns - WINDOWS_S[LONGEST] * NS_PER_S) // MINUTE_NS) * MINUTE_NS,
-                      at_ns // MINUTE_NS * MINUTE_NS)
+    whole = TimeRange(at_ns - WINDOWS_S[LONGEST] * NS_PER_S, at_ns).whole_steps(MINUTE_NS)  # 6 h: never None
     for minute in [minute for minute in minutes if not whole.start_ns <= minute < whole.end_ns]:
         del minutes[minute]
     _count_stale_minutes(store, whole, objectives, scope, minutes)

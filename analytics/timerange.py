@@ -27,6 +27,12 @@ class TimeRange:
     def seconds(self) -> float:
         return (self.end_ns - self.start_ns) / NS_PER_S
 
+    def whole_steps(self, step_ns: int) -> TimeRange | None:
+        """The whole steps of ``step_ns`` (counted from the epoch: a rollup's minutes) within this range; None
+        where not one fits."""
+        start_ns, end_ns = -(-self.start_ns // step_ns) * step_ns, self.end_ns // step_ns * step_ns
+        return TimeRange(start_ns, end_ns) if start_ns < end_ns else None
+
     def extended_back(self, seconds: float) -> TimeRange:
         return TimeRange(self.start_ns - int(seconds * NS_PER_S), self.end_ns)
 

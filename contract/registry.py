@@ -18,7 +18,7 @@ from .analysis import (
 from .decisions import DECISIONS
 from .inflight import INFLIGHT_SAMPLES
 from .requests import REQUESTS
-from .rollup import ROLLUP, ROLLUP_MV
+from .rollup import KNEE_ROLLUP, KNEE_ROLLUP_MV, ROLLUP, ROLLUP_MV
 from .samples import ENGINE_SAMPLES, GPU_SAMPLES, SERVER_GPUS
 from .tables import DEFAULT_DATABASE, DEFAULT_TTL_DAYS, Table, View
 
@@ -35,9 +35,10 @@ TABLES: tuple[Table, ...] = (
     SLO_STATUS,
     DECISIONS,
     ROLLUP,
+    KNEE_ROLLUP,
 )
 # Created after every table: a materialized view needs the tables it reads and writes.
-MATERIALIZED_VIEWS: tuple[View, ...] = (ROLLUP_MV,)
+MATERIALIZED_VIEWS: tuple[View, ...] = (ROLLUP_MV, KNEE_ROLLUP_MV)
 
 
 def create_statements(database: str = DEFAULT_DATABASE, ttl_days: int = DEFAULT_TTL_DAYS) -> list[str]:

@@ -19,6 +19,7 @@ agent) creates both, so the rollup starts with the store.
 
 from __future__ import annotations
 
+from . import measures
 from .latency import DEFAULT_BANDS_PER_DECADE, METRICS, band_sql
 from .requests import REQUESTS_TABLE
 from .tables import (
@@ -38,13 +39,16 @@ ROLLUP_BANDS_PER_DECADE = DEFAULT_BANDS_PER_DECADE
 ALL_REQUESTS = "all"  # the pseudo-metric that counts every served request
 
 _LABEL = "LowCardinality(String)"
+_MINUTE_SERVER_MODEL = (  # the key both rollups start with
+    Column("minute", "DateTime('UTC')", TIMESTAMP_CODEC),
+    Column("node", _LABEL, OPAQUE_CODEC),
+    Column("server_port", "UInt16", INTEGER_CODEC),
+    Column("model", _LABEL, OPAQUE_CODEC),
+)
 ROLLUP = Table(
     ROLLUP_TABLE,
     (
-        Column("minute", "DateTime('UTC')", TIMESTAMP_CODEC),
-        Column("node", _LABEL, OPAQUE_CODEC),
-        Column("server_port", "UInt16", INTEGER_CODEC),
-        Column("model", _LABEL, OPAQUE_CODEC),
+        *_MINUTE_SERVER_MODEL,
         Column("path", _LABEL, OPAQUE_CODEC),
         Column("metric", _LABEL, OPAQUE_CODEC),
         Column("band", "Int16", INTEGER_CODEC),
@@ -79,3 +83,41 @@ WHERE role = 'server'
 GROUP BY minute, node, server_port, model, path, metric, band"""
 
 ROLLUP_MV = View(ROLLUP_VIEW, ROLLUP_VIEW_DDL)
+
+# The knee's curves (analytics/knee.py) per minute, server, model and concurrency at arrival (in flight + 1):
+# the requests whose TTFT the knee reads and a t-digest of their TTFT, so a live pass merges a few thousand
+# digests instead of reading 6 h of requests. ``served`` counts the servers' side as the latency rollup's
+# ``all`` does: the knee reads a minute from here only where the two agree (both views saw every row of it).
+KNEE_ROLLUP_TABLE = "request_ttft_by_concurrency"
+KNEE_ROLLUP_VIEW = "request_ttft_by_concurrency_mv"
+# A t-digest, not ClickHouse's default reservoir sample: a minute's reservoir keeps up to 8192 values, so
+# merging 360 of them costs about what reading the requests does; a digest keeps ~100 centroids.
+TTFT_QUANTILE_LEVELS = "0.5, 0.99"  # quantilesTDigest{State,Merge}(these): p50, p99
+KNEE_TTFT_REQUESTS = (f"{measures.IS_INFERENCE} AND status BETWEEN 200 AND 299 AND req_end IS NOT NULL"
+                      " AND first_token IS NOT NULL")
+KNEE_TTFT_MS = f"toFloat64({measures.SERVER_TTFT.sql_when_known})"  # valid where KNEE_TTFT_REQUESTS holds
+KNEE_ROLLUP = Table(
+    KNEE_ROLLUP_TABLE,
+    (
+        *_MINUTE_SERVER_MODEL,
+        Column("concurrency", "UInt32", INTEGER_CODEC),
+        Column("served", "SimpleAggregateFunction(sum, UInt64)", INTEGER_CODEC),
+        Column("requests", "SimpleAggregateFunction(sum, UInt64)", INTEGER_CODEC),
+        Column("ttft_ms", f"AggregateFunction(quantilesTDigest({TTFT_QUANTILE_LEVELS}), Float64)", OPAQUE_CODEC),
+    ),
+    engine="AggregatingMergeTree",
+    partition_by="minute", order_by="minute, node, server_port, model, concurrency", ttl_column="minute",
+    settings=DEDUPLICATION_WINDOW_SETTING,
+)
+KNEE_ROLLUP_VIEW_DDL = f"""CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.{KNEE_ROLLUP_VIEW} TO {{db}}.{KNEE_ROLLUP_TABLE} AS
+SELECT
+    toStartOfMinute(toDateTime(req_start, 'UTC')) AS minute,
+    node, server_port, model,
+    inflight_at_arrival + 1 AS concurrency,
+    countIf(role = 'server') AS served,
+    countIf({KNEE_TTFT_REQUESTS}) AS requests,
+    quantilesTDigestStateIf({TTFT_QUANTILE_LEVELS})({KNEE_TTFT_MS}, {KNEE_TTFT_REQUESTS}) AS ttft_ms
+FROM {{db}}.{REQUESTS_TABLE}
+GROUP BY minute, node, server_port, model, concurrency"""
+
+KNEE_ROLLUP_MV = View(KNEE_ROLLUP_VIEW, KNEE_ROLLUP_VIEW_DDL)

@@ -384,6 +384,23 @@ ORDER BY (metric, minute, node, server_port, model, path, band)
 TTL toDateTime(minute) + INTERVAL 30 DAY
 SETTINGS non_replicated_deduplication_window = 1000;
 
+CREATE TABLE IF NOT EXISTS tokenprobe.request_ttft_by_concurrency_local ON CLUSTER '{cluster}'
+(
+    `minute` DateTime('UTC') CODEC(Delta, ZSTD(1)),
+    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `server_port` UInt16 CODEC(T64, ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `concurrency` UInt32 CODEC(T64, ZSTD(1)),
+    `served` SimpleAggregateFunction(sum, UInt64) CODEC(T64, ZSTD(1)),
+    `requests` SimpleAggregateFunction(sum, UInt64) CODEC(T64, ZSTD(1)),
+    `ttft_ms` AggregateFunction(quantilesTDigest(0.5, 0.99), Float64) CODEC(ZSTD(1))
+)
+ENGINE = ReplicatedAggregatingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+PARTITION BY toDate(minute)
+ORDER BY (minute, node, server_port, model, concurrency)
+TTL toDateTime(minute) + INTERVAL 30 DAY
+SETTINGS non_replicated_deduplication_window = 1000;
+
 CREATE TABLE IF NOT EXISTS tokenprobe.requests ON CLUSTER '{cluster}'
 AS tokenprobe.requests_local
 ENGINE = Distributed('{cluster}', tokenprobe, requests_local, cityHash64(node));
@@ -432,6 +449,10 @@ CREATE TABLE IF NOT EXISTS tokenprobe.request_latency_bands ON CLUSTER '{cluster
 AS tokenprobe.request_latency_bands_local
 ENGINE = Distributed('{cluster}', tokenprobe, request_latency_bands_local, cityHash64(node));
 
+CREATE TABLE IF NOT EXISTS tokenprobe.request_ttft_by_concurrency ON CLUSTER '{cluster}'
+AS tokenprobe.request_ttft_by_concurrency_local
+ENGINE = Distributed('{cluster}', tokenprobe, request_ttft_by_concurrency_local, cityHash64(node));
+
 CREATE MATERIALIZED VIEW IF NOT EXISTS tokenprobe.request_latency_bands_mv ON CLUSTER '{cluster}' TO tokenprobe.request_latency_bands_local AS
 SELECT
     toStartOfMinute(toDateTime(req_start, 'UTC')) AS minute,
@@ -444,6 +465,18 @@ ARRAY JOIN arrayConcat(arrayFilter(pair -> pair.2 IS NOT NULL, [('ttft', if(req_
 WHERE role = 'server'
 GROUP BY minute, node, server_port, model, path, metric, band
 COMMENT 'tokenprobe definition 02b996bcaa492179';
+
+CREATE MATERIALIZED VIEW IF NOT EXISTS tokenprobe.request_ttft_by_concurrency_mv ON CLUSTER '{cluster}' TO tokenprobe.request_ttft_by_concurrency_local AS
+SELECT
+    toStartOfMinute(toDateTime(req_start, 'UTC')) AS minute,
+    node, server_port, model,
+    inflight_at_arrival + 1 AS concurrency,
+    countIf(role = 'server') AS served,
+    countIf(method = 'POST' AND status BETWEEN 200 AND 299 AND req_end IS NOT NULL AND first_token IS NOT NULL) AS requests,
+    quantilesTDigestStateIf(0.5, 0.99)(toFloat64(((toUnixTimestamp64Nano(assumeNotNull(first_token)) - toUnixTimestamp64Nano(assumeNotNull(req_end))) / 1e6)), method = 'POST' AND status BETWEEN 200 AND 299 AND req_end IS NOT NULL AND first_token IS NOT NULL) AS ttft_ms
+FROM tokenprobe.requests_local
+GROUP BY minute, node, server_port, model, concurrency
+COMMENT 'tokenprobe definition 9562645c7dc7a732';
 
 CREATE VIEW IF NOT EXISTS tokenprobe.request_gpu_state_local ON CLUSTER '{cluster}' AS
 WITH
