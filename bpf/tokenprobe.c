@@ -1336,7 +1336,9 @@ int uretprobe_ssl_handshake(struct pt_regs *ctx) { return ssl_exit(ctx, SSL_FN_H
 // Write is reported at its entry, with all of its buffer (Go's Write writes it
 // all or fails, and a failure is the socket's own error, reported by io_exit):
 // in HTTP/2 another goroutine may see the peer's close, and close the socket,
-// before the writer gets back to Write's RET.
+// before the writer gets back to Write's RET. Entry probes sit past the
+// prologue's stack check (go_tls.py): a goroutine whose stack grows runs the
+// prologue twice, and would show one Write twice.
 
 enum go_tls_fn { GO_TLS_READ = 1, GO_TLS_WRITE, GO_TLS_HANDSHAKE };
 

@@ -81,13 +81,16 @@ def test_go_crypto_tls_is_probed_where_the_executable_keeps_its_symbols(tmp_path
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(binary)], capture_output=True, text=True,
                              check=True).stdout
     for function, offsets in go.returns.items():
+        body = listing.split(f"<{function}>:\n", 1)[1].split("\n\n", 1)[0]
+        lines = [(int(line.split(":", 1)[0], 16), line.split("\t")[-1]) for line in body.splitlines()]
+        start = lines[0][0]
+        # Entry probes sit after the stack check (cmp against [r14+0x10], jbe to morestack), which a
+        # goroutine whose stack grows runs twice.
+        check = next(i for i, (_, text) in enumerate(lines) if text.startswith("jbe"))
+        assert "%r14" in lines[check - 1][1] and go.entries[function] == lines[check + 1][0] - start, function
         if function == GO_TLS_WRITE:  # read at its entry: no RET sought
             continue
-        body = listing.split(f"<{function}>:\n", 1)[1].split("\n\n", 1)[0]
-        addresses = [int(line.split(":", 1)[0], 16) for line in body.splitlines()
-                     if line.split("\t")[-1].startswith("ret")]
-        start = int(re.search(rf"^([0-9a-f]+) <{re.escape(function)}>:", listing, re.MULTILINE)[1], 16)
-        assert [a - start for a in addresses] == list(offsets), function
+        assert [a - start for a, text in lines if text.startswith("ret")] == list(offsets), function
     server = _holding(str(binary), "-port", "0")
     try:
         assert tls_reach(server.pid) == TlsReach(server.pid, str(binary), f"Go crypto/tls ({go.version})", True)

@@ -6,7 +6,10 @@ serverHandshake/clientHandshake), found by name in the symbol table. The
 returns of Read and of the handshakes are probed at each RET instruction,
 found by disassembling the function (capstone): a uretprobe rewrites the
 return address on the goroutine's stack, which Go moves when it grows. Write
-is read whole at its entry (bpf/tokenprobe.c says why). The kernel side (bpf/tokenprobe.c, "Go
+is read whole at its entry (bpf/tokenprobe.c says why). "Entry" is the first
+instruction after the prologue's stack check: a goroutine whose stack must
+grow runs the prologue twice (runtime.morestack starts the function again),
+and a probe on the first instruction would see one Write twice. The kernel side (bpf/tokenprobe.c, "Go
 crypto/tls") reads the register ABI of Go >= 1.17 on x86-64; this module
 accepts Go >= 1.18, whose build information carries its version inline.
 
@@ -45,6 +48,7 @@ class GoTlsBinary:
     version: str                        # "go1.19.8"
     tcp_conn_itab_hash: int
     returns: dict[str, tuple[int, ...]]  # function → offsets of its RET instructions (Write: none sought)
+    entries: dict[str, int]              # function → offset of its body, past the stack check
 
 
 def _links_go_tls(elf: mmap.mmap) -> bool:
@@ -70,22 +74,36 @@ def _go_version(elf: mmap.mmap) -> str:
     return version
 
 
-def _ret_offsets(code: bytes, start: int, name: str) -> tuple[int, ...]:
+def _disassemble(code: bytes, start: int, name: str) -> list[tuple[int, int, str, str]]:
+    """Every instruction of a function, as (offset in it, size, mnemonic, operands)."""
     try:
         import capstone
     except ImportError:
         raise GoTlsUnprobed("capstone (pip install capstone) is not installed: "
                             "the functions' returns cannot be found") from None
     decoder = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    covered, rets = 0, []
-    for address, size, mnemonic, _operands in decoder.disasm_lite(code, start):
-        covered += size
-        if mnemonic == "ret":
-            rets.append(address - start)
+    instructions = [(address - start, size, mnemonic, operands)
+                    for address, size, mnemonic, operands in decoder.disasm_lite(code, start)]
     # A sweep that stopped early would miss returns: the calls would never end.
-    if covered != len(code) or not rets:
+    if sum(size for _, size, _, _ in instructions) != len(code):
         raise GoTlsUnprobed(f"{name} does not disassemble whole")
-    return tuple(rets)
+    return instructions
+
+
+def _ret_offsets(instructions: list[tuple[int, int, str, str]], name: str) -> tuple[int, ...]:
+    rets = tuple(offset for offset, _, mnemonic, _ in instructions if mnemonic == "ret")
+    if not rets:
+        raise GoTlsUnprobed(f"{name} has no RET instruction to probe")
+    return rets
+
+
+def _body_offset(instructions: list[tuple[int, int, str, str]]) -> int:
+    """Where the function's body starts: after the prologue's `cmp <sp>, [r14 + 0x10]; jbe morestack`
+    (g.stackguard0 is at 0x10 of the goroutine R14 holds), or 0 for a function without that check."""
+    for (_, _, mnemonic, operands), (offset, size, jump, _) in zip(instructions[:4], instructions[1:5]):
+        if mnemonic == "cmp" and "r14" in operands and jump in ("jbe", "jb"):
+            return offset + size
+    return 0
 
 
 def go_tls_binary(path: str) -> GoTlsBinary | None:
@@ -103,17 +121,17 @@ def go_tls_in(elf: mmap.mmap, sections: list[tuple]) -> GoTlsBinary | None:
     if machine(elf) != EM_X86_64:
         raise GoTlsUnprobed("not an x86-64 executable: the register ABI read is x86-64's")
     version = _go_version(elf)
-    disassembled = {GO_TLS_READ, *GO_TLS_HANDSHAKES}
-    returns, itab_hash = {}, None
+    probed = {GO_TLS_READ, GO_TLS_WRITE, *GO_TLS_HANDSHAKES}
+    returns, entries, itab_hash = {}, {}, None
     for raw, value, size, shndx in symbol_entries(elf, sections, SHT_SYMTAB):
         name = raw.decode("utf-8", "replace")
         start = file_offset(sections, shndx, value)
         if start is None:
             continue
-        if name == GO_TLS_WRITE:
-            returns[name] = ()
-        elif name in disassembled and size:
-            returns[name] = _ret_offsets(elf[start:start + size], value, name)
+        if name in probed and size:
+            instructions = _disassemble(elf[start:start + size], value, name)
+            entries[name] = _body_offset(instructions)
+            returns[name] = () if name == GO_TLS_WRITE else _ret_offsets(instructions, name)
         elif raw in _TCP_CONN_ITABS:
             itab_hash = int.from_bytes(elf[start + _ITAB_HASH_OFFSET:start + _ITAB_HASH_OFFSET + 4], "little")
     if GO_TLS_READ not in returns or GO_TLS_WRITE not in returns:
@@ -121,4 +139,4 @@ def go_tls_in(elf: mmap.mmap, sections: list[tuple]) -> GoTlsBinary | None:
                             "Write cannot be found")
     if itab_hash is None:
         raise GoTlsUnprobed("its TLS runs over no *net.TCPConn, the one transport whose socket is followed")
-    return GoTlsBinary(version, itab_hash, returns)
+    return GoTlsBinary(version, itab_hash, returns, entries)

@@ -484,7 +484,7 @@ class Probes:
                     self.bpf["go_tcp_conn_itab_hashes"][ctypes.c_uint32(go.tcp_conn_itab_hash)] = ctypes.c_uint8(1)
                     for function, rets in go.returns.items():
                         entry, ret = GO_TLS_PROBES[function]
-                        self.bpf.attach_uprobe(name=path, sym=function, fn_name=entry)
+                        self.bpf.attach_uprobe(name=path, sym=function, sym_off=go.entries[function], fn_name=entry)
                         for offset in rets if ret else ():
                             self.bpf.attach_uprobe(name=path, sym=function, sym_off=offset, fn_name=ret)
                 except Exception as exc:  # BCC raises bare Exceptions (uprobe quota, vanished file)
