@@ -13,7 +13,8 @@ serve ``--live-rate`` requests/s (1000 by default) for ``--live-history``
 seconds and then ``--live-windows`` windows of ``--live-every`` seconds, and
 ``LiveAnalysis.run_once`` analyses
 each window as the agent would when it ends (the target: 100 ms a window at
-1000 requests/s). The clock is the benchmark's, so no window waits for time
+1000 requests/s). ``--queries`` prints every store call's elapsed time (the
+store's DEBUG log) before the line of the step that made it. The clock is the benchmark's, so no window waits for time
 to pass. With ``--baseline REF`` the analytics as of that git ref (loaded
 apart, as package ``tokenprobe_baseline``) analyse the same windows of the
 same store, each window by both in turn (alternating which goes first), so
@@ -21,6 +22,7 @@ the two medians are taken under the same load.
 
     python benchmarks/bench_analytics.py                       # 1 million requests: CI's size
     python benchmarks/bench_analytics.py --rows 10000000       # a busy day
+    python benchmarks/bench_analytics.py --live-windows 0 --queries   # the full pass only, query by query
     python benchmarks/bench_analytics.py --live-history 21600 --baseline 884fb47   # SLO windows full, A/B
 
 Not a test: nothing is asserted. On a 2-core machine 10 million rows take
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
+import logging
 import shutil
 import statistics
 import subprocess
@@ -56,6 +59,7 @@ from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.slo import evaluate_slos
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+from tokenprobe.store.client import Store
 from tokenprobe.store.embedded import open_store
 
 SERVERS = 4
@@ -110,8 +114,17 @@ def timed(label: str, rows: int, step) -> object:
     started = time.perf_counter()
     result = step()
     seconds = time.perf_counter() - started
-    print(f"  {label:<34} {seconds:8.1f} s  {rows / seconds:12,.0f} requests/s", flush=True)
+    print(f"  {label:<34} {seconds:8.2f} s  {rows / seconds:12,.0f} requests/s", flush=True)
     return result
+
+
+def print_store_calls() -> None:
+    """Every store call's elapsed time, as the store logs it at DEBUG, printed before the step's line."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("      %(message)s"))
+    store_log = logging.getLogger(Store.__module__)
+    store_log.addHandler(handler)
+    store_log.setLevel(logging.DEBUG)
 
 
 def generate(store, node: str, start_ns: int, span_s: int, requests: int) -> None:
@@ -170,6 +183,7 @@ def main() -> int:
                              " and a minute, as an agent in steady state; the SLO windows reach back 6 h)")
     parser.add_argument("--baseline", metavar="REF", help="also time the live windows of the analytics as of this "
                                                          "git ref, window by window with this checkout's")
+    parser.add_argument("--queries", action="store_true", help="print each store call's elapsed time")
     parser.add_argument("--store", metavar="DIR", help="where to build the store (default: a temporary folder, "
                                                       "removed afterwards)")
     args = parser.parse_args()
@@ -177,6 +191,8 @@ def main() -> int:
         parser.error("--rows must be at least 1000")
     if args.live_rate < 1 or args.live_every < 1 or args.live_windows < 0 or args.live_history < 0:
         parser.error("--live-rate and --live-every must be positive, --live-windows and --live-history not negative")
+    if args.queries:
+        print_store_calls()
     directory = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="tokenprobe-bench-analytics-"))
     baseline_directory = Path(tempfile.mkdtemp(prefix="tokenprobe-bench-baseline-"))
     config = DEFAULT_CONFIG
@@ -208,7 +224,7 @@ def main() -> int:
         full_s = time.perf_counter() - analysis_started
         found = ", ".join(f"{port}: {knee.knee_concurrency}" for (_, port, _), knee in sorted(knees.items()))
         print(f"{len(calibrations)} calibrations, knees {{{found}}}, {len(cells)} matrix cells")
-        print(f"  {'full analysis':<34} {full_s:8.1f} s  {n / full_s:12,.0f} requests/s"
+        print(f"  {'full analysis':<34} {full_s:8.2f} s  {n / full_s:12,.0f} requests/s"
               f"  (10M requests: {10_000_000 * full_s / n:.1f} s at this rate)")
         if args.live_windows:
             print("live analysis (the agent's incremental windows, another node's servers):")
