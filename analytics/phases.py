@@ -141,9 +141,11 @@ def phase_summary(store: Store, analysed: TimeRange, scope: Scope) -> pd.DataFra
     """Per server and model: request count, p50 and p95 of every phase, stalls, prompt-size sources."""
     in_range, range_parameters = range_condition("req_start", "analysed", analysed)
     in_scope, scope_parameters = scope.condition()
+    # One sample per measure for both levels (a quantile() each would keep two); NULL without values, as
+    # quantile() gives.
     quantiles = ",\n           ".join(
-        f"quantile(0.5)({name}) AS {name}_p50, quantile(0.95)({name}) AS {name}_p95"
-        for name in PHASE_SUMMARY_MEASURES
+        f"if(count({name}) = 0, NULL, quantiles(0.5, 0.95)({name})[{index}]) AS {name}_{level}"
+        for name in PHASE_SUMMARY_MEASURES for index, level in ((1, "p50"), (2, "p95"))
     )
     return store.query_df(
         f"""SELECT node, server_port, model, count() AS requests,
