@@ -5,16 +5,18 @@ numbers()) in a fresh embedded store: four servers over a day, load rising
 and falling so that some requests arrive to an idle server (the prefill
 calibration needs them) and some queue; streams of 8 to 32 token events.
 Then times each analysis step on the whole day (``tokenprobe analyze`` over
-it) and prints seconds and rows/s, so a figure taken on fewer rows
+it) and prints seconds, CPU seconds (the process's, the store's threads
+included) and rows/s, so a figure taken on fewer rows
 extrapolates to the 10 million of a busy day (the target: 5 s for those).
+``--queries`` prints every store call's elapsed time (the store's DEBUG log)
+before the line of the step that made it.
 
 Then the live analysis (``analytics/live.py``): another node's four servers
 serve ``--live-rate`` requests/s (1000 by default) for ``--live-history``
 seconds and then ``--live-windows`` windows of ``--live-every`` seconds, and
 ``LiveAnalysis.run_once`` analyses
 each window as the agent would when it ends (the target: 100 ms a window at
-1000 requests/s). ``--queries`` prints every store call's elapsed time (the
-store's DEBUG log) before the line of the step that made it. The clock is the benchmark's, so no window waits for time
+1000 requests/s). The clock is the benchmark's, so no window waits for time
 to pass. With ``--baseline REF`` the analytics as of that git ref (loaded
 apart, as package ``tokenprobe_baseline``) analyse the same windows of the
 same store, each window by both in turn (alternating which goes first), so
@@ -35,6 +37,7 @@ import argparse
 import importlib
 import io
 import logging
+import resource
 import shutil
 import statistics
 import subprocess
@@ -110,11 +113,21 @@ FROM (
 """
 
 
+def process_cpu_s() -> float:
+    """CPU seconds of this process, the embedded store's threads (its background merges too) included:
+    steadier than wall time on a machine shared with other work."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def print_timing(label: str, rows: int, seconds: float, cpu_s: float, note: str = "") -> None:
+    print(f"  {label:<34} {seconds:8.2f} s {cpu_s:8.2f} CPU-s {rows / seconds:12,.0f} requests/s{note}", flush=True)
+
+
 def timed(label: str, rows: int, step) -> object:
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), process_cpu_s()
     result = step()
-    seconds = time.perf_counter() - started
-    print(f"  {label:<34} {seconds:8.2f} s  {rows / seconds:12,.0f} requests/s", flush=True)
+    print_timing(label, rows, time.perf_counter() - started, process_cpu_s() - cpu_started)
     return result
 
 
@@ -191,8 +204,6 @@ def main() -> int:
         parser.error("--rows must be at least 1000")
     if args.live_rate < 1 or args.live_every < 1 or args.live_windows < 0 or args.live_history < 0:
         parser.error("--live-rate and --live-every must be positive, --live-windows and --live-history not negative")
-    if args.queries:
-        print_store_calls()
     directory = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="tokenprobe-bench-analytics-"))
     baseline_directory = Path(tempfile.mkdtemp(prefix="tokenprobe-bench-baseline-"))
     config = DEFAULT_CONFIG
@@ -201,6 +212,8 @@ def main() -> int:
     store = open_store(f"chdb://{directory}", serve=False)
     try:
         store.ensure_schema()
+        if args.queries:
+            print_store_calls()
         n = args.rows
         print(f"{n:,} requests from {SERVERS} servers over {DAY_S // 3600} h, embedded store in {directory}")
         timed("generate (INSERT ... SELECT)", n, lambda: generate(store, FULL_NODE, analysed.start_ns, DAY_S, n))
@@ -210,7 +223,7 @@ def main() -> int:
                                  analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
         now_ns = time.time_ns()
         print(f"analysis over the day, windows of {window_s} s:")
-        analysis_started = time.perf_counter()
+        analysis_started, analysis_cpu_started = time.perf_counter(), process_cpu_s()
         calibrations = timed("prefill calibration", n, lambda: calibrate(store, phases_range, EVERYTHING,
                                                                          config.spans, now_ns))
         timed("phases (INSERT ... SELECT)", n, lambda: compute_phases(store, phases_range, calibrations,
@@ -221,11 +234,11 @@ def main() -> int:
             store, analysed, window_s, EVERYTHING, config.thresholds, server_capacities(knees, knees), now_ns))
         timed("SLO burn rates (last 6 h)", n, lambda: evaluate_slos(store, analysed.end_ns, config.objectives,
                                                                    EVERYTHING))
-        full_s = time.perf_counter() - analysis_started
+        full_s, full_cpu_s = time.perf_counter() - analysis_started, process_cpu_s() - analysis_cpu_started
         found = ", ".join(f"{port}: {knee.knee_concurrency}" for (_, port, _), knee in sorted(knees.items()))
         print(f"{len(calibrations)} calibrations, knees {{{found}}}, {len(cells)} matrix cells")
-        print(f"  {'full analysis':<34} {full_s:8.2f} s  {n / full_s:12,.0f} requests/s"
-              f"  (10M requests: {10_000_000 * full_s / n:.1f} s at this rate)")
+        print_timing("full analysis", n, full_s, full_cpu_s, f"  (10M requests: {10_000_000 * full_s / n:.1f} s,"
+                     f" {10_000_000 * full_cpu_s / n:.1f} CPU-s at this rate)")
         if args.live_windows:
             print("live analysis (the agent's incremental windows, another node's servers):")
             implementations = {"this checkout": LiveAnalysis}
