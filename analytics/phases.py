@@ -67,10 +67,8 @@ def _phase_expressions(thresholds: Thresholds) -> dict[str, str]:
         "ttft_client_ms": measures.TTFT_CLIENT_MS,
         "e2e_ms": measures.E2E_MS,
         "tpot_ms": measures.TPOT_MS,
-        "itl_p50_ms": "if(empty(itl), NULL, itl[1])",
-        "itl_p90_ms": "if(empty(itl), NULL, itl[2])",
-        "itl_p99_ms": "if(empty(itl), NULL, itl[3])",
-        "itl_max_ms": "if(empty(itl), NULL, itl[4])",
+        **{f"itl_{name}_ms": measures.itl_quantile_ms("sorted_gaps", level)
+           for name, level in measures.ITL_LEVELS.items()},
         "itl_gaps": "length(gaps)",
         "stalls": measures.stall_count("gaps", "sorted_gaps", factor=thresholds.stall_factor),
         "decode_rate_ratio": measures.decode_rate_ratio(thresholds.long_stream_events),
@@ -97,6 +95,9 @@ def compute_phases(store: Store, requests: TimeRange, calibrations: Mapping[Serv
         in_scope, scope_parameters = f"{in_scope} AND {only[0]}", {**scope_parameters, **only[1]}
     names = [column.name for column in REQUEST_PHASES_COLUMNS]
     select_list = ",\n    ".join(f"{expressions[name]} AS {name}" for name in names)
+    # optimize_on_insert = 0: the insert holds each request once, so the ReplacingMergeTree has nothing to
+    # collapse in it (a quarter of the insert's cost); a request's older rows go at merges, and every reader
+    # reads with FINAL.
     store.command(
         f"""INSERT INTO {store.table(REQUEST_PHASES_TABLE)} ({", ".join(names)})
 WITH calibrations AS (
@@ -117,13 +118,12 @@ WITH calibrations AS (
 SELECT
     {select_list}
 FROM (
-    SELECT *, {measures.ITL_GAPS_US} AS gaps, arraySort(gaps) AS sorted_gaps,
-        {measures.itl_quantiles_ms("sorted_gaps")} AS itl
+    SELECT *, {measures.ITL_GAPS_US} AS gaps, arraySort(gaps) AS sorted_gaps
     FROM {store.table(REQUESTS_TABLE)}
     WHERE {measures.IS_INFERENCE} AND {in_range} AND {in_scope}
 ) AS r
 LEFT JOIN calibrations AS c USING (node, server_port, model)
-SETTINGS join_use_nulls = 1""",
+SETTINGS join_use_nulls = 1, optimize_on_insert = 0""",
         {
             **range_parameters, **scope_parameters, "computed_at": now_ns,
             "calibration_ids": sorted(c.calibration_id for c in calibrations.values()),
@@ -141,9 +141,11 @@ def phase_summary(store: Store, analysed: TimeRange, scope: Scope) -> pd.DataFra
     """Per server and model: request count, p50 and p95 of every phase, stalls, prompt-size sources."""
     in_range, range_parameters = range_condition("req_start", "analysed", analysed)
     in_scope, scope_parameters = scope.condition()
+    # One sample per measure for both levels (a quantile() each would keep two); NULL without values, as
+    # quantile() gives.
     quantiles = ",\n           ".join(
-        f"quantile(0.5)({name}) AS {name}_p50, quantile(0.95)({name}) AS {name}_p95"
-        for name in PHASE_SUMMARY_MEASURES
+        f"if(count({name}) = 0, NULL, quantiles(0.5, 0.95)({name})[{index}]) AS {name}_{level}"
+        for name in PHASE_SUMMARY_MEASURES for index, level in ((1, "p50"), (2, "p95"))
     )
     return store.query_df(
         f"""SELECT node, server_port, model, count() AS requests,

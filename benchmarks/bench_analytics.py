@@ -5,8 +5,11 @@ numbers()) in a fresh embedded store: four servers over a day, load rising
 and falling so that some requests arrive to an idle server (the prefill
 calibration needs them) and some queue; streams of 8 to 32 token events.
 Then times each analysis step on the whole day (``tokenprobe analyze`` over
-it) and prints seconds and rows/s, so a figure taken on fewer rows
+it) and prints seconds, CPU seconds (the process's, the store's threads
+included) and rows/s, so a figure taken on fewer rows
 extrapolates to the 10 million of a busy day (the target: 5 s for those).
+``--queries`` prints every store call's elapsed time (the store's DEBUG log)
+before the line of the step that made it.
 
 Then the live analysis (``analytics/live.py``): another node's four servers
 serve ``--live-rate`` requests/s (1000 by default) for ``--live-history``
@@ -21,6 +24,7 @@ the two medians are taken under the same load.
 
     python benchmarks/bench_analytics.py                       # 1 million requests: CI's size
     python benchmarks/bench_analytics.py --rows 10000000       # a busy day
+    python benchmarks/bench_analytics.py --live-windows 0 --queries   # the full pass only, query by query
     python benchmarks/bench_analytics.py --live-history 21600 --baseline 884fb47   # SLO windows full, A/B
 
 Not a test: nothing is asserted. On a 2-core machine 10 million rows take
@@ -32,6 +36,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
+import logging
+import resource
 import shutil
 import statistics
 import subprocess
@@ -56,6 +62,7 @@ from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.slo import evaluate_slos
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+from tokenprobe.store.client import Store
 from tokenprobe.store.embedded import open_store
 
 SERVERS = 4
@@ -106,12 +113,31 @@ FROM (
 """
 
 
+def process_cpu_s() -> float:
+    """CPU seconds of this process, the embedded store's threads (its background merges too) included:
+    steadier than wall time on a machine shared with other work."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def print_timing(label: str, rows: int, seconds: float, cpu_s: float, note: str = "") -> None:
+    print(f"  {label:<34} {seconds:8.2f} s {cpu_s:8.2f} CPU-s {rows / seconds:12,.0f} requests/s{note}", flush=True)
+
+
 def timed(label: str, rows: int, step) -> object:
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), process_cpu_s()
     result = step()
-    seconds = time.perf_counter() - started
-    print(f"  {label:<34} {seconds:8.1f} s  {rows / seconds:12,.0f} requests/s", flush=True)
+    print_timing(label, rows, time.perf_counter() - started, process_cpu_s() - cpu_started)
     return result
+
+
+def print_store_calls() -> None:
+    """Every store call's elapsed time, as the store logs it at DEBUG, printed before the step's line."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("      %(message)s"))
+    store_log = logging.getLogger(Store.__module__)
+    store_log.addHandler(handler)
+    store_log.setLevel(logging.DEBUG)
 
 
 def generate(store, node: str, start_ns: int, span_s: int, requests: int) -> None:
@@ -170,6 +196,7 @@ def main() -> int:
                              " and a minute, as an agent in steady state; the SLO windows reach back 6 h)")
     parser.add_argument("--baseline", metavar="REF", help="also time the live windows of the analytics as of this "
                                                          "git ref, window by window with this checkout's")
+    parser.add_argument("--queries", action="store_true", help="print each store call's elapsed time")
     parser.add_argument("--store", metavar="DIR", help="where to build the store (default: a temporary folder, "
                                                       "removed afterwards)")
     args = parser.parse_args()
@@ -185,6 +212,8 @@ def main() -> int:
     store = open_store(f"chdb://{directory}", serve=False)
     try:
         store.ensure_schema()
+        if args.queries:
+            print_store_calls()
         n = args.rows
         print(f"{n:,} requests from {SERVERS} servers over {DAY_S // 3600} h, embedded store in {directory}")
         timed("generate (INSERT ... SELECT)", n, lambda: generate(store, FULL_NODE, analysed.start_ns, DAY_S, n))
@@ -194,7 +223,7 @@ def main() -> int:
                                  analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
         now_ns = time.time_ns()
         print(f"analysis over the day, windows of {window_s} s:")
-        analysis_started = time.perf_counter()
+        analysis_started, analysis_cpu_started = time.perf_counter(), process_cpu_s()
         calibrations = timed("prefill calibration", n, lambda: calibrate(store, phases_range, EVERYTHING,
                                                                          config.spans, now_ns))
         timed("phases (INSERT ... SELECT)", n, lambda: compute_phases(store, phases_range, calibrations,
@@ -205,11 +234,11 @@ def main() -> int:
             store, analysed, window_s, EVERYTHING, config.thresholds, server_capacities(knees, knees), now_ns))
         timed("SLO burn rates (last 6 h)", n, lambda: evaluate_slos(store, analysed.end_ns, config.objectives,
                                                                    EVERYTHING))
-        full_s = time.perf_counter() - analysis_started
+        full_s, full_cpu_s = time.perf_counter() - analysis_started, process_cpu_s() - analysis_cpu_started
         found = ", ".join(f"{port}: {knee.knee_concurrency}" for (_, port, _), knee in sorted(knees.items()))
         print(f"{len(calibrations)} calibrations, knees {{{found}}}, {len(cells)} matrix cells")
-        print(f"  {'full analysis':<34} {full_s:8.1f} s  {n / full_s:12,.0f} requests/s"
-              f"  (10M requests: {10_000_000 * full_s / n:.1f} s at this rate)")
+        print_timing("full analysis", n, full_s, full_cpu_s, f"  (10M requests: {10_000_000 * full_s / n:.1f} s,"
+                     f" {10_000_000 * full_cpu_s / n:.1f} CPU-s at this rate)")
         if args.live_windows:
             print("live analysis (the agent's incremental windows, another node's servers):")
             implementations = {"this checkout": LiveAnalysis}

@@ -204,11 +204,15 @@ def sorted_quantile(sorted_values: str, level: float) -> str:
     return f"{sorted_values}[toUInt32(floor({float(level)} * length({sorted_values}))) + 1]"
 
 
-def itl_quantiles_ms(sorted_gaps: str) -> str:
-    """[p50, p90, p99, max] of a request's gaps in ms, from its sorted gaps (µs); empty when it has none."""
-    quantiles = ", ".join(sorted_quantile(sorted_gaps, level) for level in (0.5, 0.9, 0.99))
-    return (f"if(empty({sorted_gaps}), CAST([] AS Array(Float64)), "
-            f"arrayMap(g -> g / 1000, [{quantiles}, arrayMax({sorted_gaps})]))")
+ITL_LEVELS = {"p50": 0.5, "p90": 0.9, "p99": 0.99, "max": None}  # None: the largest gap
+
+
+def itl_quantile_ms(sorted_gaps: str, level: float | None) -> str:
+    """A request's ITL quantile (``level``; None: the max) in ms from its sorted gaps (µs); NULL when it has none.
+
+    Each quantile is one element of the sorted array: no array of the four is built per request."""
+    element = f"{sorted_gaps}[-1]" if level is None else sorted_quantile(sorted_gaps, level)
+    return f"if(empty({sorted_gaps}), NULL, {element} / 1000)"
 
 
 def stall_count(gaps: str, sorted_gaps: str, factor: float = 5.0) -> str:

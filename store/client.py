@@ -10,7 +10,9 @@ nanosecond timestamps.
 from __future__ import annotations
 
 import logging
+import re
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +21,8 @@ import pyarrow as pa
 from clickhouse_connect.driver.exceptions import OperationalError
 
 logger = logging.getLogger(__name__)
+# At DEBUG, every call's elapsed time and the start of its statement: where an analysis spends its seconds.
+QUERY_LOG_CHARS = 160
 
 from ..contract.registry import MATERIALIZED_VIEWS, TABLES, create_statements
 from ..contract.requests import REQUESTS_TABLE
@@ -83,14 +87,19 @@ class Store:
         """The qualified name of ``name`` (``database.name`` unless it names a database already)."""
         return name if "." in name else f"{self.database}.{name}"
 
-    def _call(self, method: Callable, *args, **kwargs):
+    def _call(self, method: Callable, statement: str, *args, **kwargs):
         with self._lock:
             if self._closed:
                 raise StoreUnavailable(f"store {self.url} is closed")
+            started = time.perf_counter()
             try:
-                return method(*args, **kwargs)
+                return method(statement, *args, **kwargs)
             except OperationalError as error:
                 raise StoreUnavailable(f"store {self.url} is unreachable: {error}") from error
+            finally:
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("%7.3f s  %s %s", time.perf_counter() - started, method.__name__,
+                                 re.sub(r"\s+", " ", statement.strip())[:QUERY_LOG_CHARS])
 
     def command(self, sql: str, parameters: Mapping[str, Any] | None = None):
         """Run a statement; returns its (small) result as clickhouse-connect's command() does."""
