@@ -224,6 +224,8 @@ class LiveAnalysis:
         """This node's inference requests that ended in ``ended``, with its parameters, and the part of it
         that bounds ``req_start`` (the ranges ``starts`` lie in: what the primary keys narrow reads by)."""
         in_range, parameters = range_condition(measures.ENDED_AT, "ended", ended)
+        recent, recent_parameters = self._started_recently(ended)  # the ranges are whole seconds: cut to it
+        parameters.update(recent_parameters)
         ranges: list[list[int]] = []
         for second in sorted({second for seconds in starts.values() for second in seconds}):
             if ranges and second - ranges[-1][1] < START_GAP_S:
@@ -236,7 +238,7 @@ class LiveAnalysis:
                 "req_start", f"started_{index}", TimeRange(first * NS_PER_S, last * NS_PER_S))
             started.append(f"({condition})")
             parameters.update(range_parameters)
-        started_sql = f"({' OR '.join(started)})"
+        started_sql = f"{recent} AND ({' OR '.join(started)})"
         return (f"{measures.IS_INFERENCE} AND node = {{live_node:String}} AND {in_range} AND {started_sql}",
                 {**parameters, "live_node": self.node}, started_sql)
 
