@@ -17,7 +17,10 @@ each window as the agent would when it ends (the target: 100 ms a window at
 to pass. With ``--baseline REF`` the analytics as of that git ref (loaded
 apart, as package ``tokenprobe_baseline``) analyse the same windows of the
 same store, each window by both in turn (alternating which goes first), so
-the two medians are taken under the same load.
+the two medians are taken under the same load. Each prints median, p95 and
+max wall time and median CPU time per window (its first pass, which builds
+what the later ones keep, apart); ``--live-queries`` lists the store calls of
+the last window with their times.
 
     python benchmarks/bench_analytics.py                       # 1 million requests: CI's size
     python benchmarks/bench_analytics.py --rows 10000000       # a busy day
@@ -56,6 +59,7 @@ from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.slo import evaluate_slos
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+from tokenprobe.refserver.overload import percentile
 from tokenprobe.store.embedded import open_store
 
 SERVERS = 4
@@ -129,11 +133,33 @@ def baseline_live_analysis(ref: str, directory: Path) -> type:
     return importlib.import_module(f"{BASELINE_PACKAGE}.analytics.live").LiveAnalysis
 
 
+class QueryLog:
+    """Wraps a store's calls to time each one: which statements a live pass runs, and what each costs."""
+
+    CALLS = ("command", "query_df", "query_rows", "insert_arrow")
+
+    def __init__(self, store) -> None:
+        self.taken: list[tuple[str, float]] = []
+        for name in self.CALLS:
+            setattr(store, name, self._timed(getattr(store, name)))
+
+    def _timed(self, call):
+        def timed(statement, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return call(statement, *args, **kwargs)
+            finally:
+                self.taken.append((" ".join(str(statement).split())[:100], time.perf_counter() - started))
+        return timed
+
+
 def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, history_s: int,
-                 implementations: dict[str, type]) -> None:
+                 implementations: dict[str, type], show_queries: bool = False) -> None:
     """Time the live analysis of each of ``windows`` windows of ``rate`` requests/s, ending at ``end_ns``,
     after ``history_s`` of the same traffic (what a pass reads back: occupancy, calibration, SLO windows),
-    by each implementation in turn."""
+    by each implementation in turn: wall time, and CPU time (the process's, chDB's threads included:
+    less moved by other work on a shared machine). The first window of each is its first pass (it builds
+    what later passes keep) and is shown apart. ``show_queries``: each statement of the last window."""
     span_s = history_s + windows * every_s
     start_ns = end_ns - span_s * NS_PER_S
     timed(f"generate {rate:,} requests/s for {span_s} s", rate * span_s,
@@ -143,19 +169,33 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
     clock = [first_end_ns]
     passes = {name: live(store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
               for name, live in implementations.items()}
-    seconds: dict[str, list[float]] = {name: [] for name in passes}
+    queries = QueryLog(store) if show_queries else None
+    seconds: dict[str, list[tuple[float, float]]] = {name: [] for name in passes}
+    last_queries: dict[str, list[tuple[str, float]]] = {}
     for index in range(windows):
         clock[0] = first_end_ns + (index + 1) * window_ns
         names = list(passes) if index % 2 == 0 else list(reversed(passes))
         for name in names:
-            started = time.perf_counter()
+            if queries:
+                queries.taken = []
+            started, cpu_started = time.perf_counter(), time.process_time()
             passes[name].run_once()
-            seconds[name].append(time.perf_counter() - started)
+            seconds[name].append((time.perf_counter() - started, time.process_time() - cpu_started))
+            if queries:
+                last_queries[name] = queries.taken
     per_window = rate * every_s
-    print(f"  live windows of {every_s} s at {rate:,} requests/s ({per_window:,} requests each), {windows} windows:")
+    print(f"  live windows of {every_s} s at {rate:,} requests/s ({per_window:,} requests each), {windows} windows"
+          " (the first, each one's first pass, apart):")
     for name, taken in seconds.items():
-        print(f"    {name:<24} median {statistics.median(taken) * 1000:6.0f} ms, max {max(taken) * 1000:6.0f} ms,"
-              f" {per_window / statistics.median(taken):10,.0f} requests/s", flush=True)
+        (first_wall, first_cpu), later = taken[0], taken[1:] or taken
+        wall, cpu = [wall for wall, _ in later], [cpu for _, cpu in later]
+        print(f"    {name:<24} median {statistics.median(wall) * 1000:6.0f} ms, p95 {percentile(wall, 0.95) * 1000:6.0f} ms,"
+              f" max {max(wall) * 1000:6.0f} ms; CPU median {statistics.median(cpu) * 1000:6.0f} ms;"
+              f" first pass {first_wall:5.1f} s; {per_window / statistics.median(wall):10,.0f} requests/s", flush=True)
+    for name, taken in last_queries.items():
+        print(f"    {name}: {len(taken)} store calls in the last window, {sum(s for _, s in taken) * 1000:.0f} ms:")
+        for statement, spent in taken:
+            print(f"      {spent * 1000:7.1f} ms  {statement}")
 
 
 def main() -> int:
@@ -170,6 +210,8 @@ def main() -> int:
                              " and a minute, as an agent in steady state; the SLO windows reach back 6 h)")
     parser.add_argument("--baseline", metavar="REF", help="also time the live windows of the analytics as of this "
                                                          "git ref, window by window with this checkout's")
+    parser.add_argument("--live-queries", action="store_true",
+                        help="print each store call of the last live window, with its time")
     parser.add_argument("--store", metavar="DIR", help="where to build the store (default: a temporary folder, "
                                                       "removed afterwards)")
     args = parser.parse_args()
@@ -217,7 +259,7 @@ def main() -> int:
                 implementations[f"baseline ({args.baseline})"] = baseline_live_analysis(args.baseline,
                                                                                               baseline_directory)
             live_windows(store, end_ns, args.live_rate, args.live_every, args.live_windows, args.live_history,
-                         implementations)
+                         implementations, args.live_queries)
     finally:
         store.close()
         shutil.rmtree(baseline_directory, ignore_errors=True)
