@@ -40,6 +40,18 @@ def test_theil_sen_slope_is_the_median_of_the_pair_slopes_to_the_bit():
         assert theil_sen(size, ttft).slope == expected
 
 
+def test_theil_sen_refits_only_points_it_has_not_fitted():
+    rng = np.random.default_rng(6)
+    size = rng.uniform(16, 512, 300)
+    ttft = 20.0 + 0.1 * size + rng.normal(0, 0.3, 300)
+    fit = theil_sen(size, ttft)
+    assert theil_sen(size.copy(), ttft.copy()) is fit, "the same points: the kept fit"
+    moved = ttft.copy()
+    moved[-1] += 50.0  # one new idle arrival in place of the oldest
+    refit = theil_sen(size, moved)
+    assert refit is not fit and refit.n_outliers == fit.n_outliers + 1
+
+
 def test_theil_sen_without_spread_in_x_is_flat_at_the_median():
     fit = theil_sen(np.full(5, 300.0), np.array([10.0, 11.0, 12.0, 13.0, 100.0]))
     assert fit.slope == 0.0 and fit.intercept == 12.0
