@@ -88,9 +88,10 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
             slo_minutes: SloMinutes | None = None, summarize: bool = True) -> AnalysisReport:
     """Run every analysis over ``analysed`` and store the results (see the module docstring).
 
-    ``new_requests`` (a condition over the requests, with its parameters) narrows the phases computed to
-    those requests: an incremental pass (the live analysis) computes the phases of the requests new
-    since the last one, whose earlier neighbours, which the matrix also reads, have theirs already.
+    ``new_requests`` (a condition over the requests, with its parameters) narrows the phases computed, and
+    the servers and models calibrated for them, to those requests: an incremental pass (the live
+    analysis) computes the phases of the requests new since the last one, whose earlier neighbours,
+    which the matrix also reads, have theirs already.
     ``schema_ready``: the caller made sure of the schema (the agent, at start), so no DDL runs.
     ``slo_minutes``: the SLO counts of whole minutes an earlier pass took (``slo.SloMinutes``), reused.
     ``summarize=False`` leaves out the phase summary (a report for people; the live analysis has none).
@@ -104,7 +105,7 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     lead_s = matrix_lead_s(window_s, config.thresholds)
     first_window_ns = Windows(analysed, window_s, lead_s).base_ns
     phases_range = TimeRange(first_window_ns, analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
-    calibrations = calibrate(store, phases_range, scope, config.spans, now_ns)
+    calibrations = calibrate(store, phases_range, scope, config.spans, now_ns, only=new_requests)
     compute_phases(store, phases_range, calibrations, scope, config.thresholds, now_ns, only=new_requests)
     fitted = fit_knees(store, analysed, scope, config.spans, now_ns)
     knees = latest_found_knees(store, scope)  # this run's, where it found one, are the latest
