@@ -7,7 +7,11 @@ A pass:
 1. picks the inference requests of this node that *ended* since the last
    pass (a watermark on ``measures.ENDED_AT``, i.e. resp_end, else the last
    moment the row saw) and before ``now − settle_s`` (rows land in the store
-   a flush after they end);
+   a flush after they end). Where they lie in ``requests`` (sorted by start)
+   comes from ``request_ends`` (sorted by end, ``contract/ends.py``): the
+   seconds they started in, as a few ranges, so no pass reads the hour of
+   requests that could have been running; the first pass after the agent
+   starts reads ``requests`` itself (its rows may predate the view);
 2. re-analyses, with ``pipeline.analyze``, the windows of ``every_s``
    seconds (aligned to the epoch) from the one where the earliest of them
    started up to the settle point, for the servers they belong to only;
@@ -40,6 +44,7 @@ from typing import Protocol
 
 from ..contract import measures
 from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
+from ..contract.ends import REQUEST_ENDS_TABLE
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
@@ -57,6 +62,9 @@ DEFAULT_SETTLE_S = 3.0  # the request sink flushes every second; leave it two mo
 MAX_SPAN_S = 3600
 # How long a pass waits for the capture thread's snapshot (it looks every second).
 INFLIGHT_WAIT_S = 3.0
+# Starts of new requests closer than this (s) are read as one range of ``requests``; a long request that
+# started well before the rest gets a range of its own.
+START_GAP_S = 30
 # The phase columns outlets get for each request that ended in a pass.
 PHASE_COLUMNS = ("node", "server_port", "model", "conn_id", "req_seq", "req_end", "first_token",
                  "queue_ms", "prefill_ms")
@@ -121,6 +129,7 @@ class LiveAnalysis:
         self._inflight_wanted, self._inflight_ready = threading.Event(), threading.Event()
         self._stalled: set[tuple[str, int]] = set()  # servers not ok last pass: judged until they are
         self._failing = False
+        self._indexed = False  # whether request_ends holds every row a pass reads: not before the first
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -134,25 +143,27 @@ class LiveAnalysis:
             return None
         inflight = self._fresh_inflight(started_ns)
         ended = TimeRange(self.watermark_ns, until_ns)
-        new, parameters = self._ended_condition(ended)
-        servers = self.store.query_rows(
-            f"SELECT server_port, min(toUnixTimestamp64Nano(req_start)) FROM {self.store.table(REQUESTS_TABLE)}"
-            f" WHERE {new} GROUP BY server_port ORDER BY server_port", parameters)
+        starts = self._new_starts(ended)
         analysed = report = None
         cells, phases = [], []
-        if servers:
+        if starts:
             window_ns = self.every_s * NS_PER_S
-            earliest = max(min(int(start) for _, start in servers), until_ns - MAX_SPAN_S * NS_PER_S)
+            earliest = max(min(seconds[0] for seconds in starts.values()) * NS_PER_S,
+                           until_ns - MAX_SPAN_S * NS_PER_S)
             analysed = TimeRange(earliest // window_ns * window_ns, until_ns)
-            scope = Scope(tuple(Server(int(port), self.node) for port, _ in servers))
+            scope = Scope(tuple(Server(port, self.node) for port in starts))
+            new, parameters, started = self._ended_condition(ended, starts)
             # The agent made the schema when it started; the requests before these have their phases.
+            # computed_at is real time (the clock may be a test's), so a pass's rows replace older ones.
+            computed_ns = time.time_ns()
             report = analyze(self.store, analysed, window_s=self.every_s, scope=scope, config=self.config,
-                             new_requests=(new, parameters), schema_ready=True,
-                             slo_minutes=self.slo_minutes)
-            cells, phases = list(report.cells), self._ended_phases(ended, new, parameters)
+                             now_ns=computed_ns, new_requests=(new, parameters), schema_ready=True,
+                             slo_minutes=self.slo_minutes, summarize=False)
+            cells, phases = list(report.cells), self._ended_phases(started, parameters, computed_ns)
         if inflight is not None:
-            cells += self._judge_inflight(inflight, {(self.node, int(port)) for port, _ in servers}, until_ns)
+            cells += self._judge_inflight(inflight, {(self.node, port) for port in starts}, until_ns)
         self.watermark_ns = until_ns
+        self._indexed = True  # rows that end from now on are stored after the agent made the view
         if not cells:
             return None
         result = LivePass(analysed, report, cells, phases)
@@ -193,28 +204,59 @@ class LiveAnalysis:
         self._stalled = {(cell.node, cell.server_port) for cell in cells if cell.state != OK}
         return cells
 
-    def _ended_condition(self, ended: TimeRange) -> tuple[str, dict]:
-        """This node's inference requests that ended in ``ended`` (and started at most MAX_SPAN_S before)."""
+    def _new_starts(self, ended: TimeRange) -> dict[int, list[int]]:
+        """Per server of this node with inference requests that ended in ``ended`` (and started at most
+        MAX_SPAN_S before): the seconds (Unix) they started in, ascending."""
+        recent, parameters = self._started_recently(ended)
+        if self._indexed:
+            in_range, range_parameters = range_condition("ended_at", "ended", ended)
+            source = f"{self.store.table(REQUEST_ENDS_TABLE)} WHERE {in_range}"
+        else:
+            in_range, range_parameters = range_condition(measures.ENDED_AT, "ended", ended)
+            source = f"{self.store.table(REQUESTS_TABLE)} WHERE {measures.IS_INFERENCE} AND {in_range}"
+        rows = self.store.query_rows(
+            f"SELECT server_port, arraySort(groupUniqArray(intDiv(toUnixTimestamp64Nano(req_start), {NS_PER_S})))"
+            f" FROM {source} AND node = {{live_node:String}} AND {recent} GROUP BY server_port ORDER BY server_port",
+            {**parameters, **range_parameters, "live_node": self.node})
+        return {int(port): [int(second) for second in seconds] for port, seconds in rows}
+
+    def _ended_condition(self, ended: TimeRange, starts: dict[int, list[int]]) -> tuple[str, dict, str]:
+        """This node's inference requests that ended in ``ended``, with its parameters, and the part of it
+        that bounds ``req_start`` (the ranges ``starts`` lie in: what the primary keys narrow reads by)."""
         in_range, parameters = range_condition(measures.ENDED_AT, "ended", ended)
-        recent, recent_parameters = self._started_recently(ended)
-        return (f"{measures.IS_INFERENCE} AND node = {{live_node:String}} AND {in_range} AND {recent}",
-                {**parameters, **recent_parameters, "live_node": self.node})
+        recent, recent_parameters = self._started_recently(ended)  # the ranges are whole seconds: cut to it
+        parameters.update(recent_parameters)
+        ranges: list[list[int]] = []
+        for second in sorted({second for seconds in starts.values() for second in seconds}):
+            if ranges and second - ranges[-1][1] < START_GAP_S:
+                ranges[-1][1] = second + 1
+            else:
+                ranges.append([second, second + 1])
+        started = []
+        for index, (first, last) in enumerate(ranges):
+            condition, range_parameters = range_condition(
+                "req_start", f"started_{index}", TimeRange(first * NS_PER_S, last * NS_PER_S))
+            started.append(f"({condition})")
+            parameters.update(range_parameters)
+        started_sql = f"{recent} AND ({' OR '.join(started)})"
+        return (f"{measures.IS_INFERENCE} AND node = {{live_node:String}} AND {in_range} AND {started_sql}",
+                {**parameters, "live_node": self.node}, started_sql)
 
     @staticmethod
     def _started_recently(ended: TimeRange) -> tuple[str, dict]:
-        return range_condition("req_start", "started", ended.extended_back(MAX_SPAN_S))
+        return range_condition("req_start", "recent", ended.extended_back(MAX_SPAN_S))
 
-    def _ended_phases(self, ended: TimeRange, new: str, parameters: dict) -> list[dict]:
+    def _ended_phases(self, started: str, parameters: dict, computed_ns: int) -> list[dict]:
+        """The phases this pass computed: those of the requests that ended in it, the only rows it wrote
+        (``analyze(new_requests=)``), at ``computed_ns`` (newer than any other row of the same request)."""
         columns = ", ".join(
             f"toUnixTimestamp64Nano({name}) AS {name}" if name in ("req_end", "first_token") else name
             for name in PHASE_COLUMNS)
-        # The requests' start bound lets FINAL merge only the recent parts of request_phases.
-        started, _ = self._started_recently(ended)
         rows = self.store.query_rows(
-            f"""SELECT {columns} FROM {self.store.table(REQUEST_PHASES_TABLE)} FINAL
-                WHERE node = {{live_node:String}} AND {started} AND (server_port, conn_id, req_seq) IN (
-                    SELECT server_port, conn_id, req_seq FROM {self.store.table(REQUESTS_TABLE)} WHERE {new})
-                ORDER BY req_end""", parameters)
+            f"""SELECT {columns} FROM {self.store.table(REQUEST_PHASES_TABLE)}
+                WHERE node = {{live_node:String}} AND {started}
+                  AND computed_at = fromUnixTimestamp64Nano({{computed_at:Int64}}, 'UTC')
+                ORDER BY req_end""", {**parameters, "computed_at": computed_ns})
         return [dict(zip(PHASE_COLUMNS, row, strict=True)) for row in rows]
 
     def _publish(self, result: LivePass) -> None:

@@ -43,7 +43,7 @@ DEFAULT_SPAN_S = 3600
 class AnalysisReport:
     analysed: TimeRange
     window_s: int
-    phases: pd.DataFrame  # phase_summary: per server and model
+    phases: pd.DataFrame | None  # phase_summary: per server and model; None where not asked for (live passes)
     calibrations: dict[ServerModel, Calibration]
     knees: dict[ServerModel, Knee]  # the knee in use: this run's fit, else the latest one found before
     capacities: dict[tuple[str, int], Capacity]
@@ -85,14 +85,16 @@ def default_range(store: Store, scope: Scope) -> TimeRange | None:
 def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, scope: Scope = EVERYTHING,
             config: AnalyticsConfig = DEFAULT_CONFIG, now_ns: int | None = None,
             new_requests: tuple[str, dict] | None = None, schema_ready: bool = False,
-            slo_minutes: SloMinutes | None = None) -> AnalysisReport:
+            slo_minutes: SloMinutes | None = None, summarize: bool = True) -> AnalysisReport:
     """Run every analysis over ``analysed`` and store the results (see the module docstring).
 
-    ``new_requests`` (a condition over the requests, with its parameters) narrows the phases computed to
-    those requests: an incremental pass (the live analysis) computes the phases of the requests new
-    since the last one, whose earlier neighbours, which the matrix also reads, have theirs already.
+    ``new_requests`` (a condition over the requests, with its parameters) narrows the phases computed, and
+    the servers and models calibrated for them, to those requests: an incremental pass (the live
+    analysis) computes the phases of the requests new since the last one, whose earlier neighbours,
+    which the matrix also reads, have theirs already.
     ``schema_ready``: the caller made sure of the schema (the agent, at start), so no DDL runs.
     ``slo_minutes``: the SLO counts of whole minutes an earlier pass took (``slo.SloMinutes``), reused.
+    ``summarize=False`` leaves out the phase summary (a report for people; the live analysis has none).
     """
     now_ns = time.time_ns() if now_ns is None else now_ns
     window_s = window_s or auto_window_s(analysed)
@@ -103,15 +105,15 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     lead_s = matrix_lead_s(window_s, config.thresholds)
     first_window_ns = Windows(analysed, window_s, lead_s).base_ns
     phases_range = TimeRange(first_window_ns, analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
-    calibrations = calibrate(store, phases_range, scope, config.spans, now_ns)
+    calibrations = calibrate(store, phases_range, scope, config.spans, now_ns, only=new_requests)
     compute_phases(store, phases_range, calibrations, scope, config.thresholds, now_ns, only=new_requests)
     fitted = fit_knees(store, analysed, scope, config.spans, now_ns)
     knees = latest_found_knees(store, scope)  # this run's, where it found one, are the latest
     capacities = server_capacities(knees, fitted)
     cells = compute_matrix(store, analysed, window_s, scope, config.thresholds, capacities, now_ns)
     slos = evaluate_slos(store, analysed.end_ns, config.objectives, scope, slo_minutes)
-    return AnalysisReport(analysed, window_s, phase_summary(store, analysed, scope), calibrations, knees,
-                          capacities, cells, slos)
+    summary = phase_summary(store, analysed, scope) if summarize else None
+    return AnalysisReport(analysed, window_s, summary, calibrations, knees, capacities, cells, slos)
 
 
 def server_capacities(knees: Mapping[ServerModel, Knee],

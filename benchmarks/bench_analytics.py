@@ -20,7 +20,10 @@ each window as the agent would when it ends (the target: 100 ms a window at
 to pass. With ``--baseline REF`` the analytics as of that git ref (loaded
 apart, as package ``tokenprobe_baseline``) analyse the same windows of the
 same store, each window by both in turn (alternating which goes first), so
-the two medians are taken under the same load.
+the two medians are taken under the same load. Each prints median, p95 and
+max wall time and median CPU time per window (its first pass, which builds
+what the later ones keep, apart); ``--live-queries`` lists the store calls of
+the last window with their times.
 
     python benchmarks/bench_analytics.py                       # 1 million requests: CI's size
     python benchmarks/bench_analytics.py --rows 10000000       # a busy day
@@ -62,6 +65,7 @@ from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.slo import evaluate_slos
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+from tokenprobe.refserver.overload import percentile
 from tokenprobe.store.client import Store
 from tokenprobe.store.embedded import open_store
 
@@ -131,10 +135,8 @@ def timed(label: str, rows: int, step) -> object:
     return result
 
 
-def print_store_calls() -> None:
-    """Every store call's elapsed time, as the store logs it at DEBUG, printed before the step's line."""
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("      %(message)s"))
+def log_store_calls(handler: logging.Handler) -> None:
+    """Every store call's elapsed time, as the store logs it at DEBUG, goes to ``handler``."""
     store_log = logging.getLogger(Store.__module__)
     store_log.addHandler(handler)
     store_log.setLevel(logging.DEBUG)
@@ -155,11 +157,25 @@ def baseline_live_analysis(ref: str, directory: Path) -> type:
     return importlib.import_module(f"{BASELINE_PACKAGE}.analytics.live").LiveAnalysis
 
 
+class CollectedCalls(logging.Handler):
+    """The store calls a stretch of work made, as the store logs them at DEBUG: (statement, seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.taken: list[tuple[str, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        seconds, _, statement = record.getMessage().strip().partition(" s  ")
+        self.taken.append((statement[:100], float(seconds)))
+
+
 def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, history_s: int,
-                 implementations: dict[str, type]) -> None:
+                 implementations: dict[str, type], show_queries: bool = False) -> None:
     """Time the live analysis of each of ``windows`` windows of ``rate`` requests/s, ending at ``end_ns``,
     after ``history_s`` of the same traffic (what a pass reads back: occupancy, calibration, SLO windows),
-    by each implementation in turn."""
+    by each implementation in turn: wall time, and CPU time (the process's, chDB's threads included:
+    less moved by other work on a shared machine). The first window of each is its first pass (it builds
+    what later passes keep) and is shown apart. ``show_queries``: each statement of the last window."""
     span_s = history_s + windows * every_s
     start_ns = end_ns - span_s * NS_PER_S
     timed(f"generate {rate:,} requests/s for {span_s} s", rate * span_s,
@@ -169,19 +185,36 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
     clock = [first_end_ns]
     passes = {name: live(store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
               for name, live in implementations.items()}
-    seconds: dict[str, list[float]] = {name: [] for name in passes}
+    queries = CollectedCalls() if show_queries else None
+    if queries:
+        log_store_calls(queries)
+    seconds: dict[str, list[tuple[float, float]]] = {name: [] for name in passes}
+    last_queries: dict[str, list[tuple[str, float]]] = {}
     for index in range(windows):
         clock[0] = first_end_ns + (index + 1) * window_ns
         names = list(passes) if index % 2 == 0 else list(reversed(passes))
         for name in names:
-            started = time.perf_counter()
+            if queries:
+                queries.taken = []
+            started, cpu_started = time.perf_counter(), time.process_time()
             passes[name].run_once()
-            seconds[name].append(time.perf_counter() - started)
+            seconds[name].append((time.perf_counter() - started, time.process_time() - cpu_started))
+            if queries:
+                last_queries[name] = queries.taken
     per_window = rate * every_s
-    print(f"  live windows of {every_s} s at {rate:,} requests/s ({per_window:,} requests each), {windows} windows:")
+    print(f"  live windows of {every_s} s at {rate:,} requests/s ({per_window:,} requests each), {windows} windows"
+          " (the first, each one's first pass, apart):")
     for name, taken in seconds.items():
-        print(f"    {name:<24} median {statistics.median(taken) * 1000:6.0f} ms, max {max(taken) * 1000:6.0f} ms,"
-              f" {per_window / statistics.median(taken):10,.0f} requests/s", flush=True)
+        (first_wall, first_cpu), later = taken[0], taken[1:] or taken
+        wall, cpu = [wall for wall, _ in later], [cpu for _, cpu in later]
+        print(f"    {name:<24} median {statistics.median(wall) * 1000:6.0f} ms,"
+              f" p95 {percentile(wall, 0.95) * 1000:6.0f} ms, max {max(wall) * 1000:6.0f} ms;"
+              f" CPU median {statistics.median(cpu) * 1000:6.0f} ms; first pass {first_wall:5.1f} s"
+              f" (CPU {first_cpu:5.1f} s); {per_window / statistics.median(wall):10,.0f} requests/s", flush=True)
+    for name, taken in last_queries.items():
+        print(f"    {name}: {len(taken)} store calls in the last window, {sum(s for _, s in taken) * 1000:.0f} ms:")
+        for statement, spent in taken:
+            print(f"      {spent * 1000:7.1f} ms  {statement}")
 
 
 def main() -> int:
@@ -197,6 +230,8 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="REF", help="also time the live windows of the analytics as of this "
                                                          "git ref, window by window with this checkout's")
     parser.add_argument("--queries", action="store_true", help="print each store call's elapsed time")
+    parser.add_argument("--live-queries", action="store_true",
+                        help="print each store call of the last live window, with its time")
     parser.add_argument("--store", metavar="DIR", help="where to build the store (default: a temporary folder, "
                                                       "removed afterwards)")
     args = parser.parse_args()
@@ -212,8 +247,10 @@ def main() -> int:
     store = open_store(f"chdb://{directory}", serve=False)
     try:
         store.ensure_schema()
-        if args.queries:
-            print_store_calls()
+        if args.queries:  # printed before the line of the step that made them
+            printed = logging.StreamHandler(sys.stdout)
+            printed.setFormatter(logging.Formatter("      %(message)s"))
+            log_store_calls(printed)
         n = args.rows
         print(f"{n:,} requests from {SERVERS} servers over {DAY_S // 3600} h, embedded store in {directory}")
         timed("generate (INSERT ... SELECT)", n, lambda: generate(store, FULL_NODE, analysed.start_ns, DAY_S, n))
@@ -246,7 +283,7 @@ def main() -> int:
                 implementations[f"baseline ({args.baseline})"] = baseline_live_analysis(args.baseline,
                                                                                               baseline_directory)
             live_windows(store, end_ns, args.live_rate, args.live_every, args.live_windows, args.live_history,
-                         implementations)
+                         implementations, args.live_queries)
     finally:
         store.close()
         shutil.rmtree(baseline_directory, ignore_errors=True)

@@ -16,6 +16,7 @@ from .analysis import (
     SLO_STATUS,
 )
 from .decisions import DECISIONS
+from .ends import REQUEST_ENDS, REQUEST_ENDS_MV
 from .inflight import INFLIGHT_SAMPLES
 from .requests import REQUESTS
 from .rollup import KNEE_ROLLUP, KNEE_ROLLUP_MV, ROLLUP, ROLLUP_MV
@@ -36,9 +37,10 @@ TABLES: tuple[Table, ...] = (
     DECISIONS,
     ROLLUP,
     KNEE_ROLLUP,
+    REQUEST_ENDS,
 )
 # Created after every table: a materialized view needs the tables it reads and writes.
-MATERIALIZED_VIEWS: tuple[View, ...] = (ROLLUP_MV, KNEE_ROLLUP_MV)
+MATERIALIZED_VIEWS: tuple[View, ...] = (ROLLUP_MV, KNEE_ROLLUP_MV, REQUEST_ENDS_MV)
 
 
 def create_statements(database: str = DEFAULT_DATABASE, ttl_days: int = DEFAULT_TTL_DAYS) -> list[str]:

@@ -28,6 +28,30 @@ def test_theil_sen_recovers_a_line_despite_gross_outliers():
     assert fit.mad < 1.0
 
 
+def test_theil_sen_slope_is_the_median_of_the_pair_slopes_to_the_bit():
+    rng = np.random.default_rng(5)
+    for points in (2, 3, 4, 7, 50, 201):  # odd and even pair counts, and sizes that repeat (pairs left out)
+        size = rng.integers(16, 40, points).astype(np.float64)
+        ttft = 20.0 + 0.1 * size + rng.normal(0, 5, points)
+        i, j = np.triu_indices(points, k=1)
+        distinct = size[j] != size[i]
+        slopes = (ttft[j] - ttft[i])[distinct] / (size[j] - size[i])[distinct]
+        expected = float(np.median(slopes)) if len(slopes) else 0.0
+        assert theil_sen(size, ttft).slope == expected
+
+
+def test_theil_sen_refits_only_points_it_has_not_fitted():
+    rng = np.random.default_rng(6)
+    size = rng.uniform(16, 512, 300)
+    ttft = 20.0 + 0.1 * size + rng.normal(0, 0.3, 300)
+    fit = theil_sen(size, ttft)
+    assert theil_sen(size.copy(), ttft.copy()) is fit, "the same points: the kept fit"
+    moved = ttft.copy()
+    moved[-1] += 50.0  # one new idle arrival in place of the oldest
+    refit = theil_sen(size, moved)
+    assert refit is not fit and refit.n_outliers == fit.n_outliers + 1
+
+
 def test_theil_sen_without_spread_in_x_is_flat_at_the_median():
     fit = theil_sen(np.full(5, 300.0), np.array([10.0, 11.0, 12.0, 13.0, 100.0]))
     assert fit.slope == 0.0 and fit.intercept == 12.0

@@ -159,3 +159,42 @@ def test_bad_windows_are_refused():
         LiveAnalysis(None, NODE, every_s=0)
     with pytest.raises(ValueError, match="whole number of seconds"):
         LiveAnalysis(None, NODE, every_s=2.5)
+
+
+def long_stream(row: dict, conn_id: int, started_before_s: int) -> dict:
+    """``row`` as a stream that started ``started_before_s`` earlier and stalled after its first token,
+    ending when ``row`` ends: a request whose start lies far before the other requests of its window."""
+    shift_ns = started_before_s * NS_PER_S
+    offsets = [offset + shift_ns // 1000 if index else offset for index, offset in enumerate(row["token_offsets_us"])]
+    moved = {name: row[name] - shift_ns for name in ("accept_ts", "req_start", "req_end", "resp_start", "first_token")}
+    return {**row, **moved, "conn_id": conn_id, "token_offsets_us": offsets}
+
+
+def test_a_pass_finds_requests_by_their_end_through_the_index_as_a_search_does(store):
+    store, _ = store
+    node = "long-node"  # beside the module's nodes, which the other tests count
+    rows = [request.row for request in simulate(SERVER, [LoadPhase(90, 4.0)], start_ns=START_NS, node=node,
+                                                 port=8000, seed=3)]
+    ending = next(row for row in rows if START_NS + 2 * WINDOW_NS < row["resp_end"] < START_NS + 3 * WINDOW_NS)
+    stream = long_stream(ending, 10**6, started_before_s=1200)
+    store.insert_rows("requests", [*rows, stream])
+
+    def window_keys(live: LiveAnalysis, window: int) -> list[tuple]:
+        clock.now_ns = START_NS + (window + 1) * WINDOW_NS + int(SETTLE_S * NS_PER_S)
+        return sorted((phase["conn_id"], phase["req_seq"]) for phase in live.run_once().phases)
+
+    clock = Clock(START_NS)
+    indexed = LiveAnalysis(store, node, every_s=EVERY_S, settle_s=SETTLE_S, clock_ns=clock)
+    indexed.watermark_ns = START_NS
+    window_keys(indexed, 1)  # the first pass reads requests; the next ones request_ends
+    from_index = window_keys(indexed, 2)
+    searching = LiveAnalysis(store, node, every_s=EVERY_S, settle_s=SETTLE_S, clock_ns=clock)
+    searching.watermark_ns = indexed.watermark_ns - WINDOW_NS
+    assert window_keys(searching, 2) == from_index
+    ended = [(row["conn_id"], row["req_seq"]) for row in rows + [stream]
+             if START_NS + 2 * WINDOW_NS <= row["resp_end"] < START_NS + 3 * WINDOW_NS]
+    assert from_index == sorted(ended) and (stream["conn_id"], 0) in from_index
+    stored = store.query_rows("SELECT ttft_server_ms FROM tokenprobe.request_phases FINAL"
+                              " WHERE node = {node:String} AND conn_id = {conn:UInt64}",
+                              {"node": node, "conn": stream["conn_id"]})
+    assert stored and stored[0][0] is not None, "the long stream, 20 min before the rest, has its phases"

@@ -401,6 +401,19 @@ ORDER BY (minute, node, server_port, model, concurrency)
 TTL toDateTime(minute) + INTERVAL 30 DAY
 SETTINGS non_replicated_deduplication_window = 1000;
 
+CREATE TABLE IF NOT EXISTS tokenprobe.request_ends_local ON CLUSTER '{cluster}'
+(
+    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `ended_at` DateTime64(9, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
+    `server_port` UInt16 CODEC(T64, ZSTD(1)),
+    `req_start` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1))
+)
+ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+PARTITION BY toDate(ended_at)
+ORDER BY (node, ended_at)
+TTL toDateTime(ended_at) + INTERVAL 30 DAY
+SETTINGS non_replicated_deduplication_window = 1000;
+
 CREATE TABLE IF NOT EXISTS tokenprobe.requests ON CLUSTER '{cluster}'
 AS tokenprobe.requests_local
 ENGINE = Distributed('{cluster}', tokenprobe, requests_local, cityHash64(node));
@@ -453,6 +466,10 @@ CREATE TABLE IF NOT EXISTS tokenprobe.request_ttft_by_concurrency ON CLUSTER '{c
 AS tokenprobe.request_ttft_by_concurrency_local
 ENGINE = Distributed('{cluster}', tokenprobe, request_ttft_by_concurrency_local, cityHash64(node));
 
+CREATE TABLE IF NOT EXISTS tokenprobe.request_ends ON CLUSTER '{cluster}'
+AS tokenprobe.request_ends_local
+ENGINE = Distributed('{cluster}', tokenprobe, request_ends_local, cityHash64(node));
+
 CREATE MATERIALIZED VIEW IF NOT EXISTS tokenprobe.request_latency_bands_mv ON CLUSTER '{cluster}' TO tokenprobe.request_latency_bands_local AS
 SELECT
     toStartOfMinute(toDateTime(req_start, 'UTC')) AS minute,
@@ -477,6 +494,12 @@ SELECT
 FROM tokenprobe.requests_local
 GROUP BY minute, node, server_port, model, concurrency
 COMMENT 'tokenprobe definition 9562645c7dc7a732';
+
+CREATE MATERIALIZED VIEW IF NOT EXISTS tokenprobe.request_ends_mv ON CLUSTER '{cluster}' TO tokenprobe.request_ends_local AS
+SELECT node, assumeNotNull(coalesce(resp_end, last_token, first_token, resp_start, req_end, req_start)) AS ended_at, server_port, req_start
+FROM tokenprobe.requests_local
+WHERE method = 'POST'
+COMMENT 'tokenprobe definition 8c3e5ea460b25745';
 
 CREATE VIEW IF NOT EXISTS tokenprobe.request_gpu_state_local ON CLUSTER '{cluster}' AS
 WITH
