@@ -468,19 +468,26 @@ def test_one_slot_queues_requests_in_order(tmp_path: Path) -> None:
     assert snapshot.completed == 3 and snapshot.waiting == 0 and snapshot.generation_tokens_total == 36
 
 
-def test_a_kv_cache_sized_to_the_slots_fills_with_load(tmp_path: Path) -> None:
-    """The simulated vLLM gauge the controller's matrix reads rises with the batch, before anything queues."""
+def engine_gauge(port: int, name: str) -> float:
+    """One series' value on the server's simulated vLLM /metrics page."""
     from tokenprobe.agent.sampling.prom_text import parse_exposition
 
-    def kv_usage(port: int) -> float:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=IO_TIMEOUT_S)
-        try:
-            connection.request("GET", "/metrics")
-            page = parse_exposition(connection.getresponse().read().decode())
-        finally:
-            connection.close()
-        (gauge,) = page.series_by_name()["vllm:kv_cache_usage_perc"]
-        return gauge.value
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=IO_TIMEOUT_S)
+    try:
+        connection.request("GET", "/metrics")
+        page = parse_exposition(connection.getresponse().read().decode())
+    finally:
+        connection.close()
+    (series,) = page.series_by_name()[name]
+    return series.value
+
+
+def kv_usage(port: int) -> float:
+    return engine_gauge(port, "vllm:kv_cache_usage_perc")
+
+
+def test_a_kv_cache_sized_to_the_slots_fills_with_load(tmp_path: Path) -> None:
+    """The simulated vLLM gauge the controller's matrix reads rises with the batch, before anything queues."""
 
     config = ServerConfig(engine=EngineTiming(slots=2, prefill_base_ms=5.0, prefill_ms_per_token=0.0, decode_ms=20.0),
                           simulated_metrics=True, kv_cache_blocks=2)
@@ -501,10 +508,21 @@ def test_a_kv_cache_sized_to_the_slots_fills_with_load(tmp_path: Path) -> None:
 def test_a_full_kv_cache_preempts_the_request_admitted_last_which_recomputes(tmp_path: Path) -> None:
     """vLLM's recompute preemption: two streams that together outgrow the cache both finish, the one
     admitted last after giving up its blocks, requeueing and recomputing its prompt and tokens so far."""
-    with make_server(tmp_path, slots=2, decode_ms=10.0, prefill_ms_per_token=1.0, kv_cache_blocks=6) as server:
-        run_concurrently(2, lambda _: stream_ttft(server.port, chat_body(60)))
-        first, last = sorted(read_truth(server, 2), key=lambda r: r["slot_ns"])
+    config = ServerConfig(engine=EngineTiming(slots=2, prefill_base_ms=5.0, prefill_ms_per_token=1.0, decode_ms=10.0,
+                                              kv_cache_blocks=6),
+                          truth_log=tmp_path / "truth.jsonl", simulated_metrics=True)
+    with ReferenceServer(config) as server:
+        streams = threading.Thread(target=run_concurrently, args=(2, lambda _: stream_ttft(server.port, chat_body(60))))
+        streams.start()
+        usage = []
+        while streams.is_alive():
+            usage.append(kv_usage(server.port))  # the page reports the blocks in use, as they are
+            time.sleep(0.02)
+        streams.join()
+        completions = [r for r in read_truth(server, 2 + len(usage)) if r["path"] in COMPLETION_PATHS]
+        first, last = sorted(completions, key=lambda r: r["slot_ns"])
         snapshot = server.snapshot()
+        preemptions = engine_gauge(server.port, "vllm:num_preemptions_total")
     assert first["preemptions"] == 0 and last["preemptions"] == 1
     assert first["completion_tokens"] == last["completion_tokens"] == 60
     # Preempted when the cache filled, it waited for the first to finish, then recomputed every token it held.
@@ -515,6 +533,13 @@ def test_a_full_kv_cache_preempts_the_request_admitted_last_which_recomputes(tmp
     assert resumed_at >= first["token_ns"][-1] + (5.0 + held * 1.0) * 1e6
     assert stalled_at < first["token_ns"][-1]
     assert snapshot.preemptions_total == 1 and snapshot.kv_blocks_used == 0 and snapshot.kv_blocks_total == 6
+    assert preemptions == 1.0 and max(usage) == 1.0
+    assert all(round(u * 6, 9).is_integer() for u in usage), usage  # whole blocks of the 6, never the coarse model
+
+
+def test_a_bounded_engine_cache_is_not_also_given_a_gauge_size() -> None:
+    with pytest.raises(ValueError, match="reported as it is"):
+        ServerConfig(engine=EngineTiming(kv_cache_blocks=6), kv_cache_blocks=6)
 
 
 def test_a_request_the_whole_kv_cache_cannot_hold_is_refused(tmp_path: Path) -> None:
