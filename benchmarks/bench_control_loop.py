@@ -65,6 +65,7 @@ from tokenprobe.refserver.overload import (
 
 REJECTED = (429, 503)  # the gateway's answers: turned away on purpose, not failed
 SETTLE_S = 1.5  # the loop decides a window this long after it ends
+COLUMN = 30  # characters a side's column takes
 NORMAL = {"light": 1.0, "heavy": 1.0}
 # The retry storm's clients: the same SDK for every tenant, in every phase.
 RETRYING = {"retries": 4, "timeout_s": 6.0}
@@ -146,15 +147,22 @@ def broken(record: RequestRecord) -> bool:
         and (record.ttft_ns is None or record.ttft_ns / 1e9 > TTFT_OBJECTIVE_S)
 
 
+def answer(record: RequestRecord) -> str:
+    """The status, or how the exchange failed when no whole answer came (a 200 whose stream timed out)."""
+    if record.error and record.status in (0, 200):
+        return record.error.split(":")[0]
+    return str(record.status)
+
+
 def phase_figures(phase: Phase) -> dict:
     records = phase.records
     served = served_ttfts(records)
-    statuses: dict[int, int] = {}
+    answers: dict[str, int] = {}
     for r in records:
-        statuses[r.status] = statuses.get(r.status, 0) + 1
+        answers[answer(r)] = answers.get(answer(r), 0) + 1
     return {
         "requests": len(records),
-        "answers": ", ".join(f"{n}×{status or 'none'}" for status, n in sorted(statuses.items())),
+        "answers": ", ".join(f"{n}×{name}" for name, n in sorted(answers.items())),
         "TTFT p50 s": percentile(served, 0.5),
         "TTFT p99 s": percentile(served, 0.99),
         "goodput/s": sum(1 for t in served if t <= TTFT_OBJECTIVE_S) / phase.seconds,
@@ -235,17 +243,18 @@ def report(scenario: Scenario, sides: dict[str, Side]) -> None:
     print(f"\n== {scenario.name}: {scenario.slots} slots, {DECODE_MS:g} ms a token, {kv}; "
           f"TTFT objective {TTFT_OBJECTIVE_S:g} s; phases "
           + ", ".join(f"{name} {seconds:g} s" for name, seconds, _ in scenario.phases))
-    header = "".join(f" {name:>16}" for name in sides)
+    header = "".join(f" {name:>{COLUMN}}" for name in sides)
     print(f"{'phase':<9} {'figure':<14}" + header)
     tables = {name: [phase_figures(phase) for phase in side.phases] for name, side in sides.items()}
     for index, (phase_name, _, _) in enumerate(scenario.phases):
         for key in tables["uncontained"][index]:
-            print(f"{phase_name:<9} {key:<14}" + "".join(f" {_show(table[index][key]):>16}"
+            print(f"{phase_name:<9} {key:<14}" + "".join(f" {_show(table[index][key]):>{COLUMN}}"
                                                         for table in tables.values()))
     uncontained_crossed = side_figures(sides["uncontained"], None)["TTFT>SLO at s"]
     summaries = {name: side_figures(side, uncontained_crossed) for name, side in sides.items()}
     for key in summaries["uncontained"]:
-        print(f"{'overload+':<9} {key:<14}" + "".join(f" {_show(summary[key]):>16}" for summary in summaries.values()))
+        print(f"{'overload+':<9} {key:<14}" + "".join(f" {_show(summary[key]):>{COLUMN}}"
+                                                     for summary in summaries.values()))
     for name, side in sides.items():
         first, _ = first_decision(side)
         if first is not None:

@@ -2,7 +2,8 @@
 
 A reference server with 2 slots at 20 ms a token (about 24 tokens a request:
 ~0.5 s a slot, so it sustains ~4 requests/s), tenants sending open-loop
-Poisson load with their id in the x-tenant-id header, and a controller policy
+Poisson load with their id in the x-tenant-id header (``TenantLoad``: a rate,
+ramping or not, a request shape, retries), and a controller policy
 on short windows so the scenario fits in a couple of minutes. Its simulated
 KV cache holds about what the two slots do (``KV_CACHE_BLOCKS``), so the
 engine's gauge fills with the batch as a vLLM's would, and the agent's live
@@ -50,9 +51,11 @@ def load(port: int, tenant: str, shape: TenantLoad, seconds: float, seed: int) -
                                max_connections=256))
 
 
-def load_together(port: int, seconds: float, tenants: dict[str, float | TenantLoad], seed: int) -> dict[str, LoadResult]:
+def load_together(port: int, seconds: float, tenants: dict[str, float | TenantLoad],
+                  seed: int) -> dict[str, LoadResult]:
     """Each tenant's open-loop load at once, for `seconds`; a bare number is a rate of the default shape."""
-    shapes = {tenant: shape if isinstance(shape, TenantLoad) else TenantLoad(shape) for tenant, shape in tenants.items()}
+    shapes = {tenant: shape if isinstance(shape, TenantLoad) else TenantLoad(shape)
+              for tenant, shape in tenants.items()}
     with ThreadPoolExecutor(len(shapes)) as pool:
         futures = {tenant: pool.submit(load, port, tenant, shape, seconds, seed + i)
                    for i, (tenant, shape) in enumerate(sorted(shapes.items()))}
