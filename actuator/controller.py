@@ -52,7 +52,12 @@ token are seen as they fill. ``signals="ttft"`` is the policy above alone.
 - ``retry_storm`` warn or crit: every budget rejects rather than delays
   (a held request times out at its client and comes back as a retry), and
   its Retry-After is spread over ``retry_jitter_s`` so the rejected clients
-  back off apart instead of returning in step.
+  back off apart instead of returning in step. On a server under capacity
+  with healthy latency (``Pressure.NORMAL``) a retry storm neither cuts nor
+  holds: the server absorbs the retries, and the indicator looks back a
+  minute; holding budgets there would keep rejecting clients that retry on
+  a 429 at once, and their retries, admitted, would keep the storm lit long
+  after the overload that caused it.
 - ``inflight_stall`` crit (requests in flight silent for its crit time):
   the breaker opens at once, closed or probing (see ``breaker``): a jammed
   server ends nothing, so no TTFT ever shows it, and every request admitted
@@ -161,9 +166,11 @@ def matrix_signals(window: WindowFigures, policy: ControllerPolicy) -> MatrixSig
     if policy.signals == TTFT_SIGNALS:
         return MatrixSignals()
     readings = window.indicators
-    demand = [_reading_evidence(readings[name]) for name in DEMAND_INDICATORS
+    absorbed = _health(window).pressure(policy.breaker) == Pressure.NORMAL
+    budgeting = [name for name in DEMAND_INDICATORS if not (name == RETRY_STORM and absorbed)]
+    demand = [_reading_evidence(readings[name]) for name in budgeting
               if name in readings and readings[name].state == CRIT]
-    hold = [_reading_evidence(readings[name]) for name in (*DEMAND_INDICATORS, STALL)
+    hold = [_reading_evidence(readings[name]) for name in (*budgeting, STALL)
             if name in readings and readings[name].state == WARN]
     if QUEUE_WAIT in readings:
         hold.append(_reading_evidence(readings[QUEUE_WAIT]))
