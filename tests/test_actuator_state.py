@@ -667,6 +667,21 @@ def test_a_growing_in_flight_queue_is_a_demand_signal_a_steady_one_is_not():
     assert evidence_of(budget)[QUEUE_GROWTH] == (9, pytest.approx(3.75))
 
 
+def test_a_long_queue_wait_holds_budgets_only_where_the_server_is_not_healthy():
+    """queue_wait_p95's thresholds are absolute: a small server queues past them at healthy load, and
+    holding there would keep an overload's budgets in force for good."""
+    controller = Controller(ControllerPolicy(window_s=5.0))
+    long_waits = IndicatorReading("queue_wait_p95", "warn", 300.0, 120.0)
+    [tightened] = controller.decide(figures(T0 + 5, HEALTHY, USAGE, lit=(KV_CRIT,)))
+    used = {"heavy": int(tightened.action.tokens_per_second * 5)}
+    unknown = UpstreamWindow(3.0, 0.5, None, None, 0.5)  # no knee or baseline: only the matrix to go by
+    assert controller.decide(figures(T0 + 10, unknown, used, lit=(long_waits,))) == []  # held: nothing new
+    [renewed] = controller.decide(figures(T0 + 15, unknown, used, lit=(long_waits,)))
+    assert renewed.action == tightened.action and "queue_wait_p95 lit: budgets held" in renewed.reason
+    [raised] = controller.decide(figures(T0 + 20, HEALTHY, used, lit=(long_waits,)))
+    assert raised.action.tokens_per_second == pytest.approx(tightened.action.tokens_per_second * 1.5, rel=1e-3)
+
+
 def test_a_retry_storm_makes_budgets_reject_at_once_with_a_spread_retry_after():
     controller = Controller(ControllerPolicy(window_s=5.0, retry_jitter_s=8.0))
     [stormy] = controller.decide(figures(T0 + 5, OVER_CAPACITY, {"light": 500, "heavy": 5500}, lit=(RETRIES_WARN,)))
