@@ -33,13 +33,16 @@ never deciding on a partial window.
   agent recorded (``tokenprobe agent --tenant-header``), else the client
   address. Prompt tokens come from usage, else from the request bytes at the
   server's bytes per prompt token (learnt from requests with usage; 4 where
-  none had it). Charged as they leave: a request with a tenant header that
-  the agent sampled in flight (``inflight_samples``) is charged, in each
-  window, the token events it streamed since the sample before the window,
-  and when it ends, the rest of its count; so a long stream weighs on its
-  tenant's budget while it streams, not minutes later when it ends. (Without
-  a header the sample cannot be matched to the client address: charged on
-  ending.);
+  none had it). Charged as soon as they are seen: a request with a tenant
+  header that the agent sampled in flight (``inflight_samples``) is charged,
+  in each window, what it added since the sample before the window: its
+  prompt, estimated from the request bytes received (at once, while it still
+  waits for a slot), and the token events it streamed; when it ends, the
+  rest of its count, which corrects the estimate (an overcharge is taken
+  back). So a long stream, or a long prompt queued, weighs on its tenant's
+  budget from the window it arrives in, not minutes later when it ends.
+  (Without a header the sample cannot be matched to the client address:
+  charged on ending.);
 - ``tokens_per_request``: the mean prompt + output tokens of the requests
   that ended, which turns a capacity in requests into tokens;
 - ``indicators``: per indicator, the newest cell with data of the server's
@@ -229,13 +232,15 @@ def _tenant_tokens(store: Store, server: tuple[str, int], window: TimeRange, loo
     ended_by, ended_by_parameters = range_condition(measures.ENDED_AT, "ended_by", TimeRange(
         window.start_ns - int(MAX_REQUEST_S * NS_PER_S), window.end_ns))
     samples = store.table(INFLIGHT_SAMPLES_TABLE)
-    # What a request sampled in flight was charged by the window's start: the events of its newest sample then.
-    charged_before = f"""(SELECT conn_id, req_seq, argMax(token_events, sampled_at) AS charged
+    # A sample's charge so far: the prompt its request bytes make, and the events streamed.
+    sample_charge = "(toFloat64(bytes_in) / {bytes_per_token:Float64} + token_events)"
+    # What a request sampled in flight was charged by the window's start: its newest sample's then.
+    charged_before = f"""(SELECT conn_id, req_seq, argMax({sample_charge}, sampled_at) AS charged
                          FROM {samples} WHERE {on_server} AND role = 'server' AND tenant != '' AND {before}
                          GROUP BY conn_id, req_seq)"""
     rows = store.query_rows(
         f"""SELECT tenant, sum(charge), sum(full_tokens), sum(ended) FROM (
-                SELECT tenant, greatest(0., full_tokens - charged) AS charge, full_tokens, 1 AS ended
+                SELECT tenant, full_tokens - charged AS charge, full_tokens, 1 AS ended
                 FROM (SELECT {TENANT} AS tenant, conn_id, req_seq,
                              toFloat64(ifNull(prompt_tokens, bytes_in / {{bytes_per_token:Float64}})
                                        + {measures.OUTPUT_TOKENS}) AS full_tokens
@@ -243,10 +248,9 @@ def _tenant_tokens(store: Store, server: tuple[str, int], window: TimeRange, loo
                       WHERE {measures.IS_INFERENCE} AND {in_window} AND {on_server} AND {in_scope}) AS ended_rows
                 LEFT JOIN {charged_before} AS prior USING (conn_id, req_seq)
                 UNION ALL
-                -- still in flight at the newest sample in the window: the events streamed since the one before
-                SELECT tenant, toFloat64(greatest(0, toInt64(token_events) - charged)) AS charge, 0. AS full_tokens,
-                       0 AS ended
-                FROM (SELECT conn_id, req_seq, tenant, token_events FROM {samples}
+                -- still in flight at the newest sample in the window: what it added since the one before
+                SELECT tenant, greatest(0., {sample_charge} - charged) AS charge, 0. AS full_tokens, 0 AS ended
+                FROM (SELECT conn_id, req_seq, tenant, token_events, bytes_in FROM {samples}
                       WHERE {on_server} AND role = 'server' AND tenant != '' AND {in_scope} AND sampled_at = (
                           SELECT max(sampled_at) FROM {samples} WHERE {on_server} AND {sampled})
                         AND (conn_id, req_seq) NOT IN (

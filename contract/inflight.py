@@ -43,6 +43,8 @@ INFLIGHT_SAMPLES = Table(
         Column("first_token", NULLABLE_TIMESTAMP_TYPE, TIMESTAMP_CODEC),
         Column("stage", _LABEL, OPAQUE_CODEC),  # receiving | waiting (no text yet) | streaming
         Column("token_events", "UInt32", INTEGER_CODEC),  # text events streamed so far
+        # Request bytes received so far: the request's size, which its tenant is charged for at once.
+        Column("bytes_in", "UInt64", INTEGER_CODEC),
         Column("age_ms", "Float64", OPAQUE_CODEC),  # sampled_at − req_start
         Column("since_progress_ms", "Float64", OPAQUE_CODEC),
     ),

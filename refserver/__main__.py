@@ -45,7 +45,14 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--kv-cache-blocks", type=int, default=defaults.kv_cache_blocks,
-        help="blocks of 16 tokens in the simulated KV cache; sized to what the slots hold, it fills with load",
+        help="blocks of 16 tokens in the simulated KV-cache gauge of an unbounded engine cache "
+        "(default: 512); sized to what the slots hold, it fills with load",
+    )
+    p.add_argument(
+        "--engine-kv-blocks", type=int, default=timing.kv_cache_blocks,
+        help="bound the engine by a KV cache of this many blocks of 16 tokens, as vLLM's: a request is admitted "
+        "when its blocks are free, a full cache preempts the request admitted last (it requeues and recomputes), "
+        "and the simulated gauge reports the cache's real use",
     )
     p.add_argument("--slowdown", type=float, default=timing.slowdown, help="multiplier on prefill and decode times")
     p.add_argument(
@@ -151,7 +158,8 @@ def _serve(args: argparse.Namespace) -> int:
             cert, key = make_self_signed_cert(cert_dir, args.host)
         try:
             timing = EngineTiming(
-                args.slots, args.prefill_base_ms, args.prefill_ms_per_token, args.decode_ms, args.slowdown
+                args.slots, args.prefill_base_ms, args.prefill_ms_per_token, args.decode_ms, args.slowdown,
+                kv_cache_blocks=args.engine_kv_blocks,
             )
             config = ServerConfig(
                 host=args.host,

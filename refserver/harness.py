@@ -69,12 +69,15 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
                      prefill_ms_per_token: float = 0.02,
                      simulated_metrics: bool = False,
                      send_buffer: int | None = None,
-                     kv_cache_blocks: int | None = None) -> Iterator[tuple[int, Path]]:
+                     kv_cache_blocks: int | None = None,
+                     engine_kv_blocks: int | None = None) -> Iterator[tuple[int, Path]]:
     """The reference server in a child process; yields (port, truth log).
 
     ``simulated_metrics``: it also serves simulated vLLM /metrics (the slot
-    count the controller reads) and dcgm-exporter text, with a KV cache of
-    ``kv_cache_blocks`` (the server's default when None). ``send_buffer``: the
+    count the controller reads) and dcgm-exporter text, with a KV-cache gauge
+    of ``kv_cache_blocks`` (the server's default when None). ``engine_kv_blocks``:
+    the engine is bounded by a KV cache of that many blocks, admitting and
+    preempting as vLLM's (see ``refserver.engine``). ``send_buffer``: the
     accepted sockets' SO_SNDBUF (small: a slow client pushes back on its writes)."""
     port = port or free_port()
     truth = tmp / f"truth-{port}.jsonl"
@@ -92,6 +95,8 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
         cmd += ["--send-buffer", str(send_buffer)]
     if kv_cache_blocks is not None:
         cmd += ["--kv-cache-blocks", str(kv_cache_blocks)]
+    if engine_kv_blocks is not None:
+        cmd += ["--engine-kv-blocks", str(engine_kv_blocks)]
     # The ground truth is stamped in Python just after a read and just before a write: at a raised
     # priority, the load generator's threads on the same few cores cannot delay those stamps.
     with listening_process(cmd, port, cwd=tmp, preexec_fn=_raise_priority):

@@ -1,9 +1,12 @@
 """Load generator for OpenAI-compatible streaming servers.
 
 Two modes:
-- run_load(): open loop. Poisson arrivals at a fixed rate, independent of how
-  fast the server answers, over a keep-alive connection pool. This is how real
-  traffic behaves, and what exposes queueing.
+- run_load(): open loop. Poisson arrivals at a fixed rate (or one that ramps
+  linearly to ``ramp_to_rate``), independent of how fast the server answers,
+  over a keep-alive connection pool. This is how real traffic behaves, and
+  what exposes queueing. With ``retries``, clients retry at once, without
+  backoff and ignoring Retry-After, on a 429 or 5xx answer or a timeout, as
+  naive SDK loops do: the retry storm that turns an overload into a collapse.
 - burst(): closed loop. Exactly N requests from C workers, each worker reusing
   its connection for K requests; for tests that need exact counts.
 
@@ -38,7 +41,9 @@ class LoadConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     tls: bool = False  # HTTPS without certificate checks (the reference server's cert is self-signed)
-    rate: float = 5.0  # open loop: mean arrivals per second
+    rate: float = 5.0  # open loop: mean arrivals per second (at the start, when ramping)
+    ramp_to_rate: float | None = None  # open loop: the rate climbs linearly to this over duration_s
+    retries: int = 0  # open loop: attempts after the first on a 429/5xx or a failure, each sent at once
     duration_s: float | None = 10.0  # open loop: stop scheduling after this long ...
     requests: int | None = None  # ... or after this many requests, whichever comes first
     prompt_tokens: tuple[int, int] = (16, 512)  # inclusive range, drawn uniformly
@@ -60,6 +65,10 @@ class LoadConfig:
             raise ValueError("give duration_s, requests, or both")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("duration_s must be positive")
+        if self.ramp_to_rate is not None and (self.ramp_to_rate <= 0 or self.duration_s is None):
+            raise ValueError("ramp_to_rate must be positive, and needs duration_s to ramp over")
+        if self.retries < 0:
+            raise ValueError(f"retries must not be negative, got {self.retries}")
         if self.requests is not None and self.requests < 1:
             raise ValueError("requests must be at least 1")
         for name in ("prompt_tokens", "max_tokens"):
@@ -93,7 +102,8 @@ class RequestRecord:
     stream: bool
     include_usage: bool
     max_tokens: int
-    scheduled_ns: int | None = None  # open loop: the Poisson arrival time
+    scheduled_ns: int | None = None  # open loop: the Poisson arrival time (a retry: when it was decided)
+    attempt: int = 0  # 0 for the first send of a request, n for its n-th retry (same body)
     send_ns: int | None = None  # just before the request was written
     first_byte_ns: int | None = None  # response head received
     first_token_ns: int | None = None
@@ -403,8 +413,23 @@ class _Progress:
             )
 
 
+RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+def _retryable(record: RequestRecord) -> bool:
+    """A 429 or 5xx answer, or no whole answer (a timeout, a reset, a stream cut short); not other 4xx."""
+    return record.status in RETRIED_STATUSES or (bool(record.error) and record.status in (0, 200))
+
+
+def _rate_at(config: LoadConfig, elapsed_ns: int) -> float:
+    if config.ramp_to_rate is None:
+        return config.rate
+    progress = min(1.0, elapsed_ns / (config.duration_s * 1e9))
+    return config.rate + (config.ramp_to_rate - config.rate) * progress
+
+
 def run_load(config: LoadConfig) -> LoadResult:
-    """Open-loop Poisson load; returns after the last in-flight request has finished."""
+    """Open-loop Poisson load; returns after the last in-flight request (and its retries) has finished."""
     client = _Client(config)
     pool = _ConnectionPool(client)
     mix = RequestMix(config)
@@ -414,8 +439,15 @@ def run_load(config: LoadConfig) -> LoadResult:
 
     def perform(spec: RequestSpec, record: RequestRecord) -> None:
         try:
-            connection, reused = pool.take()
-            pool.give_back(client.run(spec, record, connection, reused))
+            for attempt in range(config.retries + 1):
+                if attempt:
+                    record = RequestRecord(spec.index, spec.path, spec.stream, spec.include_usage, spec.max_tokens,
+                                           scheduled_ns=time.monotonic_ns(), attempt=attempt)
+                    records.append(record)
+                connection, reused = pool.take()
+                pool.give_back(client.run(spec, record, connection, reused))
+                if not _retryable(record):
+                    break
         finally:
             in_flight.release()
 
@@ -426,7 +458,7 @@ def run_load(config: LoadConfig) -> LoadResult:
         for index in itertools.count():
             if config.requests is not None and index >= config.requests:
                 break
-            next_arrival_ns += int(arrivals.expovariate(config.rate) * 1e9)
+            next_arrival_ns += int(arrivals.expovariate(_rate_at(config, next_arrival_ns - started_ns)) * 1e9)
             if end_ns is not None and next_arrival_ns >= end_ns:
                 break
             spec = mix.make(index)

@@ -2,7 +2,8 @@
 
 A reference server with 2 slots at 20 ms a token (about 24 tokens a request:
 ~0.5 s a slot, so it sustains ~4 requests/s), tenants sending open-loop
-Poisson load with their id in the x-tenant-id header, and a controller policy
+Poisson load with their id in the x-tenant-id header (``TenantLoad``: a rate,
+ramping or not, a request shape, retries), and a controller policy
 on short windows so the scenario fits in a couple of minutes. Its simulated
 KV cache holds about what the two slots do (``KV_CACHE_BLOCKS``), so the
 engine's gauge fills with the batch as a vLLM's would, and the agent's live
@@ -13,6 +14,7 @@ with the control windows.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from ..actuator.breaker import BreakerPolicy
 from ..actuator.controller import ControllerPolicy
@@ -30,16 +32,33 @@ OVERLOAD_POLICY = ControllerPolicy(window_s=3.0, decision_ttl_windows=3,
                                    breaker=BreakerPolicy(trip_windows=3, cooldown_s=6.0, recovery_shares=(0.25, 0.5)))
 
 
-def load(port: int, tenant: str, rate: float, seconds: float, seed: int) -> LoadResult:
-    return run_load(LoadConfig(port=port, tenant=tenant, rate=rate, duration_s=seconds, seed=seed,
-                               prompt_tokens=(16, 64), max_tokens=(16, 32), max_connections=256))
+@dataclass(frozen=True)
+class TenantLoad:
+    """One tenant's open-loop load: the rate (ramping to ``ramp_to_rate`` if given) and the request shape."""
+
+    rate: float
+    ramp_to_rate: float | None = None
+    prompt_tokens: tuple[int, int] = (16, 64)
+    max_tokens: tuple[int, int] = (16, 32)
+    retries: int = 0  # resent at once on a 429/5xx or a failure (see refserver.loadgen)
+    timeout_s: float = 60.0  # the client gives up on a socket read after this long (and retries, if it does)
 
 
-def load_together(port: int, seconds: float, rates: dict[str, float], seed: int) -> dict[str, LoadResult]:
-    """Each tenant's open-loop load at once, for `seconds`."""
-    with ThreadPoolExecutor(len(rates)) as pool:
-        futures = {tenant: pool.submit(load, port, tenant, rate, seconds, seed + i)
-                   for i, (tenant, rate) in enumerate(sorted(rates.items()))}
+def load(port: int, tenant: str, shape: TenantLoad, seconds: float, seed: int) -> LoadResult:
+    return run_load(LoadConfig(port=port, tenant=tenant, rate=shape.rate, ramp_to_rate=shape.ramp_to_rate,
+                               duration_s=seconds, seed=seed, prompt_tokens=shape.prompt_tokens,
+                               max_tokens=shape.max_tokens, retries=shape.retries, timeout_s=shape.timeout_s,
+                               max_connections=256))
+
+
+def load_together(port: int, seconds: float, tenants: dict[str, float | TenantLoad],
+                  seed: int) -> dict[str, LoadResult]:
+    """Each tenant's open-loop load at once, for `seconds`; a bare number is a rate of the default shape."""
+    shapes = {tenant: shape if isinstance(shape, TenantLoad) else TenantLoad(shape)
+              for tenant, shape in tenants.items()}
+    with ThreadPoolExecutor(len(shapes)) as pool:
+        futures = {tenant: pool.submit(load, port, tenant, shape, seconds, seed + i)
+                   for i, (tenant, shape) in enumerate(sorted(shapes.items()))}
         return {tenant: future.result() for tenant, future in futures.items()}
 
 

@@ -81,10 +81,12 @@ class ServerConfig:
     # Serve a simulated vLLM-style /metrics and dcgm-exporter page (/sim/dcgm)
     # derived from the engine's slots, so GPU joins can be shown without a GPU.
     simulated_metrics: bool = False
-    # The simulated KV cache's size in blocks of 16 tokens. Sized to what the slots hold, a full batch
-    # fills it, as vLLM's scheduler admits sequences until its blocks run out: the gauge then rises
-    # with load before requests queue long enough to move TTFT.
-    kv_cache_blocks: int = SimulatedKvCache.num_blocks
+    # The simulated KV-cache gauge's size in blocks of 16 tokens, when the engine's cache is unbounded
+    # (None: SimulatedKvCache's default). Sized to what the slots hold, a full batch fills it, as vLLM's
+    # scheduler admits sequences until its blocks run out: the gauge then rises with load before requests
+    # queue long enough to move TTFT. With the engine's KV cache bounded (EngineTiming.kv_cache_blocks),
+    # the gauge reports that cache's real use instead, and this must be left None.
+    kv_cache_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -97,8 +99,19 @@ class ServerConfig:
             raise ValueError("idle_timeout_s must be positive")
         if self.send_buffer is not None and self.send_buffer < 1:
             raise ValueError(f"send_buffer must be a positive number of bytes, got {self.send_buffer}")
-        if self.kv_cache_blocks < 1:
-            raise ValueError(f"kv_cache_blocks must be at least 1, got {self.kv_cache_blocks}")
+        if self.kv_cache_blocks is not None:
+            if self.kv_cache_blocks < 1:
+                raise ValueError(f"kv_cache_blocks must be at least 1, got {self.kv_cache_blocks}")
+            if self.engine.kv_cache_blocks is not None:
+                raise ValueError("kv_cache_blocks sizes the gauge of an unbounded engine cache; the engine's "
+                                 "bounded cache (engine.kv_cache_blocks) is reported as it is")
+
+    @property
+    def simulated_kv_cache(self) -> SimulatedKvCache:
+        """The KV cache the simulated pages describe: the engine's when it is bounded."""
+        if self.engine.kv_cache_blocks is not None:
+            return SimulatedKvCache(block_size=self.engine.block_size, num_blocks=self.engine.kv_cache_blocks)
+        return SimulatedKvCache() if self.kv_cache_blocks is None else SimulatedKvCache(num_blocks=self.kv_cache_blocks)
 
 
 @dataclass(frozen=True)
@@ -144,6 +157,7 @@ class RequestTrace:
     headers_ns: int | None = None  # just before the response head's sendall
     slot_ns: int | None = None
     prefill_done_ns: int | None = None
+    preemptions: int = 0  # times the engine's full KV cache preempted it (each costs a recompute)
     # Streams: just before each token chunk's sendall. stream=false: when each
     # token was generated (the body goes out once, at done_ns).
     token_ns: list[int] = field(default_factory=list)
@@ -178,7 +192,7 @@ class ReferenceServer:
             self._truth_log = TruthLog(self.config.truth_log)
         wall_offset_ns = time.time_ns() - time.monotonic_ns()
         simulated = (SimulatedMetrics(self._listener.getsockname()[1], self.config.model,
-                                      kv_cache=SimulatedKvCache(num_blocks=self.config.kv_cache_blocks))
+                                      kv_cache=self.config.simulated_kv_cache)
                      if self.config.simulated_metrics else None)
         self._context = _ServingContext(
             self.config, self._engine, self._truth_log, self._stopping, wall_offset_ns, simulated)
@@ -437,6 +451,13 @@ class _Connection:
             )
         except ApiError as exc:
             return self._send_error(trace, exc.status, exc.message, close)
+        limit = self._engine.timing.max_model_tokens
+        if limit is not None and completion.prompt_tokens + completion.max_tokens > limit:
+            # As vLLM past its max-model-len: a request the whole KV cache cannot hold is never admitted.
+            return self._send_error(trace, 400, f"this model's maximum context length is {limit} tokens; the request "
+                                    f"asks for {completion.prompt_tokens + completion.max_tokens} "
+                                    f"({completion.prompt_tokens} in the prompt, {completion.max_tokens} to generate)",
+                                    close)
         trace.id = new_response_id(chat)
         trace.model = completion.model
         trace.stream = completion.stream
@@ -491,9 +512,9 @@ class _Connection:
     def _generate(
         self, completion: CompletionRequest, trace: RequestTrace, emit: Callable[[int, str, bool], None]
     ) -> None:
-        """Queue for a slot, prefill, then emit one token per decode interval."""
+        """Queue for a slot, prefill, then emit one token per decode interval (see ``engine`` on preemption)."""
         engine = self._engine
-        engine.acquire_slot()
+        sequence = engine.admit(completion.prompt_tokens)
         trace.slot_ns = time.monotonic_ns()
         finished = False
         try:
@@ -506,13 +527,18 @@ class _Connection:
             next_token_ns = trace.prefill_done_ns
             for index in range(completion.max_tokens):
                 engine.sleep_until(next_token_ns)
+                while not engine.reserve_token(sequence):
+                    # Preempted and readmitted: recompute the KV of everything it holds; that yields the token.
+                    trace.preemptions += 1
+                    engine.sleep_until(time.monotonic_ns() + engine.prefill_ns(sequence.tokens))
+                    next_token_ns = time.monotonic_ns()
                 emit(index, next(words), index == completion.max_tokens - 1)
                 engine.count_generated_token()
                 trace.completion_tokens += 1
                 next_token_ns += engine.decode_interval_ns()
             finished = True
         finally:
-            engine.release_slot()
+            engine.release(sequence)
             engine.count_finished(completed=finished)
 
     def _send_json(self, trace: RequestTrace, status: int, body: bytes, close: bool, allow: str | None = None) -> bool:

@@ -34,11 +34,16 @@ class ServerSnapshot(Protocol):
     completed: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    kv_blocks_total: int | None  # the engine's own KV cache, when bounded (None: unbounded)
+    kv_blocks_used: int
+    preemptions_total: int
 
 
 @dataclass(frozen=True)
 class SimulatedKvCache:
-    """A coarse KV-cache model: each running request holds as many tokens as the average request so far.
+    """The KV cache the pages report. An engine with a bounded cache reports its blocks in use exactly;
+    for an unbounded one, a coarse model: each running request holds as many tokens as the average
+    request so far.
 
     ``capacity_tokens`` plays vLLM's ``num_gpu_blocks * block_size``. Usage is
     the fraction of it held, capped at 1.
@@ -53,6 +58,8 @@ class SimulatedKvCache:
         return self.block_size * self.num_blocks
 
     def usage(self, snapshot: ServerSnapshot) -> float:
+        if snapshot.kv_blocks_total is not None:
+            return snapshot.kv_blocks_used / snapshot.kv_blocks_total
         requests_seen = snapshot.completed + snapshot.running
         tokens_seen = snapshot.prompt_tokens_total + snapshot.generation_tokens_total
         per_request = (
@@ -159,8 +166,9 @@ def render_vllm_text(snapshot: ServerSnapshot, kv_cache: SimulatedKvCache, model
         ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", snapshot.running),
         ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", snapshot.waiting),
         ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", kv_cache.usage(snapshot)),
-        # The reference server never preempts: the counter exists, as in vLLM, and stays 0.
-        ("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", 0),
+        # Only an engine with a bounded KV cache preempts; otherwise the counter exists, as in vLLM, and stays 0.
+        ("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.",
+         snapshot.preemptions_total),
         ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", snapshot.prompt_tokens_total),
         ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
          snapshot.generation_tokens_total),

@@ -628,7 +628,7 @@ def evidence_of(decision) -> dict[str, tuple[float, float]]:
     return {e.name: (e.value, e.threshold) for e in decision.evidence}
 
 
-@pytest.mark.parametrize("reading", [KV_CRIT, GPU_MEMORY_CRIT, RETRIES_CRIT], ids=lambda r: r.name)
+@pytest.mark.parametrize("reading", [KV_CRIT, GPU_MEMORY_CRIT], ids=lambda r: r.name)
 def test_a_demand_signal_tightens_budgets_while_ttft_is_still_healthy(reading):
     matrix, ttft_only = Controller(ControllerPolicy(window_s=5.0)), Controller(
         ControllerPolicy(window_s=5.0, signals=TTFT_SIGNALS))
@@ -667,6 +667,21 @@ def test_a_growing_in_flight_queue_is_a_demand_signal_a_steady_one_is_not():
     assert evidence_of(budget)[QUEUE_GROWTH] == (9, pytest.approx(3.75))
 
 
+def test_a_long_queue_wait_holds_budgets_only_where_the_server_is_not_healthy():
+    """queue_wait_p95's thresholds are absolute: a small server queues past them at healthy load, and
+    holding there would keep an overload's budgets in force for good."""
+    controller = Controller(ControllerPolicy(window_s=5.0))
+    long_waits = IndicatorReading("queue_wait_p95", "warn", 300.0, 120.0)
+    [tightened] = controller.decide(figures(T0 + 5, HEALTHY, USAGE, lit=(KV_CRIT,)))
+    used = {"heavy": int(tightened.action.tokens_per_second * 5)}
+    unknown = UpstreamWindow(3.0, 0.5, None, None, 0.5)  # no knee or baseline: only the matrix to go by
+    assert controller.decide(figures(T0 + 10, unknown, used, lit=(long_waits,))) == []  # held: nothing new
+    [renewed] = controller.decide(figures(T0 + 15, unknown, used, lit=(long_waits,)))
+    assert renewed.action == tightened.action and "queue_wait_p95 lit: budgets held" in renewed.reason
+    [raised] = controller.decide(figures(T0 + 20, HEALTHY, used, lit=(long_waits,)))
+    assert raised.action.tokens_per_second == pytest.approx(tightened.action.tokens_per_second * 1.5, rel=1e-3)
+
+
 def test_a_retry_storm_makes_budgets_reject_at_once_with_a_spread_retry_after():
     controller = Controller(ControllerPolicy(window_s=5.0, retry_jitter_s=8.0))
     [stormy] = controller.decide(figures(T0 + 5, OVER_CAPACITY, {"light": 500, "heavy": 5500}, lit=(RETRIES_WARN,)))
@@ -674,6 +689,22 @@ def test_a_retry_storm_makes_budgets_reject_at_once_with_a_spread_retry_after():
     assert "retry storm" in stormy.reason and "retry_storm" in evidence_of(stormy)
     [calm] = controller.decide(figures(T0 + 10, OVER_CAPACITY, {"light": 500, "heavy": 5500}))
     assert (calm.action.max_delay_s, calm.action.retry_jitter_s) == (0.5, 0.0)
+
+
+def test_a_retry_storm_cuts_demand_over_capacity_and_lets_go_once_the_server_absorbs_it():
+    controller = Controller(ControllerPolicy(window_s=5.0))
+    tokens = {"light": 500, "heavy": 5500}  # 1200 tokens/s used
+    [over] = controller.decide(figures(T0 + 5, OVER_CAPACITY, tokens, lit=(RETRIES_CRIT,)))
+    # Cut to 0.7 x what was used (not only to the fair share of the knee's capacity), rejecting at once.
+    assert over.target.tenant == "heavy" and over.action.tokens_per_second <= 0.7 * 1200 - 100
+    assert "retry_storm" in over.reason and over.action.max_delay_s == 0.0
+    # Back under capacity, healthy, the storm still lit (the indicator looks back a minute): the budget
+    # is raised, not held, and still rejects with a spread Retry-After while the storm shows.
+    used = {"heavy": int(over.action.tokens_per_second * 5)}
+    [absorbed] = controller.decide(figures(T0 + 10, HEALTHY, used, lit=(RETRIES_CRIT,)))
+    assert absorbed.action.tokens_per_second == pytest.approx(over.action.tokens_per_second * 1.5, rel=1e-3)
+    assert (absorbed.action.max_delay_s, absorbed.action.retry_jitter_s) == (0.0, 10.0)
+    assert "under capacity again" in absorbed.reason
 
 
 def test_the_enforcer_spreads_retry_after_over_the_jitter():

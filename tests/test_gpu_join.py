@@ -223,6 +223,7 @@ class _SimulatedFeed(BaseHTTPRequestHandler):
 class _Snapshot:
     running, waiting, slots, completed = 3, 1, 4, 12
     prompt_tokens_total, generation_tokens_total = 6_000, 1_500
+    kv_blocks_total, kv_blocks_used, preemptions_total = None, 0, 0  # an unbounded engine cache: the coarse model
 
 
 def test_simulated_feed_joins_and_is_marked_simulated(store):

@@ -82,7 +82,7 @@ def waiting(count: int, sampled_ns: int, silent_s: float) -> list[dict]:
     """`count` requests on JAM_PORT waiting for a first token, silent for `silent_s`, as the agent samples them."""
     return [{"sampled_at": sampled_ns, "node": NODE, "server_port": JAM_PORT, "role": "server", "tenant": "acme",
              "model": "m", "conn_id": 500 + index, "req_seq": 0, "req_start": sampled_ns - int(silent_s * NS_PER_S),
-             "first_token": None, "stage": WAITING, "token_events": 0, "age_ms": silent_s * 1000,
+             "first_token": None, "stage": WAITING, "token_events": 0, "bytes_in": 300, "age_ms": silent_s * 1000,
              "since_progress_ms": silent_s * 1000} for index in range(count)]
 
 
@@ -109,7 +109,7 @@ def test_the_loop_acts_on_what_live_analysis_stored_and_records_its_evidence(sto
                     "SELECT kind, tenant, upstream, breaker_state, evidence_name, evidence_value, "
                     "evidence_threshold, reason FROM tokenprobe.decisions")}
     kv_upstream, jam_upstream = default_upstream(NODE, KV_PORT), default_upstream(NODE, JAM_PORT)
-    assert set(recorded) == {("token_budget", "heavy"), ("breaker", "")}
+    assert set(recorded) == {("token_budget", "heavy"), ("token_budget", "acme"), ("breaker", "")}
     # The KV cache filled while TTFT was fine: the heavy tenant is budgeted, on that evidence.
     _, evidence, reason = recorded[("token_budget", "heavy")]
     assert evidence["kv_cache_usage"] == (pytest.approx(0.97), 0.95) and "kv_cache_usage" in reason
@@ -122,27 +122,33 @@ def test_the_loop_acts_on_what_live_analysis_stored_and_records_its_evidence(sto
     assert evidence["inflight_queue_growth"][0] == 9
     breaker = next(s for s in actuator.enforcer.status() if s.decision.kind == "breaker")
     assert breaker.decision.target.upstream == jam_upstream
+    # Its queued requests were charged their prompts as they waited: the growing queue cuts their tenant too.
+    _, evidence, reason = recorded[("token_budget", "acme")]
+    assert "inflight_queue_growth" in reason and evidence["tenant_tokens_per_s"][0] > 0
 
 
-def stream_sample(end_ns: int, sampled_ns: int, events: int) -> dict:
+def stream_sample(end_ns: int, sampled_ns: int, events: int, bytes_in: int) -> dict:
     start_ns = end_ns - 40 * NS_PER_S
     return {"sampled_at": sampled_ns, "node": NODE, "server_port": STREAM_PORT, "role": "server", "tenant": "long",
             "model": "m", "conn_id": 77, "req_seq": 2, "req_start": start_ns, "first_token": start_ns + NS_PER_S,
-            "stage": STREAMING, "token_events": events, "age_ms": (sampled_ns - start_ns) / 1e6,
+            "stage": STREAMING, "token_events": events, "bytes_in": bytes_in, "age_ms": (sampled_ns - start_ns) / 1e6,
             "since_progress_ms": 20.0}
 
 
-def test_a_long_stream_is_charged_to_its_tenant_while_it_streams(store, end_ns):
+def test_a_long_stream_is_charged_to_its_tenant_from_its_first_sample(store, end_ns):
     """Sampled with 300 events streamed, then 700, then ended with 1000 completion and 200 prompt tokens:
-    each window is charged what left in it, and the three add up to the request's count."""
+    each window is charged what left in it, its prompt (from the request's size) in the first, and the
+    three add up to the request's count."""
     simulated = simulate(SlotServer(), [LoadPhase(10, 2.0)], start_ns=end_ns - 41 * NS_PER_S, seed=1,
                          node=NODE, port=STREAM_PORT)[0]
     first_sample, second_sample = end_ns - 3 * WINDOW_NS + NS_PER_S, end_ns - 2 * WINDOW_NS + NS_PER_S
+    # The server's bytes per prompt token, learnt from this row's usage, make its request's 200 prompt tokens.
     ended = {**simulated.row, "conn_id": 77, "req_seq": 2, "tenant": "long", "req_start": end_ns - 40 * NS_PER_S,
              "resp_end": end_ns - 2 * NS_PER_S, "last_token": end_ns - 2 * NS_PER_S - NS_PER_S // 2,
-             "prompt_tokens": 200, "completion_tokens": 1000}
+             "prompt_tokens": 200, "completion_tokens": 1000, "bytes_in": 1000}
     store.insert_rows("requests", [ended])
-    store_samples(store, [stream_sample(end_ns, first_sample, 300), stream_sample(end_ns, second_sample, 700)])
+    store_samples(store, [stream_sample(end_ns, first_sample, 300, 1000),
+                          stream_sample(end_ns, second_sample, 700, 1000)])
 
     def window(index: int):
         until = end_ns - index * WINDOW_NS
@@ -150,8 +156,27 @@ def test_a_long_stream_is_charged_to_its_tenant_while_it_streams(store, end_ns):
         return figures
 
     streaming, still_streaming, finished = window(2), window(1), window(0)
-    assert streaming.request_rate == 0 and streaming.tenant_tokens == {"long": 300}
+    assert streaming.request_rate == 0 and streaming.tenant_tokens == {"long": 200 + 300}
     assert streaming.queue is None  # one sample: nothing to compare it with
     assert still_streaming.tenant_tokens == {"long": 400}
     assert still_streaming.queue == QueueSample(before=0, after=0, span_s=WINDOW_S)
-    assert finished.tenant_tokens == {"long": 1200 - 700} and finished.tokens_per_request == 1200
+    assert finished.tenant_tokens == {"long": 1200 - 200 - 700} and finished.tokens_per_request == 1200
+
+
+def test_a_queued_request_is_charged_its_prompt_and_corrected_when_it_ends(store, end_ns):
+    """Sampled while it waits for a slot, a request is charged its request's size at the default 4 bytes
+    a token (no request with usage yet); it ends with fewer prompt tokens, and the overcharge comes back."""
+    sampled_ns = end_ns - WINDOW_NS - NS_PER_S
+    queued = {**waiting(1, sampled_ns, silent_s=2.0)[0], "server_port": STREAM_PORT, "bytes_in": 4000}
+    store_samples(store, [queued])
+    simulated = simulate(SlotServer(), [LoadPhase(10, 2.0)], start_ns=end_ns - 12 * NS_PER_S, seed=1,
+                         node=NODE, port=STREAM_PORT)[0]
+    ended = {**simulated.row, "conn_id": queued["conn_id"], "req_seq": 0, "tenant": "acme", "prompt_tokens": None,
+             "bytes_in": 2000, "completion_tokens": 50, "req_start": queued["req_start"],
+             "resp_end": end_ns - 2 * NS_PER_S, "last_token": end_ns - 2 * NS_PER_S - NS_PER_S // 2}
+    store.insert_rows("requests", [ended])
+    (seen,) = window_figures(store, (end_ns - 2 * WINDOW_NS) / NS_PER_S, (end_ns - WINDOW_NS) / NS_PER_S)
+    (ending,) = window_figures(store, (end_ns - WINDOW_NS) / NS_PER_S, end_ns / NS_PER_S)
+    assert seen.tenant_tokens == {"acme": 1000}, "charged its prompt while it waited, before any token"
+    # It ended with 500 prompt and 50 completion tokens: 450 come back, nothing is charged.
+    assert ending.tenant_tokens == {} and ending.tokens_per_request == 550

@@ -57,6 +57,7 @@ TRUTH_KEYS = {
     "headers_ns",
     "slot_ns",
     "prefill_done_ns",
+    "preemptions",
     "token_ns",
     "done_ns",
 }
@@ -467,19 +468,26 @@ def test_one_slot_queues_requests_in_order(tmp_path: Path) -> None:
     assert snapshot.completed == 3 and snapshot.waiting == 0 and snapshot.generation_tokens_total == 36
 
 
-def test_a_kv_cache_sized_to_the_slots_fills_with_load(tmp_path: Path) -> None:
-    """The simulated vLLM gauge the controller's matrix reads rises with the batch, before anything queues."""
+def engine_gauge(port: int, name: str) -> float:
+    """One series' value on the server's simulated vLLM /metrics page."""
     from tokenprobe.agent.sampling.prom_text import parse_exposition
 
-    def kv_usage(port: int) -> float:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=IO_TIMEOUT_S)
-        try:
-            connection.request("GET", "/metrics")
-            page = parse_exposition(connection.getresponse().read().decode())
-        finally:
-            connection.close()
-        (gauge,) = page.series_by_name()["vllm:kv_cache_usage_perc"]
-        return gauge.value
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=IO_TIMEOUT_S)
+    try:
+        connection.request("GET", "/metrics")
+        page = parse_exposition(connection.getresponse().read().decode())
+    finally:
+        connection.close()
+    (series,) = page.series_by_name()[name]
+    return series.value
+
+
+def kv_usage(port: int) -> float:
+    return engine_gauge(port, "vllm:kv_cache_usage_perc")
+
+
+def test_a_kv_cache_sized_to_the_slots_fills_with_load(tmp_path: Path) -> None:
+    """The simulated vLLM gauge the controller's matrix reads rises with the batch, before anything queues."""
 
     config = ServerConfig(engine=EngineTiming(slots=2, prefill_base_ms=5.0, prefill_ms_per_token=0.0, decode_ms=20.0),
                           simulated_metrics=True, kv_cache_blocks=2)
@@ -495,6 +503,52 @@ def test_a_kv_cache_sized_to_the_slots_fills_with_load(tmp_path: Path) -> None:
         streams.join()
     assert idle == 0.0
     assert max(usage for running, usage in readings if running == 2) == 1.0
+
+
+def test_a_full_kv_cache_preempts_the_request_admitted_last_which_recomputes(tmp_path: Path) -> None:
+    """vLLM's recompute preemption: two streams that together outgrow the cache both finish, the one
+    admitted last after giving up its blocks, requeueing and recomputing its prompt and tokens so far."""
+    config = ServerConfig(engine=EngineTiming(slots=2, prefill_base_ms=5.0, prefill_ms_per_token=1.0, decode_ms=10.0,
+                                              kv_cache_blocks=6),
+                          truth_log=tmp_path / "truth.jsonl", simulated_metrics=True)
+    with ReferenceServer(config) as server:
+        streams = threading.Thread(target=run_concurrently, args=(2, lambda _: stream_ttft(server.port, chat_body(60))))
+        streams.start()
+        usage = []
+        while streams.is_alive():
+            usage.append(kv_usage(server.port))  # the page reports the blocks in use, as they are
+            time.sleep(0.02)
+        streams.join()
+        completions = [r for r in read_truth(server, 2 + len(usage)) if r["path"] in COMPLETION_PATHS]
+        first, last = sorted(completions, key=lambda r: r["slot_ns"])
+        snapshot = server.snapshot()
+        preemptions = engine_gauge(server.port, "vllm:num_preemptions_total")
+    assert first["preemptions"] == 0 and last["preemptions"] == 1
+    assert first["completion_tokens"] == last["completion_tokens"] == 60
+    # Preempted when the cache filled, it waited for the first to finish, then recomputed every token it held.
+    gaps = [(b - a, a) for a, b in zip(last["token_ns"], last["token_ns"][1:])]
+    stall_ns, stalled_at = max(gaps)
+    resumed_at = stalled_at + stall_ns
+    held = last["prompt_tokens"] + last["token_ns"].index(resumed_at)
+    assert resumed_at >= first["token_ns"][-1] + (5.0 + held * 1.0) * 1e6
+    assert stalled_at < first["token_ns"][-1]
+    assert snapshot.preemptions_total == 1 and snapshot.kv_blocks_used == 0 and snapshot.kv_blocks_total == 6
+    assert preemptions == 1.0 and max(usage) == 1.0
+    assert all(round(u * 6, 9).is_integer() for u in usage), usage  # whole blocks of the 6, never the coarse model
+
+
+def test_a_bounded_engine_cache_is_not_also_given_a_gauge_size() -> None:
+    with pytest.raises(ValueError, match="reported as it is"):
+        ServerConfig(engine=EngineTiming(kv_cache_blocks=6), kv_cache_blocks=6)
+
+
+def test_a_request_the_whole_kv_cache_cannot_hold_is_refused(tmp_path: Path) -> None:
+    with make_server(tmp_path, kv_cache_blocks=4) as server:
+        head, _, body = exchange(server.port, post_raw("/v1/chat/completions", chat_body(64))).partition(b"\r\n\r\n")
+        _, ttft = stream_ttft(server.port, chat_body(8))  # one that fits is served
+    assert head.startswith(b"HTTP/1.1 400 ")
+    assert json.loads(body)["error"]["message"].startswith("this model's maximum context length is 64 tokens")
+    assert ttft > 0
 
 
 def test_prefill_time_grows_with_prompt_size(tmp_path: Path) -> None:
@@ -568,6 +622,33 @@ def test_open_loop_load_completes_with_poisson_arrivals(tmp_path: Path) -> None:
     assert summary.requests == 60 and summary.errors == 0
     assert 0.5 * rate < summary.achieved_rate < 2.0 * rate
     assert summary.ttft_p50_ms is not None and 0 < summary.ttft_p50_ms <= summary.ttft_p99_ms
+
+
+def test_open_loop_rate_ramps_linearly(tmp_path: Path) -> None:
+    with make_server(tmp_path, slots=16, decode_ms=1.0) as server:
+        result = run_load(LoadConfig(port=server.port, rate=5.0, ramp_to_rate=60.0, duration_s=3.0,
+                                     prompt_tokens=(4, 8), max_tokens=(1, 2), seed=3))
+    offsets = [(r.scheduled_ns - result.started_ns) / 1e9 for r in result.records]
+    thirds = [sum(1 for t in offsets if k <= t < k + 1) for k in range(3)]
+    # Expected about 14, 32 and 51 arrivals: rates 5 -> 23, 23 -> 42, 42 -> 60 requests/s.
+    assert thirds[0] < thirds[1] < thirds[2] and thirds[2] > 2 * thirds[0]
+    assert all(r.status == 200 for r in result.records)
+
+
+def test_retrying_clients_resend_at_once_on_rejection(tmp_path: Path) -> None:
+    """Clients without backoff: every 503 comes straight back as the same request, until retries run out."""
+    with make_server(tmp_path, max_connections=1) as server, connect(server.port):
+        time.sleep(0.2)  # the held connection is accepted, so every load connection is over the limit
+        result = run_load(LoadConfig(port=server.port, rate=20.0, requests=3, retries=2, seed=5))
+    by_request: dict[int, list] = {}
+    for record in result.records:
+        by_request.setdefault(record.index, []).append(record)
+    assert sorted(by_request) == [0, 1, 2]
+    for attempts in by_request.values():
+        attempts.sort(key=lambda r: r.attempt)
+        assert [(r.attempt, r.status) for r in attempts] == [(0, 503), (1, 503), (2, 503)]
+        for earlier, retry in zip(attempts, attempts[1:]):
+            assert retry.send_ns - earlier.end_ns < 100_000_000  # no backoff
 
 
 def test_closed_loop_burst_over_tls_reuses_connections(tmp_path: Path, tls_files: tuple[Path, Path]) -> None:

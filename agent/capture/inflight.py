@@ -32,6 +32,7 @@ def inflight_snapshot(tracker: ConnectionTracker, now_ns: int) -> list[dict]:
                 "model": exchange.resp_model or exchange.req_model or "", "conn_id": conn.conn_id,
                 "req_seq": exchange.seq, "req_start": wall(exchange.req_start_ns),
                 "first_token": wall(tokens[0]) if tokens else None, "stage": stage, "token_events": len(tokens),
+                "bytes_in": exchange.req_bytes,
                 "age_ms": (now_ns - exchange.req_start_ns) / 1e6, "since_progress_ms": (now_ns - progress) / 1e6,
             })
     return rows
