@@ -327,39 +327,27 @@ _FINGERPRINT = "cityHash64(node, server_port, client_addr, method, path, body_fp
 def _retries(store: Store, windows: Windows, scope: Scope, retry_window_s: float) -> pd.DataFrame:
     """Per server and window: fingerprinted requests, and those repeating one of their client's recent ones.
 
-    Only fingerprints seen more than once are ordered in time (a window
-    function over every request would sort them all).
+    One read of the range: each fingerprint's requests in time order (an array per fingerprint, mostly of
+    one), each paired with the one before it; a window function over every request would sort them all.
     """
     in_scope, scope_parameters = scope.condition()
     in_range, range_parameters = range_condition("req_start", "retries", TimeRange(
         windows.origin_ns, windows.analysed.end_ns).extended_back(retry_window_s))
-    fingerprinted = f"{measures.IS_INFERENCE} AND body_fp != 0 AND {in_range} AND {in_scope}"
-    window = "intDiv(toUnixTimestamp64Nano(req_start) - {origin_ns:Int64}, {window_ns:Int64})"
     return store.query_df(
-        f"""SELECT node, server_port, window, fingerprinted, retries
+        f"""SELECT request.2 AS node, request.3 AS server_port,
+                   intDiv(request.1 - {{origin_ns:Int64}}, {{window_ns:Int64}}) AS window,
+                   count() AS fingerprinted,
+                   countIf(previous_ns > 0 AND request.1 - previous_ns <= {{retry_ns:Int64}}) AS retries
             FROM (
-                SELECT node, server_port, {window} AS window, count() AS fingerprinted
+                SELECT arraySort(groupArray((toUnixTimestamp64Nano(req_start), node, server_port))) AS requests,
+                       arrayPushFront(arrayPopBack(arrayMap(earlier -> earlier.1, requests)), 0) AS previous
                 FROM {store.table(REQUESTS_TABLE)}
-                WHERE {fingerprinted} AND req_start >= fromUnixTimestamp64Nano({{origin_ns:Int64}}, 'UTC')
-                GROUP BY node, server_port, window
-            ) AS totals
-            LEFT JOIN (
-                SELECT node, server_port, {window} AS window, count() AS retries
-                FROM (
-                    SELECT node, server_port, req_start,
-                           lagInFrame(toUnixTimestamp64Nano(req_start), 1, 0) OVER (
-                               PARTITION BY {_FINGERPRINT} ORDER BY req_start
-                               ROWS BETWEEN 1 PRECEDING AND CURRENT ROW) AS previous_ns
-                    FROM {store.table(REQUESTS_TABLE)}
-                    WHERE {fingerprinted} AND {_FINGERPRINT} IN (
-                        SELECT {_FINGERPRINT} AS fingerprint FROM {store.table(REQUESTS_TABLE)}
-                        WHERE {fingerprinted} GROUP BY fingerprint HAVING count() > 1)
-                )
-                WHERE req_start >= fromUnixTimestamp64Nano({{origin_ns:Int64}}, 'UTC') AND previous_ns > 0
-                  AND toUnixTimestamp64Nano(req_start) - previous_ns <= {{retry_ns:Int64}}
-                GROUP BY node, server_port, window
-            ) AS repeats USING (node, server_port, window)
-            SETTINGS join_use_nulls = 0""",
+                WHERE {measures.IS_INFERENCE} AND body_fp != 0 AND {in_range} AND {in_scope}
+                GROUP BY {_FINGERPRINT}
+            )
+            ARRAY JOIN requests AS request, previous AS previous_ns
+            WHERE request.1 >= {{origin_ns:Int64}}
+            GROUP BY node, server_port, window""",
         {**range_parameters, **scope_parameters, **_bucket_parameters(windows),
          "retry_ns": int(retry_window_s * NS_PER_S)},
     )
