@@ -51,6 +51,46 @@ ServerModel = tuple[str, int, str]  # node, server_port, model
 IDLE_ARRIVALS_FIRST_SPAN_S = 300.0  # read first: where a busy server has enough idle arrivals
 
 
+class IdleArrivalFloors:
+    """Per server and model, the start (Unix ns) of the oldest of the latest idle arrivals a calibration
+    used, where it found all ``calibration_max_points`` of them: for the next one to read from.
+
+    Those arrivals stay in the store, so a later calibration's latest ones, over a look-back that holds
+    them all (it ends no earlier and starts at or before the floor), started at or after that floor: the
+    live analysis reads the seconds since instead of the 5 minutes ``IDLE_ARRIVALS_FIRST_SPAN_S`` searches
+    first.
+    """
+
+    def __init__(self) -> None:
+        self._max_points: int | None = None
+        self._until_ns = 0  # the end of the look-back the floors were found in
+        self.floors: dict[ServerModel, int] = {}
+
+    def search_from(self, needed: Iterable[ServerModel], lookback: TimeRange, max_points: int) -> int | None:
+        """Where the latest idle arrivals of every server and model ``needed`` start at the earliest, if
+        known and within ``lookback``."""
+        if self._max_points != max_points or lookback.end_ns < self._until_ns:
+            self._max_points, self.floors = max_points, {}
+        self._until_ns = lookback.end_ns
+        floors = [self.floors.get(key) for key in needed]
+        if not floors or None in floors or min(floors) < lookback.start_ns:
+            return None
+        return min(floors)
+
+    def update(self, points: pd.DataFrame, needed: Iterable[ServerModel]) -> None:
+        """Keep the floor of each server and model ``needed`` that has all its points in ``points`` (the
+        latest idle arrivals in the look-back ``search_from`` was last asked about)."""
+        found = {} if points.empty else {
+            (node, int(port), model): starts
+            for (node, port, model), starts in points.groupby(["node", "server_port", "model"], observed=True)["start_ns"]}
+        for key in needed:
+            starts = found.get(key)
+            if starts is not None and len(starts) >= self._max_points:
+                self.floors[key] = int(starts.min())
+            else:
+                self.floors.pop(key, None)
+
+
 @dataclass(frozen=True)
 class UnitFit:
     unit: str  # tokens | bytes
@@ -82,18 +122,20 @@ class Calibration:
 
 
 def calibrate(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSpans,
-              now_ns: int, only: tuple[str, dict] | None = None) -> dict[ServerModel, Calibration]:
+              now_ns: int, only: tuple[str, dict] | None = None,
+              floors: IdleArrivalFloors | None = None) -> dict[ServerModel, Calibration]:
     """The calibration for every server and model with inference requests in ``analysed`` (with ``only``,
     a condition over the requests and its parameters, with requests that meet it: those whose phases a
     live pass computes).
 
     Fresh fits are stored in ``prefill_calibration``. A server and model with
     neither enough idle arrivals nor a stored calibration is left out: its
-    queue and prefill cannot be split.
+    queue and prefill cannot be split. ``floors``: where an earlier calibration found its idle arrivals
+    (``IdleArrivalFloors``), kept up to date.
     """
     lookback = analysed.ending_span(spans.calibration_lookback_s)
     needed = _keys_with_requests(store, analysed, scope, only)
-    fresh = _fit_idle_arrivals(store, lookback, scope, spans, now_ns, needed)
+    fresh = _fit_idle_arrivals(store, lookback, scope, spans, now_ns, needed, floors or IdleArrivalFloors())
     fresh = _check_against_engine(store, lookback, scope, spans, fresh)
     if fresh:
         store.insert_rows(PREFILL_CALIBRATION_TABLE, [row for c in fresh.values() for row in calibration_rows(c)])
@@ -117,8 +159,8 @@ def _keys_with_requests(store: Store, analysed: TimeRange, scope: Scope,
 
 
 def _fit_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: AnalysisSpans, now_ns: int,
-                       needed: list[ServerModel]) -> dict[ServerModel, Calibration]:
-    frame = _latest_idle_arrivals(store, lookback, scope, spans, needed)
+                       needed: list[ServerModel], floors: IdleArrivalFloors) -> dict[ServerModel, Calibration]:
+    frame = _latest_idle_arrivals(store, lookback, scope, spans, needed, floors)
     calibrations: dict[ServerModel, Calibration] = {}
     if frame.empty:  # an empty result has no columns at all
         return calibrations
@@ -140,17 +182,21 @@ def _fit_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: A
 
 
 def _latest_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: AnalysisSpans,
-                          needed: list[ServerModel]) -> pd.DataFrame:
+                          needed: list[ServerModel], floors: IdleArrivalFloors) -> pd.DataFrame:
     """The most recent ``calibration_max_points`` idle arrivals in ``lookback`` of each server and model ``needed``.
 
     A busy server that still sees idle arrivals has that many in its last
     minutes: the query reads those first, and the whole look-back only where
     they are too few (at most a few minutes more than reading it at once).
     Servers and models not ``needed`` (no request in the analysed range) are
-    not fitted.
+    not fitted. Where ``floors`` knows where the last ones started, the search starts there.
     """
     in_scope, scope_parameters = scope.condition()
-    first = [lookback.ending_span(IDLE_ARRIVALS_FIRST_SPAN_S)] if IDLE_ARRIVALS_FIRST_SPAN_S < lookback.seconds else []
+    floor_ns = floors.search_from(needed, lookback, spans.calibration_max_points)
+    if floor_ns is not None:
+        first = [TimeRange(floor_ns, lookback.end_ns)]
+    else:
+        first = [lookback.ending_span(IDLE_ARRIVALS_FIRST_SPAN_S)] if IDLE_ARRIVALS_FIRST_SPAN_S < lookback.seconds else []
     for searched in (*first, lookback):
         in_range, range_parameters = range_condition("req_start", "lookback", searched)
         frame = store.query_df(
@@ -167,6 +213,7 @@ def _latest_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans
         found = {} if frame.empty else frame.groupby(["node", "server_port", "model"], observed=True).size()
         if all(found.get(key, 0) >= spans.calibration_max_points for key in needed):
             break
+    floors.update(frame, needed)
     if frame.empty:  # an empty result has no columns at all
         return frame
     # Only the servers and models needed: another one's points may reach further back than searched.

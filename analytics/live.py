@@ -47,6 +47,7 @@ from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
 from ..contract.ends import REQUEST_ENDS_TABLE
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
+from .calibration import IdleArrivalFloors
 from .config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
 from .indicators import NO_DATA, OK, Cell
 from .inflight import stall_cells, store_samples
@@ -122,6 +123,7 @@ class LiveAnalysis:
         self.watermark_ns = clock_ns() - self.settle_ns - every_s * NS_PER_S
         self.passes = self.failures = 0
         self.slo_minutes = SloMinutes()  # so a pass counts only the minutes new since the last one
+        self.idle_floors = IdleArrivalFloors()  # so a pass reads the idle arrivals since the last one's oldest
         self.outlet_failures: dict[str, int] = {}
         self.samples_inflight = samples_inflight
         self._offered: tuple[int, list[dict]] | None = None  # (taken at, Unix ns; samples)
@@ -158,7 +160,7 @@ class LiveAnalysis:
             computed_ns = time.time_ns()
             report = analyze(self.store, analysed, window_s=self.every_s, scope=scope, config=self.config,
                              now_ns=computed_ns, new_requests=(new, parameters), schema_ready=True,
-                             slo_minutes=self.slo_minutes, summarize=False)
+                             slo_minutes=self.slo_minutes, idle_floors=self.idle_floors, summarize=False)
             cells, phases = list(report.cells), self._ended_phases(started, parameters, computed_ns)
         if inflight is not None:
             cells += self._judge_inflight(inflight, {(self.node, port) for port in starts}, until_ns)

@@ -17,7 +17,7 @@ import pandas as pd
 from ..contract import measures
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
-from .calibration import Calibration, ServerModel, calibrate
+from .calibration import Calibration, IdleArrivalFloors, ServerModel, calibrate
 from .config import DEFAULT_CONFIG, AnalyticsConfig
 from .indicators import (
     OCCUPANCY_LOOKBACK_S,
@@ -85,7 +85,8 @@ def default_range(store: Store, scope: Scope) -> TimeRange | None:
 def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, scope: Scope = EVERYTHING,
             config: AnalyticsConfig = DEFAULT_CONFIG, now_ns: int | None = None,
             new_requests: tuple[str, dict] | None = None, schema_ready: bool = False,
-            slo_minutes: SloMinutes | None = None, summarize: bool = True) -> AnalysisReport:
+            slo_minutes: SloMinutes | None = None, idle_floors: IdleArrivalFloors | None = None,
+            summarize: bool = True) -> AnalysisReport:
     """Run every analysis over ``analysed`` and store the results (see the module docstring).
 
     ``new_requests`` (a condition over the requests, with its parameters) narrows the phases computed, and
@@ -94,6 +95,7 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     which the matrix also reads, have theirs already.
     ``schema_ready``: the caller made sure of the schema (the agent, at start), so no DDL runs.
     ``slo_minutes``: the SLO counts of whole minutes an earlier pass took (``slo.SloMinutes``), reused.
+    ``idle_floors``: where an earlier pass found the latest idle arrivals (``calibration.IdleArrivalFloors``).
     ``summarize=False`` leaves out the phase summary (a report for people; the live analysis has none).
     """
     now_ns = time.time_ns() if now_ns is None else now_ns
@@ -105,7 +107,8 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     lead_s = matrix_lead_s(window_s, config.thresholds)
     first_window_ns = Windows(analysed, window_s, lead_s).base_ns
     phases_range = TimeRange(first_window_ns, analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
-    calibrations = calibrate(store, phases_range, scope, config.spans, now_ns, only=new_requests)
+    calibrations = calibrate(store, phases_range, scope, config.spans, now_ns, only=new_requests,
+                             floors=idle_floors)
     compute_phases(store, phases_range, calibrations, scope, config.thresholds, now_ns, only=new_requests)
     fitted = fit_knees(store, analysed, scope, config.spans, now_ns)
     knees = latest_found_knees(store, scope)  # this run's, where it found one, are the latest
