@@ -72,9 +72,8 @@ _kept_lock = threading.Lock()
 
 
 def _fit_theil_sen(x: np.ndarray, y: np.ndarray) -> LineFit:
-    dx, dy = _pair_differences(x), _pair_differences(y)
-    distinct = dx != 0
-    slope = _median(dy[distinct] / dx[distinct]) if distinct.any() else 0.0
+    slopes = _pair_slopes(x, y)
+    slope = _median(slopes) if len(slopes) else 0.0
     intercept = float(np.median(y - slope * x))
     residuals = y - (intercept + slope * x)
     mad = float(np.median(np.abs(residuals)))
@@ -83,16 +82,29 @@ def _fit_theil_sen(x: np.ndarray, y: np.ndarray) -> LineFit:
     return LineFit(intercept, slope, _r2(y[inliers], residuals[inliers]), mad, len(x), int((~inliers).sum()))
 
 
-def _pair_differences(values: np.ndarray) -> np.ndarray:
-    """``values[j] - values[i]`` for every pair i < j, row by row into one array: a third of the time of
-    gathering both through ``np.triu_indices`` (two index arrays and two gathers of n²/2 each)."""
-    n = len(values)
-    differences = np.empty(n * (n - 1) // 2)
+def _pair_slopes(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The slope between every two points of different x (in no particular order: only their median counts).
+
+    Sorted by x, a point's pairs with a larger x are the points after the last of its own x: each row of
+    slopes is written straight into one array, with no pair of equal x to mask out and no index arrays to
+    gather through (a third to a half of ``np.triu_indices``' time). (y_j − y_i) / (x_j − x_i) is the same
+    float whichever of the two comes first.
+    """
+    order = np.argsort(x, kind="stable")
+    x, y = x[order], y[order]
+    n = len(x)
+    larger = np.searchsorted(x, x, side="right")  # each point's first point of a larger x
+    slopes = np.empty(int((n - larger).sum()))
+    steps = np.empty(n)
     at = 0
-    for i in range(n - 1):
-        np.subtract(values[i + 1:], values[i], out=differences[at:at + n - 1 - i])
-        at += n - 1 - i
-    return differences
+    for i, first in enumerate(larger):
+        if first == n:  # so are all after it
+            break
+        row = slopes[at:at + n - first]
+        np.subtract(y[first:], y[i], out=row)
+        np.divide(row, np.subtract(x[first:], x[i], out=steps[:n - first]), out=row)
+        at += n - first
+    return slopes
 
 
 def _median(values: np.ndarray) -> float:
