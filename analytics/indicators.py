@@ -273,6 +273,9 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
     def overlap(start: str, end: str) -> str:
         return f"greatest(0, least({end}, (bucket + 1) * sub) - greatest({start}, bucket * sub))"
 
+    # The look-back's requests that finished before the first sub-bucket overlap none: left out unread.
+    finished = "coalesce(resp_end, last_token, first_token, req_end, req_start)"
+
     return store.query_df(
         f"""SELECT node, server_port, bucket,
                    sum({overlap('arrived', 'finished')}) AS in_flight_s,
@@ -281,7 +284,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
             FROM (
                 SELECT node, server_port, {{sub_ns:Int64}} / 1e9 AS sub,
                        {offset('req_start')} AS arrived,
-                       {offset('coalesce(resp_end, last_token, first_token, req_end, req_start)')} AS finished,
+                       {offset(finished)} AS finished,
                        {offset('coalesce(req_end, req_start)')} AS arrived_whole,
                        arrived_whole + ifNull(queue_ms, 0) / 1000 AS slot,
                        if(last_token IS NULL, slot, {offset('last_token')}) AS generated,
@@ -291,7 +294,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
                            toUInt64(greatest(0, least(toFloat64({{buckets:Int64}}), floor(finished / sub) + 1)))
                        )) AS bucket
                 FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
-                WHERE {in_range} AND {in_scope}
+                WHERE {in_range} AND {finished} >= fromUnixTimestamp64Nano({{base_ns:Int64}}, 'UTC') AND {in_scope}
             )
             GROUP BY node, server_port, bucket""",
         {**range_parameters, **scope_parameters, **_bucket_parameters(windows)},
