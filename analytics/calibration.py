@@ -80,9 +80,8 @@ class IdleArrivalFloors:
     def update(self, points: pd.DataFrame, needed: Iterable[ServerModel]) -> None:
         """Keep the floor of each server and model ``needed`` that has all its points in ``points`` (the
         latest idle arrivals in the look-back ``search_from`` was last asked about)."""
-        found = {} if points.empty else {
-            (node, int(port), model): starts
-            for (node, port, model), starts in points.groupby(["node", "server_port", "model"], observed=True)["start_ns"]}
+        by_key = [] if points.empty else points.groupby(["node", "server_port", "model"], observed=True)["start_ns"]
+        found = {(node, int(port), model): starts for (node, port, model), starts in by_key}
         for key in needed:
             starts = found.get(key)
             if starts is not None and len(starts) >= self._max_points:
