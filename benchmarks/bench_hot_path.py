@@ -2,7 +2,8 @@
 
 A C server (benchmarks/firehose.c, built here with cc) streams OpenAI chat
 chunks, one write per event, over keep-alive connections held by its own
-clients (in the same C loop, so that neither is the bottleneck), on CPU 0. The
+clients (in the same C loop, so that neither is the bottleneck; connected once per
+stream count and warmed up, as a node's keep-alive pool is), on CPU 0. The
 real `tokenprobe agent` runs pinned to CPU 1 and reports through its own
 /metrics what it handled and what the kernel dropped. Per implementation — this
 checkout with kernel batching (the default), this checkout with
@@ -48,6 +49,7 @@ from tokenprobe.refserver.harness import free_port, wait_for_port
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 AGENT_CPU, LOAD_CPU = "1", "0"
+WARM_UP_S = 2.0
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -222,16 +224,24 @@ def streaming_server(binary: Path, port: int, tokens: int) -> Iterator[Firehose]
             hose.proc.wait()
 
 
-def drive(hose: Firehose, streams: int, rate: float, seconds: float) -> LoadFigures:
-    """``streams`` keep-alive clients, each sending its next request when a response ends, for ``seconds``."""
+def drive(hose: Firehose, rate: float, seconds: float) -> LoadFigures:
+    """The firehose's clients at ``rate`` for ``seconds``, and what they read meanwhile."""
     hose.rate(rate)
-    hose.clients(streams)
     hose.report(seconds)  # from here on
     time.sleep(seconds)
     load = hose.report(seconds)
-    hose.clients(0)
     hose.rate(0)
     return load
+
+
+def connect_clients(hose: Firehose, streams: int, rate: float) -> None:
+    """``streams`` keep-alive clients, each sending its next request when a response ends, first run
+    at ``rate`` for WARM_UP_S: measured, a node's pool of keep-alive connections is past its first
+    responses (those whose templates the agent is still naming)."""
+    hose.clients(streams)
+    hose.rate(rate)
+    time.sleep(WARM_UP_S)
+    hose.rate(0)
 
 
 def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], seconds: float,
@@ -246,9 +256,10 @@ def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], 
         with streaming_server(binary, port, tokens=4000 if streams == 1 else 200) as hose:
             agent = AgentProcess(impl, port, tmp)
             try:
+                connect_clients(hose, streams, rates[0])
                 for rate in rates:
                     before, idle_cpu, started = agent.settled_figures()
-                    load = drive(hose, streams, rate, seconds)
+                    load = drive(hose, rate, seconds)
                     after, _, settled = agent.settled_figures()
                     records, drops, batched, cpu = (after[i] - before[i] for i in range(4))
                     cpu = max(0.0, cpu - idle_cpu * (settled - started))  # what the events cost, not the waits
@@ -281,7 +292,8 @@ def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: floa
             with streaming_server(binary, port, tokens=200) as hose:
                 agent = AgentProcess(impl, port, tmp) if impl else None
                 try:
-                    load = drive(hose, 64, rate, seconds)
+                    connect_clients(hose, 64, rate)
+                    load = drive(hose, rate, seconds)
                 finally:
                     if agent:
                         agent.stop()
