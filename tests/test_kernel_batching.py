@@ -29,8 +29,9 @@ EXACT_FIELDS = ("path", "status", "outcome", "error", "tls", "req_seq", "token_e
                 "completion_tokens", "prompt_tokens", "model", "bytes_in", "bytes_out", "api", "capture",
                 "bytes_unseen")
 TIMED_FIELDS = ("req_start_ns", "req_end_ns", "first_token_ns", "last_token_ns")
-# Offsets are whole microseconds from the first token: each agent's skew moves them a little.
-OFFSET_SLACK_US = STAMP_SKEW_NS // 1000
+# Offsets are whole microseconds from the first token: two stamps each, each with its skew (still
+# well under the 2 ms between two tokens, which a token counted at another's time would be off by).
+OFFSET_SLACK_US = 2 * STAMP_SKEW_NS // 1000
 
 
 @pytest.fixture(autouse=True)
