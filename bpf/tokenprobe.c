@@ -308,31 +308,44 @@ static __always_inline void sequence(struct conn_info *ci, u8 dir, u32 moved) {
     ci->events[dir] += 1;
 }
 
-// The agent is woken for every RING_WAKE_EVERY-th record a CPU sends, and otherwise reads
-// the ring buffer at its own pace (every 100 ms at most, agent/capture/probes.py): a wakeup
-// per record (the ring buffer's default while the agent keeps up) costs the agent a poll
-// round and the writer's CPU the wakeup's work, for every few records.
+// The agent is woken for every RING_WAKE_EVERY-th record a CPU sends, or sooner once the
+// CPU sent RING_WAKE_BYTES since its last wakeup (a share of the ring buffer: all CPUs
+// together never fill it before the agent is woken), and otherwise reads the ring buffer
+// at its own pace (every 100 ms at most, agent/capture/probes.py): a wakeup per record (the
+// ring buffer's default while the agent keeps up) costs the agent a poll round and the
+// writer's CPU the wakeup's work, for every few records.
 #ifndef RING_WAKE_EVERY
-#define RING_WAKE_EVERY 256 // records (power of two)
+#define RING_WAKE_EVERY 256 // records
 #endif
+#define RING_WAKE_BYTES (RINGBUF_PAGES * 4096ULL / (4 * NR_CPUS_POSSIBLE))
 #define RB_NO_WAKEUP 1
 #define RB_FORCE_WAKEUP 2
-BPF_PERCPU_ARRAY(ring_sent, u32, 1);
+struct ring_sent_since_wakeup {
+    u32 records;
+    u32 pad;
+    u64 bytes;
+};
+BPF_PERCPU_ARRAY(ring_sent, struct ring_sent_since_wakeup, 1);
 
-static __always_inline u64 ring_flags(void) {
+static __always_inline u64 ring_flags(u64 size) {
     int zero = 0;
-    u32 *sent = ring_sent.lookup(&zero);
+    struct ring_sent_since_wakeup *sent = ring_sent.lookup(&zero);
     if (!sent)
         return 0;
-    *sent += 1;
-    return *sent & (RING_WAKE_EVERY - 1) ? RB_NO_WAKEUP : RB_FORCE_WAKEUP;
+    sent->records += 1;
+    sent->bytes += size;
+    if (sent->records < RING_WAKE_EVERY && sent->bytes < RING_WAKE_BYTES)
+        return RB_NO_WAKEUP;
+    sent->records = 0;
+    sent->bytes = 0;
+    return RB_FORCE_WAKEUP;
 }
 
 static __always_inline void submit(struct event *e, u32 data_len) {
     u32 size = offsetof(struct event, data) + (data_len & (2 * HEAD_CAP - 1));
     if (size > sizeof(struct event))
         size = sizeof(struct event);
-    if (events.ringbuf_output(e, size, ring_flags()) != 0)
+    if (events.ringbuf_output(e, size, ring_flags(size)) != 0)
         count_drop();
 }
 
@@ -560,7 +573,7 @@ static __always_inline void steady_send(struct steady_batch *b) {
     if (count > STEADY_BATCH)
         count = STEADY_BATCH;
     u64 size = offsetof(struct steady_batch, write_ns) + (u64)count * sizeof(u64);
-    if (events.ringbuf_output(b, size, ring_flags()) != 0)
+    if (events.ringbuf_output(b, size, ring_flags(size)) != 0)
         count_drop();
     b->count = 0;
     b->nbytes = 0;
