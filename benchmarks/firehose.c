@@ -1,13 +1,21 @@
-// A streaming server for the hot-path benchmark: it must never be the bottleneck.
+// A streaming server, and its clients, for the hot-path benchmark: neither may be the bottleneck.
 //
 // Serves keep-alive POSTs on 127.0.0.1:PORT. Each response is an SSE stream of
-// TOKENS OpenAI chat-completion chunks as vLLM writes them, chunked transfer encoding,
+// TOKENS OpenAI chat-completion chunks as vLLM writes them (an id and creation time
+// of the response's own in every chunk), chunked transfer encoding,
 // one write() per chunk (what uvicorn and most servers do at low load), paced so that all
-// connections together write RATE events per second. Each line read on stdin
-// sets a new RATE (0 pauses); at the end of stdin it prints one line,
-// "written EVENTS RESPONSES", and exits.
+// connections together write RATE events per second. The clients run in the same
+// loop (a Python client would be slower than the agent it loads): each sends its
+// next request when a response ends, and notes its TTFT (request sent to first event
+// read). Commands, one a line on stdin:
+//   RATE        a new rate (0 pauses)
+//   clients N   N keep-alive clients from now on (0: none)
+//   report      prints "received EVENTS RESPONSES TTFT_P50_US TTFT_P99_US": what the clients
+//               read since the last report (responses that ended)
+// At the end of stdin it prints "written EVENTS RESPONSES" and exits.
 //
 //   cc -O2 -o firehose firehose.c && ./firehose PORT TOKENS
+#define _GNU_SOURCE // memmem
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -21,21 +29,42 @@
 #include <unistd.h>
 
 #define MAX_CONNECTIONS 1024
+#define MAX_TTFTS (1 << 20)
+#define MARK_LEN 8 // strlen(EVENT_MARK)
+#define BURST 64   // events written between two reads of the clients
 
 static const char HEADERS[] =
     "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+// %016lx: the response's number, as vLLM's ids are hex; %ld: the time it began.
 static const char EVENT[] =
-    "data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,"
+    "data: {\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,"
     "\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok\"},\"finish_reason\":null}]}\n\n";
 static const char LAST[] =
-    "data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,"
+    "data: {\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,"
     "\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],"
     "\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":%d,\"total_tokens\":%d}}\n\n"
     "data: [DONE]\n\n";
+static const char REQUEST[] =
+    "POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\ncontent-type: application/json\r\n"
+    "content-length: 48\r\n\r\n{\"model\":\"bench\",\"stream\":true,\"messages\":[]}   ";
+static const char EVENT_MARK[] = "\ndata: {";  // one per event the clients read (chunk line, then data)
+static const char END_MARK[] = "0\r\n\r\n";     // the last chunk
 
 struct stream {
     int fd;
     int remaining;  // events left in the response in flight; -1: waiting for a request
+    long id;        // the response's number
+    long created;   // when it began (s)
+    char event[512];
+    int event_len;  // EVENT with the response's own id and time
+};
+
+struct client {
+    int fd;
+    double sent_at;         // when its request went out
+    int seen_first;         // its response's first event was read
+    char tail[MARK_LEN];    // the last bytes read: a mark may span two reads
+    int tail_len;
 };
 
 static double now_s(void) {
@@ -50,9 +79,27 @@ static int send_chunk(int fd, const char *data, int len) {
     return send(fd, buf, n, MSG_NOSIGNAL) == n ? 0 : -1;
 }
 
+static int by_value(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static int count_marks(const char *data, int len, const char *mark, int mark_len) {
+    int found = 0;
+    for (const char *at = data; (at = memmem(at, data + len - at, mark, mark_len)) != NULL; at += mark_len) found++;
+    return found;
+}
+
+static int client_send(struct client *c) {
+    c->sent_at = now_s();
+    c->seen_first = 0;
+    c->tail_len = 0;
+    return send(c->fd, REQUEST, sizeof REQUEST - 1, MSG_NOSIGNAL) == sizeof REQUEST - 1 ? 0 : -1;
+}
+
 int main(int argc, char **argv) {
     if (argc != 3) {
-        fprintf(stderr, "usage: %s PORT TOKENS (rates on stdin)\n", argv[0]);
+        fprintf(stderr, "usage: %s PORT TOKENS (commands on stdin)\n", argv[0]);
         return 2;
     }
     int port = atoi(argv[1]), tokens = atoi(argv[2]);
@@ -68,28 +115,106 @@ int main(int argc, char **argv) {
     printf("listening\n");
     fflush(stdout);
 
-    struct stream streams[MAX_CONNECTIONS];
-    struct pollfd fds[MAX_CONNECTIONS + 2];
-    int count = 0;
-    long written = 0, responses = 0;
-    char request[65536], last[512];
+    static struct stream streams[MAX_CONNECTIONS];
+    static struct client clients[MAX_CONNECTIONS];
+    static struct pollfd fds[2 * MAX_CONNECTIONS + 2];
+    static double ttfts[MAX_TTFTS];
+    static char request[65536], last[512], read_buf[MARK_LEN + 65536], line[256];
+    int count = 0, nclients = 0, nttfts = 0, line_len = 0, gone = 0;  // gone: streams closed, to remove
+    long written = 0, responses = 0, started = 0, received = 0, answered = 0;
     double next_at = now_s();
     int turn = 0;
     for (;;) {
-        // Accept, read requests and rates without blocking; write on schedule.
+        // Accept, read requests, responses and commands without blocking; write on schedule.
         fds[0] = (struct pollfd){.fd = listener, .events = POLLIN};
-        for (int i = 0; i < count; i++) fds[i + 1] = (struct pollfd){.fd = streams[i].fd, .events = POLLIN};
-        fds[count + 1] = (struct pollfd){.fd = STDIN_FILENO, .events = POLLIN};
+        for (int i = 0; i < count; i++) fds[1 + i] = (struct pollfd){.fd = streams[i].fd, .events = POLLIN};
+        for (int i = 0; i < nclients; i++)
+            fds[1 + count + i] = (struct pollfd){.fd = clients[i].fd, .events = POLLIN};
+        int in = 1 + count + nclients;
+        fds[in] = (struct pollfd){.fd = STDIN_FILENO, .events = POLLIN};
         double wait = next_at - now_s();
-        poll(fds, count + 2, rate > 0 && wait <= 0.001 ? 0 : 1);
-        if (fds[count + 1].revents & (POLLIN | POLLHUP)) {
-            char line[64];
-            ssize_t n = read(STDIN_FILENO, line, sizeof line - 1);
+        poll(fds, in + 1, rate > 0 && wait <= 0.001 ? 0 : 1);
+        if (fds[in].revents & (POLLIN | POLLHUP)) {
+            ssize_t n = read(STDIN_FILENO, line + line_len, sizeof line - 1 - line_len);
             if (n <= 0) break;
-            line[n] = 0;
-            rate = atof(line);
-            next_at = now_s();
+            line_len += n;
+            char *end;
+            while ((end = memchr(line, '\n', line_len)) != NULL) {
+                *end = 0;
+                int wanted;
+                if (sscanf(line, "clients %d", &wanted) == 1) {
+                    for (int i = 0; i < nclients; i++) close(clients[i].fd);
+                    nclients = 0;
+                    for (int i = 0; i < wanted && i < MAX_CONNECTIONS; i++) {
+                        int fd = socket(AF_INET, SOCK_STREAM, 0);
+                        if (connect(fd, (struct sockaddr *)&addr, sizeof addr)) {
+                            perror("firehose: connect");
+                            close(fd);
+                            break;
+                        }
+                        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+                        clients[nclients] = (struct client){.fd = fd};
+                        client_send(&clients[nclients++]);
+                    }
+                } else if (strcmp(line, "report") == 0) {
+                    qsort(ttfts, nttfts, sizeof *ttfts, by_value);
+                    double p50 = nttfts ? ttfts[nttfts / 2] : 0, p99 = nttfts ? ttfts[(int)(0.99 * (nttfts - 1))] : 0;
+                    printf("received %ld %ld %.0f %.0f\n", received, answered, p50 * 1e6, p99 * 1e6);
+                    fflush(stdout);
+                    received = answered = nttfts = 0;
+                } else {
+                    rate = atof(line);
+                    next_at = now_s();
+                }
+                line_len -= end + 1 - line;
+                memmove(line, end + 1, line_len);
+            }
+            if (line_len == sizeof line - 1) line_len = 0;  // a line too long to be a command
+            continue;  // the clients' fds may have moved
         }
+        for (int i = 0; i < nclients; i++) {
+            struct client *c = &clients[i];
+            if (!(fds[1 + count + i].revents & (POLLIN | POLLHUP))) continue;
+            memcpy(read_buf, c->tail, c->tail_len);
+            ssize_t n = recv(c->fd, read_buf + c->tail_len, sizeof read_buf - MARK_LEN, 0);
+            if (n <= 0) continue;  // the server side went away: the benchmark is over
+            int len = c->tail_len + (int)n;
+            // A mark is longer than the tail kept: each one counted holds new bytes.
+            received += count_marks(read_buf, len, EVENT_MARK, MARK_LEN);
+            if (!c->seen_first && memmem(read_buf, len, "data:", 5)) {
+                if (nttfts < MAX_TTFTS) ttfts[nttfts++] = now_s() - c->sent_at;
+                c->seen_first = 1;
+            }
+            int ended = len >= (int)sizeof END_MARK - 1 &&
+                        memcmp(read_buf + len - (sizeof END_MARK - 1), END_MARK, sizeof END_MARK - 1) == 0;
+            c->tail_len = len < MARK_LEN - 1 ? len : MARK_LEN - 1;
+            memcpy(c->tail, read_buf + len - c->tail_len, c->tail_len);
+            if (ended) {
+                answered++;
+                client_send(c);
+            }
+        }
+        for (int i = 0; i < count; i++) {
+            if (!(fds[1 + i].revents & (POLLIN | POLLHUP)) || streams[i].remaining >= 0) continue;
+            ssize_t n = recv(streams[i].fd, request, sizeof request, 0);
+            if (n <= 0) {  // the client went away
+                close(streams[i].fd);
+                streams[i].fd = -1;
+                gone = 1;
+                continue;
+            }
+            if (send(streams[i].fd, HEADERS, sizeof HEADERS - 1, MSG_NOSIGNAL) > 0) {
+                struct stream *s = &streams[i];
+                s->remaining = tokens;
+                s->id = ++started;
+                s->created = time(NULL);
+                s->event_len = snprintf(s->event, sizeof s->event, EVENT, s->id, s->created);
+            }
+        }
+        // Streams and clients are indexed as polled until here: only now do they move.
+        for (int i = 0; gone && i < count; i++)
+            if (streams[i].fd < 0) streams[i--] = streams[--count];
+        gone = 0;
         if ((fds[0].revents & POLLIN) && count < MAX_CONNECTIONS) {
             int fd = accept(listener, NULL, NULL);
             if (fd >= 0) {
@@ -97,18 +222,11 @@ int main(int argc, char **argv) {
                 streams[count++] = (struct stream){.fd = fd, .remaining = -1};
             }
         }
-        for (int i = 0; i < count; i++) {
-            if (!(fds[i + 1].revents & (POLLIN | POLLHUP)) || streams[i].remaining >= 0) continue;
-            ssize_t n = recv(streams[i].fd, request, sizeof request, 0);
-            if (n <= 0) {  // the client went away
-                close(streams[i].fd);
-                streams[i--] = streams[--count];
-                continue;
-            }
-            if (send(streams[i].fd, HEADERS, sizeof HEADERS - 1, MSG_NOSIGNAL) > 0) streams[i].remaining = tokens;
-        }
-        // Events due by now, round-robin over the streams that have a response in flight.
-        for (double t = now_s(); rate > 0 && next_at <= t && count > 0; next_at += 1.0 / rate) {
+        // Events due by now, round-robin over the streams that have a response in flight; at most
+        // BURST before the clients read again (a blocking write to a client of this very loop
+        // that had stopped reading would never return).
+        int due = 0;
+        for (double t = now_s(); rate > 0 && next_at <= t && count > 0 && due < BURST; next_at += 1.0 / rate, due++) {
             int busy = -1;
             for (int k = 0; k < count; k++) {
                 int i = (turn + k) % count;
@@ -123,11 +241,18 @@ int main(int argc, char **argv) {
             }
             turn = busy + 1;
             struct stream *s = &streams[busy];
-            if (send_chunk(s->fd, EVENT, sizeof EVENT - 1) == 0) written++;
+            if (send_chunk(s->fd, s->event, s->event_len) != 0) {  // its client went away mid-response
+                close(s->fd);
+                s->fd = -1;
+                s->remaining = -1;
+                gone = 1;
+                continue;
+            }
+            written++;
             if (--s->remaining == 0) {
-                int len = snprintf(last, sizeof last, LAST, tokens, tokens + 8);
+                int len = snprintf(last, sizeof last, LAST, s->id, s->created, tokens, tokens + 8);
                 send_chunk(s->fd, last, len);
-                send(s->fd, "0\r\n\r\n", 5, MSG_NOSIGNAL);
+                send(s->fd, END_MARK, sizeof END_MARK - 1, MSG_NOSIGNAL);
                 s->remaining = -1;
                 responses++;
             }

@@ -308,11 +308,44 @@ static __always_inline void sequence(struct conn_info *ci, u8 dir, u32 moved) {
     ci->events[dir] += 1;
 }
 
+// The agent is woken for every RING_WAKE_EVERY-th record a CPU sends, or sooner once the
+// CPU sent RING_WAKE_BYTES since its last wakeup (a share of the ring buffer: all CPUs
+// together never fill it before the agent is woken), and otherwise reads the ring buffer
+// at its own pace (every 100 ms at most, agent/capture/probes.py): a wakeup per record (the
+// ring buffer's default while the agent keeps up) costs the agent a poll round and the
+// writer's CPU the wakeup's work, for every few records.
+#ifndef RING_WAKE_EVERY
+#define RING_WAKE_EVERY 256 // records
+#endif
+#define RING_WAKE_BYTES (RINGBUF_PAGES * 4096ULL / (4 * NR_CPUS_POSSIBLE))
+#define RB_NO_WAKEUP 1
+#define RB_FORCE_WAKEUP 2
+struct ring_sent_since_wakeup {
+    u32 records;
+    u32 pad;
+    u64 bytes;
+};
+BPF_PERCPU_ARRAY(ring_sent, struct ring_sent_since_wakeup, 1);
+
+static __always_inline u64 ring_flags(u64 size) {
+    int zero = 0;
+    struct ring_sent_since_wakeup *sent = ring_sent.lookup(&zero);
+    if (!sent)
+        return 0;
+    sent->records += 1;
+    sent->bytes += size;
+    if (sent->records < RING_WAKE_EVERY && sent->bytes < RING_WAKE_BYTES)
+        return RB_NO_WAKEUP;
+    sent->records = 0;
+    sent->bytes = 0;
+    return RB_FORCE_WAKEUP;
+}
+
 static __always_inline void submit(struct event *e, u32 data_len) {
     u32 size = offsetof(struct event, data) + (data_len & (2 * HEAD_CAP - 1));
     if (size > sizeof(struct event))
         size = sizeof(struct event);
-    if (events.ringbuf_output(e, size, 0) != 0)
+    if (events.ringbuf_output(e, size, ring_flags(size)) != 0)
         count_drop();
 }
 
@@ -464,20 +497,26 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
 //
 // Kernel batching. Once the agent has read a response as an SSE stream in which
 // each write is one HTTP chunk holding one token event, it names the bytes such
-// a write has around its text (steady_templates). Every later write on that
+// a write has around its text (steady_templates), and in them the fields each
+// response holds values of its own (an id, a creation time): bytes there need only
+// be of the field's kind (plain string bytes, digits). Every later write on that
 // connection that has exactly those bytes, and a text of plain characters (no
 // quote, backslash or control byte: no escape, no second JSON member, no line
 // end), only needs its time and size: those go into a per-connection batch, sent
 // as one record every STEADY_BATCH writes, at the first write STEADY_AGE_NS after
 // the batch's first (a stalled stream's batch waits for its next write), and before any
 // other event of the connection (so the agent reads everything in order). Any
-// other write goes out whole, as always; one with other bytes around its text
-// (the last token's finish_reason, usage, [DONE], the next response) also ends
-// the steady state until the agent names it again. Batched writes advance the
-// connection's sequence numbers like any other: a batch the ring buffer refuses
-// is a gap the agent sees.
+// other write goes out whole, as always. The template lives as long as the
+// connection (a keep-alive connection's next responses have the same shape): a
+// write with other bytes around its text (the last token's finish_reason, usage,
+// [DONE], the next response's header) holds it, and the first write after that
+// which matches it again goes out whole too, so that the agent has read an event
+// of the response (its id and model) before it counts any from their sizes; so does
+// the first after the agent named the template (the kernel may be a response ahead).
+// Batched writes advance the connection's sequence numbers like any other: a
+// batch the ring buffer refuses is a gap the agent sees.
 #ifndef STEADY_BATCH
-#define STEADY_BATCH 64 // writes per batch record (power of two)
+#define STEADY_BATCH 256 // writes per batch record (power of two)
 #endif
 #ifndef STEADY_AGE_NS
 #define STEADY_AGE_NS 500000000ULL // a batch is sent at its first write this long after its first
@@ -492,15 +531,16 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
 struct steady_template {
     u32 prefix_len; // 8..STEADY_PREFIX_CAP
     u32 suffix_len; // 8..STEADY_SUFFIX_CAP, the chunk's closing CRLF included
+    u32 hold;       // 1: the next write that matches goes out whole (and clears it)
+    u32 pad;
     u8 prefix[STEADY_PREFIX_CAP];
+    // Per byte of the prefix, 0xff in the one that says what it must be: the template's
+    // own byte, any digit, or any plain byte (a field of the response's own).
+    u8 exact[STEADY_PREFIX_CAP];
+    u8 digits[STEADY_PREFIX_CAP];
+    u8 plain[STEADY_PREFIX_CAP];
     u8 suffix[STEADY_SUFFIX_CAP];
     u8 slack[8]; // the word compares' bounds reach past suffix[]
-};
-
-struct steady_write {
-    u64 ts_ns;
-    u32 size;
-    u32 pad;
 };
 
 // The record sent to the ring buffer, straight from the map value. Its fields up
@@ -512,7 +552,8 @@ struct steady_batch {
     u32 tgid, fd, events[2];
     u8 kind, dir, tls, role;
     u32 count;
-    struct steady_write writes[STEADY_BATCH];
+    u64 nbytes;                 // the writes' bytes, all together
+    u64 write_ns[STEADY_BATCH]; // each write's time
 };
 _Static_assert(offsetof(struct steady_batch, kind) == offsetof(struct event, kind), "kind tells the records apart");
 _Static_assert(offsetof(struct steady_batch, role) == offsetof(struct event, role), "the same header");
@@ -531,10 +572,11 @@ static __always_inline void steady_send(struct steady_batch *b) {
         return;
     if (count > STEADY_BATCH)
         count = STEADY_BATCH;
-    u64 size = offsetof(struct steady_batch, writes) + (u64)count * sizeof(struct steady_write);
-    if (events.ringbuf_output(b, size, 0) != 0)
+    u64 size = offsetof(struct steady_batch, write_ns) + (u64)count * sizeof(u64);
+    if (events.ringbuf_output(b, size, ring_flags(size)) != 0)
         count_drop();
     b->count = 0;
+    b->nbytes = 0;
 }
 
 // Sends the connection's batch, if one is pending: before any other event of it.
@@ -560,24 +602,6 @@ static __always_inline void steady_end(struct conn_key *k) {
 // then teaches the verifier nothing about the lengths used after the loop, so the
 // states it leaves with are alike and it walks what follows once, not once per
 // iteration count.
-
-// Whether len bytes (8..cap) of data at off equal want: whole words, then the
-// word that ends them (overlapping the one before).
-static __always_inline int steady_same(const u8 *data, u32 off, const u8 *want, u32 len, u32 cap) {
-    u32 words = len / 8;
-    OPAQUE(words);
-    u64 diff = 0;
-    for (u32 i = 0; i <= cap / 8; i++) {
-        u32 at = i < words ? i * 8 : len - 8; // the last round: the word that ends them
-        u64 here = off + at, there = at;
-        OPAQUE(here); // the masks must stay: they are the verifier's bounds
-        OPAQUE(there);
-        diff |= *(const u64 *)(data + (here & (STEADY_WRITE_MAX - 1))) ^ *(const u64 *)(want + (there & (cap - 1)));
-        if (i >= words)
-            break;
-    }
-    return diff == 0;
-}
 
 // The chunk-size line's length (digits and CRLF) if data starts with one naming
 // the n-byte write's chunk exactly (data, then CRLF), else 0. Hex digits of either case.
@@ -613,6 +637,39 @@ static __always_inline u64 steady_special(u64 w) {
     return (((quote - ONES) & ~quote) | ((backslash - ONES) & ~backslash) | ((w - 0x20 * ONES) & ~w)) & HIGHS;
 }
 
+// Any byte of the word not an ASCII digit (false alarms only past a byte that is not one).
+static __always_inline u64 steady_nondigit(u64 w) {
+    u64 x = w ^ (0x30 * ONES);
+    return (x & (0xF0 * ONES)) | ((x + 0x06 * ONES) & (0x10 * ONES));
+}
+
+// Whether len bytes (8..cap) of data at off are what want says: whole words, then
+// the word that ends them (overlapping the one before). With masks (the prefix's),
+// each byte is compared where `exact` says, and of its kind where `digits` or
+// `plain` say; without (the suffix), every byte is compared.
+static __always_inline int steady_same(const u8 *data, u32 off, const u8 *want, const u8 *exact,
+                                       const u8 *digits, const u8 *plain, u32 len, u32 cap) {
+    u32 words = len / 8;
+    OPAQUE(words);
+    u64 diff = 0;
+    for (u32 i = 0; i <= cap / 8; i++) {
+        u32 at = i < words ? i * 8 : len - 8; // the last round: the word that ends them
+        u64 here = off + at, there = at;
+        OPAQUE(here); // the masks must stay: they are the verifier's bounds
+        OPAQUE(there);
+        u64 got = *(const u64 *)(data + (here & (STEADY_WRITE_MAX - 1)));
+        u64 differs = got ^ *(const u64 *)(want + (there & (cap - 1)));
+        if (exact)
+            differs = (differs & *(const u64 *)(exact + (there & (cap - 1))))
+                      | (steady_nondigit(got) & *(const u64 *)(digits + (there & (cap - 1))))
+                      | (steady_special(got) & *(const u64 *)(plain + (there & (cap - 1))));
+        diff |= differs;
+        if (i >= words)
+            break;
+    }
+    return diff == 0;
+}
+
 // How a write compares with its connection's template.
 enum steady_verdict {
     STEADY_DIFFERENT = 0, // other bytes around the text, or not one chunk: the steady state ends
@@ -640,8 +697,8 @@ static __always_inline int steady_classify(const u8 *buf, u32 n, struct steady_t
     u32 from = steady_chunk_line(data, n);
     if (!from || n < from + plen + slen + 1)
         return STEADY_DIFFERENT;
-    if (!steady_same(data, from, t->prefix, plen, STEADY_PREFIX_CAP)
-        || !steady_same(data, n - slen, t->suffix, slen, STEADY_SUFFIX_CAP))
+    if (!steady_same(data, from, t->prefix, t->exact, t->digits, t->plain, plen, STEADY_PREFIX_CAP)
+        || !steady_same(data, n - slen, t->suffix, 0, 0, 0, slen, STEADY_SUFFIX_CAP))
         return STEADY_DIFFERENT;
     // The text between them: whole words, then the word that ends the text, its
     // bytes already judged replaced with a harmless 'a'.
@@ -675,11 +732,13 @@ static __always_inline int steady_write(struct conn_key *k, struct conn_info *ci
         return 0; // no template: no batch either (both end together)
     int verdict = steady_classify(buf, n, t);
     if (verdict == STEADY_DIFFERENT) {
-        steady_end(k);
+        steady_flush(k);
+        t->hold = 1; // the stream moved on: the next write like the template's is read whole
         return 0;
     }
-    if (verdict == STEADY_ESCAPED) {
+    if (verdict == STEADY_ESCAPED || t->hold) {
         steady_flush(k);
+        t->hold = 0;
         return 0;
     }
     int zero = 0;
@@ -700,14 +759,14 @@ static __always_inline int steady_write(struct conn_key *k, struct conn_info *ci
         b->dir = DIR_WRITE;
         b->tls = ci->tls;
         b->role = ci->role;
+        b->nbytes = 0;
     }
-    struct steady_write *w = &b->writes[count & (STEADY_BATCH - 1)];
-    w->ts_ns = ts;
-    w->size = n;
+    b->write_ns[count & (STEADY_BATCH - 1)] = ts;
+    b->nbytes += n;
     b->count = count + 1;
     b->ts_ns = ts;
     sequence(ci, DIR_WRITE, n);
-    if (count + 1 >= STEADY_BATCH || ts - b->writes[0].ts_ns >= STEADY_AGE_NS)
+    if (count + 1 >= STEADY_BATCH || ts - b->write_ns[0] >= STEADY_AGE_NS)
         steady_send(b);
     return 1;
 }

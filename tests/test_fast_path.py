@@ -87,11 +87,53 @@ def test_captures_as_written_take_the_fast_path(name, monkeypatch):
 @pytest.mark.parametrize("name", CAPTURES)
 def test_captures_as_written_are_batched_by_the_kernel(name):
     """One chunk a write: all but the events that name id and model, end the stream or carry
-    usage come in the kernel's batches, and the twin finds the same exchange."""
+    usage, and the first after the template was named (the kernel sends that one whole), come
+    in the kernel's batches, and the twin finds the same exchange."""
     request, writes = capture(name)
     before = KernelBatching.batched
     (exchange,) = run(request, writes)
-    assert KernelBatching.batched - before == exchange["choice_events"] - 2
+    assert KernelBatching.batched - before == exchange["choice_events"] - 3
+
+
+_OWN_FIELDS = re.compile(rb'"id":"([^"]*)","object":"[^"]*","created":([0-9]+)')
+
+
+def another_response(writes: list[bytes], id_of, created: bytes) -> list[bytes]:
+    """The capture's response as another response on the connection would hold it: its own id
+    (`id_of` the capture's) and creation time, each chunk's size line rewritten to match."""
+    found = _OWN_FIELDS.search(writes[1])
+    again = [writes[0]]
+    for write in writes[1:]:
+        body = write.split(b"\r\n", 1)[1][:-2].replace(found[1], id_of(found[1])).replace(found[2], created)
+        again.append(b"%x\r\n" % len(body) + body + b"\r\n" if body else write)
+    return again
+
+
+@pytest.mark.parametrize("name", CAPTURES)
+def test_a_keep_alive_connections_responses_keep_the_kernels_template(name):
+    """Responses after the first on one connection, with ids and creation times of their own: those
+    of the same sizes are batched from their second text on, with the template named once; an id of
+    another size is another template. Every one the same exchange on every path."""
+    request, writes = capture(name)
+    twin = TwinAssembler(fingerprint_key=KEY)
+    named = []
+    steady_template = twin.kernel_batching.assembler.steady_template
+    twin.kernel_batching.assembler.steady_template = lambda write: named.append(steady_template(write)) or named[-1]
+    responses = [writes, another_response(writes, lambda own: own[::-1], b"1796073999"),
+                 another_response(writes, lambda own: own + b"-2", b"1796074000")]
+    done, batched, ts = [], [], 10
+    for response in responses:
+        before = KernelBatching.batched
+        done += twin.feed_request_bytes(ts, request, len(request))
+        for write in response:
+            ts += 1
+            done += twin.feed_response_bytes(ts, write, len(write))
+        batched.append(KernelBatching.batched - before)
+    done += twin.close(ts + 1, "server_closed")
+    own_id = _OWN_FIELDS.search(writes[1])[1].decode()
+    assert [(e.outcome, e.choice_events, e.response_id) for e in done] == [
+        ("complete", 12, own_id), ("complete", 12, own_id[::-1]), ("complete", 12, own_id + "-2")]
+    assert batched == [12 - 3, 12 - 2, 12 - 3] and len([t for t in named if t is not None]) == 2
 
 
 @pytest.mark.parametrize("name", CAPTURES)

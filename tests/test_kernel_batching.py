@@ -8,14 +8,18 @@ apart, so the token times are compared to within that; every count is compared e
 
 from __future__ import annotations
 
+import json
 import re
+import socket
+import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 from tokenprobe.refserver.loadgen import LoadConfig, burst
 
-from tests.kernel_harness import agent, read_rows, reference_server, require_kernel
+from tests.kernel_harness import agent, free_port, listening_process, read_rows, reference_server, require_kernel
 
 pytestmark = pytest.mark.kernel
 
@@ -25,8 +29,9 @@ EXACT_FIELDS = ("path", "status", "outcome", "error", "tls", "req_seq", "token_e
                 "completion_tokens", "prompt_tokens", "model", "bytes_in", "bytes_out", "api", "capture",
                 "bytes_unseen")
 TIMED_FIELDS = ("req_start_ns", "req_end_ns", "first_token_ns", "last_token_ns")
-# Offsets are whole microseconds from the first token: each agent's skew moves them a little.
-OFFSET_SLACK_US = STAMP_SKEW_NS // 1000
+# Offsets are whole microseconds from the first token: two stamps each, each with its skew (still
+# well under the 2 ms between two tokens, which a token counted at another's time would be off by).
+OFFSET_SLACK_US = 2 * STAMP_SKEW_NS // 1000
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +44,25 @@ def _summary(log: str) -> tuple[int, int]:
     match = re.search(r"from (\d+) kernel events \((\d+) writes in batches\)", log)
     assert match, log[-2000:]
     return int(match[1]), int(match[2])
+
+
+def _same_rows(batching, full, expected_rows: int) -> dict[str, dict]:
+    """The two agents' rows of the API's requests, each complete and exact, equal field by field
+    (times within the skew of two probes); the full capture's, by response id."""
+    on = {row["response_id"]: row for row in read_rows(batching.store_url) if row["path"].startswith("/v1/")}
+    off = {row["response_id"]: row for row in read_rows(full.store_url) if row["path"].startswith("/v1/")}
+    assert len(off) == expected_rows and on.keys() == off.keys()
+    for rid, expected in off.items():
+        got = on[rid]
+        assert expected["capture"] == "exact" and expected["outcome"] == "complete", expected
+        for name in EXACT_FIELDS:
+            assert got[name] == expected[name], (name, got, expected)
+        for name in TIMED_FIELDS:
+            assert abs(got[name] - expected[name]) <= STAMP_SKEW_NS, (name, got[name], expected[name])
+        assert len(got["token_offsets_us"]) == len(expected["token_offsets_us"]) == expected["token_events"]
+        assert all(abs(int(a) - int(b)) <= OFFSET_SLACK_US
+                   for a, b in zip(got["token_offsets_us"], expected["token_offsets_us"])), rid
+    return off
 
 
 def test_batched_rows_equal_full_capture(tmp_path: Path):
@@ -58,20 +82,7 @@ def test_batched_rows_equal_full_capture(tmp_path: Path):
         assert batching.stop() == 0, batching.log()
         assert full.stop() == 0, full.log()
 
-    on = {row["response_id"]: row for row in read_rows(batching.store_url) if row["path"].startswith("/v1/")}
-    off = {row["response_id"]: row for row in read_rows(full.store_url) if row["path"].startswith("/v1/")}
-    assert len(off) == 80 and on.keys() == off.keys()
-    for rid, expected in off.items():
-        got = on[rid]
-        assert expected["capture"] == "exact" and expected["outcome"] == "complete", expected
-        for name in EXACT_FIELDS:
-            assert got[name] == expected[name], (name, got, expected)
-        for name in TIMED_FIELDS:
-            assert abs(got[name] - expected[name]) <= STAMP_SKEW_NS, (name, got[name], expected[name])
-        assert len(got["token_offsets_us"]) == len(expected["token_offsets_us"]) == expected["token_events"]
-        assert all(abs(int(a) - int(b)) <= OFFSET_SLACK_US
-                   for a, b in zip(got["token_offsets_us"], expected["token_offsets_us"])), rid
-
+    off = _same_rows(batching, full, 80)
     events_on, batched = _summary(batching.log())
     events_off, unbatched = _summary(full.log())
     tokens = sum(row["token_events"] for row in off.values())
@@ -82,3 +93,71 @@ def test_batched_rows_equal_full_capture(tmp_path: Path):
     # kernel met before it learnt the template: more of them the further the agent lags), and so
     # far fewer kernel events.
     assert batched >= tokens / 2 and events_on < events_off / 2, (events_on, batched, events_off, tokens)
+
+
+# A server that answers the requests of one keep-alive connection with the responses named on
+# its command line (id, created), TOKENS chunks each, one write a chunk, a little apart; after
+# each response's first it waits long enough for the agent to have read it (and named a template).
+SCRIPTED_SERVER = r"""
+import json, socket, sys, time
+port, tokens, responses = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+listener = socket.create_server(("127.0.0.1", port))
+def chunk(data):
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+def event(response_id, created, delta, finish):
+    return chunk(b'data: {"id":"%s","object":"chat.completion.chunk","created":%s,"model":"m","choices":'
+                 b'[{"index":0,"delta":%s,"finish_reason":%s}]}\n\n' % (response_id.encode(), created.encode(),
+                                                                        delta, finish))
+conn, request = None, b""
+for response_id, created in responses:
+    while not request.endswith(b"{}"):
+        data = conn.recv(65536) if conn else b""
+        if not data:  # the harness's probe of the port, or no connection yet: the next one
+            conn, request = listener.accept()[0], b""
+        request += data
+    request = b""
+    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+    for i in range(tokens):
+        conn.sendall(event(response_id, created, b'{"content":"w%d"}' % i, b"null"))
+        time.sleep(0.3 if i == 0 else 0.002)
+    conn.sendall(event(response_id, created, b"{}", b'"stop"') + chunk(b"data: [DONE]\n\n"))
+    conn.sendall(b"0\r\n\r\n")
+conn.recv(1)
+"""
+SCRIPTED_TOKENS = 30
+# Responses of one connection, with the text writes each brings in the kernel's batches. The first
+# names the template (its first text whole; then the first after the agent named it). Values of
+# their own (id, created) of the same kind and size: batched from the second text on. A letter in
+# the creation time (not JSON): no write batched, none names a template. A quote in the id: whole,
+# and it names a template of its own (ids like it are not the response's own values, but its
+# bytes). Then the template again.
+SCRIPTED_RESPONSES = [("chatcmpl-aaaa0001", "1700000001", SCRIPTED_TOKENS - 2),
+                      ("chatcmpl-bbbb0002", "1700000002", SCRIPTED_TOKENS - 1),
+                      ("chatcmpl-cccc0003", "17000000x3", 0),
+                      ('chatcmpl-dd\\"d004', "1700000004", SCRIPTED_TOKENS - 2),
+                      ("chatcmpl-eeee0005", "1700000005", SCRIPTED_TOKENS - 2)]
+
+
+def test_only_values_of_their_own_kind_keep_a_response_batched(tmp_path: Path):
+    port = free_port()
+    responses = json.dumps([(rid, created) for rid, created, _ in SCRIPTED_RESPONSES])
+    for name in ("on", "off"):
+        (tmp_path / name).mkdir()
+    with ExitStack() as stack:
+        batching = stack.enter_context(agent(tmp_path / "on", ports=[port]))
+        full = stack.enter_context(agent(tmp_path / "off", "--no-kernel-batching", ports=[port]))
+        stack.enter_context(listening_process(
+            [sys.executable, "-c", SCRIPTED_SERVER, str(port), str(SCRIPTED_TOKENS), responses], port))
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            for _ in SCRIPTED_RESPONSES:
+                client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n{}")
+                received = b""
+                while not received.endswith(b"0\r\n\r\n"):
+                    received += client.recv(65536)
+                time.sleep(0.3)  # the agents have read the response: the next one starts in step
+        assert batching.stop() == 0, batching.log()
+        assert full.stop() == 0, full.log()
+    rows = _same_rows(batching, full, len(SCRIPTED_RESPONSES))
+    assert sorted(rows) == sorted(json.loads(f'"{rid}"') for rid, _, _ in SCRIPTED_RESPONSES)
+    _, batched = _summary(batching.log())
+    assert batched == sum(count for _, _, count in SCRIPTED_RESPONSES)

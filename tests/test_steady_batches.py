@@ -25,30 +25,31 @@ from tokenprobe.agent.capture.probes import (
 from tests.support.steady_kernel import DIFFERENT, PLAIN, classify
 from tests.test_tracker import HEAD, REQUEST, ev, make_tracker, sse_chunk
 
-BATCH_HEADER = struct.Struct("<QQQQIIIIBBBBI")
+BATCH_HEADER = struct.Struct("<QQQQIIIIBBBBIQ")
 CLOCK = MonotonicWallClock()  # one for every tracker here: their rows compare equal
 
 
-def batch_record(writes, *, count=None) -> bytes:
+def batch_record(times, nbytes=0, *, count=None) -> bytes:
     head = BATCH_HEADER.pack(9, 500, 10, 20, 42, 7, 1, 2, EV_STEADY_BATCH, DIR_WRITE, 1, 0,
-                             len(writes) if count is None else count)
-    return head + b"".join(struct.pack("<QI4x", ts, size) for ts, size in writes)
+                             len(times) if count is None else count, nbytes)
+    return head + b"".join(struct.pack("<Q", ts) for ts in times)
 
 
 def test_batch_records_decode_and_bad_ones_are_refused():
-    batch = decode_event(batch_record([(5, 100), (7, 120)]))
+    batch = decode_event(batch_record([5, 7], 220))
     assert isinstance(batch, SteadyBatch) and batch.kind == EV_STEADY_BATCH
     assert (batch.tgid, batch.fd, batch.conn_ns, batch.tls) == (42, 7, 500, True)
-    assert (batch.bytes_before, batch.events_before, batch.writes) == ((10, 20), (1, 2), [(5, 100), (7, 120)])
-    for raw in (batch_record([(5, 100)], count=2), batch_record([]), batch_record([(5, 100)])[:-1]):
+    assert (batch.bytes_before, batch.events_before, batch.write_ns, batch.nbytes) == ((10, 20), (1, 2), [5, 7], 220)
+    for raw in (batch_record([5], count=2), batch_record([]), batch_record([5])[:-1]):
         with pytest.raises(EventDecodeError, match="writes|shorter"):
             decode_event(raw)
 
 
-def token(i: int) -> bytes:
+def token(i: int, response: int = 1) -> bytes:
     text = b'w\\"q' if i % 7 == 3 else b"w%d" % i  # now and then a text with an escape: sent whole
-    return sse_chunk(b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
-                     b'"choices":[{"index":0,"text":"%s","logprobs":null,"finish_reason":null}]}' % text)
+    return sse_chunk(b'{"id":"cmpl-%d","object":"text_completion","created":%d,"model":"m",'
+                     b'"choices":[{"index":0,"text":"%s","logprobs":null,"finish_reason":null}]}'
+                     % (response, 1700000000 + response, text))
 
 
 LAST = sse_chunk(b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
@@ -58,20 +59,22 @@ END = sse_chunk(b"[DONE]") + b"0\r\n\r\n"
 
 class Kernel:
     """What the kernel does with the templates the tracker names (bpf/tokenprobe.c, modelled by
-    tests/support/steady_kernel.py): it numbers every write, batches the plain ones and sends a
+    tests/support/steady_kernel.py): it numbers every write, batches the plain ones (but the
+    first that matches after the template was named or a write did not match it) and sends a
     batch ahead of any other event; `lose_batches` drops batches as a full ring buffer would."""
 
     def __init__(self, tracker):
         self.tracker = tracker
         self.template = None
+        self.hold = False
         self.pending: list[tuple[int, int]] = []
         self.start = None
         self.bytes, self.events = [0, 0], [0, 0]
         self.ts = 1_000_000
         self.lose_batches = False
 
-    def arm_steady(self, tgid, fd, prefix, suffix):
-        self.template = (prefix, suffix)
+    def arm_steady(self, tgid, fd, template):
+        self.template, self.hold = template, True
         return True
 
     def take_steady_batch(self, tgid, fd):
@@ -82,14 +85,13 @@ class Kernel:
         self.ts += 1_000_000
         if kind == EV_DATA and direction == DIR_WRITE and self.template is not None:
             verdict = classify(data, self.template)
-            if verdict == PLAIN:
+            if verdict == PLAIN and not self.hold:
                 if not self.pending:
                     self.start = (tuple(self.bytes), tuple(self.events))
                 self.pending.append((self.ts, len(data)))
                 self._count(direction, data)
                 return
-            if verdict == DIFFERENT:
-                self.template = None
+            self.hold = verdict == DIFFERENT
         self.flush()
         event = ev(kind, self.ts, direction=direction, data=data,
                    bytes_before=tuple(self.bytes), events_before=tuple(self.events))
@@ -105,7 +107,8 @@ class Kernel:
     def _batch(self) -> SteadyBatch | None:
         if not self.pending:
             return None
-        return SteadyBatch(EV_STEADY_BATCH, self.pending[-1][0], 500, *self.start, 42, 7, False, list(self.pending))
+        return SteadyBatch(EV_STEADY_BATCH, self.pending[-1][0], 500, *self.start, 42, 7, False,
+                           [ts for ts, _ in self.pending], sum(size for _, size in self.pending))
 
     def _count(self, direction, data):
         self.bytes[direction] += len(data)
@@ -143,19 +146,42 @@ def rows_of(*, batching: bool = True, lose_batches: bool = False) -> tuple[list[
     return rows.rows, tracker.stats
 
 
+# Token writes of the two responses that come in batches: those with escapes (3 a response) come
+# whole; so do the first response's first (it names the template) and the one after (the kernel
+# sends whole the first write after being given a template), and the second response's first
+# (the kernel kept the template, and sends whole the first write like it after one unlike it).
+BATCHED = (20 - 3 - 2) + (20 - 3 - 1)
+
+
 def test_batched_writes_give_the_rows_every_event_gives():
     full, _ = rows_of(batching=False)
     batched, stats = rows_of()
     assert batched == full and [r["capture"] for r in full] == ["exact", "exact"]
-    assert full[0]["token_events"] == 20 and stats.steady_templates == 2
-    # Each response's first text is read whole (it names the template); so are those with escapes.
-    assert stats.steady_writes == 2 * (20 - 1 - 3)
+    assert full[0]["token_events"] == 20 and stats.steady_templates == 1
+    assert stats.steady_writes == BATCHED
+
+
+def test_a_keep_alive_connections_next_responses_keep_the_template():
+    """Another response id and creation time: the template's shape, and it stays named."""
+    tracker, rows, kernel = batching_tracker()
+    tracker.handle(ev(EV_ACCEPT, 500))
+    for response in range(3):
+        kernel.send(DIR_READ, REQUEST)
+        kernel.send(DIR_WRITE, HEAD)
+        for i in range(20):
+            kernel.send(DIR_WRITE, token(i, response))
+        kernel.send(DIR_WRITE, LAST)
+        kernel.send(DIR_WRITE, END)
+    kernel.send(DIR_READ, kind=EV_CLOSE)
+    assert [(r["capture"], r["token_events"], r["response_id"]) for r in rows.rows] == [
+        ("exact", 20, f"cmpl-{response}") for response in range(3)]
+    assert tracker.stats.steady_templates == 1 and tracker.stats.steady_writes == BATCHED + 20 - 3 - 1
 
 
 def test_a_lost_batch_marks_its_row_dropped():
     rows, stats = rows_of(lose_batches=True)
     assert [r["capture"] for r in rows] == ["dropped", "dropped"]
-    assert stats.lost_events == 2 * 16
+    assert stats.lost_events == BATCHED
 
 
 def test_a_batch_for_a_stream_out_of_step_is_booked_unseen():
@@ -170,11 +196,12 @@ def test_a_batch_for_a_stream_out_of_step_is_booked_unseen():
     kernel.send(DIR_WRITE, END)
     kernel.send(DIR_READ, REQUEST)
     kernel.send(DIR_WRITE, HEAD.replace(b"text/event-stream", b"application/json"))
-    kernel.template = named
-    kernel.send(DIR_WRITE, token(1))
+    kernel.template, kernel.hold = named, True
+    kernel.send(DIR_WRITE, token(1))  # the first like the template comes whole: the next is batched
+    kernel.send(DIR_WRITE, token(2))
     kernel.send(DIR_WRITE, END)
     kernel.send(DIR_READ, kind=EV_CLOSE)
-    assert [(r["capture"], r["bytes_unseen"]) for r in rows.rows] == [("exact", 0), ("gaps", len(token(1)))]
+    assert [(r["capture"], r["bytes_unseen"]) for r in rows.rows] == [("exact", 0), ("gaps", len(token(2)))]
 
 
 @pytest.mark.parametrize("end", ["process_exit", "agent_stop"])

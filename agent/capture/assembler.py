@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from .exchange import CLOSE_REASONS, OUTCOME_BY_CLOSE_REASON, Exchange, Txn
 from .http1 import MessageStream, RequestStream, ResponseStream
+from .sse import SteadyTemplate
 
 __all__ = ["CLOSE_REASONS", "Exchange", "HttpConnectionAssembler", "MAX_OPEN_EXCHANGES"]
 
@@ -87,7 +88,7 @@ class HttpConnectionAssembler:
         self._closed = False
         self._request = RequestStream(self, max_header_bytes)
         self._response = ResponseStream(self, max_header_bytes, fast_path=fast_path)
-        self._steady_named: tuple[bytes, bytes] | None = None  # the last steady_template returned
+        self._steady_named: SteadyTemplate | None = None  # the last steady_template returned
         # Set once the server switched to HTTP/2 (`Upgrade: h2c`): this assembler reads no more,
         # its owner hands the connection to the HTTP/2 assembler.
         self.h2c_upgrade: H2cUpgrade | None = None
@@ -111,21 +112,26 @@ class HttpConnectionAssembler:
         """One segment travelling towards the client."""
         return self._feed(self._response, ts_ns, head, total_len, tail)
 
-    def steady_template(self, write: bytes) -> tuple[bytes, bytes] | None:
-        """After a whole response segment was fed (kernel batching): the bytes before and after its
-        text, if it was one whole chunk of one event that can be counted from its size alone and
-        they are not the template this returned last; else None."""
+    def steady_template(self, write: bytes) -> SteadyTemplate | None:
+        """After a whole response segment was fed (kernel batching): the bytes around its text, if
+        it was one whole chunk of one event that can be counted from its size alone and they are
+        not of the shape of the template this returned last (the kernel keeps that one for the
+        connection's next responses too); else None."""
         named = self._steady_named
-        if named is not None and write.endswith(named[1]) and write.startswith(named[0], write.find(b"\n") + 1):
+        if named is not None and write.endswith(named.suffix) and write.startswith(named.prefix,
+                                                                                   write.find(b"\n") + 1):
             return None  # the same template (a write that came before the kernel had it, or had escapes)
         template = None if self._closed else self._response.steady_template(write)
+        if template is None or (named is not None and template.same_shape(named)):
+            return None
         self._steady_named = template
         return template
 
-    def feed_steady_response_writes(self, writes: list[tuple[int, int]]) -> bool:
-        """Response writes (time, size) the kernel matched against a steady_template; False, with
-        nothing read, when the response is not where such writes can be counted."""
-        return not self._closed and self._response.steady_writes(writes)
+    def feed_steady_response_writes(self, times: list[int], nbytes: int) -> bool:
+        """Response writes at `times`, of `nbytes` together, that the kernel matched against a
+        steady_template; False, with nothing read, when the response is not where such writes
+        can be counted."""
+        return not self._closed and self._response.steady_writes(times, nbytes)
 
     def close(self, ts_ns: int, reason: str) -> list[Exchange]:
         """The connection closed: every exchange still open is returned.

@@ -76,6 +76,20 @@ class Exchange:
         else:
             self.error = f"more than {MAX_TOKEN_EVENTS} token events; later ones not recorded"
 
+    def record_outputs(self, times: list[int]) -> None:
+        """Events at `times`, each with visible output of choice 0: record_output for each, at once."""
+        self.choice_events += len(times)
+        if not self.choices:
+            self.choices = 1
+        events = self.token_event_ns
+        room = MAX_TOKEN_EVENTS - len(events)
+        if room > 0 and times and self.first_content_index is None:
+            self.first_content_index = len(events)
+        if len(times) > room:
+            times = times[:max(0, room)]
+            self.error = f"more than {MAX_TOKEN_EVENTS} token events; later ones not recorded"
+        events.extend(times)
+
 
 class Txn:
     """An exchange being assembled, with the progress of its two halves."""

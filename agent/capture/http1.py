@@ -25,7 +25,7 @@ from ...contract.tenant import FRAMING_HEADERS, printable, tenant_id
 from . import dialects
 from .bodies import JsonBody, RequestBody
 from .exchange import Exchange, Txn
-from .sse import NdjsonBody, SseBody
+from .sse import NdjsonBody, SseBody, SteadyTemplate
 
 
 class Connection(Protocol):
@@ -548,9 +548,9 @@ class ResponseStream(MessageStream):
             pos = stop + 2
         return pos
 
-    def steady_template(self, write: bytes) -> tuple[bytes, bytes] | None:
-        """The bytes before and after the text of `write`, just read whole, if it was one whole
-        chunk of one event that can be counted from its size alone (SseBody.steady_text); else None."""
+    def steady_template(self, write: bytes) -> SteadyTemplate | None:
+        """The bytes around the text of `write`, just read whole, if it was one whole chunk of one
+        event that can be counted from its size alone (SseBody.steady_text); else None."""
         body = self._steady_body()
         size_line = _CHUNK_SIZE_LINE.match(write) if body is not None else None
         if size_line is None:
@@ -559,17 +559,23 @@ class ResponseStream(MessageStream):
         stop = start + int(size_line[1], 16)
         if stop + 2 != len(write) or write[stop:] != b"\r\n":
             return None
-        span = body.steady_text(write, start, stop)
-        return None if span is None else (write[start:span[0]], write[span[1]:])
+        found = body.steady_text(write, start, stop)
+        if found is None:
+            return None
+        text_start, text_end, digits, plain = found
+        return SteadyTemplate(write[start:text_start], write[text_end:],
+                              tuple((a - start, b - start) for a, b in digits),
+                              tuple((a - start, b - start) for a, b in plain))
 
-    def steady_writes(self, writes: list[tuple[int, int]]) -> bool:
-        """Writes (time, size) the kernel took in around a template steady_template named, each
-        one whole chunk of one such event; False, with nothing read, when the stream is not in step."""
+    def steady_writes(self, times: list[int], nbytes: int) -> bool:
+        """Writes at `times`, of `nbytes` together, that the kernel took in around a template
+        steady_template named, each one whole chunk of one such event; False, with nothing read,
+        when the stream is not in step."""
         body = self._steady_body()
-        if body is None or not body.steady_events([ts for ts, _ in writes]):
+        if body is None or not body.steady_events(times):
             return False
-        self._count(sum(size for _, size in writes))
-        self.last_ts = writes[-1][0]
+        self._count(nbytes)
+        self.last_ts = times[-1]
         return True
 
     def _steady_body(self) -> SseBody | None:

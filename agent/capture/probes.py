@@ -22,6 +22,7 @@ from .go_tls import GO_TLS_HANDSHAKES, GO_TLS_READ, GO_TLS_WRITE
 from .kernel_btf import BtfError, socket_offset_flags
 from .kernel_headers import HeaderChoice, choose_headers
 from .procfs import target_port_sockets
+from .sse import SteadyTemplate
 from .tls_libraries import ElfTls, elf_tls, mapped_elves
 
 log = logging.getLogger("tokenprobe.probes")
@@ -50,7 +51,7 @@ KERNEL_MAPS = ("events", "scratch", "drops", "map_overflows", "conns_fill", "con
                "target_ports", "target_tgids", "active_tgids", "listeners", "bind_pending", "listener_tgids",
                "io_pending", "accept_pending", "connect_pending", "ssl_pending", "ssl_fd", "bio_conn",
                "cipher_read", "written_record_ssl", "go_tls_pending", "go_tcp_conn_itab_hashes", "steady_templates",
-               "steady_batches", "steady_empty", "iov_walks", "iov_more")
+               "steady_batches", "steady_empty", "iov_walks", "iov_more", "ring_sent")
 
 # (symbol, entry handler, return handler or None). Both OpenSSL call
 # families: CPython calls the _ex forms, nginx and most C servers the classic
@@ -126,19 +127,19 @@ class KernelEvent:
     comm: str
 
 
-# struct steady_batch (bpf/tokenprobe.c): laid out as struct event up to `kind`, then the count
-# and (time, size) of each write.
-_STEADY_HEADER = struct.Struct("<QQQQIIIIBBBBI")
-_STEADY_WRITE = struct.Struct("<QI4x")
+# struct steady_batch (bpf/tokenprobe.c): laid out as struct event up to `kind`, then the count,
+# the writes' bytes together and the time of each write.
+_STEADY_HEADER = struct.Struct("<QQQQIIIIBBBBIQ")
 KIND_OFFSET = 48  # of `kind`, in both records
-STEADY_BATCH = 64  # writes per batch record at most
+STEADY_BATCH = 256  # writes per batch record at most (the kernel's)
 # What a template may hold (the kernel's STEADY_PREFIX_CAP, STEADY_SUFFIX_CAP, STEADY_WRITE_MAX).
 STEADY_PART_MIN, STEADY_PART_CAP, STEADY_WRITE_MAX = 8, 256, 1024
 
 
-def steady_template_fits(prefix: bytes, suffix: bytes) -> bool:
-    """Whether the kernel can hold a template with these parts."""
-    return STEADY_PART_MIN <= len(prefix) <= STEADY_PART_CAP and STEADY_PART_MIN <= len(suffix) <= STEADY_PART_CAP
+def steady_template_fits(template: SteadyTemplate) -> bool:
+    """Whether the kernel can hold this template."""
+    return (STEADY_PART_MIN <= len(template.prefix) <= STEADY_PART_CAP
+            and STEADY_PART_MIN <= len(template.suffix) <= STEADY_PART_CAP)
 
 
 @dataclass(slots=True)
@@ -154,7 +155,8 @@ class SteadyBatch:
     tgid: int
     fd: int
     tls: bool  # always writes (DIR_WRITE), of a server (ROLE_SERVER): the agent names templates for no others
-    writes: list[tuple[int, int]]  # (ts_ns, bytes) of each write
+    write_ns: list[int]  # each write's time
+    nbytes: int  # the writes' bytes together
 
 
 class EventDecodeError(ValueError):
@@ -178,11 +180,12 @@ def decode_steady_batch(buf: bytes) -> SteadyBatch:
     if len(buf) < _STEADY_HEADER.size:
         raise EventDecodeError(f"batch record of {len(buf)} bytes is shorter than its header")
     (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, _, tls, _,
-     count) = _STEADY_HEADER.unpack_from(buf)
-    if not 0 < count <= STEADY_BATCH or len(buf) != _STEADY_HEADER.size + count * _STEADY_WRITE.size:
+     count, nbytes) = _STEADY_HEADER.unpack_from(buf)
+    if not 0 < count <= STEADY_BATCH or len(buf) != _STEADY_HEADER.size + count * 8:
         raise EventDecodeError(f"batch record of {len(buf)} bytes says it holds {count} writes")
+    # The times in one step, as the kernel wrote them (native u64s): no object per write but its int.
     return SteadyBatch(kind, ts, conn_ns, (bytes_rd, bytes_wr), (events_rd, events_wr), tgid, fd, bool(tls),
-                       list(_STEADY_WRITE.iter_unpack(memoryview(buf)[_STEADY_HEADER.size:])))
+                       memoryview(buf)[_STEADY_HEADER.size:].cast("Q").tolist(), nbytes)
 
 
 def decode_event(buf: bytes) -> KernelEvent | SteadyBatch:
@@ -520,7 +523,11 @@ class Probes:
         self.bpf["events"].open_ring_buffer(callback)
 
     def poll(self, timeout_ms: int = 100) -> None:
+        """Delivers what the ring buffer holds, after waiting up to timeout_ms for a wakeup. The
+        kernel wakes the agent only every RING_WAKE_EVERY records (bpf/tokenprobe.c), so what came
+        meanwhile is read after the wait, many records to the round."""
         self.bpf.ring_buffer_poll(timeout_ms)
+        self.bpf.ring_buffer_consume()
 
     def drops(self) -> int:
         return int(sum(self.bpf["drops"][ctypes.c_int(0)]))
@@ -583,17 +590,25 @@ class Probes:
         except KeyError:
             return False
 
-    def arm_steady(self, tgid: int, fd: int, prefix: bytes, suffix: bytes) -> bool:
+    def arm_steady(self, tgid: int, fd: int, template: SteadyTemplate) -> bool:
         """Names the bytes around the text of the connection's steady writes: the kernel batches
-        those that match from now on (bpf/tokenprobe.c, steady SSE streams). False when the map is
-        full (the connection's writes stay whole events)."""
-        if not steady_template_fits(prefix, suffix):
+        those that match from the next but one on (bpf/tokenprobe.c, steady SSE streams). False
+        when the map is full (the connection's writes stay whole events)."""
+        if not steady_template_fits(template):
             raise ValueError(f"a steady template's parts hold {STEADY_PART_MIN}..{STEADY_PART_CAP} bytes")
         table = self.bpf["steady_templates"]
         leaf = table.Leaf()
-        leaf.prefix_len, leaf.suffix_len = len(prefix), len(suffix)
-        ctypes.memmove(ctypes.addressof(leaf) + type(leaf).prefix.offset, prefix, len(prefix))
-        ctypes.memmove(ctypes.addressof(leaf) + type(leaf).suffix.offset, suffix, len(suffix))
+        prefix, suffix = template.prefix, template.suffix
+        leaf.prefix_len, leaf.suffix_len, leaf.hold = len(prefix), len(suffix), 1
+        exact, digits, plain = bytearray(b"\xff" * len(prefix)), bytearray(len(prefix)), bytearray(len(prefix))
+        for spans, kind in ((template.digits, digits), (template.plain, plain)):
+            for start, end in spans:
+                exact[start:end] = bytes(end - start)
+                kind[start:end] = b"\xff" * (end - start)
+        base, fields = ctypes.addressof(leaf), type(leaf)
+        for name, part in (("prefix", prefix), ("exact", exact), ("digits", digits), ("plain", plain),
+                           ("suffix", suffix)):
+            ctypes.memmove(base + getattr(fields, name).offset, bytes(part), len(part))
         return self._put("steady_templates", self._conn_key(table, tgid, fd), leaf)
 
     def take_steady_batch(self, tgid: int, fd: int) -> SteadyBatch | None:
@@ -608,7 +623,7 @@ class Probes:
         self._delete(table, key)
         if not leaf.count:
             return None
-        size = _STEADY_HEADER.size + min(leaf.count, STEADY_BATCH) * _STEADY_WRITE.size
+        size = _STEADY_HEADER.size + min(leaf.count, STEADY_BATCH) * 8
         return decode_steady_batch(ctypes.string_at(ctypes.addressof(leaf), size))
 
     def _put(self, name: str, key, leaf) -> bool:

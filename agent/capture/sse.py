@@ -11,13 +11,14 @@ chosen once: from the path, else from the first event that parses.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 from . import dialects
 from .byte_samples import HeadTailSample
 from .exchange import Exchange
 from .json_scan import json_object
 
-__all__ = ["NdjsonBody", "SseBody"]
+__all__ = ["NdjsonBody", "SseBody", "SteadyTemplate"]
 
 # Events up to this size are parsed with json.loads; larger ones (and events
 # damaged by a capture gap) are read with regexes over their head and tail.
@@ -27,6 +28,35 @@ SSE_EVENT_TAIL = 4096
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 # What a text read from its template's bytes alone may not hold (Dialect.steady_text).
 _NOT_PLAIN = re.compile(rb'["\\\x00-\x1f]')
+
+
+Spans = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SteadyTemplate:
+    """What the kernel matches a connection's steady writes against (kernel batching,
+    bpf/tokenprobe.c): the bytes of the write before its text (after the chunk-size line) and
+    after it (to the end of the write), and the spans of `prefix` that hold values of the
+    response's own (Dialect.steady_own_fields): there a write needs only digits, or plain
+    string bytes."""
+
+    prefix: bytes
+    suffix: bytes
+    digits: Spans = ()
+    plain: Spans = ()
+    # The prefix with those spans blanked: templates of one shape, whatever their responses' values.
+    shape: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        shape = bytearray(self.prefix)
+        for start, end in (*self.digits, *self.plain):
+            shape[start:end] = bytes(end - start)
+        object.__setattr__(self, "shape", bytes(shape))
+
+    def same_shape(self, other: SteadyTemplate) -> bool:
+        return (self.shape == other.shape and self.suffix == other.suffix and self.digits == other.digits
+                and self.plain == other.plain)
 
 
 class _LineEvents:
@@ -234,10 +264,11 @@ class SseBody(_LineEvents):
             self._payload(ts, line[6:] if line[5:6] == b" " else line[5:])
         return True
 
-    def steady_text(self, data, start: int, stop: int) -> tuple[int, int] | None:
+    def steady_text(self, data, start: int, stop: int) -> tuple[int, int, Spans, Spans] | None:
         """Where the text of data[start:stop] lies, if that is one whole event of one `data:` line,
         just read, that the dialect counts from its size alone (Dialect.steady_text), and the
-        stream is in step to count more like it (steady_events); else None."""
+        stream is in step to count more like it (steady_events), with the spans before it that
+        hold values of the response's own (digits, plain: Dialect.steady_own_fields); else None."""
         if not self._in_step() or data[stop - 2:stop] != b"\n\n" or not data.startswith(b"data:", start):
             return None
         value = start + (6 if data[start + 5:start + 6] == b" " else 5)
@@ -245,7 +276,11 @@ class SseBody(_LineEvents):
         if b"\n" in payload or b"\r" in payload:
             return None
         span = self._learn_template(payload)
-        return None if span is None else (value + span[0], value + span[1])
+        if span is None or span[0] == span[1]:
+            return None  # an empty text (vLLM's first chunk, with the role) names no shape the next ones have
+        digits, plain = self._dialect.steady_own_fields(payload)
+        return (value + span[0], value + span[1], tuple((value + a, value + b) for a, b in digits if b <= span[0]),
+                tuple((value + a, value + b) for a, b in plain if b <= span[0]))
 
     def steady_events(self, times: list[int]) -> bool:
         """Events the kernel counted from their size alone (kernel batching), at `times`: each one
@@ -255,8 +290,7 @@ class SseBody(_LineEvents):
             return False
         exchange = self._exchange
         exchange.sse_events += len(times)
-        for ts in times:
-            exchange.record_output(ts)
+        exchange.record_outputs(times)
         return True
 
     def _in_step(self) -> bool:

@@ -84,6 +84,7 @@ from .probes import (
     steady_template_fits,
 )
 from .procfs import comm_of, socket_endpoints
+from .sse import SteadyTemplate
 
 log = logging.getLogger("tokenprobe.tracker")
 
@@ -120,10 +121,23 @@ def connection_id(tgid: int, fd: int, opened_ns: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+_OFFSET_CAP_US = 0xFFFFFFFF  # the column's UInt32
+
+
+def _offsets_us(times: list[int], first: int | None) -> list[int]:
+    """Each token time's whole µs after the first, capped at the column's range (the cap is looked
+    for once, not per token: a row holds thousands)."""
+    if not times:
+        return []
+    if (max(times) - first) // 1000 <= _OFFSET_CAP_US:
+        return [(t - first) // 1000 for t in times]
+    return [min((t - first) // 1000, _OFFSET_CAP_US) for t in times]
+
+
 class SteadyKernel(Protocol):
     """The kernel's side of batching steady SSE streams (probes.Probes)."""
 
-    def arm_steady(self, tgid: int, fd: int, prefix: bytes, suffix: bytes) -> bool: ...
+    def arm_steady(self, tgid: int, fd: int, template: SteadyTemplate) -> bool: ...
     def take_steady_batch(self, tgid: int, fd: int) -> SteadyBatch | None: ...
 
 
@@ -346,9 +360,9 @@ class ConnectionTracker:
         (One the stream has left ends in the kernel at the first write that differs from it.)"""
         assembler = conn.assembler
         template = assembler.steady_template(write) if isinstance(assembler, HttpConnectionAssembler) else None
-        if template is not None and steady_template_fits(*template):
+        if template is not None and steady_template_fits(template):
             self.stats.steady_templates += 1
-            self.steady.arm_steady(conn.tgid, conn.fd, *template)
+            self.steady.arm_steady(conn.tgid, conn.fd, template)
 
     def _take_kernel_batch(self, key: tuple[int, int]) -> None:
         """Reads a batch the kernel still holds for a connection from its map (kernel batching)."""
@@ -361,19 +375,19 @@ class ConnectionTracker:
         one event of visible text, counted from its time and size."""
         conn = self.connections.get((batch.tgid, batch.fd))
         if conn is None or (conn.accept_seen and conn.opened_ns != batch.conn_ns):
-            self.stats.lost_events += len(batch.writes)  # a connection this agent no longer follows
+            self.stats.lost_events += len(batch.write_ns)  # a connection this agent no longer follows
             return
         self._check_sequence(conn, batch)
-        writes = batch.writes
-        nbytes = sum(size for _, size in writes)
-        conn.next_event[DIR_WRITE] = max(conn.next_event[DIR_WRITE], batch.events_before[DIR_WRITE] + len(writes))
+        times, nbytes = batch.write_ns, batch.nbytes
+        conn.next_event[DIR_WRITE] = max(conn.next_event[DIR_WRITE], batch.events_before[DIR_WRITE] + len(times))
         conn.next_byte[DIR_WRITE] = max(conn.next_byte[DIR_WRITE], batch.bytes_before[DIR_WRITE] + nbytes)
-        self.stats.steady_writes += len(writes)
+        conn.last_ns = batch.ts_ns
+        self.stats.steady_writes += len(times)
         if batch.tls:
             conn.tls = True
         assembler = conn.assembler
         if (isinstance(assembler, HttpConnectionAssembler) and not self._is_request(conn, DIR_WRITE)
-                and assembler.feed_steady_response_writes(writes)):
+                and assembler.feed_steady_response_writes(times, nbytes)):
             return
         # The stream is not where the template was named (it moved on before the kernel learnt
         # the template): what the writes held is unknown, and booked as unseen.
@@ -638,7 +652,7 @@ class ConnectionTracker:
             "streamed": ex.streamed,
             "token_events": len(ex.token_event_ns),
             "sse_events": ex.sse_events,
-            "token_offsets_us": [min((t - first) // 1000, 0xFFFFFFFF) for t in ex.token_event_ns],
+            "token_offsets_us": _offsets_us(ex.token_event_ns, first),
             "prompt_tokens": ex.prompt_tokens,
             "completion_tokens": ex.completion_tokens,
             "inflight_at_arrival": ex.inflight_at_arrival,

@@ -36,6 +36,7 @@ class _Unknown(ChoicesDialect):
     scan = Dialect.scan
     steady_text = Dialect.steady_text
     counts_steady = Dialect.counts_steady
+    steady_own_fields = Dialect.steady_own_fields
 
 
 UNKNOWN = _Unknown("unknown", counts=USAGE)

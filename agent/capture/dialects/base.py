@@ -120,6 +120,14 @@ class Dialect:
         """Whether events of a template `steady_text` named can be counted without their bytes now."""
         return False
 
+    def steady_own_fields(self, payload: bytes) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """The spans, before the text `steady_text` found, that hold values of the response's own
+        (an id, a creation time), which another response on the connection has other values in:
+        (spans of digits, spans of plain string bytes). Every event that differs from the template
+        also there, in other bytes of the same kind, reads the same once `counts_steady` holds
+        (those values are read from the response's first event alone)."""
+        return (), ()
+
     def usage(self, obj: dict) -> tuple[int | None, int | None]:
         """(prompt, completion) tokens that an event or body reports, None where it does not."""
         inner = obj.get(self._wrapper) if self._wrapper else None

@@ -69,6 +69,11 @@ _CHUNK_START = re.compile(rb'\{"id":' + _STRING + rb',"object":' + _STRING + rb'
 _CHUNK_END = re.compile(rb'\]' + _nulls(rb'choices|content', rb'null|' + _STRING) + rb'\}')
 
 
+# A chunk's members whose values are the response's own: its id (plain string bytes) and its
+# creation time (digits after the first, which stays: a JSON number has no leading zero).
+_OWN_FIELDS = re.compile(rb'\{"id":"([^"\\\x00-\x1f]*)","object":' + _STRING + rb',"created":[1-9]([0-9]*),')
+
+
 def _scanned_output(choice: re.Match) -> tuple[int, int]:
     """(_choice_output, JSON index) of a choice matched by _CHOICE: a JSON string is text iff it is not `""`."""
     text = choice[4]
@@ -171,6 +176,13 @@ class ChoicesDialect(Dialect):
 
     def counts_steady(self, exchange: Exchange) -> bool:
         return exchange.response_id is not None and exchange.resp_model is not None  # what scan needs
+
+    def steady_own_fields(self, payload: bytes) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        found = _OWN_FIELDS.match(payload)
+        if found is None:
+            return (), ()
+        return tuple(span for span in (found.span(2),) if span[1] > span[0]), \
+            tuple(span for span in (found.span(1),) if span[1] > span[0])
 
 
 CHAT = ChoicesDialect("openai.chat", counts=USAGE, visible=_TEXT_VALUE, hidden=_HIDDEN_VALUE)
