@@ -173,6 +173,7 @@ CREATE TABLE IF NOT EXISTS tokenprobe.inflight_samples_local ON CLUSTER '{cluste
     `first_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
     `stage` LowCardinality(String) CODEC(ZSTD(1)),
     `token_events` UInt32 CODEC(T64, ZSTD(1)),
+    `bytes_in` UInt64 CODEC(T64, ZSTD(1)),
     `age_ms` Float64 CODEC(ZSTD(1)),
     `since_progress_ms` Float64 CODEC(ZSTD(1))
 )
