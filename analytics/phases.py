@@ -33,12 +33,7 @@ from ..contract.analysis import (
     REQUEST_PHASES_COLUMNS,
     REQUEST_PHASES_TABLE,
 )
-from ..contract.figures import (
-    DEFAULT_LONG_STREAM_EVENTS,
-    DEFAULT_STALL_FACTOR,
-    REQUEST_FIGURES_TABLE,
-    figures_select,
-)
+from ..contract.figures import REQUEST_FIGURES_TABLE, figures_definition, figures_select
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .calibration import Calibration, ServerModel
@@ -81,19 +76,16 @@ _KEY = "cityHash64(node, server_port, req_start, conn_id, req_seq)"
 
 def _figures_source(store: Store, condition: str, parameters: dict, thresholds: Thresholds) -> str:
     """Where the figures of the requests that meet ``condition`` come from: ``request_figures``, when it holds
-    every one of them computed with ``thresholds`` (same count, same sum of key hashes: no row missing,
-    none extra), else the same figures computed from ``requests`` here."""
-    threshold_condition = ("stall_factor = {stall_factor:Float64}"
-                           " AND long_stream_events = {long_stream_events:UInt32}")
-    figures = f"SELECT * FROM {store.table(REQUEST_FIGURES_TABLE)} WHERE {condition} AND {threshold_condition}"
-    if (thresholds.stall_factor, thresholds.long_stream_events) == (DEFAULT_STALL_FACTOR, DEFAULT_LONG_STREAM_EVENTS):
-        (complete,), = store.query_rows(
-            f"""SELECT (SELECT (count(), sum({_KEY})) FROM {store.table(REQUESTS_TABLE)}
-                        WHERE {measures.IS_INFERENCE} AND {condition})
-                     = (SELECT (count(), sum({_KEY})) FROM ({figures}))""",
-            {**parameters, "stall_factor": DEFAULT_STALL_FACTOR, "long_stream_events": DEFAULT_LONG_STREAM_EVENTS})
-        if complete:
-            return figures
+    every one of them computed by this definition with ``thresholds`` (same count, same sum of key hashes:
+    no row missing, none extra), else the same figures computed from ``requests`` here."""
+    definition = figures_definition(thresholds.stall_factor, thresholds.long_stream_events)
+    figures = f"SELECT * FROM {store.table(REQUEST_FIGURES_TABLE)} WHERE {condition} AND definition = '{definition}'"
+    (complete,), = store.query_rows(
+        f"""SELECT (SELECT (count(), sum({_KEY})) FROM {store.table(REQUESTS_TABLE)}
+                    WHERE {measures.IS_INFERENCE} AND {condition})
+                 = (SELECT (count(), sum({_KEY})) FROM ({figures}))""", parameters)
+    if complete:
+        return figures
     return figures_select(store.table(REQUESTS_TABLE), thresholds.stall_factor, thresholds.long_stream_events,
                           condition)
 
@@ -139,7 +131,6 @@ LEFT JOIN calibrations AS c USING (node, server_port, model)
 SETTINGS join_use_nulls = 1, optimize_on_insert = 0""",
         {
             **parameters, "computed_at": now_ns,
-            "stall_factor": thresholds.stall_factor, "long_stream_events": thresholds.long_stream_events,
             "calibration_ids": sorted(c.calibration_id for c in calibrations.values()),
         },
     )

@@ -9,19 +9,22 @@ insert into ``requests`` (a replayed batch deduplicates as there), keyed like
 ``request_phases``, so an analysis pass only splits the TTFT.
 
 Stalls and the decode-rate ratio depend on two thresholds; the view computes
-them with the analytics' defaults and every row records the ones it used
-(``stall_factor``, ``long_stream_events``): a pass with other thresholds, or
-over rows the table lacks (stored before the table existed and not back-filled),
-computes the figures from ``requests`` instead, with the same expressions
-(``figures_select``).
+them with the analytics' defaults. Every row names the definition it was
+computed by (``definition``: a digest of its expressions, thresholds
+included), so a pass with other thresholds, or over rows an older tokenprobe
+computed otherwise, or over rows the table lacks (stored before it existed and
+not back-filled), computes the figures from ``requests`` instead, with the
+same expressions (``figures_select``).
 """
 
 from __future__ import annotations
 
+import hashlib
+
 from . import measures
 from .analysis import REQUEST_PHASES_COLUMNS
 from .requests import REQUESTS, REQUESTS_TABLE
-from .tables import DEDUPLICATION_WINDOW_SETTING, INTEGER_CODEC, OPAQUE_CODEC, Column, Table, View
+from .tables import DEDUPLICATION_WINDOW_SETTING, OPAQUE_CODEC, Column, Table, View
 
 REQUEST_FIGURES_TABLE = "request_figures"
 REQUEST_FIGURES_VIEW = "request_figures_mv"
@@ -59,16 +62,24 @@ def figure_expressions(stall_factor: float, long_stream_events: int) -> dict[str
         "decode_rate_ratio": measures.decode_rate_ratio(long_stream_events),
         "output_tokens": measures.OUTPUT_TOKENS,
         "output_tokens_source": measures.OUTPUT_TOKENS_SOURCE,
-        "stall_factor": repr(float(stall_factor)),
-        "long_stream_events": str(int(long_stream_events)),
     }
+
+
+def _select_list(stall_factor: float, long_stream_events: int) -> list[str]:
+    expressions = figure_expressions(stall_factor, long_stream_events)
+    return [*COPIED_COLUMNS, *(f"{expressions[name]} AS {name}" for name in expressions)]
+
+
+def figures_definition(stall_factor: float, long_stream_events: int) -> str:
+    """The ``definition`` of rows computed by this tokenprobe with these thresholds."""
+    return hashlib.sha256("\n".join(_select_list(stall_factor, long_stream_events)).encode()).hexdigest()[:16]
 
 
 def figures_select(requests: str, stall_factor: float, long_stream_events: int, condition: str | None = None) -> str:
     """SELECT of ``request_figures``' columns for the inference requests of the table ``requests`` (that meet
     ``condition``), computed with these thresholds."""
-    expressions = figure_expressions(stall_factor, long_stream_events)
-    select_list = ",\n    ".join([*COPIED_COLUMNS, *(f"{expressions[name]} AS {name}" for name in expressions)])
+    definition = f"'{figures_definition(stall_factor, long_stream_events)}' AS definition"
+    select_list = ",\n    ".join([*_select_list(stall_factor, long_stream_events), definition])
     return f"""SELECT
     {select_list}
 FROM (
@@ -79,12 +90,11 @@ FROM (
 
 
 def _columns() -> tuple[Column, ...]:
-    # Each column as request_phases declares it, else as requests does; the thresholds are new.
+    # Each column as request_phases declares it, else as requests does.
     declared = {column.name: column for column in (*REQUESTS.columns, *REQUEST_PHASES_COLUMNS)}
     figures = figure_expressions(DEFAULT_STALL_FACTOR, DEFAULT_LONG_STREAM_EVENTS)
-    thresholds = {"stall_factor": Column("stall_factor", "Float64", OPAQUE_CODEC),
-                  "long_stream_events": Column("long_stream_events", "UInt32", INTEGER_CODEC)}
-    return tuple(thresholds.get(name) or declared[name] for name in (*COPIED_COLUMNS, *figures))
+    return (*(declared[name] for name in (*COPIED_COLUMNS, *figures)),
+            Column("definition", "LowCardinality(String)", OPAQUE_CODEC))
 
 
 REQUEST_FIGURES = Table(

@@ -109,7 +109,7 @@ def test_a_store_made_before_the_figures_is_back_filled_and_analyses_the_same(re
 
 @pytest.mark.parametrize("damage", [
     "DELETE WHERE conn_id % 3 = 0",  # rows stored while the view was being replaced
-    "UPDATE stall_factor = 4.0 WHERE conn_id % 3 = 0",  # rows a view with other thresholds wrote
+    "UPDATE definition = 'older' WHERE conn_id % 3 = 0",  # rows an older or otherwise configured view wrote
 ])
 def test_figures_missing_or_computed_otherwise_are_computed_from_the_requests(reference, rows, damage):
     store, expected = reference

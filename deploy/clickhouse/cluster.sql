@@ -456,8 +456,7 @@ CREATE TABLE IF NOT EXISTS tokenprobe.request_figures_local ON CLUSTER '{cluster
     `decode_rate_ratio` Nullable(Float32) CODEC(ZSTD(1)),
     `output_tokens` UInt32 CODEC(T64, ZSTD(1)),
     `output_tokens_source` LowCardinality(String) CODEC(ZSTD(1)),
-    `stall_factor` Float64 CODEC(ZSTD(1)),
-    `long_stream_events` UInt32 CODEC(T64, ZSTD(1))
+    `definition` LowCardinality(String) CODEC(ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(req_start)
@@ -597,14 +596,13 @@ SELECT
     if(length(token_offsets_us) >= 16 AND (token_offsets_us[length(token_offsets_us)] - token_offsets_us[length(token_offsets_us) - intDiv(length(token_offsets_us) - 1, 4)]) > 0, toFloat64((token_offsets_us[1 + intDiv(length(token_offsets_us) - 1, 4)] - token_offsets_us[1])) / (token_offsets_us[length(token_offsets_us)] - token_offsets_us[length(token_offsets_us) - intDiv(length(token_offsets_us) - 1, 4)]), NULL) AS decode_rate_ratio,
     coalesce(completion_tokens, token_events) AS output_tokens,
     if(completion_tokens IS NULL, 'events', 'usage') AS output_tokens_source,
-    5.0 AS stall_factor,
-    16 AS long_stream_events
+    '070b3bf730a1cab9' AS definition
 FROM (
     SELECT *, arrayPopFront(arrayDifference(token_offsets_us)) AS gaps, arraySort(gaps) AS sorted_gaps
     FROM tokenprobe.requests_local
     WHERE method = 'POST'
 )
-COMMENT 'tokenprobe definition 64f1d2d36776e84d';
+COMMENT 'tokenprobe definition f9162ec69ad60a00';
 
 CREATE VIEW IF NOT EXISTS tokenprobe.request_gpu_state_local ON CLUSTER '{cluster}' AS
 WITH
