@@ -53,7 +53,7 @@ _USES_USAGE = "prompt_tokens IS NOT NULL AND (c_calibration_id IS NULL OR c_has_
 
 
 def _split_expressions() -> dict[str, str]:
-    # The TTFT again in float64 from its timestamps (the figures row holds it as Float32), as before the split.
+    # The TTFT in float64 from its timestamps, not the figures row's Float32: the split stays what it was.
     ttft = measures.TTFT_SERVER_MS
     splittable = f"c_calibration_id IS NOT NULL AND {ttft} >= 0"
     prefill = f"least({_PREDICTED_PREFILL_MS}, {ttft})"
@@ -71,6 +71,7 @@ def _split_expressions() -> dict[str, str]:
     }
 
 
+# A request's key as one number: summed over a pass's rows, it tells two tables' sets of requests apart.
 _KEY = "cityHash64(node, server_port, req_start, conn_id, req_seq)"
 
 
