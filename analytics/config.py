@@ -26,6 +26,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..contract.figures import DEFAULT_LONG_STREAM_EVENTS, DEFAULT_STALL_FACTOR
+
 # The agent's live analysis (analytics/live.py): seconds between passes, and their window length.
 DEFAULT_LIVE_EVERY_S = 30
 
@@ -47,13 +49,13 @@ class Thresholds:
     queue_wait_p95_crit_ms: float = 450.0
     kv_cache_warn: float = 0.80
     kv_cache_crit: float = 0.95
-    long_stream_events: int = 16  # a stream this long is judged for token-rate decay
+    long_stream_events: int = DEFAULT_LONG_STREAM_EVENTS  # a stream this long is judged for token-rate decay
     decay_warn: float = 0.8  # last-quarter decode rate / first-quarter rate below this
     decay_crit: float = 0.5
     tpot_trend_windows: int = 10  # windows the TPOT trend spans, this one included
     tpot_trend_warn: float = 0.25  # TPOT rose by this share over those windows
     tpot_trend_crit: float = 0.5
-    stall_factor: float = 5.0  # a gap over this × the stream's median gap is a stall
+    stall_factor: float = DEFAULT_STALL_FACTOR  # a gap over this × the stream's median gap is a stall
     stall_rate_warn: float = 0.02  # share of gaps that are stalls
     stall_rate_crit: float = 0.05
     retry_window_s: float = 60.0  # the same fingerprint from the same client within this is a retry

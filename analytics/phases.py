@@ -1,4 +1,4 @@
-"""Per-request phases, computed in ClickHouse: ``INSERT INTO request_phases SELECT ... FROM requests``.
+"""Per-request phases, computed in ClickHouse: ``INSERT INTO request_phases SELECT ... FROM request_figures``.
 
 For each inference request: network in (with accept wait and TLS for a
 connection's first request), queue, prefill, decode, network out; server and
@@ -13,6 +13,12 @@ time spent outside the engine (``overhead_ms``, at most what prefill leaves);
 queue is the rest. ``split_method`` says which of these a row had. Requests of a server and model with no calibration keep
 their TTFT with queue and prefill NULL. The whole computation stays in the
 store: nothing per request travels to Python.
+
+Every figure but the split was computed when the request was stored
+(``request_figures``, ``contract/figures.py``): a pass joins those rows with
+the calibrations. Where that table lacks rows of the pass, or holds them
+computed with other thresholds, the pass computes the same figures from
+``requests`` (slower, the same result).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from ..contract.analysis import (
     REQUEST_PHASES_COLUMNS,
     REQUEST_PHASES_TABLE,
 )
+from ..contract.figures import REQUEST_FIGURES_TABLE, figures_definition, figures_select
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .calibration import Calibration, ServerModel
@@ -34,8 +41,9 @@ from .config import Thresholds
 from .scope import Scope
 from .timerange import TimeRange, range_condition
 
-# Per request: the phase columns, as expressions over the joined requests row
-# (``c_*`` are the calibration's coefficients, NULL when it has none).
+# Per request: the phase columns that the calibration decides, as expressions over a request_figures row
+# joined with its calibration (``c_*`` are the calibration's coefficients, NULL when it has none); every
+# other column is the figures row's own.
 _PREDICTED_PREFILL_MS = (
     "greatest(0, if(prompt_tokens IS NOT NULL AND c_has_tokens,"
     " c_tokens_intercept + c_tokens_slope * prompt_tokens,"
@@ -44,37 +52,16 @@ _PREDICTED_PREFILL_MS = (
 _USES_USAGE = "prompt_tokens IS NOT NULL AND (c_calibration_id IS NULL OR c_has_tokens)"
 
 
-def _phase_expressions(thresholds: Thresholds) -> dict[str, str]:
+def _split_expressions() -> dict[str, str]:
+    # The TTFT in float64 from its timestamps, not the figures row's Float32: the split stays what it was.
     ttft = measures.TTFT_SERVER_MS
     splittable = f"c_calibration_id IS NOT NULL AND {ttft} >= 0"
     prefill = f"least({_PREDICTED_PREFILL_MS}, {ttft})"
     overhead = f"if(c_overhead IS NULL, 0, least(c_overhead, {ttft} - {prefill}))"
     return {
-        "node": "node", "server_port": "server_port", "model": "model", "conn_id": "conn_id",
-        "req_seq": "req_seq", "req_start": "req_start", "req_end": "req_end", "first_token": "first_token",
-        "last_token": "last_token", "resp_end": "resp_end", "response_id": "response_id",
-        "client_addr": "client_addr", "path": "path", "status": "status", "outcome": "outcome",
-        "inflight_at_arrival": "inflight_at_arrival",
-        "network_in_ms": measures.NETWORK_IN_MS,
-        "accept_wait_ms": measures.ACCEPT_WAIT_MS,
-        "tls_ms": measures.TLS_MS,
         "prefill_ms": f"if({splittable}, {prefill}, NULL)",
         "overhead_ms": f"if({splittable} AND c_overhead IS NOT NULL, {overhead}, NULL)",
         "queue_ms": f"if({splittable}, {ttft} - {prefill} - {overhead}, NULL)",
-        "decode_ms": measures.DECODE_MS,
-        "network_out_ms": measures.NETWORK_OUT_MS,
-        "ttft_server_ms": ttft,
-        "ttft_client_ms": measures.TTFT_CLIENT_MS,
-        "e2e_ms": measures.E2E_MS,
-        "tpot_ms": measures.TPOT_MS,
-        **{f"itl_{name}_ms": measures.itl_quantile_ms("sorted_gaps", level)
-           for name, level in measures.ITL_LEVELS.items()},
-        "itl_gaps": "length(gaps)",
-        "stalls": measures.stall_count("gaps", "sorted_gaps", factor=thresholds.stall_factor),
-        "decode_rate_ratio": measures.decode_rate_ratio(thresholds.long_stream_events),
-        "token_events": "token_events",
-        "output_tokens": measures.OUTPUT_TOKENS,
-        "output_tokens_source": measures.OUTPUT_TOKENS_SOURCE,
         "prompt_size": f"if({_USES_USAGE}, toUInt64(prompt_tokens), bytes_in)",
         "prompt_size_source": f"if({_USES_USAGE}, 'usage', 'bytes')",
         "calibration_id": "ifNull(c_calibration_id, '')",
@@ -84,17 +71,40 @@ def _phase_expressions(thresholds: Thresholds) -> dict[str, str]:
     }
 
 
+# A request's key as one number: summed over a pass's rows, it tells two tables' sets of requests apart.
+_KEY = "cityHash64(node, server_port, req_start, conn_id, req_seq)"
+
+
+def _figures_source(store: Store, condition: str, parameters: dict, thresholds: Thresholds) -> str:
+    """Where the figures of the requests that meet ``condition`` come from: ``request_figures``, when it holds
+    every one of them computed by this definition with ``thresholds`` (same count, same sum of key hashes:
+    no row missing, none extra), else the same figures computed from ``requests`` here."""
+    definition = figures_definition(thresholds.stall_factor, thresholds.long_stream_events)
+    figures = f"SELECT * FROM {store.table(REQUEST_FIGURES_TABLE)} WHERE {condition} AND definition = '{definition}'"
+    (complete,), = store.query_rows(
+        f"""SELECT (SELECT (count(), sum({_KEY})) FROM {store.table(REQUESTS_TABLE)}
+                    WHERE {measures.IS_INFERENCE} AND {condition})
+                 = (SELECT (count(), sum({_KEY})) FROM ({figures}))""", parameters)
+    if complete:
+        return figures
+    return figures_select(store.table(REQUESTS_TABLE), thresholds.stall_factor, thresholds.long_stream_events,
+                          condition)
+
+
 def compute_phases(store: Store, requests: TimeRange, calibrations: Mapping[ServerModel, Calibration],
                    scope: Scope, thresholds: Thresholds, now_ns: int, only: tuple[str, dict] | None = None) -> None:
     """(Re)compute the phases of every inference request that started in ``requests`` (and, with
-    ``only``, meets that condition over the requests, given with its parameters)."""
-    expressions = _phase_expressions(thresholds)
+    ``only``, meets that condition over the requests' columns that ``request_figures`` copies, given with
+    its parameters)."""
     in_range, range_parameters = range_condition("req_start", "requests", requests)
     in_scope, scope_parameters = scope.condition()
     if only is not None:
         in_scope, scope_parameters = f"{in_scope} AND {only[0]}", {**scope_parameters, **only[1]}
+    condition, parameters = f"{in_range} AND {in_scope}", {**range_parameters, **scope_parameters}
+    source = _figures_source(store, condition, parameters, thresholds)
+    split = _split_expressions()
     names = [column.name for column in REQUEST_PHASES_COLUMNS]
-    select_list = ",\n    ".join(f"{expressions[name]} AS {name}" for name in names)
+    select_list = ",\n    ".join(f"{split[name]} AS {name}" if name in split else name for name in names)
     # optimize_on_insert = 0: the insert holds each request once, so the ReplacingMergeTree has nothing to
     # collapse in it (a quarter of the insert's cost); a request's older rows go at merges, and every reader
     # reads with FINAL.
@@ -117,15 +127,11 @@ WITH calibrations AS (
 )
 SELECT
     {select_list}
-FROM (
-    SELECT *, {measures.ITL_GAPS_US} AS gaps, arraySort(gaps) AS sorted_gaps
-    FROM {store.table(REQUESTS_TABLE)}
-    WHERE {measures.IS_INFERENCE} AND {in_range} AND {in_scope}
-) AS r
+FROM ({source}) AS r
 LEFT JOIN calibrations AS c USING (node, server_port, model)
 SETTINGS join_use_nulls = 1, optimize_on_insert = 0""",
         {
-            **range_parameters, **scope_parameters, "computed_at": now_ns,
+            **parameters, "computed_at": now_ns,
             "calibration_ids": sorted(c.calibration_id for c in calibrations.values()),
         },
     )

@@ -4,6 +4,8 @@ Generates the requests inside ClickHouse itself (INSERT ... SELECT FROM
 numbers()) in a fresh embedded store: four servers over a day, load rising
 and falling so that some requests arrive to an idle server (the prefill
 calibration needs them) and some queue; streams of 8 to 32 token events.
+The store computes every request's calibration-independent figures as it
+stores it (``request_figures``): their cost is the generate step's.
 Then times each analysis step on the whole day (``tokenprobe analyze`` over
 it) and prints seconds, CPU seconds (the process's, the store's threads
 included) and rows/s, so a figure taken on fewer rows

@@ -17,6 +17,7 @@ from .analysis import (
 )
 from .decisions import DECISIONS
 from .ends import REQUEST_ENDS, REQUEST_ENDS_MV
+from .figures import REQUEST_FIGURES, REQUEST_FIGURES_MV
 from .inflight import INFLIGHT_SAMPLES
 from .requests import REQUESTS
 from .rollup import KNEE_ROLLUP, KNEE_ROLLUP_MV, ROLLUP, ROLLUP_MV
@@ -38,9 +39,10 @@ TABLES: tuple[Table, ...] = (
     ROLLUP,
     KNEE_ROLLUP,
     REQUEST_ENDS,
+    REQUEST_FIGURES,
 )
 # Created after every table: a materialized view needs the tables it reads and writes.
-MATERIALIZED_VIEWS: tuple[View, ...] = (ROLLUP_MV, KNEE_ROLLUP_MV, REQUEST_ENDS_MV)
+MATERIALIZED_VIEWS: tuple[View, ...] = (ROLLUP_MV, KNEE_ROLLUP_MV, REQUEST_ENDS_MV, REQUEST_FIGURES_MV)
 
 
 def create_statements(database: str = DEFAULT_DATABASE, ttl_days: int = DEFAULT_TTL_DAYS) -> list[str]:

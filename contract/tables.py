@@ -115,11 +115,15 @@ class View:
 
     The view is created with a comment naming a digest of its definition
     (``comment``), so that a store can tell a view made by an older definition
-    from the current one (``Store.ensure_schema`` replaces it).
+    from the current one (``Store.ensure_schema`` replaces it). ``backfill``,
+    where given, is the statement ({db}) that writes what the view would have
+    written for the rows stored before it existed; ``Store.ensure_schema`` runs
+    it when it creates the view in a store that had none.
     """
 
     name: str
     definition: str
+    backfill: str | None = None
 
     @property
     def comment(self) -> str:

@@ -164,6 +164,8 @@ class Store:
         """
         tables = {table.ddl_template.format(db=self.database, ttl_days=ttl_days): table for table in TABLES}
         views = {view.ddl_template.format(db=self.database): view for view in MATERIALIZED_VIEWS}
+        existing = {name for (name,) in self.query_rows(
+            "SELECT name FROM system.tables WHERE database = {database:String}", {"database": self.database})}
         for statement in create_statements(self.database, ttl_days):
             if statement in views:
                 self._drop_outdated_view(views[statement])
@@ -172,6 +174,25 @@ class Store:
                 # Before the views that read the table are created: one may read a new column.
                 self._add_missing_columns(tables[statement])
         self._enable_insert_deduplication()
+        self._backfill_new_views([view for view in MATERIALIZED_VIEWS if view.name not in existing])
+
+    def _on_cluster(self) -> bool:
+        """Whether this store is a cluster's (deploy/clickhouse/cluster.sql: Replicated and Distributed tables)."""
+        (requests_engine,), = self.query_rows(
+            "SELECT engine FROM system.tables WHERE database = {database:String} AND name = {table:String}",
+            {"database": self.database, "table": REQUESTS_TABLE})
+        return requests_engine.startswith(("Replicated", "Distributed"))
+
+    def _backfill_new_views(self, created: Sequence[View]) -> None:
+        """Give the views just created what they would have written for the rows already stored (a store
+        made by an older tokenprobe). Rows inserted meanwhile may be written twice: the readers of such a
+        table check it against its source before they use it."""
+        backfills = [view for view in created if view.backfill is not None]
+        if not backfills or self._on_cluster():  # a cluster's views are created from cluster.sql
+            return
+        for view in backfills:
+            logger.info("store %s: writing %s for the rows stored before it", self.url, self.table(view.name))
+            self.command(view.backfill.format(db=self.database))
 
     def _drop_outdated_view(self, view: View) -> None:
         """Drop ``view`` if the store has it by another definition than the current one (its comment
@@ -180,10 +201,7 @@ class Store:
                                " AND name = {view:String}", {"database": self.database, "view": view.name})
         if not rows or rows[0][0] == view.comment:
             return
-        (requests_engine,), = self.query_rows(
-            "SELECT engine FROM system.tables WHERE database = {database:String} AND name = {table:String}",
-            {"database": self.database, "table": REQUESTS_TABLE})
-        if requests_engine.startswith(("Replicated", "Distributed")):
+        if self._on_cluster():
             # A cluster's view reads the shard-local tables (deploy/render.py): the single-node one
             # would count every request again.
             logger.warning("store %s: materialized view %s was made by another definition (%s); on a cluster"

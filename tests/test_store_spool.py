@@ -48,6 +48,8 @@ def test_a_replay_of_a_batch_whose_insert_landed_stores_nothing_twice(owner, tmp
     assert stored_conn_ids(owner) == list(range(15))
     # The heatmap rollup, fed by a materialized view, counts each request once too.
     assert owner.command("SELECT sum(requests) FROM tokenprobe.request_latency_bands WHERE metric = 'all'") == 15
+    # and so do the phases' figures, computed at insert by another.
+    assert owner.command("SELECT count() FROM tokenprobe.request_figures") == 15
 
 
 def test_the_same_token_twice_is_one_insert_and_another_token_is_another(owner):

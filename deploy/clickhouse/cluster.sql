@@ -415,6 +415,55 @@ ORDER BY (node, ended_at)
 TTL toDateTime(ended_at) + INTERVAL 30 DAY
 SETTINGS non_replicated_deduplication_window = 1000;
 
+CREATE TABLE IF NOT EXISTS tokenprobe.request_figures_local ON CLUSTER '{cluster}'
+(
+    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `server_port` UInt16 CODEC(T64, ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `conn_id` UInt64 CODEC(T64, ZSTD(1)),
+    `req_seq` UInt32 CODEC(T64, ZSTD(1)),
+    `req_start` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `req_end` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `first_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `last_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `resp_end` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `response_id` String CODEC(ZSTD(1)),
+    `client_addr` String CODEC(ZSTD(1)),
+    `path` LowCardinality(String) CODEC(ZSTD(1)),
+    `status` UInt16 CODEC(T64, ZSTD(1)),
+    `outcome` LowCardinality(String) CODEC(ZSTD(1)),
+    `inflight_at_arrival` UInt32 CODEC(T64, ZSTD(1)),
+    `token_events` UInt32 CODEC(T64, ZSTD(1)),
+    `method` LowCardinality(String) CODEC(ZSTD(1)),
+    `resp_start` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `prompt_tokens` Nullable(UInt32) CODEC(T64, ZSTD(1)),
+    `bytes_in` UInt64 CODEC(T64, ZSTD(1)),
+    `network_in_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `accept_wait_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `tls_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `decode_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `network_out_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `ttft_server_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `ttft_client_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `e2e_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `tpot_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `itl_p50_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `itl_p90_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `itl_p99_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `itl_max_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `itl_gaps` UInt32 CODEC(T64, ZSTD(1)),
+    `stalls` UInt32 CODEC(T64, ZSTD(1)),
+    `decode_rate_ratio` Nullable(Float32) CODEC(ZSTD(1)),
+    `output_tokens` UInt32 CODEC(T64, ZSTD(1)),
+    `output_tokens_source` LowCardinality(String) CODEC(ZSTD(1)),
+    `definition` LowCardinality(String) CODEC(ZSTD(1))
+)
+ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+PARTITION BY toDate(req_start)
+ORDER BY (node, server_port, req_start, conn_id, req_seq)
+TTL toDateTime(req_start) + INTERVAL 30 DAY
+SETTINGS non_replicated_deduplication_window = 1000;
+
 CREATE TABLE IF NOT EXISTS tokenprobe.requests ON CLUSTER '{cluster}'
 AS tokenprobe.requests_local
 ENGINE = Distributed('{cluster}', tokenprobe, requests_local, cityHash64(node));
@@ -471,6 +520,10 @@ CREATE TABLE IF NOT EXISTS tokenprobe.request_ends ON CLUSTER '{cluster}'
 AS tokenprobe.request_ends_local
 ENGINE = Distributed('{cluster}', tokenprobe, request_ends_local, cityHash64(node));
 
+CREATE TABLE IF NOT EXISTS tokenprobe.request_figures ON CLUSTER '{cluster}'
+AS tokenprobe.request_figures_local
+ENGINE = Distributed('{cluster}', tokenprobe, request_figures_local, cityHash64(node));
+
 CREATE MATERIALIZED VIEW IF NOT EXISTS tokenprobe.request_latency_bands_mv ON CLUSTER '{cluster}' TO tokenprobe.request_latency_bands_local AS
 SELECT
     toStartOfMinute(toDateTime(req_start, 'UTC')) AS minute,
@@ -501,6 +554,55 @@ SELECT node, assumeNotNull(coalesce(resp_end, last_token, first_token, resp_star
 FROM tokenprobe.requests_local
 WHERE method = 'POST'
 COMMENT 'tokenprobe definition 8c3e5ea460b25745';
+
+CREATE MATERIALIZED VIEW IF NOT EXISTS tokenprobe.request_figures_mv ON CLUSTER '{cluster}' TO tokenprobe.request_figures_local AS
+SELECT
+    node,
+    server_port,
+    model,
+    conn_id,
+    req_seq,
+    req_start,
+    req_end,
+    first_token,
+    last_token,
+    resp_end,
+    response_id,
+    client_addr,
+    path,
+    status,
+    outcome,
+    inflight_at_arrival,
+    token_events,
+    method,
+    resp_start,
+    prompt_tokens,
+    bytes_in,
+    (((toUnixTimestamp64Nano(req_end) - toUnixTimestamp64Nano(req_start)) / 1e6) + if((req_seq = 0 AND accept_ts IS NOT NULL), ((toUnixTimestamp64Nano(req_start) - toUnixTimestamp64Nano(accept_ts)) / 1e6), 0)) AS network_in_ms,
+    if((req_seq = 0 AND accept_ts IS NOT NULL), ((toUnixTimestamp64Nano(req_start) - toUnixTimestamp64Nano(coalesce(tls_done_ts, accept_ts))) / 1e6), NULL) AS accept_wait_ms,
+    if((req_seq = 0 AND accept_ts IS NOT NULL) AND tls_done_ts IS NOT NULL, ((toUnixTimestamp64Nano(tls_done_ts) - toUnixTimestamp64Nano(accept_ts)) / 1e6), NULL) AS tls_ms,
+    ((toUnixTimestamp64Nano(last_token) - toUnixTimestamp64Nano(first_token)) / 1e6) AS decode_ms,
+    ((toUnixTimestamp64Nano(resp_end) - toUnixTimestamp64Nano(coalesce(last_token, resp_start))) / 1e6) AS network_out_ms,
+    ((toUnixTimestamp64Nano(first_token) - toUnixTimestamp64Nano(req_end)) / 1e6) AS ttft_server_ms,
+    ((((toUnixTimestamp64Nano(req_end) - toUnixTimestamp64Nano(req_start)) / 1e6) + if((req_seq = 0 AND accept_ts IS NOT NULL), ((toUnixTimestamp64Nano(req_start) - toUnixTimestamp64Nano(accept_ts)) / 1e6), 0)) + ((toUnixTimestamp64Nano(first_token) - toUnixTimestamp64Nano(req_end)) / 1e6)) AS ttft_client_ms,
+    (((toUnixTimestamp64Nano(resp_end) - toUnixTimestamp64Nano(req_start)) / 1e6) + if((req_seq = 0 AND accept_ts IS NOT NULL), ((toUnixTimestamp64Nano(req_start) - toUnixTimestamp64Nano(accept_ts)) / 1e6), 0)) AS e2e_ms,
+    if(coalesce(completion_tokens, token_events) > 1, ((toUnixTimestamp64Nano(last_token) - toUnixTimestamp64Nano(first_token)) / 1e6) / (coalesce(completion_tokens, token_events) - 1), NULL) AS tpot_ms,
+    if(empty(sorted_gaps), NULL, sorted_gaps[toUInt32(floor(0.5 * length(sorted_gaps))) + 1] / 1000) AS itl_p50_ms,
+    if(empty(sorted_gaps), NULL, sorted_gaps[toUInt32(floor(0.9 * length(sorted_gaps))) + 1] / 1000) AS itl_p90_ms,
+    if(empty(sorted_gaps), NULL, sorted_gaps[toUInt32(floor(0.99 * length(sorted_gaps))) + 1] / 1000) AS itl_p99_ms,
+    if(empty(sorted_gaps), NULL, sorted_gaps[-1] / 1000) AS itl_max_ms,
+    length(gaps) AS itl_gaps,
+    arrayCount(g -> g > 5.0 * sorted_gaps[toUInt32(floor(0.5 * length(sorted_gaps))) + 1], gaps) AS stalls,
+    if(length(token_offsets_us) >= 16 AND (token_offsets_us[length(token_offsets_us)] - token_offsets_us[length(token_offsets_us) - intDiv(length(token_offsets_us) - 1, 4)]) > 0, toFloat64((token_offsets_us[1 + intDiv(length(token_offsets_us) - 1, 4)] - token_offsets_us[1])) / (token_offsets_us[length(token_offsets_us)] - token_offsets_us[length(token_offsets_us) - intDiv(length(token_offsets_us) - 1, 4)]), NULL) AS decode_rate_ratio,
+    coalesce(completion_tokens, token_events) AS output_tokens,
+    if(completion_tokens IS NULL, 'events', 'usage') AS output_tokens_source,
+    '070b3bf730a1cab9' AS definition
+FROM (
+    SELECT *, arrayPopFront(arrayDifference(token_offsets_us)) AS gaps, arraySort(gaps) AS sorted_gaps
+    FROM tokenprobe.requests_local
+    WHERE method = 'POST'
+)
+COMMENT 'tokenprobe definition f9162ec69ad60a00';
 
 CREATE VIEW IF NOT EXISTS tokenprobe.request_gpu_state_local ON CLUSTER '{cluster}' AS
 WITH
