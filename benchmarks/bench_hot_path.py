@@ -15,8 +15,9 @@ commit before kernel batching kept templates across responses) — it prints:
   the writes that came batched in them, the records per response, the share of
   records the kernel dropped, the agent's CPU per 1k token events and its RSS;
   and the highest rate it kept up with, no drops;
-- the watched server at a fixed offered rate: events delivered per second and
-  client-side p50/p99 TTFT without an agent and with each implementation,
+- the watched server at a fixed offered rate: events delivered per second, the
+  firehose's own CPU per 1k events (where the probes' work in its calls shows)
+  and client-side p50/p99 TTFT without an agent and with each implementation,
   in rounds that alternate them (A B A B ...): per implementation the median
   of its per-round ratio and p99 TTFT added, and their spread;
 - then all of it side by side, one line per implementation and stream count.
@@ -43,7 +44,7 @@ import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -82,6 +83,12 @@ def previous_implementation(ref: str, tmp: Path) -> Implementation:
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(source)], capture_output=True)
     return Implementation(f"previous ({ref})", str(site))
+
+
+def cpu_seconds(pid: int) -> float:
+    """The user and system CPU a process has spent so far."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / TICKS
 
 
 def metric(page: str, name: str) -> float:
@@ -146,8 +153,7 @@ class AgentProcess:
     def figures(self) -> tuple[float, float, float, float, int]:
         """(kernel records handled, kernel drops, writes that came batched, CPU seconds, RSS bytes) so far."""
         page = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cpu = (int(stat[11]) + int(stat[12])) / TICKS
+        cpu = cpu_seconds(self.proc.pid)
         rss = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{self.proc.pid}/status").read_text())[1]) * 1024
         return (metric(page, "tokenprobe_agent_events_total"), metric(page, "tokenprobe_agent_drops_total"),
                 metric(page, "tokenprobe_agent_batched_writes_total"), cpu, rss)
@@ -169,6 +175,8 @@ class LoadFigures:
     responses: int  # that ended
     ttft_p50_ms: float
     ttft_p99_ms: float
+    # The firehose's own CPU (server and clients, the probes' work in its calls included) per 1k events.
+    load_cpu_per_1k_ms: float = 0.0
 
 
 @dataclass
@@ -231,10 +239,12 @@ def drive(hose: Firehose, rate: float, seconds: float) -> LoadFigures:
     """The firehose's clients at ``rate`` for ``seconds``, and what they read meanwhile."""
     hose.rate(rate)
     hose.report(seconds)  # from here on
+    cpu = cpu_seconds(hose.proc.pid)
     time.sleep(seconds)
     load = hose.report(seconds)
+    cpu = cpu_seconds(hose.proc.pid) - cpu
     hose.rate(0)
-    return load
+    return replace(load, load_cpu_per_1k_ms=cpu * 1e6 / max(1.0, load.events_per_s * seconds))
 
 
 def connect_clients(hose: Firehose, streams: int, rate: float) -> None:
@@ -308,8 +318,8 @@ def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: floa
                         agent.stop()
             runs[impl.name if impl else "no agent"].append(load)
     base = runs["no agent"]
-    print(f"{'':40}{'events/s':>10}{'ratio':>7}{'TTFT p50 ms':>13}{'p99 ms':>9}{'p99 Δ µs':>10}"
-          f"{'Δ spread µs':>16}  p99 Δ per round, µs")
+    print(f"{'':40}{'events/s':>10}{'ratio':>7}{'load CPU ms/1k':>16}{'TTFT p50 ms':>13}{'p99 ms':>9}"
+          f"{'p99 Δ µs':>10}{'Δ spread µs':>16}  p99 Δ per round, µs")
     costs = {}
     for name in names:
         loads = runs[name]
@@ -320,6 +330,7 @@ def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: floa
             deltas = [(load.ttft_p99_ms - without.ttft_p99_ms) * 1000 for load, without in zip(loads, base)]
         ratio, delta = statistics.median(ratios), statistics.median(deltas)
         print(f"{name:40}{statistics.median(load.events_per_s for load in loads):10.0f}{ratio:7.3f}"
+              f"{statistics.median(load.load_cpu_per_1k_ms for load in loads):16.3f}"
               f"{statistics.median(load.ttft_p50_ms for load in loads):13.3f}"
               f"{statistics.median(load.ttft_p99_ms for load in loads):9.3f}{delta:10.0f}"
               f"{f'{min(deltas):+.0f}..{max(deltas):+.0f}':>16}  {' '.join(f'{d:+.0f}' for d in deltas)}")
