@@ -15,15 +15,19 @@ commit before kernel batching kept templates across responses) — it prints:
   the writes that came batched in them, the records per response, the share of
   records the kernel dropped, the agent's CPU per 1k token events and its RSS;
   and the highest rate it kept up with, no drops;
-- the watched server at a fixed offered rate: events delivered per second and
-  client-side p50/p99 TTFT without an agent and with each implementation,
-  as ratios to no agent;
+- the watched server at a fixed offered rate: events delivered per second, the
+  firehose's own CPU per 1k events (where the probes' work in its calls shows)
+  and client-side p50/p99 TTFT without an agent and with each implementation,
+  in rounds that alternate them (A B A B ...): per implementation the median
+  of its per-round ratio and p99 TTFT added, and their spread;
 - then all of it side by side, one line per implementation and stream count.
 
 Prints figures; asserts nothing. Needs root (real BPF), cc and git. `--quick`
-takes fewer rates for less time each (a few minutes in all).
+takes fewer rates for less time each, and the server's figures in three rounds
+for this checkout alone (about 8 minutes in all).
 
     .venv/bin/python -m benchmarks.bench_hot_path [--quick] [--baseline REF] [--rates ...] [--seconds S]
+        [--rounds N]
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -79,6 +83,12 @@ def previous_implementation(ref: str, tmp: Path) -> Implementation:
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(source)], capture_output=True)
     return Implementation(f"previous ({ref})", str(site))
+
+
+def cpu_seconds(pid: int) -> float:
+    """The user and system CPU a process has spent so far."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / TICKS
 
 
 def metric(page: str, name: str) -> float:
@@ -143,8 +153,7 @@ class AgentProcess:
     def figures(self) -> tuple[float, float, float, float, int]:
         """(kernel records handled, kernel drops, writes that came batched, CPU seconds, RSS bytes) so far."""
         page = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
-        stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cpu = (int(stat[11]) + int(stat[12])) / TICKS
+        cpu = cpu_seconds(self.proc.pid)
         rss = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{self.proc.pid}/status").read_text())[1]) * 1024
         return (metric(page, "tokenprobe_agent_events_total"), metric(page, "tokenprobe_agent_drops_total"),
                 metric(page, "tokenprobe_agent_batched_writes_total"), cpu, rss)
@@ -166,6 +175,8 @@ class LoadFigures:
     responses: int  # that ended
     ttft_p50_ms: float
     ttft_p99_ms: float
+    # The firehose's own CPU (server and clients, the probes' work in its calls included) per 1k events.
+    load_cpu_per_1k_ms: float = 0.0
 
 
 @dataclass
@@ -228,10 +239,12 @@ def drive(hose: Firehose, rate: float, seconds: float) -> LoadFigures:
     """The firehose's clients at ``rate`` for ``seconds``, and what they read meanwhile."""
     hose.rate(rate)
     hose.report(seconds)  # from here on
+    cpu = cpu_seconds(hose.proc.pid)
     time.sleep(seconds)
     load = hose.report(seconds)
+    cpu = cpu_seconds(hose.proc.pid) - cpu
     hose.rate(0)
-    return load
+    return replace(load, load_cpu_per_1k_ms=cpu * 1e6 / max(1.0, load.events_per_s * seconds))
 
 
 def connect_clients(hose: Firehose, streams: int, rate: float) -> None:
@@ -281,13 +294,19 @@ def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], 
 
 def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: float, seconds: float,
                 rounds: int) -> dict[str, tuple[float, float]]:
-    """The server's delivered rate and TTFT without an agent and with each implementation, the
-    medians of `rounds` runs in turn (the machine's other load moves them all alike)."""
-    print(f"\n== the watched server at {rate:.0f} tokens/s offered, 64 streams of 200 tokens, {seconds:.0f} s each,"
-          f" median of {rounds} round(s) in turn")
-    runs: dict[str, list[LoadFigures]] = {}
-    for _ in range(rounds):
-        for impl in [None, *impls]:
+    """The server's delivered rate and TTFT without an agent and with each implementation, in
+    `rounds` rounds, each one run without an agent and one with each implementation, in turn (the
+    order reversed every other round, so that a drift of the machine's other load favours none).
+    Each implementation's figures are per round, against that round's run without an agent: their
+    median, and the spread of its p99 TTFT added, beside the spread of the no-agent p99 itself
+    (what the machine moves between rounds), so noise can be told from cost."""
+    print(f"\n== the watched server at {rate:.0f} tokens/s offered, 64 streams of 200 tokens, {seconds:.0f} s a run,"
+          f" {rounds} round(s), each against its own run without an agent")
+    names = ["no agent", *(impl.name for impl in impls)]
+    runs: dict[str, list[LoadFigures]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        order = [None, *impls]
+        for impl in order if round_index % 2 == 0 else reversed(order):
             port = free_port()
             with streaming_server(binary, port, tokens=200) as hose:
                 agent = AgentProcess(impl, port, tmp) if impl else None
@@ -297,27 +316,41 @@ def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: floa
                 finally:
                     if agent:
                         agent.stop()
-            runs.setdefault(impl.name if impl else "no agent", []).append(load)
-    rows = [(name, *(statistics.median(getattr(load, figure) for load in loads)
-                     for figure in ("events_per_s", "ttft_p50_ms", "ttft_p99_ms"))) for name, loads in runs.items()]
-    base = rows[0]
-    print(f"{'':40}{'events/s':>10}{'ratio':>7}{'TTFT p50 ms':>13}{'p99 ms':>9}{'p99 Δ µs':>10}")
-    for name, rate_out, p50, p99 in rows:
-        print(f"{name:40}{rate_out:10.0f}{rate_out / base[1]:7.3f}{p50:13.3f}{p99:9.3f}{(p99 - base[3]) * 1000:10.0f}")
-    return {name: (rate_out / base[1], (p99 - base[3]) * 1000) for name, rate_out, _, p99 in rows[1:]}
+            runs[impl.name if impl else "no agent"].append(load)
+    base = runs["no agent"]
+    print(f"{'':40}{'events/s':>10}{'ratio':>7}{'load CPU ms/1k':>16}{'TTFT p50 ms':>13}{'p99 ms':>9}"
+          f"{'p99 Δ µs':>10}{'Δ spread µs':>16}  p99 Δ per round, µs")
+    costs = {}
+    for name in names:
+        loads = runs[name]
+        ratios = [load.events_per_s / without.events_per_s for load, without in zip(loads, base)]
+        if name == "no agent":  # its own p99 against its median: how far rounds move with no agent at all
+            deltas = [(load.ttft_p99_ms - statistics.median(w.ttft_p99_ms for w in base)) * 1000 for load in loads]
+        else:
+            deltas = [(load.ttft_p99_ms - without.ttft_p99_ms) * 1000 for load, without in zip(loads, base)]
+        ratio, delta = statistics.median(ratios), statistics.median(deltas)
+        print(f"{name:40}{statistics.median(load.events_per_s for load in loads):10.0f}{ratio:7.3f}"
+              f"{statistics.median(load.load_cpu_per_1k_ms for load in loads):16.3f}"
+              f"{statistics.median(load.ttft_p50_ms for load in loads):13.3f}"
+              f"{statistics.median(load.ttft_p99_ms for load in loads):9.3f}{delta:10.0f}"
+              f"{f'{min(deltas):+.0f}..{max(deltas):+.0f}':>16}  {' '.join(f'{d:+.0f}' for d in deltas)}")
+        if name != "no agent":
+            costs[name] = (ratio, delta)
+    return costs
 
 
 def summary(results: dict[str, list[Capacity]], costs: dict[str, tuple[float, float]]) -> None:
     """The issue's figures side by side (targets: >= 300k events/s with no drops, <= 2 ms of agent
     CPU per 1k events, the server's throughput within 1% and its p99 TTFT within 50 µs)."""
-    print("\n== side by side: at the highest rate each kept up with (no drops)")
+    print("\n== side by side: at the highest rate each kept up with (no drops); the server's figures are medians"
+          " over the rounds")
     print(f"{'':40}{'streams':>8}{'no-drop ev/s':>14}{'CPU ms/1k ev':>14}{'rec/resp':>10}{'RSS MiB':>9}"
           f"{'server ratio':>14}{'p99 Δ µs':>10}")
     for name, found in results.items():
-        ratio, p99_delta = costs.get(name, (float("nan"), float("nan")))
+        server = f"{costs[name][0]:14.3f}{costs[name][1]:10.0f}" if name in costs else f"{'-':>14}{'-':>10}"
         for c in found:
             print(f"{name:40}{c.streams:8}{c.kept_up:14.0f}{c.cpu_per_1k_ms:14.2f}{c.records_per_response:10.1f}"
-                  f"{c.rss_mib:9.0f}{ratio:14.3f}{p99_delta:10.0f}")
+                  f"{c.rss_mib:9.0f}{server}")
 
 
 def main() -> int:
@@ -329,7 +362,9 @@ def main() -> int:
                         "(default 50k, 100k, 200k, 300k; --quick: 100k, 300k)")
     parser.add_argument("--seconds", type=float, help="a rate's time (default 5 s; --quick: 3 s)")
     parser.add_argument("--server-rate", type=float, default=100_000)
-    parser.add_argument("--quick", action="store_true", help="two rates, 3 s each; one round of the server's figures")
+    parser.add_argument("--rounds", type=int, help="rounds of the server's figures (default 5; --quick: 3)")
+    parser.add_argument("--quick", action="store_true", help="two rates, 3 s each; the server's figures in three "
+                        "rounds, for this checkout alone")
     args = parser.parse_args()
     rates = args.rates or ([100_000, 300_000] if args.quick else [50_000, 100_000, 200_000, 300_000])
     seconds = args.seconds or (3.0 if args.quick else 5.0)
@@ -344,7 +379,11 @@ def main() -> int:
         if args.baseline:
             impls.append(previous_implementation(args.baseline, tmp))
         results = {impl.name: capacity(impl, binary, tmp, rates, seconds, (1, 64, 512)) for impl in impls}
-        summary(results, server_cost(impls, binary, tmp, args.server_rate, seconds, 1 if args.quick else 3))
+        rounds = args.rounds or (3 if args.quick else 5)
+        # --quick: this checkout's cost to the server alone (an agent's start, its BPF compile, is the
+        # most of a run's time).
+        summary(results, server_cost(impls[:1] if args.quick else impls, binary, tmp, args.server_rate, seconds,
+                                     rounds))
     return 0
 
 

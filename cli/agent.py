@@ -289,6 +289,37 @@ class MemoryRelease:
             self._peak = tracked
 
 
+class ProcessRescan:
+    """Every RESCAN_INTERVAL_S, on a thread of its own, what the kernel cannot have seen: new
+    copies of OpenSSL and Go executables to probe, listeners and processes of the targets. Off the
+    poll loop because reading a large library that appeared since (a new process's, a container's)
+    takes up to a second, which would leave the ring buffer unread meanwhile (mmap's find lets the
+    GIL go). It touches the probes only (uprobes, BPF maps), never the tracker."""
+
+    def __init__(self, probes: Probes) -> None:
+        self._probes = probes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tokenprobe-rescan", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(RESCAN_INTERVAL_S):
+            try:
+                for path in self._probes.attach_ssl():
+                    log.info("probing OpenSSL in %s", path)
+                self._probes.rescan_processes()
+                for path in self._probes.attach_go_tls():
+                    log.info("probing Go crypto/tls in %s", path)
+            except Exception as exc:  # a vanished process or file mid-read: the next rescan tries again
+                log.warning("rescan of processes failed (%s: %s); retried in %.0f s", type(exc).__name__, exc,
+                            RESCAN_INTERVAL_S)
+
+    def stop(self) -> None:
+        """Waits for a rescan under way: the probes must not close under it."""
+        self._stop.set()
+        self._thread.join()
+
+
 def offer_inflight(live: LiveAnalysis | None, tracker: ConnectionTracker) -> None:
     """On the capture thread, which alone may read the tracker: the requests in flight, when a pass asks."""
     if live is not None and live.inflight_wanted():
@@ -405,6 +436,7 @@ class Agent:
         next_rescan = started + RESCAN_INTERVAL_S
         memory = MemoryRelease()
         last_tick, last_events = started, 0
+        rescan = ProcessRescan(probes)
         try:
             while not self._stop:
                 probes.poll(100)
@@ -414,11 +446,6 @@ class Agent:
                 if now >= next_rescan:
                     next_rescan = now + RESCAN_INTERVAL_S
                     clock.maybe_refresh()
-                    for path in probes.attach_ssl():
-                        log.info("probing OpenSSL in %s", path)
-                    probes.rescan_processes()
-                    for path in probes.attach_go_tls():
-                        log.info("probing Go crypto/tls in %s", path)
                     tracker.evict_idle(time.monotonic_ns())
                     memory.after(len(tracker.connections))
                 if now - last_tick >= 1.0:
@@ -437,6 +464,7 @@ class Agent:
                     break
             tracker.close_all(time.monotonic_ns())
         finally:
+            rescan.stop()
             # Read before close(): the program's maps go with it.
             drops, overflows = probes.drops(), probes.map_overflows()
             probes.close()

@@ -32,6 +32,7 @@ from tokenprobe.contract.tables import (
 )
 from tokenprobe.store.client import StoreUnavailable
 from tokenprobe.store.embedded import LOCK_FILE, SERVE_FILE, open_store
+from tokenprobe.store.rows import RowSchema
 from tokenprobe.store.server import StoreServer
 from tokenprobe.store.sink import RequestSink
 from tokenprobe.store.url import parse_store_url
@@ -313,6 +314,29 @@ def test_rows_round_trip_with_exact_nanoseconds_nulls_and_arrays(owner):
 def test_bad_rows_are_refused_with_the_column_named(owner, change, message):
     with pytest.raises(ValueError, match=message):
         owner.insert_rows("requests", [make_row(**change)])
+
+
+class _Port(int):
+    """An int subclass: not the exact type the whole-row check takes, accepted value by value."""
+
+
+def test_rows_of_a_known_shape_are_judged_as_value_by_value():
+    rows = RowSchema(schema.REQUEST_COLUMN_TYPES)
+    rows.check(make_row(token_offsets_us=list(range(0, 80_000, 20))))  # its shape is known from here on
+    for change, message in [
+        ({"server_port": 70000}, "'server_port' must be an int in \\[0, 65536\\)"),
+        ({"conn_id": 2**64}, "'conn_id' must be an int in"),
+        ({"req_start": 2**63}, "'req_start' must be an int"),
+        ({"token_offsets_us": [1, -1]}, "'token_offsets_us' must be a list of an int in \\[0, 4294967296\\)"),
+        ({"token_offsets_us": [1, 2**32]}, "'token_offsets_us' must be a list"),
+        ({"token_offsets_us": [1, True]}, "'token_offsets_us' must be a list"),
+        ({"token_offsets_us": [1, 2.0]}, "'token_offsets_us' must be a list"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            rows.check(make_row(**change))
+    for accepted in [{"server_port": _Port(8000)}, {"token_offsets_us": (0, _Port(5))}, {"token_offsets_us": []},
+                     {"engine_prompt_ms": 12}, {"engine_prompt_ms": 1.5}, {"server_port": 65535}]:
+        rows.check(make_row(**accepted))
 
 
 def test_a_row_missing_a_required_column_is_refused(owner):

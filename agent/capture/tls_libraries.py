@@ -49,9 +49,20 @@ _NO_TLS = ElfTls(frozenset(), None)
 _elf_cache: dict[tuple[str, int], ElfTls] = {}
 
 
+def file_id_of(path: str) -> tuple[str, int] | None:
+    """A file's (device, inode) as /proc/PID/maps prints them; None if it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino
+
+
 def elf_tls(path: str, file_id: tuple[str, int] | None = None) -> ElfTls:
-    """What TLS the ELF file at `path` holds; `file_id` (device, inode) caches the answer,
-    since the agent asks again for every process mapping the file."""
+    """What TLS the ELF file at `path` holds; `file_id` (device, inode; read from the file when
+    not given) caches the answer, since the agent asks again at every rescan and for every
+    process mapping the file (a full read of a large library takes a good part of a second)."""
+    file_id = file_id or file_id_of(path)
     cached = _elf_cache.get(file_id) if file_id else None
     if cached is not None:
         return cached

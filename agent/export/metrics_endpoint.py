@@ -322,6 +322,10 @@ class AgentMetrics:
         self._requests = Counter("tokenprobe_requests", "Requests finished, by status class and outcome",
                                 (*_REQUEST_LABELS, "status_class", "outcome"), registry=self.registry)
         # Blind spots: connections found unreadable (each later one `unsupported` row), by why.
+        # The series observe_request feeds, by their labels.
+        self._request_counts: dict[tuple[str, ...], Counter] = {}
+        self._latency_histograms = (self._ttft, self._tpot, self._duration)
+        self._request_latencies: dict[tuple[str, ...], list[Histogram | None]] = {}
         self._unreadable = Counter("tokenprobe_agent_unreadable_connections",
                                    "Connections the agent could not read, by server port and reason",
                                    ("server_port", "reason"), registry=self.registry)
@@ -336,16 +340,27 @@ class AgentMetrics:
     # -- fed by the agent ---------------------------------------------------------------------
     def observe_request(self, row: dict) -> None:
         """Count one finished ``tokenprobe.requests`` row and observe its latencies."""
-        model = self._models.label(row["server_port"], row.get("model") or "")
-        labels = (str(row["server_port"]), model, row.get("role") or "server")
-        self._requests.labels(*labels, status_class(row.get("status") or 0), row.get("outcome") or "").inc()
+        # Each labels' series looked up once (the model label is capped, and so are they); a latency's
+        # series only once a request has that latency: an empty one would still be served.
+        labels = (str(row["server_port"]), self._models.label(row["server_port"], row.get("model") or ""),
+                  row.get("role") or "server")
+        counted = (*labels, status_class(row.get("status") or 0), row.get("outcome") or "")
+        requests = self._request_counts.get(counted)
+        if requests is None:
+            requests = self._request_counts[counted] = self._requests.labels(*counted)
+        requests.inc()
         if not measures.is_inference(row):
             return
+        latencies = self._request_latencies.get(labels)
+        if latencies is None:
+            latencies = self._request_latencies[labels] = [None, None, None]
         timings = RequestTimings.from_row(row)
-        for histogram, seconds in ((self._ttft, timings.ttft_s), (self._tpot, timings.tpot_s),
-                                   (self._duration, timings.duration_s)):
+        for index, seconds in enumerate((timings.ttft_s, timings.tpot_s, timings.duration_s)):
             if seconds is not None:
-                histogram.labels(*labels).observe(seconds)
+                series = latencies[index]
+                if series is None:
+                    series = latencies[index] = self._latency_histograms[index].labels(*labels)
+                series.observe(seconds)
 
     def count_unreadable(self, server_port: int, reason: str) -> None:
         """One connection found unreadable, when it is found (its `unsupported` row comes at its close)."""
