@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import re
 
-from tokenprobe.agent.capture.probes import (
-    STEADY_BATCH,
-    STEADY_WRITE_MAX,
-    steady_template_fits,
-)
+from tokenprobe.agent.capture.probes import STEADY_WORDS, STEADY_WRITE_MAX, steady_template_fits
 from tokenprobe.agent.capture.sse import SteadyTemplate
 
 __all__ = ["KernelBatching", "classify"]
@@ -76,7 +72,7 @@ class KernelBatching:
             if verdict == PLAIN and not self.hold:
                 self.pending.append((ts, total_len))
                 KernelBatching.batched += 1
-                return self._send() if len(self.pending) == STEADY_BATCH else []
+                return self._send() if len(self.pending) == STEADY_WORDS else []
             self.hold = verdict == DIFFERENT
         done = self._send() + self.assembler.feed_response_bytes(ts, head, total_len, tail)
         if whole:
