@@ -17,8 +17,8 @@ from tokenprobe.agent.capture.probes import (
     EV_DATA,
     EV_EXIT,
     EV_STEADY_BATCH,
-    EventDecodeError,
     STEADY_WRITE_MAX,
+    EventDecodeError,
     SteadyBatch,
     WholeWrite,
     decode_event,
@@ -247,9 +247,10 @@ def test_a_batch_for_a_stream_out_of_step_is_booked_unseen():
     assert [(r["capture"], r["bytes_unseen"]) for r in rows.rows] == [("exact", 0), ("gaps", len(token(2)))]
 
 
-@pytest.mark.parametrize("end", ["process_exit", "agent_stop"])
+@pytest.mark.parametrize("end", ["process_exit", "agent_stop", "idle_timeout"])
 def test_a_batch_the_kernel_still_holds_is_read_from_its_map(end):
-    """No close() sends it: the process died (its sockets closed without one), or the agent stops."""
+    """No close() sends it: the process died (its sockets closed without one), the agent stops, or
+    the stream stalled past the idle timeout (no next write sends it)."""
     tracker, rows, kernel = batching_tracker(forget_connection=lambda tgid, fd: None)
     tracker.handle(ev(EV_ACCEPT, 500))
     kernel.send(DIR_READ, REQUEST)
@@ -259,6 +260,8 @@ def test_a_batch_the_kernel_still_holds_is_read_from_its_map(end):
     assert kernel.pending
     if end == "process_exit":
         tracker.handle(ev(EV_EXIT, kernel.ts + 1))
+    elif end == "idle_timeout":
+        assert tracker.evict_idle(kernel.ts + tracker.idle_timeout_ns + 1) == 1
     else:
         tracker.close_all(kernel.ts + 1)
     assert [(r["outcome"], r["capture"], r["token_events"]) for r in rows.rows] == [("truncated", "exact", 10)]

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import re
 
-from tokenprobe.agent.capture.probes import STEADY_WORDS, STEADY_WRITE_MAX, steady_template_fits
+from tokenprobe.agent.capture.probes import (
+    STEADY_WORDS,
+    STEADY_WRITE_MAX,
+    steady_template_fits,
+)
 from tokenprobe.agent.capture.sse import SteadyTemplate
 
 __all__ = ["KernelBatching", "classify"]
