@@ -537,7 +537,7 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
 struct steady_template {
     u32 prefix_len; // 8..STEADY_PREFIX_CAP
     u32 suffix_len; // 8..STEADY_SUFFIX_CAP, the chunk's closing CRLF included
-    u32 hold;       // 1: the next write that matches goes out whole (and clears it)
+    u32 hold;       // 1: the next write that matches is read whole (and clears it)
     u32 pad;
     u8 prefix[STEADY_PREFIX_CAP];
     // Per byte of the prefix, 0xff in the one that says what it must be: the template's
