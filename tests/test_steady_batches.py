@@ -9,6 +9,7 @@ import struct
 
 import pytest
 from tokenprobe.agent.capture.clock import MonotonicWallClock
+from tokenprobe.agent.capture.inflight import inflight_snapshot
 from tokenprobe.agent.capture.probes import (
     DIR_READ,
     DIR_WRITE,
@@ -23,6 +24,7 @@ from tokenprobe.agent.capture.probes import (
     WholeWrite,
     decode_event,
 )
+from tokenprobe.contract.inflight import STREAMING
 
 from tests.support.steady_kernel import DIFFERENT, PLAIN, classify
 from tests.test_tracker import HEAD, REQUEST, ev, make_tracker, sse_chunk
@@ -102,6 +104,9 @@ class Kernel:
     def take_steady_batch(self, tgid, fd):
         batch, self.pending = self._batch(), []
         return batch
+
+    def held_steady_writes(self, tgid, fd):
+        return (self.pending[0][0], self.pending[-1][0]) if self.pending else None
 
     def send(self, direction, data=b"", kind=EV_DATA):
         self.ts += 1_000_000
@@ -265,3 +270,19 @@ def test_a_batch_the_kernel_still_holds_is_read_from_its_map(end):
     else:
         tracker.close_all(kernel.ts + 1)
     assert [(r["outcome"], r["capture"], r["token_events"]) for r in rows.rows] == [("truncated", "exact", 10)]
+
+
+def test_a_response_whose_texts_the_kernel_holds_is_sampled_streaming():
+    """Its batch goes at the body's end: meanwhile the in-flight sample reads its times in the kernel."""
+    tracker, _, kernel = batching_tracker()
+    tracker.handle(ev(EV_ACCEPT, 500))
+    serve(kernel)  # names the template
+    kernel.send(DIR_READ, REQUEST)
+    kernel.send(DIR_WRITE, HEAD)
+    for i in range(3):
+        kernel.send(DIR_WRITE, token(i, 2))
+    first, last = kernel.pending[0][0], kernel.pending[-1][0]
+    assert len(kernel.pending) == 3
+    (sample,) = inflight_snapshot(tracker, last + 1_000_000_000)
+    assert (sample["stage"], sample["first_token"]) == (STREAMING, tracker.clock.to_wall_ns(first))
+    assert sample["since_progress_ms"] == pytest.approx(1000)

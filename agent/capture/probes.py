@@ -659,6 +659,16 @@ class Probes:
         size = _STEADY_HEADER.size + min(leaf.count, STEADY_WORDS) * 8
         return decode_steady_batch(ctypes.string_at(ctypes.addressof(leaf), size))
 
+    def held_steady_writes(self, tgid: int, fd: int) -> tuple[int, int] | None:
+        """(first, last) write time of the batch the kernel holds for a connection, left where it is;
+        None if it holds none. (Read while the kernel may add to it: each is one aligned word.)"""
+        table = self.bpf["steady_batches"]
+        try:
+            leaf = table[self._conn_key(table, tgid, fd)]
+        except KeyError:
+            return None
+        return (leaf.words[0], leaf.ts_ns) if leaf.count else None
+
     def _put(self, name: str, key, leaf) -> bool:
         """Writes a map entry; False (logged once per map) when the map is full."""
         try:

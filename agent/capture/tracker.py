@@ -142,6 +142,7 @@ class SteadyKernel(Protocol):
 
     def arm_steady(self, tgid: int, fd: int, template: SteadyTemplate) -> bool: ...
     def take_steady_batch(self, tgid: int, fd: int) -> SteadyBatch | None: ...
+    def held_steady_writes(self, tgid: int, fd: int) -> tuple[int, int] | None: ...
 
 
 @dataclass(slots=True)
@@ -370,6 +371,11 @@ class ConnectionTracker:
         if template is not None and steady_template_fits(template):
             self.stats.steady_templates += 1
             self.steady.arm_steady(conn.tgid, conn.fd, template)
+
+    def held_writes(self, conn: Connection) -> tuple[int, int] | None:
+        """The times of the first and last response writes the kernel holds in the connection's batch
+        (not sent yet: the batch goes at the body's end), if it holds any; for looking at."""
+        return self.steady.held_steady_writes(conn.tgid, conn.fd) if self.steady is not None else None
 
     def _take_kernel_batch(self, key: tuple[int, int]) -> None:
         """Reads a batch the kernel still holds for a connection from its map (kernel batching)."""
