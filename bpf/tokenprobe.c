@@ -502,22 +502,28 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
 // be of the field's kind (plain string bytes, digits). Every later write on that
 // connection that has exactly those bytes, and a text of plain characters (no
 // quote, backslash or control byte: no escape, no second JSON member, no line
-// end), only needs its time and size: those go into a per-connection batch, sent
-// as one record every STEADY_BATCH writes, at the first write STEADY_AGE_NS after
-// the batch's first (a stalled stream's batch waits for its next write), and before any
-// other event of the connection (so the agent reads everything in order). Any
-// other write goes out whole, as always. The template lives as long as the
-// connection (a keep-alive connection's next responses have the same shape): a
-// write with other bytes around its text (the last token's finish_reason, usage,
-// [DONE], the next response's header) holds it, and the first write after that
-// which matches it again goes out whole too, so that the agent has read an event
-// of the response (its id and model) before it counts any from their sizes; so does
-// the first after the agent named the template (the kernel may be a response ahead).
-// Batched writes advance the connection's sequence numbers like any other: a
-// batch the ring buffer refuses is a gap the agent sees.
-#ifndef STEADY_BATCH
-#define STEADY_BATCH 256 // writes per batch record (power of two)
+// end), only needs its time and size: those go into a per-connection batch. The
+// template lives as long as the connection (a keep-alive connection's next responses
+// have the same shape): a write with other bytes around its text (the last token's
+// finish_reason, usage, [DONE], the next response's header) holds it, and the first
+// write after that which matches it again is read whole, so that the agent has read
+// an event of the response (its id and model) before it counts any from their sizes;
+// so is the first after the agent named the template (the kernel may be a response ahead).
+// Writes read whole are carried whole in the batch, in their place among the batched
+// ones, once one that matches the template opened it (so one record holds a response
+// from its first text to its end: the escaped texts, the finish and usage chunks,
+// [DONE] and the last chunk): a response's head and any write before the batch opened
+// go out as events of their own, as do writes over STEADY_WRITE_MAX bytes or of several
+// iovecs (the batch sent ahead of them). A batch is sent at the write that ends a
+// chunked body (`0\r\n\r\n`), when it is full, at the first write STEADY_AGE_NS after
+// its first (a stalled stream's batch waits for its next write), and before any other
+// event of the connection (so the agent reads everything in order).
+// Batched writes, and those carried whole, advance the connection's sequence numbers
+// like any other: a batch the ring buffer refuses is a gap the agent sees.
+#ifndef STEADY_WORDS
+#define STEADY_WORDS 512 // u64 words of a batch record: a batched write takes one, one carried whole 2 + its bytes'
 #endif
+#define STEADY_WHOLE_MAX 16 // writes carried whole in one batch (power of two)
 #ifndef STEADY_AGE_NS
 #define STEADY_AGE_NS 500000000ULL // a batch is sent at its first write this long after its first
 #endif
@@ -531,7 +537,7 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
 struct steady_template {
     u32 prefix_len; // 8..STEADY_PREFIX_CAP
     u32 suffix_len; // 8..STEADY_SUFFIX_CAP, the chunk's closing CRLF included
-    u32 hold;       // 1: the next write that matches goes out whole (and clears it)
+    u32 hold;       // 1: the next write that matches is read whole (and clears it)
     u32 pad;
     u8 prefix[STEADY_PREFIX_CAP];
     // Per byte of the prefix, 0xff in the one that says what it must be: the template's
@@ -546,14 +552,21 @@ struct steady_template {
 // The record sent to the ring buffer, straight from the map value. Its fields up
 // to `kind` are struct event's, in its layout, so that the agent tells the two
 // apart by `kind` alone; ts_ns is the last write's time, bytes and events the
-// connection's counters before the first.
+// connection's counters before the first. words[] holds the writes in order: a
+// batched one as its time; one carried whole as its time, then its length (low 32
+// bits) with the batched bytes since the one carried whole before it (high 32), then
+// its bytes, padded to a word.
 struct steady_batch {
     u64 ts_ns, conn_ns, bytes[2];
     u32 tgid, fd, events[2];
     u8 kind, dir, tls, role;
-    u32 count;
-    u64 nbytes;                 // the writes' bytes, all together
-    u64 write_ns[STEADY_BATCH]; // each write's time
+    u32 count;                      // words used
+    u64 nbytes;                     // the batched writes' bytes, all together
+    u32 wholes;                     // writes carried whole
+    u32 run_bytes;                  // batched bytes since the last one carried whole (the kernel's own)
+    u16 whole_at[STEADY_WHOLE_MAX]; // where in words[] each starts
+    u64 words[STEADY_WORDS];
+    u8 slack[STEADY_WRITE_MAX + 16]; // bounds a copy's reach for the verifier; never sent
 };
 _Static_assert(offsetof(struct steady_batch, kind) == offsetof(struct event, kind), "kind tells the records apart");
 _Static_assert(offsetof(struct steady_batch, role) == offsetof(struct event, role), "the same header");
@@ -567,16 +580,14 @@ BPF_F_TABLE("hash", struct conn_key, struct steady_batch, steady_batches, STEADY
 BPF_ARRAY(steady_empty, struct steady_batch, 1); // an all-zero batch to create entries from
 
 static __always_inline void steady_send(struct steady_batch *b) {
-    u32 count = b->count;
+    u64 count = b->count;
     if (count == 0)
         return;
-    if (count > STEADY_BATCH)
-        count = STEADY_BATCH;
-    u64 size = offsetof(struct steady_batch, write_ns) + (u64)count * sizeof(u64);
+    OPAQUE(count); // never over STEADY_WORDS (each write makes room first); the mask is for the verifier
+    u64 size = offsetof(struct steady_batch, words) + (((count - 1) & (STEADY_WORDS - 1)) + 1) * sizeof(u64);
     if (events.ringbuf_output(b, size, ring_flags(size)) != 0)
         count_drop();
     b->count = 0;
-    b->nbytes = 0;
 }
 
 // Sends the connection's batch, if one is pending: before any other event of it.
@@ -722,34 +733,14 @@ static __always_inline int steady_classify(const u8 *buf, u32 n, struct steady_t
     return special ? STEADY_ESCAPED : STEADY_PLAIN;
 }
 
-// A write of n bytes from buf on a tracked connection, before it is sent as an
-// event: 1 if it joined the connection's batch (and was sequenced), 0 if it is to
-// be sent as usual, the pending batch sent ahead of it.
-static __always_inline int steady_write(struct conn_key *k, struct conn_info *ci, const u8 *buf, u32 n,
-                                        u64 ts) {
-    struct steady_template *t = steady_templates.lookup(k);
-    if (!t)
-        return 0; // no template: no batch either (both end together)
-    int verdict = steady_classify(buf, n, t);
-    if (verdict == STEADY_DIFFERENT) {
-        steady_flush(k);
-        t->hold = 1; // the stream moved on: the next write like the template's is read whole
-        return 0;
-    }
-    if (verdict == STEADY_ESCAPED || t->hold) {
-        steady_flush(k);
-        t->hold = 0;
-        return 0;
-    }
+// The connection's batch, begun afresh if it holds nothing; 0 if the map has no room.
+static __always_inline struct steady_batch *steady_open(struct conn_key *k, struct conn_info *ci) {
     int zero = 0;
     struct steady_batch *empty = steady_empty.lookup(&zero);
     if (!empty)
         return 0;
     struct steady_batch *b = steady_batches.lookup_or_try_init(k, empty);
-    if (!b)
-        return 0;
-    u32 count = b->count;
-    if (count == 0) {
+    if (b && b->count == 0) {
         b->conn_ns = ci->accept_ns;
         __builtin_memcpy(b->bytes, ci->bytes, sizeof(b->bytes));
         __builtin_memcpy(b->events, ci->events, sizeof(b->events));
@@ -760,13 +751,87 @@ static __always_inline int steady_write(struct conn_key *k, struct conn_info *ci
         b->tls = ci->tls;
         b->role = ci->role;
         b->nbytes = 0;
+        b->wholes = 0;
+        b->run_bytes = 0;
     }
-    b->write_ns[count & (STEADY_BATCH - 1)] = ts;
-    b->nbytes += n;
-    b->count = count + 1;
+    return b;
+}
+
+// Copies the n-byte write at buf whole into the batch (room for it checked by the
+// caller); 0 if it could not be read.
+static __always_inline int steady_carry(struct steady_batch *b, const u8 *buf, u32 n, u64 ts) {
+    u64 at = b->count;
+    OPAQUE(at);
+    at &= STEADY_WORDS - 1;
+    u64 len = n;
+    OPAQUE(len);
+    if (len > STEADY_WRITE_MAX)
+        return 0;
+    if (bpf_probe_read_user(&b->words[at + 2], len, buf) != 0)
+        return 0;
+    b->words[at] = ts;
+    b->words[at + 1] = n | (u64)b->run_bytes << 32; // at + 1 < STEADY_WORDS: the caller made room
+    b->whole_at[b->wholes & (STEADY_WHOLE_MAX - 1)] = at;
+    b->wholes += 1;
+    b->run_bytes = 0;
+    b->count = at + 2 + (n + 7) / 8;
+    return 1;
+}
+
+// Whether the n-byte write at buf ends a chunked body (its last chunk, no trailer). A
+// chunk's data that ends so only sends the batch early.
+static __always_inline int steady_body_ends(const u8 *buf, u32 n) {
+    u8 end[5] = {};
+    return n >= 5 && bpf_probe_read_user(end, sizeof(end), buf + n - 5) == 0 && end[0] == '0' &&
+           end[1] == '\r' && end[2] == '\n' && end[3] == '\r' && end[4] == '\n';
+}
+
+// A write of n bytes from buf on a tracked connection, before it is sent as an
+// event: 1 if it joined the connection's batch (and was sequenced), 0 if it is to
+// be sent as usual, the pending batch sent ahead of it.
+static __always_inline int steady_write(struct conn_key *k, struct conn_info *ci, const u8 *buf, u32 n,
+                                        u64 ts) {
+    struct steady_template *t = steady_templates.lookup(k);
+    if (!t)
+        return 0; // no template: no batch either (both end together)
+    int verdict = steady_classify(buf, n, t);
+    struct steady_batch *b = 0;
+    if (verdict == STEADY_PLAIN && !t->hold) {
+        b = steady_open(k, ci);
+        if (!b)
+            return 0;
+        u32 at = b->count;
+        b->words[at & (STEADY_WORDS - 1)] = ts;
+        b->count = at + 1;
+        b->nbytes += n;
+        b->run_bytes += n;
+    } else {
+        // Read whole: carried in the batch if one is open or this write opens it (it matches the template).
+        t->hold = verdict == STEADY_DIFFERENT; // the stream moved on: the next write like the template's is read whole
+        b = steady_batches.lookup(k);
+        u32 open = b && b->count;
+        u32 need = 2 + (n + 7) / 8;
+        if (open && (b->count + need > STEADY_WORDS || b->wholes >= STEADY_WHOLE_MAX)) {
+            steady_send(b);
+            open = 0;
+        }
+        if (n > STEADY_WRITE_MAX || (!open && verdict == STEADY_DIFFERENT)) {
+            if (open)
+                steady_send(b);
+            return 0;
+        }
+        b = steady_open(k, ci);
+        if (!b)
+            return 0;
+        if (!steady_carry(b, buf, n, ts)) {
+            steady_send(b);
+            return 0;
+        }
+    }
     b->ts_ns = ts;
     sequence(ci, DIR_WRITE, n);
-    if (count + 1 >= STEADY_BATCH || ts - b->write_ns[0] >= STEADY_AGE_NS)
+    if (b->count >= STEADY_WORDS || ts - b->words[0] >= STEADY_AGE_NS ||
+        (verdict == STEADY_DIFFERENT && steady_body_ends(buf, n)))
         steady_send(b);
     return 1;
 }

@@ -96,8 +96,9 @@ def test_batched_rows_equal_full_capture(tmp_path: Path):
 
 
 # A server that answers the requests of one keep-alive connection with the responses named on
-# its command line (id, created), TOKENS chunks each, one write a chunk, a little apart; after
-# each response's first it waits long enough for the agent to have read it (and named a template).
+# its command line (id, created, whether its closing chunks go in one write of two iovecs), TOKENS
+# chunks each, one write a chunk, a little apart; after each response's first it waits long enough
+# for the agent to have read it (and named a template).
 SCRIPTED_SERVER = r"""
 import json, socket, sys, time
 port, tokens, responses = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
@@ -109,7 +110,7 @@ def event(response_id, created, delta, finish):
                  b'[{"index":0,"delta":%s,"finish_reason":%s}]}\n\n' % (response_id.encode(), created.encode(),
                                                                         delta, finish))
 conn, request = None, b""
-for response_id, created in responses:
+for response_id, created, split in responses:
     while not request.endswith(b"{}"):
         data = conn.recv(65536) if conn else b""
         if not data:  # the harness's probe of the port, or no connection yet: the next one
@@ -120,33 +121,41 @@ for response_id, created in responses:
     for i in range(tokens):
         conn.sendall(event(response_id, created, b'{"content":"w%d"}' % i, b"null"))
         time.sleep(0.3 if i == 0 else 0.002)
-    conn.sendall(event(response_id, created, b"{}", b'"stop"') + chunk(b"data: [DONE]\n\n"))
+    closing = [event(response_id, created, b"{}", b'"stop"'), chunk(b"data: [DONE]\n\n")]
+    if split:
+        conn.sendmsg(closing)
+    else:
+        conn.sendall(b"".join(closing))
     conn.sendall(b"0\r\n\r\n")
 conn.recv(1)
 """
 SCRIPTED_TOKENS = 30
-# Responses of one connection, with the text writes each brings in the kernel's batches. The first
-# names the template (its first text whole; then the first after the agent named it). Values of
-# their own (id, created) of the same kind and size: batched from the second text on. A letter in
-# the creation time (not JSON): no write batched, none names a template. A quote in the id: whole,
-# and it names a template of its own (ids like it are not the response's own values, but its
-# bytes). Then the template again.
-SCRIPTED_RESPONSES = [("chatcmpl-aaaa0001", "1700000001", SCRIPTED_TOKENS - 2),
-                      ("chatcmpl-bbbb0002", "1700000002", SCRIPTED_TOKENS - 1),
-                      ("chatcmpl-cccc0003", "17000000x3", 0),
-                      ('chatcmpl-dd\\"d004', "1700000004", SCRIPTED_TOKENS - 2),
-                      ("chatcmpl-eeee0005", "1700000005", SCRIPTED_TOKENS - 2)]
+# Responses of one connection: (id, created, closing chunks in two iovecs), the text writes each
+# brings in the kernel's batches, and the writes they carry whole. The first names the template
+# (its first text as an event of its own; then the first after the agent named it, carried). Values
+# of their own (id, created) of the same kind and size: batched from the second text on (the first
+# carried, so that the agent reads the response's own values). A letter in the creation time (not
+# JSON): no write batched, none names a template. A quote in the id: its first text an event, and it
+# names a template of its own (ids like it are not the response's own values, but its bytes). Then
+# the template again. Each batch also carries the closing chunks and the body's last chunk; but not
+# a write of two iovecs (the batch is sent ahead of it, and the last chunk after it is an event too).
+SCRIPTED_RESPONSES = [("chatcmpl-aaaa0001", "1700000001", False, SCRIPTED_TOKENS - 2, 3),
+                      ("chatcmpl-bbbb0002", "1700000002", False, SCRIPTED_TOKENS - 1, 3),
+                      ("chatcmpl-cccc0003", "17000000x3", False, 0, 0),
+                      ('chatcmpl-dd\\"d004', "1700000004", False, SCRIPTED_TOKENS - 2, 3),
+                      ("chatcmpl-eeee0005", "1700000005", False, SCRIPTED_TOKENS - 2, 3),
+                      ("chatcmpl-ffff0006", "1700000006", True, SCRIPTED_TOKENS - 1, 1)]
 
 
 def test_only_values_of_their_own_kind_keep_a_response_batched(tmp_path: Path):
     port = free_port()
-    responses = json.dumps([(rid, created) for rid, created, _ in SCRIPTED_RESPONSES])
+    responses = json.dumps([(rid, created, split) for rid, created, split, _, _ in SCRIPTED_RESPONSES])
     for name in ("on", "off"):
         (tmp_path / name).mkdir()
     with ExitStack() as stack:
         batching = stack.enter_context(agent(tmp_path / "on", ports=[port]))
         full = stack.enter_context(agent(tmp_path / "off", "--no-kernel-batching", ports=[port]))
-        stack.enter_context(listening_process(
+        server = stack.enter_context(listening_process(
             [sys.executable, "-c", SCRIPTED_SERVER, str(port), str(SCRIPTED_TOKENS), responses], port))
         with socket.create_connection(("127.0.0.1", port)) as client:
             for _ in SCRIPTED_RESPONSES:
@@ -155,9 +164,14 @@ def test_only_values_of_their_own_kind_keep_a_response_batched(tmp_path: Path):
                 while not received.endswith(b"0\r\n\r\n"):
                     received += client.recv(65536)
                 time.sleep(0.3)  # the agents have read the response: the next one starts in step
+        server.wait(timeout=20)  # it ends with the connection: both agents see all it did
         assert batching.stop() == 0, batching.log()
         assert full.stop() == 0, full.log()
     rows = _same_rows(batching, full, len(SCRIPTED_RESPONSES))
-    assert sorted(rows) == sorted(json.loads(f'"{rid}"') for rid, _, _ in SCRIPTED_RESPONSES)
-    _, batched = _summary(batching.log())
-    assert batched == sum(count for _, _, count in SCRIPTED_RESPONSES)
+    assert sorted(rows) == sorted(json.loads(f'"{rid}"') for rid, *_ in SCRIPTED_RESPONSES)
+    events_on, batched = _summary(batching.log())
+    events_off, _ = _summary(full.log())
+    assert batched == sum(count for *_, count, _ in SCRIPTED_RESPONSES)
+    # Both agents saw the same events but these: a response's batched and carried writes came in one
+    # record (so a response batched from its first text on came in three: request, head, batch).
+    assert events_off - events_on == sum(count + carried - 1 for *_, count, carried in SCRIPTED_RESPONSES if count)

@@ -19,10 +19,15 @@ def inflight_snapshot(tracker: ConnectionTracker, now_ns: int) -> list[dict]:
         if conn.assembler is None:  # protocol not chosen yet, or not readable
             continue
         client = conn.role == ROLE_CLIENT
-        for exchange in conn.assembler.open_exchanges():
+        for oldest, exchange in enumerate(conn.assembler.open_exchanges(), 1):
             tokens = exchange.token_event_ns
+            first = tokens[0] if tokens else None
             if exchange.req_end_ns is None:
                 stage, progress = RECEIVING, exchange.req_start_ns
+            # Response writes the kernel still holds in a batch (kernel batching) are the oldest open
+            # exchange's: its text events from the first on (a batch opens at one).
+            elif oldest == 1 and (held := tracker.held_writes(conn)) is not None:
+                stage, progress, first = STREAMING, held[1], held[0] if first is None else first
             else:
                 stage, progress = (STREAMING, tokens[-1]) if tokens else (WAITING, exchange.req_end_ns)
             rows.append({
@@ -31,7 +36,7 @@ def inflight_snapshot(tracker: ConnectionTracker, now_ns: int) -> list[dict]:
                 "role": "client" if client else "server", "tenant": exchange.tenant,
                 "model": exchange.resp_model or exchange.req_model or "", "conn_id": conn.conn_id,
                 "req_seq": exchange.seq, "req_start": wall(exchange.req_start_ns),
-                "first_token": wall(tokens[0]) if tokens else None, "stage": stage, "token_events": len(tokens),
+                "first_token": None if first is None else wall(first), "stage": stage, "token_events": len(tokens),
                 "bytes_in": exchange.req_bytes,
                 "age_ms": (now_ns - exchange.req_start_ns) / 1e6, "since_progress_ms": (now_ns - progress) / 1e6,
             })

@@ -127,11 +127,12 @@ class KernelEvent:
     comm: str
 
 
-# struct steady_batch (bpf/tokenprobe.c): laid out as struct event up to `kind`, then the count,
-# the writes' bytes together and the time of each write.
-_STEADY_HEADER = struct.Struct("<QQQQIIIIBBBBIQ")
+# struct steady_batch (bpf/tokenprobe.c): laid out as struct event up to `kind`, then the words
+# used, the batched writes' bytes together, the writes carried whole, a field of the kernel's own,
+# where each of those starts among the words, and the words.
+STEADY_WORDS, STEADY_WHOLE_MAX = 512, 16  # words of a batch record, writes carried whole in one (the kernel's)
+_STEADY_HEADER = struct.Struct(f"<QQQQIIIIBBBBIQII{STEADY_WHOLE_MAX}H")
 KIND_OFFSET = 48  # of `kind`, in both records
-STEADY_BATCH = 256  # writes per batch record at most (the kernel's)
 # What a template may hold (the kernel's STEADY_PREFIX_CAP, STEADY_SUFFIX_CAP, STEADY_WRITE_MAX).
 STEADY_PART_MIN, STEADY_PART_CAP, STEADY_WRITE_MAX = 8, 256, 1024
 
@@ -155,8 +156,22 @@ class SteadyBatch:
     tgid: int
     fd: int
     tls: bool  # always writes (DIR_WRITE), of a server (ROLE_SERVER): the agent names templates for no others
-    write_ns: list[int]  # each write's time
-    nbytes: int  # the writes' bytes together
+    write_ns: list[int]  # each batched write's time
+    nbytes: int  # the batched writes' bytes together
+    # The writes the kernel carried whole (bpf/tokenprobe.c, steady SSE streams), in their order among
+    # the batched ones.
+    whole: tuple[WholeWrite, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WholeWrite:
+    """A write a batch carries whole: it came after write_ns[:after], the batched writes since the
+    one carried whole before it held run_bytes."""
+
+    after: int
+    run_bytes: int
+    ts_ns: int
+    data: bytes
 
 
 class EventDecodeError(ValueError):
@@ -180,12 +195,30 @@ def decode_steady_batch(buf: bytes) -> SteadyBatch:
     if len(buf) < _STEADY_HEADER.size:
         raise EventDecodeError(f"batch record of {len(buf)} bytes is shorter than its header")
     (ts, conn_ns, bytes_rd, bytes_wr, tgid, fd, events_rd, events_wr, kind, _, tls, _,
-     count, nbytes) = _STEADY_HEADER.unpack_from(buf)
-    if not 0 < count <= STEADY_BATCH or len(buf) != _STEADY_HEADER.size + count * 8:
-        raise EventDecodeError(f"batch record of {len(buf)} bytes says it holds {count} writes")
+     count, nbytes, wholes, _, *whole_at) = _STEADY_HEADER.unpack_from(buf)
+    base = _STEADY_HEADER.size
+    if not 0 < count <= STEADY_WORDS or len(buf) != base + count * 8 or wholes > STEADY_WHOLE_MAX:
+        raise EventDecodeError(f"batch record of {len(buf)} bytes says it holds {count} words")
     # The times in one step, as the kernel wrote them (native u64s): no object per write but its int.
+    words = memoryview(buf)[base:].cast("Q")
+    if not wholes:
+        return SteadyBatch(kind, ts, conn_ns, (bytes_rd, bytes_wr), (events_rd, events_wr), tgid, fd, bool(tls),
+                           words.tolist(), nbytes)
+    times: list[int] = []
+    whole = []
+    at = 0
+    for start in whole_at[:wholes]:
+        size = words[start + 1] & 0xFFFFFFFF if at <= start < count - 1 else 0
+        end = start + 2 + (size + 7) // 8
+        if not size or end > count:
+            raise EventDecodeError(f"batch record of {count} words carries a write outside them")
+        times += words[at:start].tolist()
+        data = base + (start + 2) * 8
+        whole.append(WholeWrite(len(times), words[start + 1] >> 32, words[start], bytes(buf[data:data + size])))
+        at = end
+    times += words[at:count].tolist()
     return SteadyBatch(kind, ts, conn_ns, (bytes_rd, bytes_wr), (events_rd, events_wr), tgid, fd, bool(tls),
-                       memoryview(buf)[_STEADY_HEADER.size:].cast("Q").tolist(), nbytes)
+                       times, nbytes, tuple(whole))
 
 
 def decode_event(buf: bytes) -> KernelEvent | SteadyBatch:
@@ -623,8 +656,18 @@ class Probes:
         self._delete(table, key)
         if not leaf.count:
             return None
-        size = _STEADY_HEADER.size + min(leaf.count, STEADY_BATCH) * 8
+        size = _STEADY_HEADER.size + min(leaf.count, STEADY_WORDS) * 8
         return decode_steady_batch(ctypes.string_at(ctypes.addressof(leaf), size))
+
+    def held_steady_writes(self, tgid: int, fd: int) -> tuple[int, int] | None:
+        """(first, last) write time of the batch the kernel holds for a connection, left where it is;
+        None if it holds none. (Read while the kernel may add to it: each is one aligned word.)"""
+        table = self.bpf["steady_batches"]
+        try:
+            leaf = table[self._conn_key(table, tgid, fd)]
+        except KeyError:
+            return None
+        return (leaf.words[0], leaf.ts_ns) if leaf.count else None
 
     def _put(self, name: str, key, leaf) -> bool:
         """Writes a map entry; False (logged once per map) when the map is full."""

@@ -21,7 +21,10 @@ bytes around its text to the kernel (HttpConnectionAssembler.steady_template);
 the kernel then sends the writes that match as batches of (time, size), which
 the assembler counts as the same events, provided the stream is still in step
 for them; if it is not (it moved on before the kernel learnt the template),
-their bytes are booked as unseen. Batched writes carry sequence numbers like
+their bytes are booked as unseen. A batch also carries, in their places, the
+writes of the response the kernel reads whole (its first text, escaped texts,
+the closing chunks), read here as any write: one record from a response's first
+text to its end. Batched writes carry sequence numbers like
 any other, so a lost batch is a gap like any other.
 
 The protocol is chosen per connection at its first captured bytes, in either
@@ -139,6 +142,7 @@ class SteadyKernel(Protocol):
 
     def arm_steady(self, tgid: int, fd: int, template: SteadyTemplate) -> bool: ...
     def take_steady_batch(self, tgid: int, fd: int) -> SteadyBatch | None: ...
+    def held_steady_writes(self, tgid: int, fd: int) -> tuple[int, int] | None: ...
 
 
 @dataclass(slots=True)
@@ -343,15 +347,19 @@ class ConnectionTracker:
         if ev.ret == 0:
             conn.peer_eof = True
             return
+        self._segment(conn, direction, ev.ts_ns, ev.head, ev.total_len, ev.tail)
+
+    def _segment(self, conn: Connection, direction: int, ts: int, head: bytes, total_len: int, tail: bytes) -> None:
+        """The bytes a call moved (of them, those captured) to the connection's assembler."""
         is_request = self._is_request(conn, direction)
-        exchanges = self._feed(conn, is_request, ev.ts_ns, ev.head, ev.total_len, ev.tail)
+        exchanges = self._feed(conn, is_request, ts, head, total_len, tail)
         # Booked after feeding: the segment may itself open the exchange it belongs to.
-        unseen = max(0, ev.total_len - len(ev.head) - len(ev.tail))
+        unseen = max(0, total_len - len(head) - len(tail))
         if unseen:
             self.stats.bytes_unseen += unseen
             self._note_unseen(conn, is_request, unseen)
-        elif self.steady is not None and direction == DIR_WRITE and not is_request and not ev.tail:
-            self._follow_steady(conn, ev.head)
+        elif self.steady is not None and direction == DIR_WRITE and not is_request and not tail:
+            self._follow_steady(conn, head)
         self._finish(conn, exchanges)
 
     # -- kernel batching ---------------------------------------------------
@@ -364,6 +372,11 @@ class ConnectionTracker:
             self.stats.steady_templates += 1
             self.steady.arm_steady(conn.tgid, conn.fd, template)
 
+    def held_writes(self, conn: Connection) -> tuple[int, int] | None:
+        """The times of the first and last response writes the kernel holds in the connection's batch
+        (not sent yet: the batch goes at the body's end), if it holds any; for looking at."""
+        return self.steady.held_steady_writes(conn.tgid, conn.fd) if self.steady is not None else None
+
     def _take_kernel_batch(self, key: tuple[int, int]) -> None:
         """Reads a batch the kernel still holds for a connection from its map (kernel batching)."""
         batch = self.steady.take_steady_batch(*key) if self.steady is not None else None
@@ -371,20 +384,33 @@ class ConnectionTracker:
             self._on_steady_batch(batch)
 
     def _on_steady_batch(self, batch: SteadyBatch) -> None:
-        """Response writes the kernel matched against the connection's template: each one chunk of
-        one event of visible text, counted from its time and size."""
+        """Response writes the kernel matched against the connection's template, each one chunk of
+        one event of visible text, counted from its time and size; and, in their places among them,
+        the writes it carried whole, read as any write."""
         conn = self.connections.get((batch.tgid, batch.fd))
+        writes = len(batch.write_ns) + len(batch.whole)
         if conn is None or (conn.accept_seen and conn.opened_ns != batch.conn_ns):
-            self.stats.lost_events += len(batch.write_ns)  # a connection this agent no longer follows
+            self.stats.lost_events += writes  # a connection this agent no longer follows
             return
         self._check_sequence(conn, batch)
-        times, nbytes = batch.write_ns, batch.nbytes
-        conn.next_event[DIR_WRITE] = max(conn.next_event[DIR_WRITE], batch.events_before[DIR_WRITE] + len(times))
-        conn.next_byte[DIR_WRITE] = max(conn.next_byte[DIR_WRITE], batch.bytes_before[DIR_WRITE] + nbytes)
+        times, whole = batch.write_ns, batch.whole
+        conn.next_event[DIR_WRITE] = max(conn.next_event[DIR_WRITE], batch.events_before[DIR_WRITE] + writes)
+        conn.next_byte[DIR_WRITE] = max(conn.next_byte[DIR_WRITE], batch.bytes_before[DIR_WRITE] + batch.nbytes
+                                        + sum(len(write.data) for write in whole))
         conn.last_ns = batch.ts_ns
         self.stats.steady_writes += len(times)
         if batch.tls:
             conn.tls = True
+        done, run_bytes = 0, batch.nbytes
+        for write in whole:
+            if write.after > done:
+                self._batched_writes(conn, times[done:write.after], write.run_bytes)
+            done, run_bytes = write.after, run_bytes - write.run_bytes
+            self._segment(conn, DIR_WRITE, write.ts_ns, write.data, len(write.data), b"")
+        if done < len(times):
+            self._batched_writes(conn, times[done:] if done else times, run_bytes)
+
+    def _batched_writes(self, conn: Connection, times: list[int], nbytes: int) -> None:
         assembler = conn.assembler
         if (isinstance(assembler, HttpConnectionAssembler) and not self._is_request(conn, DIR_WRITE)
                 and assembler.feed_steady_response_writes(times, nbytes)):
@@ -393,7 +419,7 @@ class ConnectionTracker:
         # the template): what the writes held is unknown, and booked as unseen.
         self.stats.bytes_unseen += nbytes
         self._note_unseen(conn, False, nbytes)
-        self._finish(conn, self._feed(conn, False, batch.ts_ns, b"", nbytes))
+        self._finish(conn, self._feed(conn, False, times[-1], b"", nbytes))
 
     def _on_close(self, ev: KernelEvent) -> None:
         conn = self.connections.pop((ev.tgid, ev.fd), None)
@@ -433,6 +459,7 @@ class ConnectionTracker:
         deadline = now_ns - self.idle_timeout_ns
         idle = [key for key, conn in self.connections.items() if conn.last_ns < deadline]
         for key in idle:
+            self._take_kernel_batch(key)  # a batch whose body end the kernel did not see waits for no write now
             conn = self.connections.pop(key)
             if self.restart_connection:
                 self.restart_connection(conn.tgid, conn.fd)

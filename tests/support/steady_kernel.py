@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from tokenprobe.agent.capture.probes import (
-    STEADY_BATCH,
+    STEADY_WORDS,
     STEADY_WRITE_MAX,
     steady_template_fits,
 )
@@ -76,7 +76,7 @@ class KernelBatching:
             if verdict == PLAIN and not self.hold:
                 self.pending.append((ts, total_len))
                 KernelBatching.batched += 1
-                return self._send() if len(self.pending) == STEADY_BATCH else []
+                return self._send() if len(self.pending) == STEADY_WORDS else []
             self.hold = verdict == DIFFERENT
         done = self._send() + self.assembler.feed_response_bytes(ts, head, total_len, tail)
         if whole:
