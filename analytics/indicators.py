@@ -359,6 +359,12 @@ def _retries(store: Store, windows: Windows, scope: Scope, retry_window_s: float
 def _gpu_buckets(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
     """Per server, GPU device and sub-bucket: mean memory used / total and mean utilization."""
     span = TimeRange(windows.base_ns, windows.analysed.end_ns)
+    any_samples, any_parameters = range_condition("ts", "gpu_any", span)
+    # Most servers have no GPU sampled (no NVML, no dcgm-exporter): one look at the small samples table
+    # spares reading the range's requests for their pids.
+    if not store.query_rows(f"SELECT 1 FROM {store.table(GPU_SAMPLES_TABLE)} WHERE {any_samples} LIMIT 1",
+                            any_parameters):
+        return pd.DataFrame()
     samples_in_range, sample_parameters = range_condition("g.ts", "gpu", span)
     requests_in_range, request_parameters = range_condition("req_start", "gpu_requests", span)
     in_scope, scope_parameters = scope.condition()
