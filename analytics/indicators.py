@@ -38,7 +38,7 @@ of ``gcd(window, 10 s)``, which also serve the 2-minute fragmentation test.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +55,7 @@ from ..contract.samples import (
 from ..store.client import Store
 from .config import Thresholds
 from .robust import theil_sen
-from .scope import Scope
+from .scope import Scope, Server
 from .timerange import NS_PER_S, TimeRange, range_condition
 
 ABOVE, BELOW = "above", "below"
@@ -186,11 +186,13 @@ class Windows:
 
 
 def compute_matrix(store: Store, analysed: TimeRange, window_s: int, scope: Scope, thresholds: Thresholds,
-                   capacities: Mapping[tuple[str, int], Capacity], now_ns: int) -> list[Cell]:
+                   capacities: Mapping[tuple[str, int], Capacity], now_ns: int,
+                   occupancy: KeptOccupancy | None = None) -> list[Cell]:
     """Every cell of every window in ``analysed``, stored in ``indicator_matrix`` and returned.
 
     Needs ``request_phases`` computed from ``thresholds.fragmentation_sustain_s``
-    before the first window (``matrix_lead_s``) to the range's end.
+    before the first window (``matrix_lead_s``) to the range's end. ``occupancy``: the intervals an
+    earlier pass kept (``KeptOccupancy``; this run's phases were computed at ``now_ns``).
     """
     if not isinstance(window_s, int) or window_s < 1:
         raise ValueError(f"window must be a whole number of seconds, at least 1, got {window_s!r}")
@@ -198,7 +200,7 @@ def compute_matrix(store: Store, analysed: TimeRange, window_s: int, scope: Scop
     if windows.count > MAX_WINDOWS:
         raise ValueError(f"{windows.count} windows of {window_s} s in this range; at most {MAX_WINDOWS}: "
                          "use a longer window or a shorter range")
-    data = _MatrixData.load(store, windows, scope, thresholds)
+    data = _MatrixData.load(store, windows, scope, thresholds, occupancy, now_ns)
     cells = []
     for server in data.servers():
         judge = _ServerJudge(server, windows, data, thresholds, capacities.get(server, Capacity()))
@@ -224,8 +226,10 @@ class _MatrixData:
         self.windows = windows
 
     @classmethod
-    def load(cls, store: Store, windows: Windows, scope: Scope, thresholds: Thresholds) -> _MatrixData:
-        return cls(_occupancy(store, windows, scope), _request_stats(store, windows, scope),
+    def load(cls, store: Store, windows: Windows, scope: Scope, thresholds: Thresholds,
+             kept: KeptOccupancy | None, now_ns: int) -> _MatrixData:
+        occupancy = kept.occupancy(store, windows, scope, now_ns) if kept else _occupancy(store, windows, scope)
+        return cls(occupancy, _request_stats(store, windows, scope),
                    _retries(store, windows, scope, thresholds.retry_window_s), _gpu_buckets(store, windows, scope),
                    _engine_buckets(store, windows, scope), windows)
 
@@ -260,12 +264,23 @@ def _bucket_parameters(windows: Windows) -> dict[str, int]:
             "origin_ns": windows.origin_ns, "window_ns": windows.window_s * NS_PER_S}
 
 
-def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
-    """Per server and sub-bucket: request-seconds in flight, queued and running (overlap summed)."""
+# When a request finished (for the occupancy); those of the look-back that finished before the first
+# sub-bucket overlap none and are left out unread.
+_FINISHED = "coalesce(resp_end, last_token, first_token, req_end, req_start)"
+
+
+def _occupancy_rows(store: Store, windows: Windows, scope: Scope) -> tuple[str, dict]:
+    """The condition on ``request_phases`` of the requests that may overlap the sub-buckets, and its parameters."""
     in_scope, scope_parameters = scope.condition()
     since = TimeRange(windows.base_ns, windows.analysed.end_ns)
     in_range, range_parameters = range_condition("req_start", "occupancy", since.extended_back(
         OCCUPANCY_LOOKBACK_S))
+    return (f"{in_range} AND {_FINISHED} >= fromUnixTimestamp64Nano({{base_ns:Int64}}, 'UTC') AND {in_scope}",
+            {**range_parameters, **scope_parameters, **_bucket_parameters(windows)})
+
+
+def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
+    """Per server and sub-bucket: request-seconds in flight, queued and running (overlap summed)."""
 
     def offset(timestamp: str) -> str:
         return f"((toUnixTimestamp64Nano({timestamp}) - {{base_ns:Int64}}) / 1e9)"
@@ -273,9 +288,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
     def overlap(start: str, end: str) -> str:
         return f"greatest(0, least({end}, (bucket + 1) * sub) - greatest({start}, bucket * sub))"
 
-    # The look-back's requests that finished before the first sub-bucket overlap none: left out unread.
-    finished = "coalesce(resp_end, last_token, first_token, req_end, req_start)"
-
+    overlapping, parameters = _occupancy_rows(store, windows, scope)
     return store.query_df(
         f"""SELECT node, server_port, bucket,
                    sum({overlap('arrived', 'finished')}) AS in_flight_s,
@@ -284,7 +297,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
             FROM (
                 SELECT node, server_port, {{sub_ns:Int64}} / 1e9 AS sub,
                        {offset('req_start')} AS arrived,
-                       {offset(finished)} AS finished,
+                       {offset(_FINISHED)} AS finished,
                        {offset('coalesce(req_end, req_start)')} AS arrived_whole,
                        arrived_whole + ifNull(queue_ms, 0) / 1000 AS slot,
                        if(last_token IS NULL, slot, {offset('last_token')}) AS generated,
@@ -294,11 +307,150 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
                            toUInt64(greatest(0, least(toFloat64({{buckets:Int64}}), floor(finished / sub) + 1)))
                        )) AS bucket
                 FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
-                WHERE {in_range} AND {finished} >= fromUnixTimestamp64Nano({{base_ns:Int64}}, 'UTC') AND {in_scope}
+                WHERE {overlapping}
             )
-            GROUP BY node, server_port, bucket""",
-        {**range_parameters, **scope_parameters, **_bucket_parameters(windows)},
-    )
+            GROUP BY node, server_port, bucket""", parameters)
+
+
+# Each request (its key) and its occupancy interval, as ``_occupancy`` reads it (Unix ns; no last token: -1).
+_INTERVAL_COLUMNS = ("node", "server_port", "conn_id", "req_seq", "toUnixTimestamp64Nano(req_start) AS start_ns",
+                     f"toUnixTimestamp64Nano({_FINISHED}) AS finished_ns",
+                     "toUnixTimestamp64Nano(coalesce(req_end, req_start)) AS arrived_whole_ns",
+                     "ifNull(queue_ms, 0) AS queue_or_zero_ms",
+                     "ifNull(toUnixTimestamp64Nano(last_token), -1) AS last_token_ns")
+INTERVAL_NAMES = tuple(column.rpartition(" AS ")[2] for column in _INTERVAL_COLUMNS)
+_REQUEST_KEY = ["node", "server_port", "start_ns", "conn_id", "req_seq"]  # request_phases' sorting key
+# At most this many passes between two whole reads (each pass's time is in the check for foreign rows).
+KEPT_PASSES_MAX = 1000
+
+
+class KeptOccupancy:
+    """The live analysis's occupancy: the intervals of the requests that may still overlap a later pass's
+    sub-buckets, kept, so a pass reads only the rows it wrote instead of the 10-minute look-back.
+
+    A pass's sub-buckets from ``base_ns`` on are overlapped by the requests of the look-back that finished
+    at or after it: those kept at an earlier pass whose base was no later (the rows of ``request_phases``
+    only change when a pass writes them) and the rows this pass wrote (``expect``). The whole look-back is
+    read again (``FINAL``, as ``_occupancy``) on the first pass, when a server or an earlier base is
+    asked for, after ``KEPT_PASSES_MAX`` passes, and when ``request_phases`` holds rows in the look-back
+    that no kept pass wrote since (a ``tokenprobe analyze`` of the same range, a pass that failed after
+    writing): the sums are then those of the query, to the rounding of their order.
+    """
+
+    def __init__(self) -> None:
+        self.intervals: pd.DataFrame | None = None  # INTERVAL_NAMES
+        self.servers: set = set()  # the scope's servers the intervals cover
+        self.floor_ns = 0  # the base they cover from
+        self.read_ns = 0  # when they were last read whole: every row written until then is in them
+        self.passes: list[int] = []  # the computed_at of each pass's rows since
+        self.written: pd.DataFrame | None = None  # the rows this pass wrote (INTERVAL_NAMES and ``columns``)
+        self._expected: tuple[str, dict, tuple[str, ...]] | None = None
+        self._pending: tuple | None = None
+
+    def expect(self, condition: str, parameters: dict, columns: Sequence[str]) -> None:
+        """The next pass writes its rows within ``condition`` (on ``request_phases``); read ``columns`` of
+        them too (SQL expressions), into ``written``."""
+        self._expected, self.written, self._pending = (condition, parameters, tuple(columns)), None, None
+
+    def commit(self) -> None:
+        """The pass succeeded: keep what it read (a failed one's rows are foreign to the next)."""
+        if self._pending is not None:
+            self.intervals, self.servers, self.floor_ns, self.read_ns, self.passes = self._pending
+            self._pending = None
+
+    def occupancy(self, store: Store, windows: Windows, scope: Scope, written_ns: int) -> pd.DataFrame:
+        """``_occupancy``'s frame for ``windows``, the pass's rows being those computed at ``written_ns``."""
+        if self._expected is None:
+            raise RuntimeError("KeptOccupancy.expect() must say where the pass writes its rows")
+        condition, parameters, columns = self._expected
+        self._expected = None
+        table = store.table(REQUEST_PHASES_TABLE)
+        names = ", ".join((*_INTERVAL_COLUMNS, *columns))
+        self.written = store.query_df(
+            f"SELECT {names} FROM {table} WHERE {condition}"
+            " AND computed_at = fromUnixTimestamp64Nano({occupancy_written:Int64}, 'UTC')",
+            {**parameters, "occupancy_written": written_ns})
+        overlapping, overlapping_parameters = _occupancy_rows(store, windows, scope)
+        if self._reusable(store, windows, scope, written_ns):
+            # the servers out of scope wrote nothing: theirs stay whole
+            frames, servers = (_replaced(self.intervals, self.written), self.written), self.servers
+            read_ns, passes = self.read_ns, [*self.passes, written_ns]
+        else:  # this pass's rows among them
+            frames = (store.query_df(f"SELECT {', '.join(_INTERVAL_COLUMNS)} FROM {table} FINAL WHERE {overlapping}",
+                                     overlapping_parameters),)
+            servers, read_ns, passes = set(scope.servers), written_ns, []
+        frames = [frame[list(INTERVAL_NAMES)] for frame in frames if not frame.empty]
+        intervals = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=INTERVAL_NAMES)
+        intervals = intervals[intervals["finished_ns"].to_numpy(np.int64) >= windows.base_ns]
+        self._pending = (intervals, servers, windows.base_ns, read_ns, passes)
+        return _bucket_sums(intervals[_of_servers(intervals, scope.servers)], windows)
+
+    def _reusable(self, store: Store, windows: Windows, scope: Scope, written_ns: int) -> bool:
+        if (self.intervals is None or scope.models or not scope.servers or not set(scope.servers) <= self.servers
+                or windows.base_ns < self.floor_ns or len(self.passes) >= KEPT_PASSES_MAX):
+            return False
+        in_scope, scope_parameters = scope.condition()
+        in_range, range_parameters = range_condition("req_start", "foreign", TimeRange(
+            windows.base_ns, windows.analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S))
+        foreign = store.query_rows(
+            f"""SELECT count() FROM {store.table(REQUEST_PHASES_TABLE)}
+                WHERE {in_range} AND {in_scope} AND computed_at > fromUnixTimestamp64Nano({{read:Int64}}, 'UTC')
+                  AND toUnixTimestamp64Nano(computed_at) NOT IN {{passes:Array(Int64)}}""",
+            {**range_parameters, **scope_parameters, "read": self.read_ns, "passes": [*self.passes, written_ns]})
+        return not foreign[0][0]
+
+
+def _of_servers(intervals: pd.DataFrame, servers: Sequence[Server]) -> np.ndarray:
+    """Which intervals belong to one of ``servers`` (as ``Scope.condition`` selects them)."""
+    ports, nodes = intervals["server_port"].to_numpy(), intervals["node"].to_numpy()
+    chosen = np.zeros(len(intervals), dtype=bool)
+    for server in servers:
+        chosen |= (ports == server.port) & ((nodes == server.node) if server.node else True)
+    return chosen
+
+
+def _replaced(kept: pd.DataFrame, written: pd.DataFrame) -> pd.DataFrame:
+    """The kept intervals less those of requests ``written`` again (their newest rows, which ``FINAL`` reads:
+    a re-analysis by hand may have written a request the agent had not yet seen end)."""
+    if written.empty:
+        return kept
+    later = kept["start_ns"].to_numpy(np.int64) >= written["start_ns"].to_numpy(np.int64).min()
+    candidates = kept[later]
+    again = pd.MultiIndex.from_frame(candidates[_REQUEST_KEY]).isin(pd.MultiIndex.from_frame(written[_REQUEST_KEY]))
+    if not again.any():
+        return kept
+    return kept.drop(index=candidates.index[again])
+
+
+def _bucket_sums(intervals: pd.DataFrame, windows: Windows) -> pd.DataFrame:
+    """``_occupancy``'s sums, from the requests' intervals (``INTERVAL_NAMES``), computed as its SQL does."""
+    base_ns, sub = windows.base_ns, windows.sub_s * NS_PER_S / 1e9
+    lookback_ns = windows.base_ns - int(OCCUPANCY_LOOKBACK_S * NS_PER_S)
+    starts = intervals["start_ns"].to_numpy(np.int64)
+    intervals = intervals[(starts >= lookback_ns) & (starts < windows.analysed.end_ns)]
+
+    def offset(column: str) -> np.ndarray:
+        return (intervals[column].to_numpy(np.int64) - base_ns) / 1e9
+
+    arrived, finished, arrived_whole = offset("start_ns"), offset("finished_ns"), offset("arrived_whole_ns")
+    slot = arrived_whole + intervals["queue_or_zero_ms"].to_numpy(np.float64) / 1000
+    last_token = intervals["last_token_ns"].to_numpy(np.int64)
+    generated = np.where(last_token < 0, slot, (last_token - base_ns) / 1e9)
+    first = np.maximum(0, np.floor(arrived / sub)).astype(np.int64)
+    stop = np.maximum(0, np.minimum(float(windows.buckets), np.floor(finished / sub) + 1)).astype(np.int64)
+    spans = np.maximum(stop - first, 0)
+    request = np.repeat(np.arange(len(intervals)), spans)  # one entry per request and sub-bucket it overlaps
+    bucket = first[request] + np.arange(len(request)) - np.repeat(np.cumsum(spans) - spans, spans)
+    low, high = bucket * sub, (bucket + 1) * sub
+
+    def overlap(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        return np.maximum(0, np.minimum(end[request], high) - np.maximum(start[request], low))
+
+    sums = pd.DataFrame({
+        "node": intervals["node"].to_numpy()[request], "server_port": intervals["server_port"].to_numpy()[request],
+        "bucket": bucket, "in_flight_s": overlap(arrived, finished), "queued_s": overlap(arrived_whole, slot),
+        "running_s": overlap(slot, generated)})
+    return sums.groupby(["node", "server_port", "bucket"], sort=False, observed=True).sum().reset_index()
 
 
 def _request_stats(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:

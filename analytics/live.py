@@ -43,13 +43,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..contract import measures
-from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
+from ..contract.analysis import INDICATOR_MATRIX_TABLE
 from ..contract.ends import REQUEST_ENDS_TABLE
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .calibration import IdleArrivalFloors
 from .config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
-from .indicators import NO_DATA, OK, Cell
+from .indicators import NO_DATA, OK, Cell, KeptOccupancy
 from .inflight import stall_cells, store_samples
 from .pipeline import AnalysisReport, analyze
 from .scope import Scope, Server
@@ -69,6 +69,11 @@ START_GAP_S = 30
 # The phase columns outlets get for each request that ended in a pass.
 PHASE_COLUMNS = ("node", "server_port", "model", "conn_id", "req_seq", "req_end", "first_token",
                  "queue_ms", "prefill_ms")
+# How each is read, beside the occupancy's intervals (which hold node and server_port): timestamps in Unix ns,
+# under names of their own (an alias would stand for the column in the intervals' expressions too).
+PHASE_READ = {name: f"{name}_ns" if name in ("req_end", "first_token") else name for name in PHASE_COLUMNS}
+PHASE_EXPRESSIONS = tuple(f"toUnixTimestamp64Nano({name}) AS {read}" if read != name else name
+                          for name, read in PHASE_READ.items() if name not in ("node", "server_port"))
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,7 @@ class LiveAnalysis:
         self.passes = self.failures = 0
         self.slo_minutes = SloMinutes()  # so a pass counts only the minutes new since the last one
         self.idle_floors = IdleArrivalFloors()  # so a pass reads the idle arrivals since the last one's oldest
+        self.occupancy = KeptOccupancy()  # so a pass reads the phases it wrote, not the occupancy's look-back
         self.outlet_failures: dict[str, int] = {}
         self.samples_inflight = samples_inflight
         self._offered: tuple[int, list[dict]] | None = None  # (taken at, Unix ns; samples)
@@ -158,12 +164,15 @@ class LiveAnalysis:
             # The agent made the schema when it started; the requests before these have their phases.
             # computed_at is real time (the clock may be a test's), so a pass's rows replace older ones.
             computed_ns = time.time_ns()
+            self.occupancy.expect(f"node = {{live_node:String}} AND {started}", parameters, PHASE_EXPRESSIONS)
             report = analyze(self.store, analysed, window_s=self.every_s, scope=scope, config=self.config,
                              now_ns=computed_ns, new_requests=(new, parameters), schema_ready=True,
-                             slo_minutes=self.slo_minutes, idle_floors=self.idle_floors, summarize=False)
-            cells, phases = list(report.cells), self._ended_phases(started, parameters, computed_ns)
+                             slo_minutes=self.slo_minutes, idle_floors=self.idle_floors,
+                             occupancy=self.occupancy, summarize=False)
+            cells, phases = list(report.cells), self._ended_phases()
         if inflight is not None:
             cells += self._judge_inflight(inflight, {(self.node, port) for port in starts}, until_ns)
+        self.occupancy.commit()
         self.watermark_ns = until_ns
         self._indexed = True  # rows that end from now on are stored after the agent made the view
         if not cells:
@@ -248,18 +257,16 @@ class LiveAnalysis:
     def _started_recently(ended: TimeRange) -> tuple[str, dict]:
         return range_condition("req_start", "recent", ended.extended_back(MAX_SPAN_S))
 
-    def _ended_phases(self, started: str, parameters: dict, computed_ns: int) -> list[dict]:
+    def _ended_phases(self) -> list[dict]:
         """The phases this pass computed: those of the requests that ended in it, the only rows it wrote
-        (``analyze(new_requests=)``), at ``computed_ns`` (newer than any other row of the same request)."""
-        columns = ", ".join(
-            f"toUnixTimestamp64Nano({name}) AS {name}" if name in ("req_end", "first_token") else name
-            for name in PHASE_COLUMNS)
-        rows = self.store.query_rows(
-            f"""SELECT {columns} FROM {self.store.table(REQUEST_PHASES_TABLE)}
-                WHERE node = {{live_node:String}} AND {started}
-                  AND computed_at = fromUnixTimestamp64Nano({{computed_at:Int64}}, 'UTC')
-                ORDER BY req_end""", {**parameters, "computed_at": computed_ns})
-        return [dict(zip(PHASE_COLUMNS, row, strict=True)) for row in rows]
+        (``analyze(new_requests=)``), which the occupancy read (``KeptOccupancy.written``)."""
+        written = self.occupancy.written
+        if written is None or written.empty:
+            return []
+        written = written.sort_values(PHASE_READ["req_end"], kind="stable")
+        columns = [written[read].astype(object).where(written[read].notna(), None).tolist()
+                   for read in PHASE_READ.values()]
+        return [dict(zip(PHASE_COLUMNS, row, strict=True)) for row in zip(*columns, strict=True)]
 
     def _publish(self, result: LivePass) -> None:
         for outlet in self.outlets:
