@@ -55,7 +55,7 @@ from ..contract.samples import (
 from ..store.client import Store
 from .config import Thresholds
 from .robust import theil_sen
-from .scope import Scope, Server
+from .scope import Scope
 from .timerange import NS_PER_S, TimeRange, range_condition
 
 ABOVE, BELOW = "above", "below"
@@ -318,8 +318,9 @@ _INTERVAL_COLUMNS = ("node", "server_port", "conn_id", "req_seq", "toUnixTimesta
                      "toUnixTimestamp64Nano(coalesce(req_end, req_start)) AS arrived_whole_ns",
                      "ifNull(queue_ms, 0) AS queue_or_zero_ms",
                      "ifNull(toUnixTimestamp64Nano(last_token), -1) AS last_token_ns")
-INTERVAL_NAMES = tuple(column.rpartition(" AS ")[2] for column in _INTERVAL_COLUMNS)
-_REQUEST_KEY = ["node", "server_port", "start_ns", "conn_id", "req_seq"]  # request_phases' sorting key
+_INTERVAL_ARRAYS = {"conn_id": np.uint64, "req_seq": np.int64, "start_ns": np.int64, "finished_ns": np.int64,
+                    "arrived_whole_ns": np.int64, "queue_or_zero_ms": np.float64, "last_token_ns": np.int64}
+Intervals = dict[str, np.ndarray]  # _INTERVAL_ARRAYS, "server" (a code: KeptOccupancy.servers) and "reread"
 # At most this many passes between two whole reads (each pass's time is in the check for foreign rows).
 KEPT_PASSES_MAX = 1000
 
@@ -338,12 +339,13 @@ class KeptOccupancy:
     """
 
     def __init__(self) -> None:
-        self.intervals: pd.DataFrame | None = None  # INTERVAL_NAMES
-        self.servers: set = set()  # the scope's servers the intervals cover
+        self.intervals: Intervals | None = None
+        self.servers: dict[tuple[str, int], int] = {}  # (node, port) -> its code in the intervals
+        self.covered: set[int] = set()  # the servers whose intervals are all there
         self.floor_ns = 0  # the base they cover from
         self.read_ns = 0  # when they were last read whole: every row written until then is in them
         self.passes: list[int] = []  # the computed_at of each pass's rows since
-        self.written: pd.DataFrame | None = None  # the rows this pass wrote (INTERVAL_NAMES and ``columns``)
+        self.written: pd.DataFrame | None = None  # the rows this pass wrote (interval and ``columns``)
         self._expected: tuple[str, dict, tuple[str, ...]] | None = None
         self._pending: tuple | None = None
 
@@ -355,7 +357,7 @@ class KeptOccupancy:
     def commit(self) -> None:
         """The pass succeeded: keep what it read (a failed one's rows are foreign to the next)."""
         if self._pending is not None:
-            self.intervals, self.servers, self.floor_ns, self.read_ns, self.passes = self._pending
+            self.intervals, self.covered, self.floor_ns, self.read_ns, self.passes = self._pending
             self._pending = None
 
     def occupancy(self, store: Store, windows: Windows, scope: Scope, written_ns: int) -> pd.DataFrame:
@@ -365,92 +367,109 @@ class KeptOccupancy:
         condition, parameters, columns = self._expected
         self._expected = None
         table = store.table(REQUEST_PHASES_TABLE)
-        names = ", ".join((*_INTERVAL_COLUMNS, *columns))
         self.written = store.query_df(
-            f"SELECT {names} FROM {table} WHERE {condition}"
+            f"SELECT {', '.join((*_INTERVAL_COLUMNS, *columns))} FROM {table} WHERE {condition}"
             " AND computed_at = fromUnixTimestamp64Nano({occupancy_written:Int64}, 'UTC')",
             {**parameters, "occupancy_written": written_ns})
-        overlapping, overlapping_parameters = _occupancy_rows(store, windows, scope)
-        if self._reusable(store, windows, scope, written_ns):
+        written = self._arrays(self.written, reread=False)
+        in_scope = self._codes(scope)
+        if self._reusable(store, windows, scope, in_scope, written_ns):
             # the servers out of scope wrote nothing: theirs stay whole
-            frames, servers = (_replaced(self.intervals, self.written), self.written), self.servers
+            parts, covered = (_replaced(self.intervals, written), written), self.covered
             read_ns, passes = self.read_ns, [*self.passes, written_ns]
         else:  # this pass's rows among them
-            frames = (store.query_df(f"SELECT {', '.join(_INTERVAL_COLUMNS)} FROM {table} FINAL WHERE {overlapping}",
-                                     overlapping_parameters),)
-            servers, read_ns, passes = set(scope.servers), written_ns, []
-        frames = [frame[list(INTERVAL_NAMES)] for frame in frames if not frame.empty]
-        intervals = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=INTERVAL_NAMES)
-        intervals = intervals[intervals["finished_ns"].to_numpy(np.int64) >= windows.base_ns]
-        self._pending = (intervals, servers, windows.base_ns, read_ns, passes)
-        return _bucket_sums(intervals[_of_servers(intervals, scope.servers)], windows)
+            overlapping, overlapping_parameters = _occupancy_rows(store, windows, scope)
+            reread = store.query_df(f"SELECT {', '.join(_INTERVAL_COLUMNS)} FROM {table} FINAL WHERE {overlapping}",
+                                    overlapping_parameters)
+            # a request read here that no pass has seen end yet (a re-analysis wrote it) is written again later
+            parts, covered = (self._arrays(reread, reread=True),), set(in_scope)
+            read_ns, passes = written_ns, []
+        intervals = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+        intervals = _selected(intervals, intervals["finished_ns"] >= windows.base_ns)
+        self._pending = (intervals, covered, windows.base_ns, read_ns, passes)
+        return self._bucket_sums(_selected(intervals, np.isin(intervals["server"], in_scope)), windows)
 
-    def _reusable(self, store: Store, windows: Windows, scope: Scope, written_ns: int) -> bool:
-        if (self.intervals is None or scope.models or not scope.servers or not set(scope.servers) <= self.servers
+    def _codes(self, scope: Scope) -> list[int]:
+        """The codes of the known servers ``scope`` selects (as ``Scope.condition`` does)."""
+        return [code for (node, port), code in self.servers.items()
+                if any(server.port == port and server.node in (None, node) for server in scope.servers)]
+
+    def _arrays(self, frame: pd.DataFrame, reread: bool) -> Intervals:
+        if frame.empty:
+            return {"server": np.empty(0, np.int64), "reread": np.empty(0, bool),
+                    **{name: np.empty(0, kind) for name, kind in _INTERVAL_ARRAYS.items()}}
+        pairs, unique = pd.factorize(pd.MultiIndex.from_arrays([frame["node"], frame["server_port"]]))
+        codes = np.array([self.servers.setdefault((node, int(port)), len(self.servers)) for node, port in unique])
+        return {"server": codes[pairs], "reread": np.full(len(frame), reread),
+                **{name: frame[name].to_numpy(kind) for name, kind in _INTERVAL_ARRAYS.items()}}
+
+    def _reusable(self, store: Store, windows: Windows, scope: Scope, in_scope: list[int], written_ns: int) -> bool:
+        if (self.intervals is None or scope.models or not scope.servers
+                or len(in_scope) < len(scope.servers) or not set(in_scope) <= self.covered
                 or windows.base_ns < self.floor_ns or len(self.passes) >= KEPT_PASSES_MAX):
             return False
-        in_scope, scope_parameters = scope.condition()
+        scope_condition, scope_parameters = scope.condition()
         in_range, range_parameters = range_condition("req_start", "foreign", TimeRange(
             windows.base_ns, windows.analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S))
         foreign = store.query_rows(
             f"""SELECT count() FROM {store.table(REQUEST_PHASES_TABLE)}
-                WHERE {in_range} AND {in_scope} AND computed_at > fromUnixTimestamp64Nano({{read:Int64}}, 'UTC')
+                WHERE {in_range} AND {scope_condition}
+                  AND computed_at > fromUnixTimestamp64Nano({{read:Int64}}, 'UTC')
                   AND toUnixTimestamp64Nano(computed_at) NOT IN {{passes:Array(Int64)}}""",
             {**range_parameters, **scope_parameters, "read": self.read_ns, "passes": [*self.passes, written_ns]})
         return not foreign[0][0]
 
+    def _bucket_sums(self, intervals: Intervals, windows: Windows) -> pd.DataFrame:
+        """``_occupancy``'s sums, from the requests' intervals, computed as its SQL does."""
+        base_ns, sub, buckets = windows.base_ns, windows.sub_s * NS_PER_S / 1e9, windows.buckets
+        starts = intervals["start_ns"]
+        intervals = _selected(intervals, (starts >= windows.base_ns - int(OCCUPANCY_LOOKBACK_S * NS_PER_S))
+                              & (starts < windows.analysed.end_ns))
 
-def _of_servers(intervals: pd.DataFrame, servers: Sequence[Server]) -> np.ndarray:
-    """Which intervals belong to one of ``servers`` (as ``Scope.condition`` selects them)."""
-    ports, nodes = intervals["server_port"].to_numpy(), intervals["node"].to_numpy()
-    chosen = np.zeros(len(intervals), dtype=bool)
-    for server in servers:
-        chosen |= (ports == server.port) & ((nodes == server.node) if server.node else True)
-    return chosen
+        def offset(name: str) -> np.ndarray:
+            return (intervals[name] - base_ns) / 1e9
+
+        arrived, finished, arrived_whole = offset("start_ns"), offset("finished_ns"), offset("arrived_whole_ns")
+        slot = arrived_whole + intervals["queue_or_zero_ms"] / 1000
+        generated = np.where(intervals["last_token_ns"] < 0, slot, offset("last_token_ns"))
+        first = np.maximum(0, np.floor(arrived / sub)).astype(np.int64)
+        stop = np.maximum(0, np.minimum(float(buckets), np.floor(finished / sub) + 1)).astype(np.int64)
+        spans = np.maximum(stop - first, 0)
+        request = np.repeat(np.arange(len(first)), spans)  # one entry per request and sub-bucket it overlaps
+        bucket = first[request] + np.arange(len(request)) - np.repeat(np.cumsum(spans) - spans, spans)
+        low, high = bucket * sub, (bucket + 1) * sub
+        cell = intervals["server"][request] * buckets + bucket  # per server and sub-bucket
+        size = len(self.servers) * buckets
+
+        def overlap(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+            seconds = np.maximum(0, np.minimum(end[request], high) - np.maximum(start[request], low))
+            return np.bincount(cell, weights=seconds, minlength=size)[present]
+
+        present = np.flatnonzero(np.bincount(cell, minlength=size))
+        servers = list(self.servers)
+        return pd.DataFrame({
+            "node": [servers[code][0] for code in present // buckets],
+            "server_port": [servers[code][1] for code in present // buckets], "bucket": present % buckets,
+            "in_flight_s": overlap(arrived, finished), "queued_s": overlap(arrived_whole, slot),
+            "running_s": overlap(slot, generated)})
 
 
-def _replaced(kept: pd.DataFrame, written: pd.DataFrame) -> pd.DataFrame:
-    """The kept intervals less those of requests ``written`` again (their newest rows, which ``FINAL`` reads:
-    a re-analysis by hand may have written a request the agent had not yet seen end)."""
-    if written.empty:
+def _selected(intervals: Intervals, chosen: np.ndarray) -> Intervals:
+    return {name: values[chosen] for name, values in intervals.items()}
+
+
+def _replaced(kept: Intervals, written: Intervals) -> Intervals:
+    """The kept intervals less those of requests ``written`` again (their newest rows, which ``FINAL`` reads):
+    only those read whole may be, where a re-analysis by hand wrote a request no pass had seen end."""
+    candidates = np.flatnonzero(kept["reread"])
+    if not len(candidates) or not len(written["start_ns"]):
         return kept
-    later = kept["start_ns"].to_numpy(np.int64) >= written["start_ns"].to_numpy(np.int64).min()
-    candidates = kept[later]
-    again = pd.MultiIndex.from_frame(candidates[_REQUEST_KEY]).isin(pd.MultiIndex.from_frame(written[_REQUEST_KEY]))
-    if not again.any():
-        return kept
-    return kept.drop(index=candidates.index[again])
-
-
-def _bucket_sums(intervals: pd.DataFrame, windows: Windows) -> pd.DataFrame:
-    """``_occupancy``'s sums, from the requests' intervals (``INTERVAL_NAMES``), computed as its SQL does."""
-    base_ns, sub = windows.base_ns, windows.sub_s * NS_PER_S / 1e9
-    lookback_ns = windows.base_ns - int(OCCUPANCY_LOOKBACK_S * NS_PER_S)
-    starts = intervals["start_ns"].to_numpy(np.int64)
-    intervals = intervals[(starts >= lookback_ns) & (starts < windows.analysed.end_ns)]
-
-    def offset(column: str) -> np.ndarray:
-        return (intervals[column].to_numpy(np.int64) - base_ns) / 1e9
-
-    arrived, finished, arrived_whole = offset("start_ns"), offset("finished_ns"), offset("arrived_whole_ns")
-    slot = arrived_whole + intervals["queue_or_zero_ms"].to_numpy(np.float64) / 1000
-    last_token = intervals["last_token_ns"].to_numpy(np.int64)
-    generated = np.where(last_token < 0, slot, (last_token - base_ns) / 1e9)
-    first = np.maximum(0, np.floor(arrived / sub)).astype(np.int64)
-    stop = np.maximum(0, np.minimum(float(windows.buckets), np.floor(finished / sub) + 1)).astype(np.int64)
-    spans = np.maximum(stop - first, 0)
-    request = np.repeat(np.arange(len(intervals)), spans)  # one entry per request and sub-bucket it overlaps
-    bucket = first[request] + np.arange(len(request)) - np.repeat(np.cumsum(spans) - spans, spans)
-    low, high = bucket * sub, (bucket + 1) * sub
-
-    def overlap(start: np.ndarray, end: np.ndarray) -> np.ndarray:
-        return np.maximum(0, np.minimum(end[request], high) - np.maximum(start[request], low))
-
-    sums = pd.DataFrame({
-        "node": intervals["node"].to_numpy()[request], "server_port": intervals["server_port"].to_numpy()[request],
-        "bucket": bucket, "in_flight_s": overlap(arrived, finished), "queued_s": overlap(arrived_whole, slot),
-        "running_s": overlap(slot, generated)})
-    return sums.groupby(["node", "server_port", "bucket"], sort=False, observed=True).sum().reset_index()
+    key = ("server", "start_ns", "conn_id", "req_seq")  # request_phases' sorting key, the node in the server
+    again = pd.MultiIndex.from_arrays([kept[name][candidates] for name in key]).isin(
+        pd.MultiIndex.from_arrays([written[name] for name in key]))
+    chosen = np.ones(len(kept["start_ns"]), dtype=bool)
+    chosen[candidates[again]] = False
+    return _selected(kept, chosen)
 
 
 def _request_stats(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
