@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -76,15 +76,39 @@ PHASE_EXPRESSIONS = tuple(f"toUnixTimestamp64Nano({name}) AS {read}" if read != 
                           for name, read in PHASE_READ.items() if name not in ("node", "server_port"))
 
 
+class EndedPhases:
+    """The phases of the requests that ended in a pass, column by column (``PHASE_COLUMNS``; timestamps in
+    Unix ns): outlets read the columns they need, so no pass builds a dict per request; iterating gives one."""
+
+    def __init__(self, columns: Mapping[str, list]) -> None:
+        self.columns = {name: list(columns[name]) for name in PHASE_COLUMNS}
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Mapping]) -> EndedPhases:
+        rows = list(rows)
+        return cls({name: [row.get(name) for row in rows] for name in PHASE_COLUMNS})
+
+    def __len__(self) -> int:
+        return len(self.columns["conn_id"])
+
+    def __iter__(self) -> Iterator[dict]:
+        return (dict(zip(PHASE_COLUMNS, row, strict=True)) for row in zip(*self.columns.values(), strict=True))
+
+
 @dataclass(frozen=True)
 class LivePass:
     """What one pass found: the analysed range and report (None when no request ended), its matrix cells
-    (the report's and the in-flight ones), and the phases of the requests that ended in it."""
+    (the report's and the in-flight ones), and the phases of the requests that ended in it (rows given as
+    dicts are taken column by column)."""
 
     analysed: TimeRange | None
     report: AnalysisReport | None
     cells: list[Cell]
-    phases: list[dict]  # PHASE_COLUMNS; timestamps in Unix ns
+    phases: EndedPhases
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.phases, EndedPhases):
+            object.__setattr__(self, "phases", EndedPhases.from_rows(self.phases))
 
     @property
     def latest_cells(self) -> list[Cell]:
@@ -153,7 +177,7 @@ class LiveAnalysis:
         ended = TimeRange(self.watermark_ns, until_ns)
         starts = self._new_starts(ended)
         analysed = report = None
-        cells, phases = [], []
+        cells, phases = [], EndedPhases.from_rows([])
         if starts:
             window_ns = self.every_s * NS_PER_S
             earliest = max(min(seconds[0] for seconds in starts.values()) * NS_PER_S,
@@ -257,16 +281,15 @@ class LiveAnalysis:
     def _started_recently(ended: TimeRange) -> tuple[str, dict]:
         return range_condition("req_start", "recent", ended.extended_back(MAX_SPAN_S))
 
-    def _ended_phases(self) -> list[dict]:
+    def _ended_phases(self) -> EndedPhases:
         """The phases this pass computed: those of the requests that ended in it, the only rows it wrote
         (``analyze(new_requests=)``), which the occupancy read (``KeptOccupancy.written``)."""
         written = self.occupancy.written
         if written is None or written.empty:
-            return []
+            return EndedPhases.from_rows([])
         written = written.sort_values(PHASE_READ["req_end"], kind="stable")
-        columns = [written[read].astype(object).where(written[read].notna(), None).tolist()
-                   for read in PHASE_READ.values()]
-        return [dict(zip(PHASE_COLUMNS, row, strict=True)) for row in zip(*columns, strict=True)]
+        return EndedPhases({name: written[read].astype(object).where(written[read].notna(), None).tolist()
+                            for name, read in PHASE_READ.items()})
 
     def _publish(self, result: LivePass) -> None:
         for outlet in self.outlets:
