@@ -323,6 +323,10 @@ _INTERVAL_ARRAYS = {"conn_id": np.uint64, "req_seq": np.int64, "start_ns": np.in
 Intervals = dict[str, np.ndarray]  # _INTERVAL_ARRAYS, "server" (a code: KeptOccupancy.servers) and "reread"
 # At most this many passes between two whole reads (each pass's time is in the check for foreign rows).
 KEPT_PASSES_MAX = 1000
+# Intervals are kept this many windows before a pass's base: the next may start a little earlier (a request
+# that ran longer than the others ended) without a whole read.
+KEPT_WINDOWS_BACK = 4
+PORTS = 1 << 16
 
 
 class KeptOccupancy:
@@ -376,17 +380,19 @@ class KeptOccupancy:
         if self._reusable(store, windows, scope, in_scope, written_ns):
             # the servers out of scope wrote nothing: theirs stay whole
             parts, covered = (_replaced(self.intervals, written), written), self.covered
-            read_ns, passes = self.read_ns, [*self.passes, written_ns]
+            read_ns, passes, read_from_ns = self.read_ns, [*self.passes, written_ns], self.floor_ns
         else:  # this pass's rows among them
             overlapping, overlapping_parameters = _occupancy_rows(store, windows, scope)
             reread = store.query_df(f"SELECT {', '.join(_INTERVAL_COLUMNS)} FROM {table} FINAL WHERE {overlapping}",
                                     overlapping_parameters)
             # a request read here that no pass has seen end yet (a re-analysis wrote it) is written again later
             parts, covered = (self._arrays(reread, reread=True),), set(in_scope)
-            read_ns, passes = written_ns, []
+            read_ns, passes, read_from_ns = written_ns, [], windows.base_ns
         intervals = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
-        intervals = _selected(intervals, intervals["finished_ns"] >= windows.base_ns)
-        self._pending = (intervals, covered, windows.base_ns, read_ns, passes)
+        # what finished before the floor is left out: kept, the intervals hold all that finished after it
+        floor_ns = max(read_from_ns, windows.base_ns - KEPT_WINDOWS_BACK * windows.window_s * NS_PER_S)
+        intervals = _selected(intervals, intervals["finished_ns"] >= floor_ns)
+        self._pending = (intervals, covered, floor_ns, read_ns, passes)
         return self._bucket_sums(_selected(intervals, np.isin(intervals["server"], in_scope)), windows)
 
     def _codes(self, scope: Scope) -> list[int]:
@@ -398,8 +404,10 @@ class KeptOccupancy:
         if frame.empty:
             return {"server": np.empty(0, np.int64), "reread": np.empty(0, bool),
                     **{name: np.empty(0, kind) for name, kind in _INTERVAL_ARRAYS.items()}}
-        pairs, unique = pd.factorize(pd.MultiIndex.from_arrays([frame["node"], frame["server_port"]]))
-        codes = np.array([self.servers.setdefault((node, int(port)), len(self.servers)) for node, port in unique])
+        nodes, names = pd.factorize(frame["node"])
+        unique, pairs = np.unique(nodes * PORTS + frame["server_port"].to_numpy(np.int64), return_inverse=True)
+        codes = np.array([self.servers.setdefault((names[pair // PORTS], int(pair % PORTS)), len(self.servers))
+                          for pair in unique])
         return {"server": codes[pairs], "reread": np.full(len(frame), reread),
                 **{name: frame[name].to_numpy(kind) for name, kind in _INTERVAL_ARRAYS.items()}}
 
