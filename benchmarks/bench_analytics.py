@@ -218,7 +218,8 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
               f" p95 {percentile(wall, 0.95) * 1000:6.0f} ms, max {max(wall) * 1000:6.0f} ms;"
               f" CPU median {statistics.median(cpu) * 1000:6.0f} ms; first pass {first_wall:5.1f} s"
               f" (CPU {first_cpu:5.1f} s); {per_window / statistics.median(wall):10,.0f} requests/s", flush=True)
-    if show_queries:  # what a call costs however little it reads: what merging two calls saves at most
+    if queries:  # what a call costs however little it reads: what merging two calls saves at most
+        queries.taken = []  # not the last window's
         print(f"    a store call's own cost (SELECT 1, median of {CALL_COST_SAMPLES}):"
               f" {statistics.median(call_seconds(store) for _ in range(CALL_COST_SAMPLES)) * 1000:.1f} ms")
     for name, taken in last_queries.items():
