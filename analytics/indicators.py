@@ -38,7 +38,7 @@ of ``gcd(window, 10 s)``, which also serve the 2-minute fragmentation test.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,11 +186,13 @@ class Windows:
 
 
 def compute_matrix(store: Store, analysed: TimeRange, window_s: int, scope: Scope, thresholds: Thresholds,
-                   capacities: Mapping[tuple[str, int], Capacity], now_ns: int) -> list[Cell]:
+                   capacities: Mapping[tuple[str, int], Capacity], now_ns: int,
+                   occupancy: KeptOccupancy | None = None) -> list[Cell]:
     """Every cell of every window in ``analysed``, stored in ``indicator_matrix`` and returned.
 
     Needs ``request_phases`` computed from ``thresholds.fragmentation_sustain_s``
-    before the first window (``matrix_lead_s``) to the range's end.
+    before the first window (``matrix_lead_s``) to the range's end. ``occupancy``: the intervals an
+    earlier pass kept (``KeptOccupancy``; this run's phases were computed at ``now_ns``).
     """
     if not isinstance(window_s, int) or window_s < 1:
         raise ValueError(f"window must be a whole number of seconds, at least 1, got {window_s!r}")
@@ -198,7 +200,7 @@ def compute_matrix(store: Store, analysed: TimeRange, window_s: int, scope: Scop
     if windows.count > MAX_WINDOWS:
         raise ValueError(f"{windows.count} windows of {window_s} s in this range; at most {MAX_WINDOWS}: "
                          "use a longer window or a shorter range")
-    data = _MatrixData.load(store, windows, scope, thresholds)
+    data = _MatrixData.load(store, windows, scope, thresholds, occupancy, now_ns)
     cells = []
     for server in data.servers():
         judge = _ServerJudge(server, windows, data, thresholds, capacities.get(server, Capacity()))
@@ -224,8 +226,10 @@ class _MatrixData:
         self.windows = windows
 
     @classmethod
-    def load(cls, store: Store, windows: Windows, scope: Scope, thresholds: Thresholds) -> _MatrixData:
-        return cls(_occupancy(store, windows, scope), _request_stats(store, windows, scope),
+    def load(cls, store: Store, windows: Windows, scope: Scope, thresholds: Thresholds,
+             kept: KeptOccupancy | None, now_ns: int) -> _MatrixData:
+        occupancy = kept.occupancy(store, windows, scope, now_ns) if kept else _occupancy(store, windows, scope)
+        return cls(occupancy, _request_stats(store, windows, scope),
                    _retries(store, windows, scope, thresholds.retry_window_s), _gpu_buckets(store, windows, scope),
                    _engine_buckets(store, windows, scope), windows)
 
@@ -260,12 +264,23 @@ def _bucket_parameters(windows: Windows) -> dict[str, int]:
             "origin_ns": windows.origin_ns, "window_ns": windows.window_s * NS_PER_S}
 
 
-def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
-    """Per server and sub-bucket: request-seconds in flight, queued and running (overlap summed)."""
+# When a request finished (for the occupancy); those of the look-back that finished before the first
+# sub-bucket overlap none and are left out unread.
+_FINISHED = "coalesce(resp_end, last_token, first_token, req_end, req_start)"
+
+
+def _occupancy_rows(store: Store, windows: Windows, scope: Scope) -> tuple[str, dict]:
+    """The condition on ``request_phases`` of the requests that may overlap the sub-buckets, and its parameters."""
     in_scope, scope_parameters = scope.condition()
     since = TimeRange(windows.base_ns, windows.analysed.end_ns)
     in_range, range_parameters = range_condition("req_start", "occupancy", since.extended_back(
         OCCUPANCY_LOOKBACK_S))
+    return (f"{in_range} AND {_FINISHED} >= fromUnixTimestamp64Nano({{base_ns:Int64}}, 'UTC') AND {in_scope}",
+            {**range_parameters, **scope_parameters, **_bucket_parameters(windows)})
+
+
+def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
+    """Per server and sub-bucket: request-seconds in flight, queued and running (overlap summed)."""
 
     def offset(timestamp: str) -> str:
         return f"((toUnixTimestamp64Nano({timestamp}) - {{base_ns:Int64}}) / 1e9)"
@@ -273,9 +288,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
     def overlap(start: str, end: str) -> str:
         return f"greatest(0, least({end}, (bucket + 1) * sub) - greatest({start}, bucket * sub))"
 
-    # The look-back's requests that finished before the first sub-bucket overlap none: left out unread.
-    finished = "coalesce(resp_end, last_token, first_token, req_end, req_start)"
-
+    overlapping, parameters = _occupancy_rows(store, windows, scope)
     return store.query_df(
         f"""SELECT node, server_port, bucket,
                    sum({overlap('arrived', 'finished')}) AS in_flight_s,
@@ -284,7 +297,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
             FROM (
                 SELECT node, server_port, {{sub_ns:Int64}} / 1e9 AS sub,
                        {offset('req_start')} AS arrived,
-                       {offset(finished)} AS finished,
+                       {offset(_FINISHED)} AS finished,
                        {offset('coalesce(req_end, req_start)')} AS arrived_whole,
                        arrived_whole + ifNull(queue_ms, 0) / 1000 AS slot,
                        if(last_token IS NULL, slot, {offset('last_token')}) AS generated,
@@ -294,11 +307,177 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
                            toUInt64(greatest(0, least(toFloat64({{buckets:Int64}}), floor(finished / sub) + 1)))
                        )) AS bucket
                 FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
-                WHERE {in_range} AND {finished} >= fromUnixTimestamp64Nano({{base_ns:Int64}}, 'UTC') AND {in_scope}
+                WHERE {overlapping}
             )
-            GROUP BY node, server_port, bucket""",
-        {**range_parameters, **scope_parameters, **_bucket_parameters(windows)},
-    )
+            GROUP BY node, server_port, bucket""", parameters)
+
+
+# Each request (its key) and its occupancy interval, as ``_occupancy`` reads it (Unix ns; no last token: -1).
+_INTERVAL_COLUMNS = ("node", "server_port", "conn_id", "req_seq", "toUnixTimestamp64Nano(req_start) AS start_ns",
+                     f"toUnixTimestamp64Nano({_FINISHED}) AS finished_ns",
+                     "toUnixTimestamp64Nano(coalesce(req_end, req_start)) AS arrived_whole_ns",
+                     "ifNull(queue_ms, 0) AS queue_or_zero_ms",
+                     "ifNull(toUnixTimestamp64Nano(last_token), -1) AS last_token_ns")
+_INTERVAL_ARRAYS = {"conn_id": np.uint64, "req_seq": np.int64, "start_ns": np.int64, "finished_ns": np.int64,
+                    "arrived_whole_ns": np.int64, "queue_or_zero_ms": np.float64, "last_token_ns": np.int64}
+Intervals = dict[str, np.ndarray]  # _INTERVAL_ARRAYS, "server" (a code: KeptOccupancy.servers) and "reread"
+# At most this many passes between two whole reads (each pass's time is in the check for foreign rows).
+KEPT_PASSES_MAX = 1000
+# Intervals are kept this many windows before a pass's base: the next may start a little earlier (a request
+# that ran longer than the others ended) without a whole read.
+KEPT_WINDOWS_BACK = 4
+PORTS = 1 << 16
+
+
+class KeptOccupancy:
+    """The live analysis's occupancy: the intervals of the requests that may still overlap a later pass's
+    sub-buckets, kept, so a pass reads only the rows it wrote instead of the 10-minute look-back.
+
+    A pass's sub-buckets from ``base_ns`` on are overlapped by the requests of the look-back that finished
+    at or after it: those kept at an earlier pass whose base was no later (the rows of ``request_phases``
+    only change when a pass writes them) and the rows this pass wrote (``expect``). The whole look-back is
+    read again (``FINAL``, as ``_occupancy``) on the first pass, when a server or an earlier base is
+    asked for, after ``KEPT_PASSES_MAX`` passes, and when ``request_phases`` holds rows in the look-back
+    that no kept pass wrote since (a ``tokenprobe analyze`` of the same range, a pass that failed after
+    writing): the sums are then those of the query, to the rounding of their order.
+    """
+
+    def __init__(self) -> None:
+        self.intervals: Intervals | None = None
+        self.servers: dict[tuple[str, int], int] = {}  # (node, port) -> its code in the intervals
+        self.covered: set[int] = set()  # the servers whose intervals are all there
+        self.floor_ns = 0  # the base they cover from
+        self.read_ns = 0  # when they were last read whole: every row written until then is in them
+        self.passes: list[int] = []  # the computed_at of each pass's rows since
+        self.written: pd.DataFrame | None = None  # the rows this pass wrote (interval and ``columns``)
+        self._expected: tuple[str, dict, tuple[str, ...]] | None = None
+        self._pending: tuple | None = None
+
+    def expect(self, condition: str, parameters: dict, columns: Sequence[str]) -> None:
+        """The next pass writes its rows within ``condition`` (on ``request_phases``); read ``columns`` of
+        them too (SQL expressions), into ``written``."""
+        self._expected, self.written, self._pending = (condition, parameters, tuple(columns)), None, None
+
+    def commit(self) -> None:
+        """The pass succeeded: keep what it read (a failed one's rows are foreign to the next)."""
+        if self._pending is not None:
+            self.intervals, self.covered, self.floor_ns, self.read_ns, self.passes = self._pending
+            self._pending = None
+
+    def occupancy(self, store: Store, windows: Windows, scope: Scope, written_ns: int) -> pd.DataFrame:
+        """``_occupancy``'s frame for ``windows``, the pass's rows being those computed at ``written_ns``."""
+        if self._expected is None:
+            raise RuntimeError("KeptOccupancy.expect() must say where the pass writes its rows")
+        condition, parameters, columns = self._expected
+        self._expected = None
+        table = store.table(REQUEST_PHASES_TABLE)
+        self.written = store.query_df(
+            f"SELECT {', '.join((*_INTERVAL_COLUMNS, *columns))} FROM {table} WHERE {condition}"
+            " AND computed_at = fromUnixTimestamp64Nano({occupancy_written:Int64}, 'UTC')",
+            {**parameters, "occupancy_written": written_ns})
+        written = self._arrays(self.written, reread=False)
+        in_scope = self._codes(scope)
+        if self._reusable(store, windows, scope, in_scope, written_ns):
+            # the servers out of scope wrote nothing: theirs stay whole
+            parts, covered = (_replaced(self.intervals, written), written), self.covered
+            read_ns, passes, read_from_ns = self.read_ns, [*self.passes, written_ns], self.floor_ns
+        else:  # this pass's rows among them
+            overlapping, overlapping_parameters = _occupancy_rows(store, windows, scope)
+            reread = store.query_df(f"SELECT {', '.join(_INTERVAL_COLUMNS)} FROM {table} FINAL WHERE {overlapping}",
+                                    overlapping_parameters)
+            # a request read here that no pass has seen end yet (a re-analysis wrote it) is written again later
+            parts, covered = (self._arrays(reread, reread=True),), set(in_scope)
+            read_ns, passes, read_from_ns = written_ns, [], windows.base_ns
+        intervals = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+        # what finished before the floor is left out: kept, the intervals hold all that finished after it
+        floor_ns = max(read_from_ns, windows.base_ns - KEPT_WINDOWS_BACK * windows.window_s * NS_PER_S)
+        intervals = _selected(intervals, intervals["finished_ns"] >= floor_ns)
+        self._pending = (intervals, covered, floor_ns, read_ns, passes)
+        return self._bucket_sums(_selected(intervals, np.isin(intervals["server"], in_scope)), windows)
+
+    def _codes(self, scope: Scope) -> list[int]:
+        """The codes of the known servers ``scope`` selects (as ``Scope.condition`` does)."""
+        return [code for (node, port), code in self.servers.items()
+                if any(server.port == port and server.node in (None, node) for server in scope.servers)]
+
+    def _arrays(self, frame: pd.DataFrame, reread: bool) -> Intervals:
+        if frame.empty:
+            return {"server": np.empty(0, np.int64), "reread": np.empty(0, bool),
+                    **{name: np.empty(0, kind) for name, kind in _INTERVAL_ARRAYS.items()}}
+        nodes, names = pd.factorize(frame["node"])
+        unique, pairs = np.unique(nodes * PORTS + frame["server_port"].to_numpy(np.int64), return_inverse=True)
+        codes = np.array([self.servers.setdefault((names[pair // PORTS], int(pair % PORTS)), len(self.servers))
+                          for pair in unique])
+        return {"server": codes[pairs], "reread": np.full(len(frame), reread),
+                **{name: frame[name].to_numpy(kind) for name, kind in _INTERVAL_ARRAYS.items()}}
+
+    def _reusable(self, store: Store, windows: Windows, scope: Scope, in_scope: list[int], written_ns: int) -> bool:
+        if (self.intervals is None or scope.models or not scope.servers
+                or len(in_scope) < len(scope.servers) or not set(in_scope) <= self.covered
+                or windows.base_ns < self.floor_ns or len(self.passes) >= KEPT_PASSES_MAX):
+            return False
+        scope_condition, scope_parameters = scope.condition()
+        in_range, range_parameters = range_condition("req_start", "foreign", TimeRange(
+            windows.base_ns, windows.analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S))
+        foreign = store.query_rows(
+            f"""SELECT count() FROM {store.table(REQUEST_PHASES_TABLE)}
+                WHERE {in_range} AND {scope_condition}
+                  AND computed_at > fromUnixTimestamp64Nano({{read:Int64}}, 'UTC')
+                  AND toUnixTimestamp64Nano(computed_at) NOT IN {{passes:Array(Int64)}}""",
+            {**range_parameters, **scope_parameters, "read": self.read_ns, "passes": [*self.passes, written_ns]})
+        return not foreign[0][0]
+
+    def _bucket_sums(self, intervals: Intervals, windows: Windows) -> pd.DataFrame:
+        """``_occupancy``'s sums, from the requests' intervals, computed as its SQL does."""
+        base_ns, sub, buckets = windows.base_ns, windows.sub_s * NS_PER_S / 1e9, windows.buckets
+        starts = intervals["start_ns"]
+        intervals = _selected(intervals, (starts >= windows.base_ns - int(OCCUPANCY_LOOKBACK_S * NS_PER_S))
+                              & (starts < windows.analysed.end_ns))
+
+        def offset(name: str) -> np.ndarray:
+            return (intervals[name] - base_ns) / 1e9
+
+        arrived, finished, arrived_whole = offset("start_ns"), offset("finished_ns"), offset("arrived_whole_ns")
+        slot = arrived_whole + intervals["queue_or_zero_ms"] / 1000
+        generated = np.where(intervals["last_token_ns"] < 0, slot, offset("last_token_ns"))
+        first = np.maximum(0, np.floor(arrived / sub)).astype(np.int64)
+        stop = np.maximum(0, np.minimum(float(buckets), np.floor(finished / sub) + 1)).astype(np.int64)
+        spans = np.maximum(stop - first, 0)
+        request = np.repeat(np.arange(len(first)), spans)  # one entry per request and sub-bucket it overlaps
+        bucket = first[request] + np.arange(len(request)) - np.repeat(np.cumsum(spans) - spans, spans)
+        low, high = bucket * sub, (bucket + 1) * sub
+        cell = intervals["server"][request] * buckets + bucket  # per server and sub-bucket
+        size = len(self.servers) * buckets
+
+        def overlap(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+            seconds = np.maximum(0, np.minimum(end[request], high) - np.maximum(start[request], low))
+            return np.bincount(cell, weights=seconds, minlength=size)[present]
+
+        present = np.flatnonzero(np.bincount(cell, minlength=size))
+        servers = list(self.servers)
+        return pd.DataFrame({
+            "node": [servers[code][0] for code in present // buckets],
+            "server_port": [servers[code][1] for code in present // buckets], "bucket": present % buckets,
+            "in_flight_s": overlap(arrived, finished), "queued_s": overlap(arrived_whole, slot),
+            "running_s": overlap(slot, generated)})
+
+
+def _selected(intervals: Intervals, chosen: np.ndarray) -> Intervals:
+    return {name: values[chosen] for name, values in intervals.items()}
+
+
+def _replaced(kept: Intervals, written: Intervals) -> Intervals:
+    """The kept intervals less those of requests ``written`` again (their newest rows, which ``FINAL`` reads):
+    only those read whole may be, where a re-analysis by hand wrote a request no pass had seen end."""
+    candidates = np.flatnonzero(kept["reread"])
+    if not len(candidates) or not len(written["start_ns"]):
+        return kept
+    key = ("server", "start_ns", "conn_id", "req_seq")  # request_phases' sorting key, the node in the server
+    again = pd.MultiIndex.from_arrays([kept[name][candidates] for name in key]).isin(
+        pd.MultiIndex.from_arrays([written[name] for name in key]))
+    chosen = np.ones(len(kept["start_ns"]), dtype=bool)
+    chosen[candidates[again]] = False
+    return _selected(kept, chosen)
 
 
 def _request_stats(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
@@ -359,6 +538,12 @@ def _retries(store: Store, windows: Windows, scope: Scope, retry_window_s: float
 def _gpu_buckets(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
     """Per server, GPU device and sub-bucket: mean memory used / total and mean utilization."""
     span = TimeRange(windows.base_ns, windows.analysed.end_ns)
+    any_samples, any_parameters = range_condition("ts", "gpu_any", span)
+    # Most servers have no GPU sampled (no NVML, no dcgm-exporter): one look at the small samples table
+    # spares reading the range's requests for their pids.
+    if not store.query_rows(f"SELECT 1 FROM {store.table(GPU_SAMPLES_TABLE)} WHERE {any_samples} LIMIT 1",
+                            any_parameters):
+        return pd.DataFrame()
     samples_in_range, sample_parameters = range_condition("g.ts", "gpu", span)
     requests_in_range, request_parameters = range_condition("req_start", "gpu_requests", span)
     in_scope, scope_parameters = scope.condition()

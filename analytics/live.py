@@ -38,18 +38,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from ..contract import measures
-from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
+from ..contract.analysis import INDICATOR_MATRIX_TABLE
 from ..contract.ends import REQUEST_ENDS_TABLE
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .calibration import IdleArrivalFloors
 from .config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
-from .indicators import NO_DATA, OK, Cell
+from .indicators import NO_DATA, OK, Cell, KeptOccupancy
 from .inflight import stall_cells, store_samples
 from .pipeline import AnalysisReport, analyze
 from .scope import Scope, Server
@@ -69,17 +69,46 @@ START_GAP_S = 30
 # The phase columns outlets get for each request that ended in a pass.
 PHASE_COLUMNS = ("node", "server_port", "model", "conn_id", "req_seq", "req_end", "first_token",
                  "queue_ms", "prefill_ms")
+# How each is read, beside the occupancy's intervals (which hold node and server_port): timestamps in Unix ns,
+# under names of their own (an alias would stand for the column in the intervals' expressions too).
+PHASE_READ = {name: f"{name}_ns" if name in ("req_end", "first_token") else name for name in PHASE_COLUMNS}
+PHASE_EXPRESSIONS = tuple(f"toUnixTimestamp64Nano({name}) AS {read}" if read != name else name
+                          for name, read in PHASE_READ.items() if name not in ("node", "server_port"))
+
+
+class EndedPhases:
+    """The phases of the requests that ended in a pass, column by column (``PHASE_COLUMNS``; timestamps in
+    Unix ns): outlets read the columns they need, so no pass builds a dict per request; iterating gives one."""
+
+    def __init__(self, columns: Mapping[str, list]) -> None:
+        self.columns = {name: list(columns[name]) for name in PHASE_COLUMNS}
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Mapping]) -> EndedPhases:
+        rows = list(rows)
+        return cls({name: [row.get(name) for row in rows] for name in PHASE_COLUMNS})
+
+    def __len__(self) -> int:
+        return len(self.columns["conn_id"])
+
+    def __iter__(self) -> Iterator[dict]:
+        return (dict(zip(PHASE_COLUMNS, row, strict=True)) for row in zip(*self.columns.values(), strict=True))
 
 
 @dataclass(frozen=True)
 class LivePass:
     """What one pass found: the analysed range and report (None when no request ended), its matrix cells
-    (the report's and the in-flight ones), and the phases of the requests that ended in it."""
+    (the report's and the in-flight ones), and the phases of the requests that ended in it (rows given as
+    dicts are taken column by column)."""
 
     analysed: TimeRange | None
     report: AnalysisReport | None
     cells: list[Cell]
-    phases: list[dict]  # PHASE_COLUMNS; timestamps in Unix ns
+    phases: EndedPhases
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.phases, EndedPhases):
+            object.__setattr__(self, "phases", EndedPhases.from_rows(self.phases))
 
     @property
     def latest_cells(self) -> list[Cell]:
@@ -124,6 +153,7 @@ class LiveAnalysis:
         self.passes = self.failures = 0
         self.slo_minutes = SloMinutes()  # so a pass counts only the minutes new since the last one
         self.idle_floors = IdleArrivalFloors()  # so a pass reads the idle arrivals since the last one's oldest
+        self.occupancy = KeptOccupancy()  # so a pass reads the phases it wrote, not the occupancy's look-back
         self.outlet_failures: dict[str, int] = {}
         self.samples_inflight = samples_inflight
         self._offered: tuple[int, list[dict]] | None = None  # (taken at, Unix ns; samples)
@@ -147,7 +177,7 @@ class LiveAnalysis:
         ended = TimeRange(self.watermark_ns, until_ns)
         starts = self._new_starts(ended)
         analysed = report = None
-        cells, phases = [], []
+        cells, phases = [], EndedPhases.from_rows([])
         if starts:
             window_ns = self.every_s * NS_PER_S
             earliest = max(min(seconds[0] for seconds in starts.values()) * NS_PER_S,
@@ -158,12 +188,15 @@ class LiveAnalysis:
             # The agent made the schema when it started; the requests before these have their phases.
             # computed_at is real time (the clock may be a test's), so a pass's rows replace older ones.
             computed_ns = time.time_ns()
+            self.occupancy.expect(f"node = {{live_node:String}} AND {started}", parameters, PHASE_EXPRESSIONS)
             report = analyze(self.store, analysed, window_s=self.every_s, scope=scope, config=self.config,
                              now_ns=computed_ns, new_requests=(new, parameters), schema_ready=True,
-                             slo_minutes=self.slo_minutes, idle_floors=self.idle_floors, summarize=False)
-            cells, phases = list(report.cells), self._ended_phases(started, parameters, computed_ns)
+                             slo_minutes=self.slo_minutes, idle_floors=self.idle_floors,
+                             occupancy=self.occupancy, summarize=False)
+            cells, phases = list(report.cells), self._ended_phases()
         if inflight is not None:
             cells += self._judge_inflight(inflight, {(self.node, port) for port in starts}, until_ns)
+        self.occupancy.commit()
         self.watermark_ns = until_ns
         self._indexed = True  # rows that end from now on are stored after the agent made the view
         if not cells:
@@ -248,18 +281,15 @@ class LiveAnalysis:
     def _started_recently(ended: TimeRange) -> tuple[str, dict]:
         return range_condition("req_start", "recent", ended.extended_back(MAX_SPAN_S))
 
-    def _ended_phases(self, started: str, parameters: dict, computed_ns: int) -> list[dict]:
+    def _ended_phases(self) -> EndedPhases:
         """The phases this pass computed: those of the requests that ended in it, the only rows it wrote
-        (``analyze(new_requests=)``), at ``computed_ns`` (newer than any other row of the same request)."""
-        columns = ", ".join(
-            f"toUnixTimestamp64Nano({name}) AS {name}" if name in ("req_end", "first_token") else name
-            for name in PHASE_COLUMNS)
-        rows = self.store.query_rows(
-            f"""SELECT {columns} FROM {self.store.table(REQUEST_PHASES_TABLE)}
-                WHERE node = {{live_node:String}} AND {started}
-                  AND computed_at = fromUnixTimestamp64Nano({{computed_at:Int64}}, 'UTC')
-                ORDER BY req_end""", {**parameters, "computed_at": computed_ns})
-        return [dict(zip(PHASE_COLUMNS, row, strict=True)) for row in rows]
+        (``analyze(new_requests=)``), which the occupancy read (``KeptOccupancy.written``)."""
+        written = self.occupancy.written
+        if written is None or written.empty:
+            return EndedPhases.from_rows([])
+        written = written.sort_values(PHASE_READ["req_end"], kind="stable")
+        return EndedPhases({name: written[read].astype(object).where(written[read].notna(), None).tolist()
+                            for name, read in PHASE_READ.items()})
 
     def _publish(self, result: LivePass) -> None:
         for outlet in self.outlets:

@@ -31,11 +31,14 @@ INDICATOR_ALERTS = {CRIT: ("TokenprobeIndicatorCritical", "critical"),
 SERVER_WIDE_MODEL = ""
 
 
-def _splits(result: LivePass) -> Iterator[tuple[dict, float, float]]:
-    """(phases, queue s, prefill s) of each request of the pass that the analysis could split."""
-    for phase in result.phases:
-        if phase["queue_ms"] is not None and phase["prefill_ms"] is not None:
-            yield phase, phase["queue_ms"] / 1000, phase["prefill_ms"] / 1000
+def _splits(result: LivePass, *names: str) -> Iterator[tuple]:
+    """The columns ``names`` of each request of the pass that the analysis could split, then its queue and
+    prefill in seconds."""
+    columns = result.phases.columns
+    for *values, queue_ms, prefill_ms in zip(*(columns[name] for name in (*names, "queue_ms", "prefill_ms")),
+                                             strict=True):
+        if queue_ms is not None and prefill_ms is not None:
+            yield *values, queue_ms / 1000, prefill_ms / 1000
 
 
 class MetricsOutlet:
@@ -48,8 +51,8 @@ class MetricsOutlet:
         for cell in result.latest_cells:
             self.metrics.set_indicator(cell.server_port, SERVER_WIDE_MODEL, cell.indicator, cell.value, cell.state,
                                        node=cell.node, device=cell.device_id)
-        for phase, queue_s, prefill_s in _splits(result):
-            self.metrics.observe_split(phase["server_port"], phase["model"], queue_s=queue_s, prefill_s=prefill_s)
+        for port, model, queue_s, prefill_s in _splits(result, "server_port", "model"):
+            self.metrics.observe_split(port, model, queue_s=queue_s, prefill_s=prefill_s)
 
 
 class OtelOutlet:
@@ -59,9 +62,11 @@ class OtelOutlet:
         self.exporter = exporter
 
     def publish(self, result: LivePass) -> None:
-        for phase, queue_s, _ in _splits(result):
-            if phase["req_end"] is not None and phase["first_token"] is not None:
-                self.exporter.export_split(request_key(phase), phase["req_end"], phase["first_token"], queue_s)
+        for node, conn_id, req_seq, req_end, first_token, queue_s, _ in _splits(
+                result, "node", "conn_id", "req_seq", "req_end", "first_token"):
+            if req_end is not None and first_token is not None:
+                key = request_key({"node": node, "conn_id": conn_id, "req_seq": req_seq})
+                self.exporter.export_split(key, req_end, first_token, queue_s)
 
 
 def indicator_alert(cell: Cell) -> Alert:

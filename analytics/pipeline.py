@@ -23,6 +23,7 @@ from .indicators import (
     OCCUPANCY_LOOKBACK_S,
     Capacity,
     Cell,
+    KeptOccupancy,
     Windows,
     compute_matrix,
     matrix_lead_s,
@@ -86,7 +87,7 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
             config: AnalyticsConfig = DEFAULT_CONFIG, now_ns: int | None = None,
             new_requests: tuple[str, dict] | None = None, schema_ready: bool = False,
             slo_minutes: SloMinutes | None = None, idle_floors: IdleArrivalFloors | None = None,
-            summarize: bool = True) -> AnalysisReport:
+            occupancy: KeptOccupancy | None = None, summarize: bool = True) -> AnalysisReport:
     """Run every analysis over ``analysed`` and store the results (see the module docstring).
 
     ``new_requests`` (a condition over the requests, with its parameters) narrows the phases computed, and
@@ -96,6 +97,7 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     ``schema_ready``: the caller made sure of the schema (the agent, at start), so no DDL runs.
     ``slo_minutes``: the SLO counts of whole minutes an earlier pass took (``slo.SloMinutes``), reused.
     ``idle_floors``: where an earlier pass found the latest idle arrivals (``calibration.IdleArrivalFloors``).
+    ``occupancy``: the request intervals an earlier pass kept (``indicators.KeptOccupancy``).
     ``summarize=False`` leaves out the phase summary (a report for people; the live analysis has none).
     """
     now_ns = time.time_ns() if now_ns is None else now_ns
@@ -113,7 +115,7 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     fitted = fit_knees(store, analysed, scope, config.spans, now_ns)
     knees = latest_found_knees(store, scope)  # this run's, where it found one, are the latest
     capacities = server_capacities(knees, fitted)
-    cells = compute_matrix(store, analysed, window_s, scope, config.thresholds, capacities, now_ns)
+    cells = compute_matrix(store, analysed, window_s, scope, config.thresholds, capacities, now_ns, occupancy)
     slos = evaluate_slos(store, analysed.end_ns, config.objectives, scope, slo_minutes)
     summary = phase_summary(store, analysed, scope) if summarize else None
     return AnalysisReport(analysed, window_s, summary, calibrations, knees, capacities, cells, slos)

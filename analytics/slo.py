@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..contract import measures
 from ..contract.analysis import SLO_STATUS_TABLE
 from ..contract.requests import REQUESTS_TABLE
@@ -78,6 +80,7 @@ class SloStatus:
 
 
 MINUTE_NS = ROLLUP_STEP_S * NS_PER_S
+SECONDS_PER_MINUTE = MINUTE_NS // NS_PER_S
 Counts = tuple[int, ...]  # served (role server, any method), SLO-eligible requests, good: goodput, each objective
 
 
@@ -85,7 +88,9 @@ class SloMinutes:
     """Per whole minute and server and model, the counts an evaluation took, for the next one to reuse.
 
     The live analysis keeps one, so a pass reads the raw requests of the minutes
-    new since the last pass instead of 6 h of them. A minute is counted again
+    new since the last pass instead of 6 h of them. Each minute is kept second
+    by second too: a window's first, partial, minute is then its kept seconds
+    and at most one partial second of raw requests. A minute is counted again
     when the rollup's count of its served requests (``request_latency_bands``,
     kept by a view on every insert) differs from the one taken with it: a request
     stored late (a spool replay) is counted too. The rollup counts the servers'
@@ -96,12 +101,27 @@ class SloMinutes:
     def __init__(self) -> None:
         self._for: tuple | None = None
         self.minutes: dict[int, dict[ServerModel, Counts]] = {}  # minute start (Unix ns) -> counts
+        self.seconds: dict[int, dict[ServerModel, np.ndarray]] = {}  # minute start -> counts, a row per second
 
-    def counts_for(self, objectives: Sequence[Objective], scope: Scope) -> dict[int, dict[ServerModel, Counts]]:
-        """The kept minutes, forgotten when the objectives or the scope differ from the last evaluation's."""
+    def current_for(self, objectives: Sequence[Objective], scope: Scope, kept: TimeRange) -> SloMinutes:
+        """Itself, holding only the minutes of ``kept``; forgotten whole when the objectives or the scope differ
+        from the last evaluation's."""
         if self._for != (tuple(objectives), scope):
-            self._for, self.minutes = (tuple(objectives), scope), {}
-        return self.minutes
+            self._for, self.minutes, self.seconds = (tuple(objectives), scope), {}, {}
+        for minute in [minute for minute in self.minutes if not kept.start_ns <= minute < kept.end_ns]:
+            del self.minutes[minute], self.seconds[minute]
+        return self
+
+    def keep(self, minute_ns: int, seconds: dict[ServerModel, np.ndarray]) -> None:
+        self.seconds[minute_ns] = seconds
+        self.minutes[minute_ns] = {group: tuple(int(count) for count in per_second.sum(axis=0))
+                                   for group, per_second in seconds.items()}
+
+    def tail(self, minute_ns: int, from_ns: int) -> dict[ServerModel, Counts]:
+        """The SLO counts (served left out) of the kept minute's seconds from ``from_ns`` (a whole second) on."""
+        first = (from_ns - minute_ns) // NS_PER_S
+        return {group: tuple(int(count) for count in per_second[first:, 1:].sum(axis=0))
+                for group, per_second in self.seconds.get(minute_ns, {}).items()}
 
 
 def evaluate_slos(store: Store, at_ns: int, objectives: Sequence[Objective], scope: Scope,
@@ -109,23 +129,33 @@ def evaluate_slos(store: Store, at_ns: int, objectives: Sequence[Objective], sco
     """Every objective (and goodput) of every server and model with requests in the 6 h before ``at_ns``; stored.
 
     Each window ``[at_ns - length, at_ns)`` is its whole minutes (from ``kept`` where
-    still current, see ``SloMinutes``) and the parts of minutes at its two ends.
+    still current, see ``SloMinutes``), the whole seconds of its first minute (kept
+    too), and raw requests: the partial second it starts in and the minute ``at_ns`` is in.
     """
-    minutes = (kept or SloMinutes()).counts_for(objectives, scope)
-    whole = TimeRange(at_ns - WINDOWS_S[LONGEST] * NS_PER_S, at_ns).whole_steps(MINUTE_NS)  # 6 h: never None
-    for minute in [minute for minute in minutes if not whole.start_ns <= minute < whole.end_ns]:
-        del minutes[minute]
+    longest_ns = at_ns - WINDOWS_S[LONGEST] * NS_PER_S
+    whole = TimeRange(longest_ns // MINUTE_NS * MINUTE_NS, at_ns // MINUTE_NS * MINUTE_NS)  # 6 h: never empty
+    minutes = (kept or SloMinutes()).current_for(objectives, scope, whole)
     _count_stale_minutes(store, whole, objectives, scope, minutes)
-    edges = _edge_counts(store, at_ns, whole.end_ns, objectives, scope)
+    raw = {None: TimeRange(whole.end_ns, at_ns)} if at_ns > whole.end_ns else {}
+    tails: dict[str, dict[ServerModel, Counts]] = {}
+    for window, seconds in WINDOWS_S.items():
+        starts_ns = at_ns - seconds * NS_PER_S
+        if starts_ns % MINUTE_NS:
+            whole_second_ns = -(-starts_ns // NS_PER_S) * NS_PER_S
+            if whole_second_ns > starts_ns:
+                raw[window] = TimeRange(starts_ns, whole_second_ns)
+            tails[window] = minutes.tail(starts_ns // MINUTE_NS * MINUTE_NS, whole_second_ns)
+    edges = _raw_counts(store, raw, objectives, scope)
     totals: dict[ServerModel, dict[str, list[int]]] = {}
     for window, seconds in WINDOWS_S.items():
         starts_ns = at_ns - seconds * NS_PER_S
-        for minute, groups in minutes.items():
+        for minute, groups in minutes.minutes.items():
             if minute >= starts_ns:
                 for group, counts in groups.items():
                     _add(totals, group, window, counts[1:])
-        for edge in (window, None):  # the window's first minute, and the minute it shares with every window
-            for group, counts in edges.get(edge, {}).items():
+        # the window's first minute, kept and raw, and the minute it shares with every window
+        for part in (tails.get(window, {}), edges.get(window, {}), edges.get(None, {})):
+            for group, counts in part.items():
                 _add(totals, group, window, counts)
     statuses = []
     for (node, port, model), counts in sorted(totals.items()):
@@ -156,8 +186,9 @@ def _count_columns(objectives: Sequence[Objective]) -> str:
 
 
 def _count_stale_minutes(store: Store, whole: TimeRange, objectives: Sequence[Objective], scope: Scope,
-                         minutes: dict[int, dict[ServerModel, Counts]]) -> None:
-    """Count again, from the requests, every minute of ``whole`` not kept or whose served count has changed."""
+                         minutes: SloMinutes) -> None:
+    """Count again, from the requests, second by second, every minute of ``whole`` not kept or whose served
+    count has changed."""
     in_scope, scope_parameters = scope.condition()
     served: dict[int, dict[ServerModel, int]] = {}
     for node, port, model, minute, count in store.query_rows(
@@ -169,43 +200,46 @@ def _count_stale_minutes(store: Store, whole: TimeRange, objectives: Sequence[Ob
             {"slo_whole_from": whole.start_ns // NS_PER_S, "slo_whole_to": whole.end_ns // NS_PER_S,
              **scope_parameters}):
         served.setdefault(int(minute) * NS_PER_S, {})[(node, int(port), model)] = int(count)
+    kept = minutes.minutes
     stale = [minute for minute in range(whole.start_ns, whole.end_ns, MINUTE_NS)
-             if minute not in minutes
-             or {group: counts[0] for group, counts in minutes[minute].items() if counts[0]} != served.get(minute, {})]
+             if minute not in kept
+             or {group: counts[0] for group, counts in kept[minute].items() if counts[0]} != served.get(minute, {})]
     if not stale:
         return
     in_range, range_parameters = range_condition("req_start", "slo", TimeRange(stale[0], stale[-1] + MINUTE_NS))
-    for minute in stale:
-        minutes[minute] = {}
-    for node, port, model, minute, *counts in store.query_rows(
-            f"""SELECT node, server_port, model, intDiv(toUnixTimestamp64Nano(req_start), {MINUTE_NS}) AS minute,
+    counted: dict[int, dict[ServerModel, np.ndarray]] = {minute: {} for minute in stale}
+    columns = 3 + len(objectives)  # served, eligible, goodput, each objective
+    for node, port, model, second, *counts in store.query_rows(
+            f"""SELECT node, server_port, model, intDiv(toUnixTimestamp64Nano(req_start), {NS_PER_S}) AS second,
                        countIf(role = 'server'), {_count_columns(objectives)}
                 FROM {store.table(REQUESTS_TABLE)}
-                WHERE {in_range} AND minute IN {{slo_stale:Array(Int64)}} AND {in_scope}
+                WHERE {in_range} AND intDiv(second, {SECONDS_PER_MINUTE}) IN {{slo_stale:Array(Int64)}}
+                  AND {in_scope}
                 GROUP BY ALL""",
             {**range_parameters, **scope_parameters, "slo_stale": [minute // MINUTE_NS for minute in stale]}):
-        minute = int(minute) * MINUTE_NS
-        minutes[minute][(node, int(port), model)] = tuple(int(count) for count in counts)
+        minute, offset = divmod(int(second), SECONDS_PER_MINUTE)
+        group = (node, int(port), model)
+        per_second = counted[minute * MINUTE_NS].get(group)
+        if per_second is None:
+            per_second = counted[minute * MINUTE_NS][group] = np.zeros((SECONDS_PER_MINUTE, columns), np.int64)
+        per_second[offset] = counts
+    for minute, seconds in counted.items():
+        minutes.keep(minute, seconds)
 
 
-def _edge_counts(store: Store, at_ns: int, last_minute_ns: int, objectives: Sequence[Objective],
-                 scope: Scope) -> dict[str | None, dict[ServerModel, Counts]]:
-    """The counts of each window's part of its first minute (by window), and of the minute ``at_ns`` is in (None)."""
-    edges = {None: TimeRange(last_minute_ns, at_ns)} if at_ns > last_minute_ns else {}
-    for window, seconds in WINDOWS_S.items():
-        starts_ns = at_ns - seconds * NS_PER_S
-        if starts_ns % MINUTE_NS:
-            edges[window] = TimeRange(starts_ns, starts_ns - starts_ns % MINUTE_NS + MINUTE_NS)
-    if not edges:
+def _raw_counts(store: Store, parts: dict[str | None, TimeRange], objectives: Sequence[Objective],
+                scope: Scope) -> dict[str | None, dict[ServerModel, Counts]]:
+    """The counts of each part, from the raw requests that started in it, in one read."""
+    if not parts:
         return {}
     in_scope, scope_parameters = scope.condition()
     conditions, parameters = [], dict(scope_parameters)
-    for index, edge in enumerate(edges.values()):
-        condition, edge_parameters = range_condition("req_start", f"slo_edge_{index}", edge)
+    for index, part in enumerate(parts.values()):
+        condition, part_parameters = range_condition("req_start", f"slo_edge_{index}", part)
         conditions.append(f"({condition})")
-        parameters.update(edge_parameters)
+        parameters.update(part_parameters)
     which = f"multiIf({', '.join(f'{condition}, {index}' for index, condition in enumerate(conditions))}, -1)"
-    names = list(edges)
+    names = list(parts)
     counts: dict[str | None, dict[ServerModel, Counts]] = {}
     for node, port, model, edge, *edge_counts in store.query_rows(
             f"""SELECT node, server_port, model, {which} AS edge, {_count_columns(objectives)}

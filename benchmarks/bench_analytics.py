@@ -75,6 +75,7 @@ SERVERS = 4
 DAY_S = 86_400
 DEFAULT_ROWS = 1_000_000
 FULL_NODE, LIVE_NODE = "bench-node", "live-node"
+CALL_COST_SAMPLES = 21
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE_PACKAGE = "tokenprobe_baseline"
 
@@ -171,6 +172,12 @@ class CollectedCalls(logging.Handler):
         self.taken.append((statement[:100], float(seconds)))
 
 
+def call_seconds(store) -> float:
+    started = time.perf_counter()
+    store.query_rows("SELECT 1")
+    return time.perf_counter() - started
+
+
 def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, history_s: int,
                  implementations: dict[str, type], show_queries: bool = False) -> None:
     """Time the live analysis of each of ``windows`` windows of ``rate`` requests/s, ending at ``end_ns``,
@@ -213,6 +220,10 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
               f" p95 {percentile(wall, 0.95) * 1000:6.0f} ms, max {max(wall) * 1000:6.0f} ms;"
               f" CPU median {statistics.median(cpu) * 1000:6.0f} ms; first pass {first_wall:5.1f} s"
               f" (CPU {first_cpu:5.1f} s); {per_window / statistics.median(wall):10,.0f} requests/s", flush=True)
+    if queries:  # what a call costs however little it reads: what merging two calls saves at most
+        queries.taken = []  # not the last window's
+        print(f"    a store call's own cost (SELECT 1, median of {CALL_COST_SAMPLES}):"
+              f" {statistics.median(call_seconds(store) for _ in range(CALL_COST_SAMPLES)) * 1000:.1f} ms")
     for name, taken in last_queries.items():
         print(f"    {name}: {len(taken)} store calls in the last window, {sum(s for _, s in taken) * 1000:.0f} ms:")
         for statement, spent in taken:
