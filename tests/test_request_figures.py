@@ -136,7 +136,7 @@ def test_other_thresholds_than_the_views_count_stalls_by_them(reference, rows):
     thresholds = replace(DEFAULT_CONFIG.thresholds, stall_factor=7.0)
     analyze(store, ANALYSED, window_s=60, now_ns=next(PASS_TIMES), config=AnalyticsConfig(thresholds=thresholds))
     by_key = {(row["conn_id"], row["req_seq"]): expected_stalls(row, 7.0) for row in rows}
-    stored = dict(((conn_id, req_seq), stalls) for conn_id, req_seq, stalls in store.query_rows(
-        f"SELECT conn_id, req_seq, stalls FROM {store.table('request_phases')} FINAL"))
+    stored = {(conn_id, req_seq): stalls for conn_id, req_seq, stalls in store.query_rows(
+        f"SELECT conn_id, req_seq, stalls FROM {store.table('request_phases')} FINAL")}
     assert stored == by_key
     assert sum(by_key.values()) == 0 < sum(expected_stalls(row, 5.0) for row in rows)  # 6x: a stall at 5, not 7
