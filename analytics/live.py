@@ -98,17 +98,12 @@ class EndedPhases:
 @dataclass(frozen=True)
 class LivePass:
     """What one pass found: the analysed range and report (None when no request ended), its matrix cells
-    (the report's and the in-flight ones), and the phases of the requests that ended in it (rows given as
-    dicts are taken column by column)."""
+    (the report's and the in-flight ones), and the phases of the requests that ended in it."""
 
     analysed: TimeRange | None
     report: AnalysisReport | None
     cells: list[Cell]
     phases: EndedPhases
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.phases, EndedPhases):
-            object.__setattr__(self, "phases", EndedPhases.from_rows(self.phases))
 
     @property
     def latest_cells(self) -> list[Cell]:

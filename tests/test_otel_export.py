@@ -23,7 +23,7 @@ from tokenprobe.agent.export.otel_export import (
     request_key,
     request_phases,
 )
-from tokenprobe.analytics.live import LivePass
+from tokenprobe.analytics.live import EndedPhases, LivePass
 from tokenprobe.analytics.outlets import OtelOutlet
 
 T0 = 1_760_000_000_000_000_000  # a wall-clock instant, ns
@@ -187,8 +187,8 @@ def test_the_live_analysis_split_arrives_later_under_the_server_ttft_span(receiv
     later, unsplit = streamed_row(conn_id=78), streamed_row(conn_id=79)
     exporter.export_request(later)
     exporter.export_request(unsplit)
-    OtelOutlet(exporter).publish(LivePass(None, None, [], [
-        {**later, "queue_ms": 50.0, "prefill_ms": 250.0}, {**unsplit, "queue_ms": None, "prefill_ms": None}]))
+    OtelOutlet(exporter).publish(LivePass(None, None, [], EndedPhases.from_rows([
+        {**later, "queue_ms": 50.0, "prefill_ms": 250.0}, {**unsplit, "queue_ms": None, "prefill_ms": None}])))
     spans = exported(receiver, exporter)
     parents = {s.span_id: s for s in spans}
     split_conns = {attributes_of(parents[parents[s.parent_span_id].parent_span_id])["tokenprobe.conn_id"]
