@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import re
 
+import orjson
+
 __all__ = ["MAX_COUNT", "MAX_FIELD_CHARS", "count", "count_key", "field_text", "first_json_string",
            "is_text", "json_object", "last_count", "last_json_string", "last_match", "last_number",
            "number_key", "string_key", "text_value"]
@@ -46,7 +48,23 @@ def last_number(pattern: re.Pattern, data: bytes) -> float | None:
     return float(match[1]) if match else None
 
 
+# An integer orjson may read as a float (past 64 bits) where json.loads keeps it whole.
+_LONG_INTEGER = re.compile(rb"[0-9]{19}")
+
+
 def json_object(data: bytes) -> dict | None:
+    """``data`` as a JSON object, exactly as ``json.loads`` reads it, else None.
+
+    orjson reads the common case about 4× faster; what it refuses (NaN, a number past a float's
+    range, a BOM, a surrogate, other encodings) and what it would read otherwise (long integers)
+    goes to ``json.loads``."""
+    if _LONG_INTEGER.search(data) is None:
+        try:
+            value = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            return value if isinstance(value, dict) else None
     try:
         value = json.loads(data)
     except (ValueError, RecursionError):

@@ -349,8 +349,10 @@ class ConnectionTracker:
             return
         self._segment(conn, direction, ev.ts_ns, ev.head, ev.total_len, ev.tail)
 
-    def _segment(self, conn: Connection, direction: int, ts: int, head: bytes, total_len: int, tail: bytes) -> None:
-        """The bytes a call moved (of them, those captured) to the connection's assembler."""
+    def _segment(self, conn: Connection, direction: int, ts: int, head: bytes, total_len: int, tail: bytes,
+                 *, carried: bool = False) -> None:
+        """The bytes a call moved (of them, those captured) to the connection's assembler. ``carried``:
+        a write the kernel carried whole in a batch, which only a connection with a template has."""
         is_request = self._is_request(conn, direction)
         exchanges = self._feed(conn, is_request, ts, head, total_len, tail)
         # Booked after feeding: the segment may itself open the exchange it belongs to.
@@ -358,7 +360,10 @@ class ConnectionTracker:
         if unseen:
             self.stats.bytes_unseen += unseen
             self._note_unseen(conn, is_request, unseen)
-        elif self.steady is not None and direction == DIR_WRITE and not is_request and not tail:
+        elif self.steady is not None and direction == DIR_WRITE and not is_request and not tail and not carried:
+            # A carried write is not followed: the kernel already holds a template (it opened the batch
+            # with a write like it), and one a stream has left is named again from the first write it
+            # sends as an event of its own.
             self._follow_steady(conn, head)
         self._finish(conn, exchanges)
 
@@ -406,7 +411,7 @@ class ConnectionTracker:
             if write.after > done:
                 self._batched_writes(conn, times[done:write.after], write.run_bytes)
             done, run_bytes = write.after, run_bytes - write.run_bytes
-            self._segment(conn, DIR_WRITE, write.ts_ns, write.data, len(write.data), b"")
+            self._segment(conn, DIR_WRITE, write.ts_ns, write.data, len(write.data), b"", carried=True)
         if done < len(times):
             self._batched_writes(conn, times[done:] if done else times, run_bytes)
 
