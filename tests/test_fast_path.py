@@ -295,3 +295,35 @@ def test_a_feed_with_nothing_ready_returns_the_shared_empty_list():
     twin = TwinAssembler(fingerprint_key=KEY)
     first = twin.feed_request_bytes(1, b"POST /v1/chat", 13)
     assert first == [] and first is twin.feed_request_bytes(2, b"/completions", 12)
+
+
+# JSON that orjson refuses or reads otherwise than json.loads: each must read as json.loads reads it.
+_JSON_EDGES = [
+    b'{"usage":{"prompt_tokens":18446744073709551616}}',  # past 64 bits: orjson would give a float
+    b'{"n":-9223372036854775809}', b'{"n":12345678901234567890123}',
+    b'{"x":NaN}', b'{"x":Infinity}', b'{"x":1e400}',  # json.loads takes these; orjson refuses them
+    b'\xef\xbb\xbf{"a":1}', b'{"s":"\\ud800"}', b'{"s":"\xed\xa0\x80"}',
+    '{"s":"é"}'.encode("utf-16"),  # json.loads detects the encoding
+    b'{"a":1,"a":2}', b'{"s":"a\x01b"}', b'[1]', b'"s"', b'{"a":1} x', b'{"a":',
+    b'[' * 3000 + b']' * 3000,
+]
+
+
+@pytest.mark.parametrize("data", _JSON_EDGES)
+def test_json_objects_read_as_json_loads_reads_them(data):
+    try:
+        expected = json.loads(data)
+    except (ValueError, RecursionError):
+        expected = None
+    got = json_scan.json_object(data)
+    expected = expected if isinstance(expected, dict) else None
+    assert repr(got) == repr(expected)  # repr: an int read as a float, or nan, tells itself apart
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12))
+def test_random_json_reads_as_json_loads_reads_it(value):
+    data = json.dumps({"v": value}).encode()
+    assert repr(json_scan.json_object(data)) == repr(json.loads(data))
