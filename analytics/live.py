@@ -146,6 +146,7 @@ class LiveAnalysis:
         # A (re)started agent first covers the window before it: a previous agent may have stopped in it.
         self.watermark_ns = clock_ns() - self.settle_ns - every_s * NS_PER_S
         self.passes = self.failures = 0
+        self.cpu_s = 0.0  # CPU the passes took on their thread (the store's pool threads not included)
         self.slo_minutes = SloMinutes()  # so a pass counts only the minutes new since the last one
         self.idle_floors = IdleArrivalFloors()  # so a pass reads the idle arrivals since the last one's oldest
         self.occupancy = KeptOccupancy()  # so a pass reads the phases it wrote, not the occupancy's look-back
@@ -299,7 +300,8 @@ class LiveAnalysis:
 
     # -- the thread -------------------------------------------------------------------------
     def tick(self) -> None:
-        """``run_once`` that counts and logs failures instead of raising."""
+        """``run_once`` that counts and logs failures instead of raising, and its CPU."""
+        cpu_started = time.thread_time()
         try:
             self.run_once()
         except Exception:
@@ -309,6 +311,8 @@ class LiveAnalysis:
                 log.warning("live analysis failed (logged once until it recovers; failures are counted)",
                             exc_info=True)
             return
+        finally:
+            self.cpu_s += time.thread_time() - cpu_started
         self.passes += 1
         if self._failing:
             self._failing = False

@@ -55,6 +55,9 @@ ROOT = HERE.parent
 AGENT_CPU, LOAD_CPU = "1", "0"
 WARM_UP_S = 2.0
 TICKS = os.sysconf("SC_CLK_TCK")
+# How long to wait for the agent's live analysis (a pass every 30 s, 3 s behind the clock) to reach the
+# requests of the last run: its passes' CPU is then spread over all the requests it analysed.
+ANALYSIS_WAIT_S = 45.0
 
 
 
@@ -135,7 +138,7 @@ class AgentProcess:
     def _did_not_start(self) -> RuntimeError:
         return RuntimeError(f"agent did not start:\n{self.log_path.read_text(errors='replace')[-2000:]}")
 
-    def settled_figures(self) -> tuple[tuple[float, float, float, float, int], float, float]:
+    def settled_figures(self) -> tuple[tuple[float, float, float, float, int, float], float, float]:
         """The figures once the agent has handled what the kernel holds (they stop moving; the agent
         publishes them every second, so two publications apart), the CPU seconds a second it spent
         idle between those two, and when they were read. (The agent's own idle work, its poll loop
@@ -146,17 +149,37 @@ class AgentProcess:
             time.sleep(2.5)
             current, now = self.figures(), time.monotonic()
             if current[:2] == previous[:2]:
-                return current, (current[3] - previous[3]) / (now - previous_at), now
+                idle = (current[3] - previous[3]) - (current[5] - previous[5])  # a pass between is no idling
+                return current, idle / (now - previous_at), now
             previous, previous_at = current, now
         return previous, 0.0, previous_at  # never idle: nothing to take off
 
-    def figures(self) -> tuple[float, float, float, float, int]:
-        """(kernel records handled, kernel drops, writes that came batched, CPU seconds, RSS bytes) so far."""
-        page = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+    def figures(self) -> tuple[float, float, float, float, int, float]:
+        """(kernel records handled, kernel drops, writes that came batched, CPU seconds, RSS bytes, CPU
+        seconds of the live analysis' passes) so far."""
+        page = self.page()
         cpu = cpu_seconds(self.proc.pid)
         rss = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{self.proc.pid}/status").read_text())[1]) * 1024
         return (metric(page, "tokenprobe_agent_events_total"), metric(page, "tokenprobe_agent_drops_total"),
-                metric(page, "tokenprobe_agent_batched_writes_total"), cpu, rss)
+                metric(page, "tokenprobe_agent_batched_writes_total"), cpu, rss,
+                metric(page, "tokenprobe_agent_analysis_cpu_seconds_total"))
+
+    def page(self) -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
+
+    def analysis(self, until: float) -> tuple[float, float] | None:
+        """(CPU seconds its passes took, Unix time up to which they analysed the requests that ended) once
+        a pass has analysed those that ended by ``until`` (Unix s), or a window and a half went by; None
+        from an agent that does not count the passes' CPU (an implementation before it did)."""
+        deadline = time.monotonic() + ANALYSIS_WAIT_S
+        while True:
+            page = self.page()
+            if "tokenprobe_agent_analysis_cpu_seconds_total" not in page:
+                return None
+            analysed_until = metric(page, "tokenprobe_agent_analysed_until_seconds")
+            if analysed_until >= until or time.monotonic() > deadline:
+                return metric(page, "tokenprobe_agent_analysis_cpu_seconds_total"), analysed_until
+            time.sleep(1.0)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -185,9 +208,39 @@ class Capacity:
 
     streams: int
     kept_up: float = 0.0  # the highest rate with no drops, events/s
-    cpu_per_1k_ms: float = 0.0  # at that rate
+    cpu_per_1k_ms: float = 0.0  # at that rate: the capture's, the live analysis' passes apart
     records_per_response: float = 0.0  # at that rate
     rss_mib: float = 0.0
+    # The live analysis' passes over the agent's run, per 1k token events of the requests they analysed
+    # (None: not counted by that implementation, its passes are in cpu_per_1k_ms where they fell).
+    analysis_per_1k_ms: float | None = None
+
+    @property
+    def total_per_1k_ms(self) -> float:
+        return self.cpu_per_1k_ms + (self.analysis_per_1k_ms or 0.0)
+
+
+class ResponseLog:
+    """When the firehose's responses ended, report by report: how many a moment had seen end."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[float, float, int]] = []  # (from, to: Unix s; responses that ended in it)
+        self._since = time.time()
+
+    def add(self, responses: int) -> None:
+        now = time.time()
+        self._spans.append((self._since, now, responses))
+        self._since = now
+
+    @property
+    def last_report(self) -> float:
+        """When the last report was taken (Unix s): no response it counted ended later."""
+        return self._since
+
+    def ended_by(self, moment: float) -> float:
+        """Responses that ended by ``moment``, those of a span it cuts prorated."""
+        return sum(n if to <= moment else n * max(0.0, moment - start) / max(to - start, 1e-9)
+                   for start, to, n in self._spans)
 
 
 class Firehose:
@@ -235,13 +288,17 @@ def streaming_server(binary: Path, port: int, tokens: int) -> Iterator[Firehose]
             hose.proc.wait()
 
 
-def drive(hose: Firehose, rate: float, seconds: float) -> LoadFigures:
-    """The firehose's clients at ``rate`` for ``seconds``, and what they read meanwhile."""
+def drive(hose: Firehose, rate: float, seconds: float, responses: ResponseLog | None = None) -> LoadFigures:
+    """The firehose's clients at ``rate`` for ``seconds``, and what they read meanwhile (with ``responses``,
+    the responses that ended since the last report, and those of this run, logged)."""
     hose.rate(rate)
-    hose.report(seconds)  # from here on
+    before = hose.report(seconds)  # from here on
     cpu = cpu_seconds(hose.proc.pid)
     time.sleep(seconds)
     load = hose.report(seconds)
+    if responses is not None:
+        responses.add(before.responses)
+        responses.add(load.responses)
     cpu = cpu_seconds(hose.proc.pid) - cpu
     hose.rate(0)
     return replace(load, load_cpu_per_1k_ms=cpu * 1e6 / max(1.0, load.events_per_s * seconds))
@@ -260,21 +317,26 @@ def connect_clients(hose: Firehose, streams: int, rate: float) -> None:
 def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], seconds: float,
              stream_counts: tuple[int, ...]) -> list[Capacity]:
     print(f"\n== {impl.name}: agent on CPU {AGENT_CPU}, server and clients on CPU {LOAD_CPU}, {seconds:.0f} s a rate")
+    print("   CPU ms/1k ev: the capture's (the agent's, less its live analysis' passes); the passes' own,"
+          " per 1k events of the requests they analysed over the run, follow each stream count")
     print(f"{'streams':>8}{'offered ev/s':>14}{'served ev/s':>13}{'records/s':>11}{'batched/s':>11}"
           f"{'rec/resp':>10}{'dropped':>9}{'CPU ms/1k ev':>14}{'RSS MiB':>9}")
     found = []
     for streams in stream_counts:
         port = free_port()
         result = Capacity(streams)
-        with streaming_server(binary, port, tokens=4000 if streams == 1 else 200) as hose:
+        tokens = 4000 if streams == 1 else 200
+        responses = ResponseLog()
+        with streaming_server(binary, port, tokens=tokens) as hose:
             agent = AgentProcess(impl, port, tmp)
             try:
                 connect_clients(hose, streams, rates[0])
                 for rate in rates:
                     before, idle_cpu, started = agent.settled_figures()
-                    load = drive(hose, rate, seconds)
+                    load = drive(hose, rate, seconds, responses)
                     after, _, settled = agent.settled_figures()
                     records, drops, batched, cpu = (after[i] - before[i] for i in range(4))
+                    cpu -= after[5] - before[5]  # a pass of the live analysis that fell here is counted apart
                     cpu = max(0.0, cpu - idle_cpu * (settled - started))  # what the events cost, not the waits
                     share = drops / max(1.0, records + drops)
                     # Per token event the server wrote: with batching, a record holds many.
@@ -285,9 +347,17 @@ def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], 
                           f"{batched / seconds:11.0f}{per_response:10.1f}{share:9.1%}{per_1k:14.2f}{rss:9.0f}")
                     if drops == 0 and load.events_per_s > result.kept_up:
                         result = Capacity(streams, load.events_per_s, per_1k, per_response, rss)
+                analysis = agent.analysis(until=responses.last_report)
             finally:
                 agent.stop()
         print(f"{'':8}highest rate with no drops: {result.kept_up:.0f} events/s")
+        analysed = responses.ended_by(analysis[1]) * tokens if analysis is not None else 0.0
+        if analysed:
+            analysis_cpu = analysis[0]
+            result.analysis_per_1k_ms = analysis_cpu * 1e6 / analysed
+            print(f"{'':8}live analysis: {analysis_cpu:.2f} CPU s for the requests of {analysed:.0f} token events"
+                  f" (those that ended by its last pass): {result.analysis_per_1k_ms:.2f} ms per 1k events;"
+                  f" with the capture's at that rate {result.total_per_1k_ms:.2f} ms")
         found.append(result)
     return found
 
@@ -344,12 +414,17 @@ def summary(results: dict[str, list[Capacity]], costs: dict[str, tuple[float, fl
     CPU per 1k events, the server's throughput within 1% and its p99 TTFT within 50 µs)."""
     print("\n== side by side: at the highest rate each kept up with (no drops); the server's figures are medians"
           " over the rounds")
-    print(f"{'':40}{'streams':>8}{'no-drop ev/s':>14}{'CPU ms/1k ev':>14}{'rec/resp':>10}{'RSS MiB':>9}"
+    print("   CPU ms/1k ev: capture + the live analysis' passes (amortized over the requests they analysed) ="
+          " the agent's; '-': an implementation that does not count its passes apart (they are in its capture"
+          " figure where they fell)")
+    print(f"{'':40}{'streams':>8}{'no-drop ev/s':>14}{'CPU ms/1k ev':>24}{'rec/resp':>10}{'RSS MiB':>9}"
           f"{'server ratio':>14}{'p99 Δ µs':>10}")
     for name, found in results.items():
         server = f"{costs[name][0]:14.3f}{costs[name][1]:10.0f}" if name in costs else f"{'-':>14}{'-':>10}"
         for c in found:
-            print(f"{name:40}{c.streams:8}{c.kept_up:14.0f}{c.cpu_per_1k_ms:14.2f}{c.records_per_response:10.1f}"
+            cpu = (f"{c.cpu_per_1k_ms:.2f} + {c.analysis_per_1k_ms:.2f} = {c.total_per_1k_ms:.2f}"
+                   if c.analysis_per_1k_ms is not None else f"{c.cpu_per_1k_ms:.2f} + - = -")
+            print(f"{name:40}{c.streams:8}{c.kept_up:14.0f}{cpu:>24}{c.records_per_response:10.1f}"
                   f"{c.rss_mib:9.0f}{server}")
 
 

@@ -182,7 +182,8 @@ class Exporters:
                 batched_writes_total=stats.steady_writes, lost_events_total=stats.lost_events)
             if self.live:
                 self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
-                                                analysed_until_s=self.live.watermark_ns / 1e9)
+                                                analysed_until_s=self.live.watermark_ns / 1e9,
+                                                cpu_s=self.live.cpu_s)
 
     def close(self) -> None:
         if self.otel:

@@ -133,6 +133,9 @@ def test_the_agent_analyses_its_own_traffic_while_tracing(capture: Capture):
     assert queued == prefilled >= 0.5 * len(capture.levels.level_of)
     failures = [s.value for s in capture.live_page.samples if s.name == "tokenprobe_agent_analysis_failures_total"]
     assert failures == [0]
+    passes, cpu = ([s.value for s in capture.live_page.samples if s.name == f"tokenprobe_agent_analysis_{name}_total"]
+                   for name in ("passes", "cpu_seconds"))
+    assert passes[0] >= 1 and cpu[0] > 0  # what the passes cost is counted, for the operator (and bench_hot_path)
     # Pass by pass, the agent saw the idle start and the overload, and the requests in flight at each pass.
     assert {OK, CRIT} <= capture.live_states["queue_wait_p95"], capture.live_states
     assert capture.inflight_samples > 0

@@ -233,6 +233,7 @@ _AGENT_STATS = {
     "analysis_passes_total": ("counter", "Live analysis passes that completed"),
     "analysis_failures_total": ("counter", "Live analysis passes that failed (retried at the next window)"),
     "analysed_until_seconds": ("gauge", "Unix time up to which ended requests have been analysed"),
+    "analysis_cpu_seconds_total": ("counter", "CPU the live analysis passes took on their own thread"),
 }
 
 
@@ -398,12 +399,14 @@ class AgentMetrics:
             map_sizes, map_overflows)
 
     # -- fed by the analytics -----------------------------------------------------------------
-    def set_analysis_stats(self, *, passes_total: int, failures_total: int, analysed_until_s: float) -> None:
-        """The live analysis' progress: how far it got, and how often it failed."""
+    def set_analysis_stats(self, *, passes_total: int, failures_total: int, analysed_until_s: float,
+                           cpu_s: float) -> None:
+        """The live analysis' progress: how far it got, how often it failed, and what it cost."""
         self._agent_stats.update({
             "analysis_passes_total": _check_number("passes_total", passes_total),
             "analysis_failures_total": _check_number("failures_total", failures_total),
-            "analysed_until_seconds": _check_number("analysed_until_s", analysed_until_s)})
+            "analysed_until_seconds": _check_number("analysed_until_s", analysed_until_s),
+            "analysis_cpu_seconds_total": _check_number("cpu_s", cpu_s)})
 
     def observe_split(self, server_port: int, model: str, *, queue_s: float, prefill_s: float) -> None:
         """One request's server TTFT split into queue and prefill. A negative estimate (the
