@@ -525,7 +525,9 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
 #endif
 #define STEADY_WHOLE_MAX 16 // writes carried whole in one batch (power of two)
 #ifndef STEADY_AGE_NS
-#define STEADY_AGE_NS 500000000ULL // a batch is sent at its first write this long after its first
+#define STEADY_AGE_NS 2000000000ULL // a batch is sent at its first write this long after its first (a slow
+// stream, 30-100 tokens/s, then costs a record per 60-200 tokens; the agent reads a held batch's times from
+// the map when it samples the requests in flight, so holding it longer hides no stall)
 #endif
 #define STEADY_CONNS 8192
 #define STEADY_PREFIX_CAP 256 // bytes after the chunk-size line, up to the text (power of two)
