@@ -90,7 +90,11 @@ def _coalesce(columns: Sequence[str]) -> str:
 
 
 def _first_known(row: Mapping, columns: Sequence[str]):
-    return next((row[column] for column in columns if row.get(column) is not None), None)
+    for column in columns:  # a loop, not next() over a generator: the agent calls this for every row
+        value = row.get(column)
+        if value is not None:
+            return value
+    return None
 
 
 @dataclass(frozen=True)
