@@ -163,8 +163,10 @@ def _fit_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: A
     calibrations: dict[ServerModel, Calibration] = {}
     if frame.empty:  # an empty result has no columns at all
         return calibrations
+    # Only the servers and models needed: another one's points may reach further back than searched.
+    wanted = set(needed)
     for (node, port, model), points in frame.groupby(["node", "server_port", "model"], sort=True, observed=True):
-        if len(points) < spans.calibration_min_points:
+        if (node, int(port), model) not in wanted or len(points) < spans.calibration_min_points:
             continue
         ttft = points["ttft_ms"].to_numpy(dtype=np.float64)
         fits = {BYTES: _unit_fit(BYTES, points["bytes_in"].to_numpy(dtype=np.float64), ttft)}
@@ -182,13 +184,13 @@ def _fit_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: A
 
 def _latest_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: AnalysisSpans,
                           needed: list[ServerModel], floors: IdleArrivalFloors) -> pd.DataFrame:
-    """The most recent ``calibration_max_points`` idle arrivals in ``lookback`` of each server and model ``needed``.
+    """The most recent ``calibration_max_points`` idle arrivals in ``lookback`` of each server and model ``needed``
+    (and any others in ``scope`` it came across, perhaps not all of theirs: the caller leaves them out).
 
     A busy server that still sees idle arrivals has that many in its last
     minutes: the query reads those first, and the whole look-back only where
     they are too few (at most a few minutes more than reading it at once).
-    Servers and models not ``needed`` (no request in the analysed range) are
-    not fitted. Where ``floors`` knows where the last ones started, the search starts there.
+    Where ``floors`` knows where the last ones started, the search starts there.
     """
     in_scope, scope_parameters = scope.condition()
     floor_ns = floors.search_from(needed, lookback, spans.calibration_max_points)
@@ -213,12 +215,7 @@ def _latest_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans
         if all(found.get(key, 0) >= spans.calibration_max_points for key in needed):
             break
     floors.update(frame, needed)
-    if frame.empty:  # an empty result has no columns at all
-        return frame
-    # Only the servers and models needed: another one's points may reach further back than searched.
-    wanted = set(needed)
-    return frame[[(node, int(port), model) in wanted
-                  for node, port, model in zip(frame["node"], frame["server_port"], frame["model"], strict=True)]]
+    return frame
 
 
 def _unit_fit(unit: str, size: np.ndarray, ttft_ms: np.ndarray) -> UnitFit:
