@@ -521,26 +521,41 @@ _FINGERPRINT = "cityHash64(node, server_port, client_addr, method, path, body_fp
 def _retries(store: Store, windows: Windows, scope: Scope, retry_window_s: float) -> pd.DataFrame:
     """Per server and window: fingerprinted requests, and those repeating one of their client's recent ones.
 
-    One read of the range: each fingerprint's requests in time order (an array per fingerprint, mostly of
-    one), each paired with the one before it; a window function over every request would sort them all.
+    The fingerprinted requests are counted as they are; only the fingerprints that repeat in the range have
+    their requests put in time order (an array per fingerprint), each paired with the one before it: an
+    array for every fingerprint, nearly all of one request, cost more than the rest of the query.
     """
     in_scope, scope_parameters = scope.condition()
     in_range, range_parameters = range_condition("req_start", "retries", TimeRange(
         windows.origin_ns, windows.analysed.end_ns).extended_back(retry_window_s))
+    requests = f"{store.table(REQUESTS_TABLE)} WHERE {measures.IS_INFERENCE} AND body_fp != 0 AND {in_range} AND {in_scope}"
+
+    def window(start_ns: str) -> str:
+        return f"intDiv({start_ns} - {{origin_ns:Int64}}, {{window_ns:Int64}})"
+
     return store.query_df(
-        f"""SELECT request.2 AS node, request.3 AS server_port,
-                   intDiv(request.1 - {{origin_ns:Int64}}, {{window_ns:Int64}}) AS window,
-                   count() AS fingerprinted,
-                   countIf(previous_ns > 0 AND request.1 - previous_ns <= {{retry_ns:Int64}}) AS retries
+        f"""SELECT node, server_port, window, sum(fingerprinted) AS fingerprinted, sum(retries) AS retries
             FROM (
-                SELECT arraySort(groupArray((toUnixTimestamp64Nano(req_start), node, server_port))) AS requests,
-                       arrayPushFront(arrayPopBack(arrayMap(earlier -> earlier.1, requests)), 0) AS previous
-                FROM {store.table(REQUESTS_TABLE)}
-                WHERE {measures.IS_INFERENCE} AND body_fp != 0 AND {in_range} AND {in_scope}
-                GROUP BY {_FINGERPRINT}
+                SELECT node, server_port, {window("toUnixTimestamp64Nano(req_start)")} AS window,
+                       count() AS fingerprinted, 0 AS retries
+                FROM {requests} AND req_start >= fromUnixTimestamp64Nano({{origin_ns:Int64}}, 'UTC')
+                GROUP BY node, server_port, window
+                UNION ALL
+                SELECT request.2 AS node, request.3 AS server_port, {window("request.1")} AS window,
+                       0 AS fingerprinted,
+                       countIf(previous_ns > 0 AND request.1 - previous_ns <= {{retry_ns:Int64}}) AS retries
+                FROM (
+                    SELECT arraySort(groupArray((toUnixTimestamp64Nano(req_start), node, server_port))) AS requests,
+                           arrayPushFront(arrayPopBack(arrayMap(earlier -> earlier.1, requests)), 0) AS previous
+                    FROM {requests}
+                      AND {_FINGERPRINT} IN (SELECT {_FINGERPRINT} FROM {requests}
+                                             GROUP BY {_FINGERPRINT} HAVING count() > 1)
+                    GROUP BY {_FINGERPRINT}
+                )
+                ARRAY JOIN requests AS request, previous AS previous_ns
+                WHERE request.1 >= {{origin_ns:Int64}}
+                GROUP BY node, server_port, window
             )
-            ARRAY JOIN requests AS request, previous AS previous_ns
-            WHERE request.1 >= {{origin_ns:Int64}}
             GROUP BY node, server_port, window""",
         {**range_parameters, **scope_parameters, **_bucket_parameters(windows),
          "retry_ns": int(retry_window_s * NS_PER_S)},
