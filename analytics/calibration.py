@@ -121,11 +121,10 @@ class Calibration:
 
 
 def calibrate(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSpans,
-              now_ns: int, only: tuple[str, dict] | None = None,
+              now_ns: int, needed: Iterable[ServerModel] | None = None,
               floors: IdleArrivalFloors | None = None) -> dict[ServerModel, Calibration]:
-    """The calibration for every server and model with inference requests in ``analysed`` (with ``only``,
-    a condition over the requests and its parameters, with requests that meet it: those whose phases a
-    live pass computes).
+    """The calibration for every server and model with inference requests in ``analysed`` (or ``needed``,
+    where the caller knows them: those whose phases a live pass computes).
 
     Fresh fits are stored in ``prefill_calibration``. A server and model with
     neither enough idle arrivals nor a stored calibration is left out: its
@@ -133,7 +132,7 @@ def calibrate(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSp
     (``IdleArrivalFloors``), kept up to date.
     """
     lookback = analysed.ending_span(spans.calibration_lookback_s)
-    needed = _keys_with_requests(store, analysed, scope, only)
+    needed = _keys_with_requests(store, analysed, scope) if needed is None else list(needed)
     fresh = _fit_idle_arrivals(store, lookback, scope, spans, now_ns, needed, floors or IdleArrivalFloors())
     fresh = _check_against_engine(store, lookback, scope, spans, fresh)
     if fresh:
@@ -143,12 +142,9 @@ def calibrate(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSp
     return {key: fresh.get(key) or stored[key] for key in needed if key in fresh or key in stored}
 
 
-def _keys_with_requests(store: Store, analysed: TimeRange, scope: Scope,
-                        only: tuple[str, dict] | None) -> list[ServerModel]:
+def _keys_with_requests(store: Store, analysed: TimeRange, scope: Scope) -> list[ServerModel]:
     in_range, range_parameters = range_condition("req_start", "analysed", analysed)
     in_scope, scope_parameters = scope.condition()
-    if only is not None:
-        in_scope, scope_parameters = f"{in_scope} AND {only[0]}", {**scope_parameters, **only[1]}
     rows = store.query_rows(
         f"SELECT DISTINCT node, server_port, model FROM {store.table(REQUESTS_TABLE)}"
         f" WHERE {measures.IS_INFERENCE} AND {in_range} AND {in_scope}",
