@@ -38,7 +38,7 @@ from ..contract.samples import ENGINE_SAMPLES_TABLE
 from ..store.client import Store
 from .config import AnalysisSpans
 from .robust import LineFit, theil_sen
-from .scope import Scope
+from .scope import Scope, Server
 from .timerange import TimeRange, range_condition
 
 METHOD = "theil-sen on idle arrivals"
@@ -306,19 +306,28 @@ def calibration_rows(calibration: Calibration) -> list[dict]:
 
 
 def latest_stored(store: Store, keys: Iterable[ServerModel]) -> dict[ServerModel, Calibration]:
-    """The most recently fitted stored calibration of each server and model asked for."""
+    """The most recently fitted stored calibration of each server and model asked for.
+
+    Only the servers and models asked for are read (the table gains a row per size unit, server and model
+    every pass that fits), and their latest fit is found by when it was fitted: its rows share that time.
+    """
     wanted = set(keys)
     if not wanted:
         return {}
     table = store.table(PREFILL_CALIBRATION_TABLE)
+    # the servers and models asked for, and maybe others of theirs (left out below)
+    asked, parameters = Scope(tuple(Server(port, node) for node, port in sorted({key[:2] for key in wanted})),
+                              tuple(sorted({model for _, _, model in wanted}))).condition()
     frame = store.query_df(
         f"""SELECT calibration_id, toUnixTimestamp64Nano(fitted_at) AS fitted_at_ns, node, server_port, model,
                    size_unit, intercept_ms, slope_ms, r2, mad_ms, n, n_outliers, size_min, size_max,
                    toUnixTimestamp64Nano(data_from) AS data_from_ns, toUnixTimestamp64Nano(data_to) AS data_to_ns,
                    engine_scale, engine_samples, engine_prefill_ms, predicted_prefill_ms, server_overhead_ms
             FROM {table}
-            WHERE calibration_id IN (
-                SELECT argMax(calibration_id, fitted_at) FROM {table} GROUP BY node, server_port, model)"""
+            WHERE {asked} AND (node, server_port, model, fitted_at) IN (
+                SELECT node, server_port, model, max(fitted_at) FROM {table} WHERE {asked}
+                GROUP BY node, server_port, model)""",
+        parameters,
     )
     calibrations: dict[ServerModel, Calibration] = {}
     if frame.empty:

@@ -1,15 +1,27 @@
-"""The knee in use (``knee.latest_found_knees``): per server and model, the newest stored fit that found one.
+"""The stored fits a pass reads back: the knee in use (``knee.latest_found_knees``: per server and model, the
+newest fit that found one) and the calibration of a server with too few idle arrivals
+(``calibration.latest_stored``: its newest fit).
 
-It is read in two steps (when, from narrow columns; then those rows); the reference is one ``argMax`` over
-every stored fit, as before.
+Both are read in two steps (when, from narrow columns; then those rows); the reference is one ``argMax``
+over every stored fit, as before.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
+from tokenprobe.analytics.calibration import (
+    BYTES,
+    TOKENS,
+    Calibration,
+    UnitFit,
+    calibration_rows,
+    latest_stored,
+)
 from tokenprobe.analytics.knee import latest_found_knees
+from tokenprobe.analytics.robust import LineFit
 from tokenprobe.analytics.scope import EVERYTHING, Scope, Server
 from tokenprobe.analytics.timerange import NS_PER_S
 from tokenprobe.store.embedded import open_store
@@ -37,6 +49,13 @@ def reference(store, scope: Scope) -> dict:
                     GROUP BY node, server_port, model""", parameters)}
 
 
+def calibration(key: tuple[str, int, str], at_ns: int, with_tokens: bool = True) -> Calibration:
+    line = LineFit(20.0 + at_ns // NS_PER_S % 7, 0.1, 0.9, 1.5, 2000, 3)
+    units = (BYTES, TOKENS) if with_tokens else (BYTES,)
+    return Calibration("-".join(map(str, (*key, at_ns))), *key, fitted_at_ns=at_ns, data_from_ns=at_ns - NS_PER_S,
+                       data_to_ns=at_ns, fits={unit: UnitFit(unit, line, 16, 4096) for unit in units})
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     store = open_store(f"chdb://{tmp_path_factory.mktemp('knees') / 'store'}", serve=False)
@@ -54,6 +73,12 @@ def store(tmp_path_factory):
                 store.insert_rows("knee", fits)
                 fits = []
         store.insert_rows("knee", [fit("n1", 8000, NOW_NS - 90 * PASS_NS, 1.0)])  # stored late, fitted before
+        for index in range(120):
+            at_ns = NOW_NS - (120 - index) * PASS_NS
+            store.insert_rows("prefill_calibration", [
+                row for key in (("n1", 8000, "m"), ("n1", 8001, "m"), ("n1", 8000, "other"), ("n2", 8000, "m"))
+                for row in calibration_rows(calibration(key, at_ns + key[1] % 2, with_tokens=index % 3 != 0))])
+        store.insert_rows("prefill_calibration", calibration_rows(calibration(("n1", 8000, "m"), NOW_NS - 60 * PASS_NS)))
         yield store
     finally:
         store.close()
@@ -71,3 +96,18 @@ def test_the_knee_in_use_is_the_newest_fit_that_found_one(store, scope):
         assert newest.slope_after_ms == 12.5 and newest.engine_slots is None
         assert knees[("n1", 8001, "m")].fitted_at_ns == NOW_NS - 151 * PASS_NS
         assert knees[("n1", 8000, "other")].fitted_at_ns == NOW_NS - 2 * PASS_NS
+
+
+@pytest.mark.parametrize("keys", [
+    [("n1", 8000, "m")],
+    [("n1", 8001, "m"), ("n1", 8000, "other"), ("n2", 8000, "m")],
+    [("n1", 8000, "m"), ("n1", 8001, "other"), ("n3", 8000, "m")],  # two never fitted
+])
+def test_a_stored_calibration_is_the_newest_fit_of_its_server_and_model(store, keys):
+    newest = {(node, int(port), model): calibration_id for node, port, model, calibration_id in store.query_rows(
+        "SELECT node, server_port, model, argMax(calibration_id, fitted_at) FROM tokenprobe.prefill_calibration"
+        " GROUP BY node, server_port, model")}
+    stored = latest_stored(store, keys)
+    assert {key: c.calibration_id for key, c in stored.items()} == {key: newest[key] for key in keys if key in newest}
+    for key, kept in stored.items():  # the last pass's, read back whole (fitted_at + 1 on odd ports)
+        assert kept == replace(calibration(key, NOW_NS - PASS_NS + key[1] % 2), fresh=False)
