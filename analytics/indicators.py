@@ -237,7 +237,8 @@ class _MatrixData:
                    _engine_buckets(store, windows, scope), windows)
 
     def servers(self) -> list[tuple[str, int]]:
-        return sorted({server for frame in ("occupancy", "stats", "gpu", "engine") for server in self._by_server[frame]})
+        return sorted({server for frame in ("occupancy", "stats", "gpu", "engine")
+                       for server in self._by_server[frame]})
 
     def rows_of(self, frame: str, server: tuple[str, int]) -> pd.DataFrame:
         """One server's rows of the frame named (an empty result has no columns at all)."""
@@ -528,7 +529,8 @@ def _retries(store: Store, windows: Windows, scope: Scope, retry_window_s: float
     in_scope, scope_parameters = scope.condition()
     in_range, range_parameters = range_condition("req_start", "retries", TimeRange(
         windows.origin_ns, windows.analysed.end_ns).extended_back(retry_window_s))
-    requests = f"{store.table(REQUESTS_TABLE)} WHERE {measures.IS_INFERENCE} AND body_fp != 0 AND {in_range} AND {in_scope}"
+    requests = (f"{store.table(REQUESTS_TABLE)}"
+                f" WHERE {measures.IS_INFERENCE} AND body_fp != 0 AND {in_range} AND {in_scope}")
 
     def window(start_ns: str) -> str:
         return f"intDiv({start_ns} - {{origin_ns:Int64}}, {{window_ns:Int64}})"

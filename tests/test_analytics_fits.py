@@ -66,7 +66,8 @@ def test_theil_sen_slope_of_a_calibrations_points_is_the_median_of_the_pair_slop
     ttft = 20.0 + 0.1 * size + rng.normal(0, 5, 2000)
     i, j = np.triu_indices(2000, k=1)
     distinct = size[j] != size[i]
-    assert theil_sen(size, ttft).slope == float(np.median((ttft[j] - ttft[i])[distinct] / (size[j] - size[i])[distinct]))
+    slopes = (ttft[j] - ttft[i])[distinct] / (size[j] - size[i])[distinct]
+    assert theil_sen(size, ttft).slope == float(np.median(slopes))
 
 
 def test_theil_sen_refits_only_points_it_has_not_fitted():

@@ -78,7 +78,8 @@ def store(tmp_path_factory):
             store.insert_rows("prefill_calibration", [
                 row for key in (("n1", 8000, "m"), ("n1", 8001, "m"), ("n1", 8000, "other"), ("n2", 8000, "m"))
                 for row in calibration_rows(calibration(key, at_ns + key[1] % 2, with_tokens=index % 3 != 0))])
-        store.insert_rows("prefill_calibration", calibration_rows(calibration(("n1", 8000, "m"), NOW_NS - 60 * PASS_NS)))
+        late = calibration(("n1", 8000, "m"), NOW_NS - 60 * PASS_NS)  # stored late, fitted before
+        store.insert_rows("prefill_calibration", calibration_rows(late))
         yield store
     finally:
         store.close()
