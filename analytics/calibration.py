@@ -38,7 +38,7 @@ from ..contract.samples import ENGINE_SAMPLES_TABLE
 from ..store.client import Store
 from .config import AnalysisSpans
 from .robust import LineFit, theil_sen
-from .scope import Scope
+from .scope import Scope, Server
 from .timerange import TimeRange, range_condition
 
 METHOD = "theil-sen on idle arrivals"
@@ -121,11 +121,10 @@ class Calibration:
 
 
 def calibrate(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSpans,
-              now_ns: int, only: tuple[str, dict] | None = None,
+              now_ns: int, needed: Iterable[ServerModel] | None = None,
               floors: IdleArrivalFloors | None = None) -> dict[ServerModel, Calibration]:
-    """The calibration for every server and model with inference requests in ``analysed`` (with ``only``,
-    a condition over the requests and its parameters, with requests that meet it: those whose phases a
-    live pass computes).
+    """The calibration for every server and model with inference requests in ``analysed`` (or ``needed``,
+    where the caller knows them: those whose phases a live pass computes).
 
     Fresh fits are stored in ``prefill_calibration``. A server and model with
     neither enough idle arrivals nor a stored calibration is left out: its
@@ -133,7 +132,7 @@ def calibrate(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSp
     (``IdleArrivalFloors``), kept up to date.
     """
     lookback = analysed.ending_span(spans.calibration_lookback_s)
-    needed = _keys_with_requests(store, analysed, scope, only)
+    needed = _keys_with_requests(store, analysed, scope) if needed is None else list(needed)
     fresh = _fit_idle_arrivals(store, lookback, scope, spans, now_ns, needed, floors or IdleArrivalFloors())
     fresh = _check_against_engine(store, lookback, scope, spans, fresh)
     if fresh:
@@ -143,12 +142,9 @@ def calibrate(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSp
     return {key: fresh.get(key) or stored[key] for key in needed if key in fresh or key in stored}
 
 
-def _keys_with_requests(store: Store, analysed: TimeRange, scope: Scope,
-                        only: tuple[str, dict] | None) -> list[ServerModel]:
+def _keys_with_requests(store: Store, analysed: TimeRange, scope: Scope) -> list[ServerModel]:
     in_range, range_parameters = range_condition("req_start", "analysed", analysed)
     in_scope, scope_parameters = scope.condition()
-    if only is not None:
-        in_scope, scope_parameters = f"{in_scope} AND {only[0]}", {**scope_parameters, **only[1]}
     rows = store.query_rows(
         f"SELECT DISTINCT node, server_port, model FROM {store.table(REQUESTS_TABLE)}"
         f" WHERE {measures.IS_INFERENCE} AND {in_range} AND {in_scope}",
@@ -163,8 +159,10 @@ def _fit_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: A
     calibrations: dict[ServerModel, Calibration] = {}
     if frame.empty:  # an empty result has no columns at all
         return calibrations
+    # Only the servers and models needed: another one's points may reach further back than searched.
+    wanted = set(needed)
     for (node, port, model), points in frame.groupby(["node", "server_port", "model"], sort=True, observed=True):
-        if len(points) < spans.calibration_min_points:
+        if (node, int(port), model) not in wanted or len(points) < spans.calibration_min_points:
             continue
         ttft = points["ttft_ms"].to_numpy(dtype=np.float64)
         fits = {BYTES: _unit_fit(BYTES, points["bytes_in"].to_numpy(dtype=np.float64), ttft)}
@@ -182,13 +180,13 @@ def _fit_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: A
 
 def _latest_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans: AnalysisSpans,
                           needed: list[ServerModel], floors: IdleArrivalFloors) -> pd.DataFrame:
-    """The most recent ``calibration_max_points`` idle arrivals in ``lookback`` of each server and model ``needed``.
+    """The most recent ``calibration_max_points`` idle arrivals in ``lookback`` of each server and model ``needed``
+    (and any others in ``scope`` it came across, perhaps not all of theirs: the caller leaves them out).
 
     A busy server that still sees idle arrivals has that many in its last
     minutes: the query reads those first, and the whole look-back only where
     they are too few (at most a few minutes more than reading it at once).
-    Servers and models not ``needed`` (no request in the analysed range) are
-    not fitted. Where ``floors`` knows where the last ones started, the search starts there.
+    Where ``floors`` knows where the last ones started, the search starts there.
     """
     in_scope, scope_parameters = scope.condition()
     floor_ns = floors.search_from(needed, lookback, spans.calibration_max_points)
@@ -213,12 +211,7 @@ def _latest_idle_arrivals(store: Store, lookback: TimeRange, scope: Scope, spans
         if all(found.get(key, 0) >= spans.calibration_max_points for key in needed):
             break
     floors.update(frame, needed)
-    if frame.empty:  # an empty result has no columns at all
-        return frame
-    # Only the servers and models needed: another one's points may reach further back than searched.
-    wanted = set(needed)
-    return frame[[(node, int(port), model) in wanted
-                  for node, port, model in zip(frame["node"], frame["server_port"], frame["model"], strict=True)]]
+    return frame
 
 
 def _unit_fit(unit: str, size: np.ndarray, ttft_ms: np.ndarray) -> UnitFit:
@@ -313,19 +306,28 @@ def calibration_rows(calibration: Calibration) -> list[dict]:
 
 
 def latest_stored(store: Store, keys: Iterable[ServerModel]) -> dict[ServerModel, Calibration]:
-    """The most recently fitted stored calibration of each server and model asked for."""
+    """The most recently fitted stored calibration of each server and model asked for.
+
+    Only the servers and models asked for are read (the table gains a row per size unit, server and model
+    every pass that fits), and their latest fit is found by when it was fitted: its rows share that time.
+    """
     wanted = set(keys)
     if not wanted:
         return {}
     table = store.table(PREFILL_CALIBRATION_TABLE)
+    # the servers and models asked for, and maybe others of theirs (left out below)
+    asked, parameters = Scope(tuple(Server(port, node) for node, port in sorted({key[:2] for key in wanted})),
+                              tuple(sorted({model for _, _, model in wanted}))).condition()
     frame = store.query_df(
         f"""SELECT calibration_id, toUnixTimestamp64Nano(fitted_at) AS fitted_at_ns, node, server_port, model,
                    size_unit, intercept_ms, slope_ms, r2, mad_ms, n, n_outliers, size_min, size_max,
                    toUnixTimestamp64Nano(data_from) AS data_from_ns, toUnixTimestamp64Nano(data_to) AS data_to_ns,
                    engine_scale, engine_samples, engine_prefill_ms, predicted_prefill_ms, server_overhead_ms
             FROM {table}
-            WHERE calibration_id IN (
-                SELECT argMax(calibration_id, fitted_at) FROM {table} GROUP BY node, server_port, model)"""
+            WHERE {asked} AND (node, server_port, model, fitted_at) IN (
+                SELECT node, server_port, model, max(fitted_at) FROM {table} WHERE {asked}
+                GROUP BY node, server_port, model)""",
+        parameters,
     )
     calibrations: dict[ServerModel, Calibration] = {}
     if frame.empty:

@@ -224,6 +224,9 @@ class _MatrixData:
     def __init__(self, occupancy, stats, retries, gpu, engine, windows: Windows):
         self.occupancy, self.stats, self.retries, self.gpu, self.engine = occupancy, stats, retries, gpu, engine
         self.windows = windows
+        # each frame's rows per server, split once (filtering a frame server by server costs a pass each)
+        self._by_server = {name: _split_by_server(frame) for name, frame in (
+            ("occupancy", occupancy), ("stats", stats), ("retries", retries), ("gpu", gpu), ("engine", engine))}
 
     @classmethod
     def load(cls, store: Store, windows: Windows, scope: Scope, thresholds: Thresholds,
@@ -234,25 +237,30 @@ class _MatrixData:
                    _engine_buckets(store, windows, scope), windows)
 
     def servers(self) -> list[tuple[str, int]]:
-        frames = [frame for frame in (self.occupancy, self.stats, self.gpu, self.engine) if not frame.empty]
-        return sorted({(node, int(port)) for frame in frames
-                       for node, port in zip(frame["node"], frame["server_port"], strict=True)})
+        return sorted({server for frame in ("occupancy", "stats", "gpu", "engine")
+                       for server in self._by_server[frame]})
 
-    @staticmethod
-    def rows_of(frame: pd.DataFrame, server: tuple[str, int]) -> pd.DataFrame:
-        """One server's rows (an empty result has no columns at all)."""
-        if frame.empty:
-            return frame
-        return frame[(frame["node"] == server[0]) & (frame["server_port"] == server[1])]
+    def rows_of(self, frame: str, server: tuple[str, int]) -> pd.DataFrame:
+        """One server's rows of the frame named (an empty result has no columns at all)."""
+        return self._by_server[frame].get(server, _NO_ROWS)
 
-    def series(self, frame: pd.DataFrame, server: tuple[str, int], column: str, fill: float) -> np.ndarray:
-        """One server's column as a dense array over the sub-buckets."""
+    def series(self, rows: pd.DataFrame, column: str, fill: float) -> np.ndarray:
+        """A column of one server's ``rows`` as a dense array over the sub-buckets."""
         values = np.full(self.windows.buckets, fill, dtype=np.float64)
-        rows = self.rows_of(frame, server)
         if rows.empty:
             return values
         values[rows["bucket"].to_numpy(dtype=np.int64)] = rows[column].to_numpy(dtype=np.float64, na_value=np.nan)
         return values
+
+
+_NO_ROWS = pd.DataFrame()
+
+
+def _split_by_server(frame: pd.DataFrame) -> dict[tuple[str, int], pd.DataFrame]:
+    if frame.empty:
+        return {}
+    return {(node, int(port)): rows
+            for (node, port), rows in frame.groupby(["node", "server_port"], sort=False, observed=True)}
 
 
 def _bucket_sql(timestamp_ns: str) -> str:
@@ -469,8 +477,13 @@ def _selected(intervals: Intervals, chosen: np.ndarray) -> Intervals:
 def _replaced(kept: Intervals, written: Intervals) -> Intervals:
     """The kept intervals less those of requests ``written`` again (their newest rows, which ``FINAL`` reads):
     only those read whole may be, where a re-analysis by hand wrote a request no pass had seen end."""
-    candidates = np.flatnonzero(kept["reread"])
-    if not len(candidates) or not len(written["start_ns"]):
+    if not len(written["start_ns"]):
+        return kept
+    # only those that started when a written one did can be one (a cheap look before the keys' comparison)
+    starts = kept["start_ns"]
+    candidates = np.flatnonzero(kept["reread"] & (starts >= written["start_ns"].min())
+                                & (starts <= written["start_ns"].max()))
+    if not len(candidates):
         return kept
     key = ("server", "start_ns", "conn_id", "req_seq")  # request_phases' sorting key, the node in the server
     again = pd.MultiIndex.from_arrays([kept[name][candidates] for name in key]).isin(
@@ -509,26 +522,42 @@ _FINGERPRINT = "cityHash64(node, server_port, client_addr, method, path, body_fp
 def _retries(store: Store, windows: Windows, scope: Scope, retry_window_s: float) -> pd.DataFrame:
     """Per server and window: fingerprinted requests, and those repeating one of their client's recent ones.
 
-    One read of the range: each fingerprint's requests in time order (an array per fingerprint, mostly of
-    one), each paired with the one before it; a window function over every request would sort them all.
+    The fingerprinted requests are counted as they are; only the fingerprints that repeat in the range have
+    their requests put in time order (an array per fingerprint), each paired with the one before it: an
+    array for every fingerprint, nearly all of one request, cost more than the rest of the query.
     """
     in_scope, scope_parameters = scope.condition()
     in_range, range_parameters = range_condition("req_start", "retries", TimeRange(
         windows.origin_ns, windows.analysed.end_ns).extended_back(retry_window_s))
+    requests = (f"{store.table(REQUESTS_TABLE)}"
+                f" WHERE {measures.IS_INFERENCE} AND body_fp != 0 AND {in_range} AND {in_scope}")
+
+    def window(start_ns: str) -> str:
+        return f"intDiv({start_ns} - {{origin_ns:Int64}}, {{window_ns:Int64}})"
+
     return store.query_df(
-        f"""SELECT request.2 AS node, request.3 AS server_port,
-                   intDiv(request.1 - {{origin_ns:Int64}}, {{window_ns:Int64}}) AS window,
-                   count() AS fingerprinted,
-                   countIf(previous_ns > 0 AND request.1 - previous_ns <= {{retry_ns:Int64}}) AS retries
+        f"""SELECT node, server_port, window, sum(fingerprinted) AS fingerprinted, sum(retries) AS retries
             FROM (
-                SELECT arraySort(groupArray((toUnixTimestamp64Nano(req_start), node, server_port))) AS requests,
-                       arrayPushFront(arrayPopBack(arrayMap(earlier -> earlier.1, requests)), 0) AS previous
-                FROM {store.table(REQUESTS_TABLE)}
-                WHERE {measures.IS_INFERENCE} AND body_fp != 0 AND {in_range} AND {in_scope}
-                GROUP BY {_FINGERPRINT}
+                SELECT node, server_port, {window("toUnixTimestamp64Nano(req_start)")} AS window,
+                       count() AS fingerprinted, 0 AS retries
+                FROM {requests} AND req_start >= fromUnixTimestamp64Nano({{origin_ns:Int64}}, 'UTC')
+                GROUP BY node, server_port, window
+                UNION ALL
+                SELECT request.2 AS node, request.3 AS server_port, {window("request.1")} AS window,
+                       0 AS fingerprinted,
+                       countIf(previous_ns > 0 AND request.1 - previous_ns <= {{retry_ns:Int64}}) AS retries
+                FROM (
+                    SELECT arraySort(groupArray((toUnixTimestamp64Nano(req_start), node, server_port))) AS requests,
+                           arrayPushFront(arrayPopBack(arrayMap(earlier -> earlier.1, requests)), 0) AS previous
+                    FROM {requests}
+                      AND {_FINGERPRINT} IN (SELECT {_FINGERPRINT} FROM {requests}
+                                             GROUP BY {_FINGERPRINT} HAVING count() > 1)
+                    GROUP BY {_FINGERPRINT}
+                )
+                ARRAY JOIN requests AS request, previous AS previous_ns
+                WHERE request.1 >= {{origin_ns:Int64}}
+                GROUP BY node, server_port, window
             )
-            ARRAY JOIN requests AS request, previous AS previous_ns
-            WHERE request.1 >= {{origin_ns:Int64}}
             GROUP BY node, server_port, window""",
         {**range_parameters, **scope_parameters, **_bucket_parameters(windows),
          "retry_ns": int(retry_window_s * NS_PER_S)},
@@ -619,20 +648,20 @@ class _ServerJudge:
         self.node, self.port = server
         self.windows, self.thresholds, self.capacity = windows, thresholds, capacity
         self.seconds = windows.bucket_seconds()
-        occupancy = data.occupancy
-        self.in_flight = data.series(occupancy, server, "in_flight_s", 0.0) / self.seconds
-        self.queued = data.series(occupancy, server, "queued_s", 0.0) / self.seconds
-        self.running = data.series(occupancy, server, "running_s", 0.0) / self.seconds
-        self.waiting = data.series(data.engine, server, "waiting", np.nan)
-        self.kv_mean = data.series(data.engine, server, "kv_mean", np.nan)
-        self.kv_max = data.series(data.engine, server, "kv_max", np.nan)
-        self.preempt_first = data.series(data.engine, server, "preemptions_first", np.nan)
-        self.preempt_last = data.series(data.engine, server, "preemptions_last", np.nan)
-        self.stats = self._per_window(data.rows_of(data.stats, server))
-        self.retries = self._per_window(data.rows_of(data.retries, server))
-        gpu = data.rows_of(data.gpu, server)
+        occupancy, engine = data.rows_of("occupancy", server), data.rows_of("engine", server)
+        self.in_flight = data.series(occupancy, "in_flight_s", 0.0) / self.seconds
+        self.queued = data.series(occupancy, "queued_s", 0.0) / self.seconds
+        self.running = data.series(occupancy, "running_s", 0.0) / self.seconds
+        self.waiting = data.series(engine, "waiting", np.nan)
+        self.kv_mean = data.series(engine, "kv_mean", np.nan)
+        self.kv_max = data.series(engine, "kv_max", np.nan)
+        self.preempt_first = data.series(engine, "preemptions_first", np.nan)
+        self.preempt_last = data.series(engine, "preemptions_last", np.nan)
+        self.stats = self._per_window(data.rows_of("stats", server))
+        self.retries = self._per_window(data.rows_of("retries", server))
+        gpu = data.rows_of("gpu", server)
         self.devices = {} if gpu.empty else {
-            device: (data.series(rows, server, "memory_used", np.nan), data.series(rows, server, "util_pct", np.nan))
+            device: (data.series(rows, "memory_used", np.nan), data.series(rows, "util_pct", np.nan))
             for device, rows in gpu.groupby("device_id", sort=True, observed=True)
         }
 

@@ -210,16 +210,24 @@ def _fit_curve(key: ServerModel, curve, slots: float | None, now_ns: int) -> Kne
 
 
 def latest_found_knees(store: Store, scope: Scope) -> dict[ServerModel, Knee]:
-    """The most recent stored fit of each server and model that found a knee."""
+    """The most recent stored fit of each server and model that found a knee.
+
+    When each was fitted is found from narrow columns first, and only those fits' rows are read whole: the
+    table gains a row per server and model every live pass, and an ``argMax`` over all of their rows (the
+    explanations too) took 0.25 s at 30 days of them where this takes 0.05 s.
+    """
     in_scope, parameters = scope.condition()
+    table, found = store.table(KNEE_TABLE), f"knee_concurrency IS NOT NULL AND {in_scope}"
     rows = store.query_df(
         f"""SELECT node, server_port, model,
-                   argMax(tuple(toUnixTimestamp64Nano(fitted_at), knee_concurrency, knee_concurrency_p99, confidence,
-                                flat_ttft_ms, slope_after_ms, max_concurrency_seen, levels, n_requests,
-                                engine_slots, explanation), fitted_at) AS latest
-            FROM {store.table(KNEE_TABLE)}
-            WHERE knee_concurrency IS NOT NULL AND {in_scope}
-            GROUP BY node, server_port, model""",
+                   tuple(toUnixTimestamp64Nano(fitted_at), knee_concurrency, knee_concurrency_p99, confidence,
+                         flat_ttft_ms, slope_after_ms, max_concurrency_seen, levels, n_requests,
+                         engine_slots, explanation) AS latest
+            FROM {table}
+            WHERE {found} AND (node, server_port, model, fitted_at) IN (
+                SELECT node, server_port, model, max(fitted_at) FROM {table} WHERE {found}
+                GROUP BY node, server_port, model)
+            LIMIT 1 BY node, server_port, model""",
         parameters,
     )
     knees: dict[ServerModel, Knee] = {}

@@ -24,6 +24,7 @@ computed with other thresholds, the pass computes the same figures from
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -73,35 +74,62 @@ def _split_expressions() -> dict[str, str]:
 
 # A request's key as one number: summed over a pass's rows, it tells two tables' sets of requests apart.
 _KEY = "cityHash64(node, server_port, req_start, conn_id, req_seq)"
+# Per server and model: how many requests, and their keys' sum.
+_COUNTED = f"node, server_port, model, count(), sum({_KEY})"
 
 
-def _figures_source(store: Store, condition: str, parameters: dict, thresholds: Thresholds) -> str:
-    """Where the figures of the requests that meet ``condition`` come from: ``request_figures``, when it holds
-    every one of them computed by this definition with ``thresholds`` (same count, same sum of key hashes:
-    no row missing, none extra), else the same figures computed from ``requests`` here."""
-    definition = figures_definition(thresholds.stall_factor, thresholds.long_stream_events)
-    figures = f"SELECT * FROM {store.table(REQUEST_FIGURES_TABLE)} WHERE {condition} AND definition = '{definition}'"
-    (complete,), = store.query_rows(
-        f"""SELECT (SELECT (count(), sum({_KEY})) FROM {store.table(REQUESTS_TABLE)}
-                    WHERE {measures.IS_INFERENCE} AND {condition})
-                 = (SELECT (count(), sum({_KEY})) FROM ({figures}))""", parameters)
-    if complete:
-        return figures
-    return figures_select(store.table(REQUESTS_TABLE), thresholds.stall_factor, thresholds.long_stream_events,
-                          condition)
+@dataclass(frozen=True)
+class PhaseRequests:
+    """The inference requests whose phases a run computes: a condition on the columns ``requests`` and
+    ``request_figures`` share, its parameters, and per server and model their count and keys' sum."""
+
+    condition: str
+    parameters: dict
+    counted: dict[ServerModel, tuple[int, int]]
+
+    @property
+    def keys(self) -> list[ServerModel]:
+        return sorted(self.counted)
 
 
-def compute_phases(store: Store, requests: TimeRange, calibrations: Mapping[ServerModel, Calibration],
-                   scope: Scope, thresholds: Thresholds, now_ns: int, only: tuple[str, dict] | None = None) -> None:
-    """(Re)compute the phases of every inference request that started in ``requests`` (and, with
-    ``only``, meets that condition over the requests' columns that ``request_figures`` copies, given with
-    its parameters)."""
+def phase_requests(store: Store, requests: TimeRange, scope: Scope,
+                   only: tuple[str, dict] | None = None) -> PhaseRequests:
+    """Every inference request that started in ``requests`` (and, with ``only``, meets that condition over
+    the requests' columns that ``request_figures`` copies, given with its parameters)."""
     in_range, range_parameters = range_condition("req_start", "requests", requests)
     in_scope, scope_parameters = scope.condition()
     if only is not None:
         in_scope, scope_parameters = f"{in_scope} AND {only[0]}", {**scope_parameters, **only[1]}
     condition, parameters = f"{in_range} AND {in_scope}", {**range_parameters, **scope_parameters}
-    source = _figures_source(store, condition, parameters, thresholds)
+    counted = store.query_rows(f"SELECT {_COUNTED} FROM {store.table(REQUESTS_TABLE)}"
+                               f" WHERE {measures.IS_INFERENCE} AND {condition} GROUP BY node, server_port, model",
+                               parameters)
+    return PhaseRequests(condition, parameters, _by_server_model(counted))
+
+
+def _by_server_model(counted: list[tuple]) -> dict[ServerModel, tuple[int, int]]:
+    return {(node, int(port), model): (int(count), int(keys)) for node, port, model, count, keys in counted}
+
+
+def _figures_source(store: Store, requests: PhaseRequests, thresholds: Thresholds) -> str:
+    """Where the figures of ``requests`` come from: ``request_figures``, when it holds every one of them
+    computed by this definition with ``thresholds`` (per server and model the same count and sum of key
+    hashes: no row missing, none extra), else the same figures computed from ``requests`` here."""
+    definition = figures_definition(thresholds.stall_factor, thresholds.long_stream_events)
+    figures = (f"SELECT * FROM {store.table(REQUEST_FIGURES_TABLE)} WHERE {requests.condition}"
+               f" AND definition = '{definition}'")
+    stored = store.query_rows(f"SELECT {_COUNTED} FROM ({figures}) GROUP BY node, server_port, model",
+                              requests.parameters)
+    if _by_server_model(stored) == requests.counted:
+        return figures
+    return figures_select(store.table(REQUESTS_TABLE), thresholds.stall_factor, thresholds.long_stream_events,
+                          requests.condition)
+
+
+def compute_phases(store: Store, requests: PhaseRequests, calibrations: Mapping[ServerModel, Calibration],
+                   thresholds: Thresholds, now_ns: int) -> None:
+    """(Re)compute the phases of ``requests`` (``phase_requests``)."""
+    source = _figures_source(store, requests, thresholds)
     split = _split_expressions()
     names = [column.name for column in REQUEST_PHASES_COLUMNS]
     select_list = ",\n    ".join(f"{split[name]} AS {name}" if name in split else name for name in names)
@@ -131,7 +159,7 @@ FROM ({source}) AS r
 LEFT JOIN calibrations AS c USING (node, server_port, model)
 SETTINGS join_use_nulls = 1, optimize_on_insert = 0""",
         {
-            **parameters, "computed_at": now_ns,
+            **requests.parameters, "computed_at": now_ns,
             "calibration_ids": sorted(c.calibration_id for c in calibrations.values()),
         },
     )

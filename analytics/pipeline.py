@@ -29,7 +29,7 @@ from .indicators import (
     matrix_lead_s,
 )
 from .knee import Knee, fit_knees, latest_found_knees
-from .phases import compute_phases, phase_summary
+from .phases import compute_phases, phase_requests, phase_summary
 from .scope import EVERYTHING, Scope
 from .slo import SloMinutes, SloStatus, evaluate_slos
 from .timerange import NS_PER_S, TimeRange, range_condition
@@ -109,9 +109,10 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     lead_s = matrix_lead_s(window_s, config.thresholds)
     first_window_ns = Windows(analysed, window_s, lead_s).base_ns
     phases_range = TimeRange(first_window_ns, analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
-    calibrations = calibrate(store, phases_range, scope, config.spans, now_ns, only=new_requests,
+    requests = phase_requests(store, phases_range, scope, new_requests)
+    calibrations = calibrate(store, phases_range, scope, config.spans, now_ns, needed=requests.keys,
                              floors=idle_floors)
-    compute_phases(store, phases_range, calibrations, scope, config.thresholds, now_ns, only=new_requests)
+    compute_phases(store, requests, calibrations, config.thresholds, now_ns)
     fitted = fit_knees(store, analysed, scope, config.spans, now_ns)
     knees = latest_found_knees(store, scope)  # this run's, where it found one, are the latest
     capacities = server_capacities(knees, fitted)

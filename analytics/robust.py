@@ -28,6 +28,11 @@ OUTLIER_SIGMAS = 3.0
 MAD_TO_SIGMA = 1.4826
 # Theil-Sen fits kept by the digest of their points (two per server and model: tokens and bytes).
 KEPT_FITS = 256
+# A median of more values than this is selected within a bracket drawn from a sample of MEDIAN_SAMPLE of
+# them, MEDIAN_MARGIN sample ranks either side of the middle (4 standard deviations of the middle's rank).
+BRACKETED_MEDIAN_MIN = 1 << 17
+MEDIAN_SAMPLE = 1 << 14
+MEDIAN_MARGIN = 4 * 64  # the sample's middle rank varies by √MEDIAN_SAMPLE / 2
 
 
 @dataclass(frozen=True)
@@ -108,12 +113,25 @@ def _pair_slopes(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _median(values: np.ndarray) -> float:
-    """``np.median`` of finite values, to the bit, in a third of its time on the n² pair slopes: one
-    partition and the lower half's maximum, where np.median partitions around both middle values."""
-    middle = len(values) // 2
+    """``np.median`` of finite values, to the bit. Of many (the n² pair slopes), the middle values are
+    selected among those between two order statistics of a sample, which bracket them: counting and
+    gathering those costs a few passes over the values (6 ms for the 2M slopes of 2000 points, where
+    partitioning them all took 20–35 ms). The value is exact either way: a sample that misses the middle,
+    which 4 standard deviations make rare, leaves all of them to partition."""
+    n = len(values)
+    middle = n // 2
+    lowest = middle if n % 2 else middle - 1  # the lower middle rank
+    if n > BRACKETED_MEDIAN_MIN:
+        sample = np.sort(values[np.random.default_rng(n).integers(0, n, MEDIAN_SAMPLE)])
+        at = lowest * MEDIAN_SAMPLE // n
+        low, high = sample[max(at - MEDIAN_MARGIN, 0)], sample[min(at + MEDIAN_MARGIN, MEDIAN_SAMPLE - 1)]
+        below = np.count_nonzero(values < low)
+        between = values[(values >= low) & (values <= high)]  # ranks below .. below + len(between) - 1
+        if below <= lowest and middle < below + len(between):
+            values, middle = between, middle - below
     parted = np.partition(values, middle)
     upper = parted[middle]
-    return float(upper if len(values) % 2 else np.mean([parted[:middle].max(), upper]))
+    return float(upper if n % 2 else np.mean([parted[:middle].max(), upper]))
 
 
 def _r2(y: np.ndarray, residuals: np.ndarray) -> float | None:

@@ -62,7 +62,7 @@ from tokenprobe.analytics.indicators import (
 )
 from tokenprobe.analytics.knee import fit_knees
 from tokenprobe.analytics.live import LiveAnalysis
-from tokenprobe.analytics.phases import compute_phases, phase_summary
+from tokenprobe.analytics.phases import compute_phases, phase_requests, phase_summary
 from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.slo import evaluate_slos
@@ -276,8 +276,8 @@ def main() -> int:
         analysis_started, analysis_cpu_started = time.perf_counter(), process_cpu_s()
         calibrations = timed("prefill calibration", n, lambda: calibrate(store, phases_range, EVERYTHING,
                                                                          config.spans, now_ns))
-        timed("phases (INSERT ... SELECT)", n, lambda: compute_phases(store, phases_range, calibrations,
-                                                                      EVERYTHING, config.thresholds, now_ns))
+        timed("phases (INSERT ... SELECT)", n, lambda: compute_phases(
+            store, phase_requests(store, phases_range, EVERYTHING), calibrations, config.thresholds, now_ns))
         timed("phase summary", n, lambda: phase_summary(store, analysed, EVERYTHING))
         knees = timed("knee", n, lambda: fit_knees(store, analysed, EVERYTHING, config.spans, now_ns))
         cells = timed("indicator matrix", n, lambda: compute_matrix(

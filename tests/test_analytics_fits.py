@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tokenprobe.analytics import robust
 from tokenprobe.analytics.config import AnalyticsConfig, Thresholds, load_config
 from tokenprobe.analytics.robust import fit_knee, theil_sen
 from tokenprobe.analytics.scope import Scope, Server
@@ -38,6 +39,35 @@ def test_theil_sen_slope_is_the_median_of_the_pair_slopes_to_the_bit():
         slopes = (ttft[j] - ttft[i])[distinct] / (size[j] - size[i])[distinct]
         expected = float(np.median(slopes)) if len(slopes) else 0.0
         assert theil_sen(size, ttft).slope == expected
+
+
+@pytest.mark.parametrize("values", [
+    np.random.default_rng(7).normal(0, 1, 400_001),  # odd
+    np.random.default_rng(8).normal(0, 1, 400_000),  # even
+    np.random.default_rng(9).integers(0, 5, 300_000).astype(np.float64),  # ties across the bracket
+    np.repeat([1.0, 2.0], [150_000, 150_001]),  # the middle values differ, on the edge of two runs
+    np.full(200_000, 3.5),
+    np.arange(250_000, dtype=np.float64)[::-1].copy(),
+    np.concatenate([np.full(199_999, -1e300), np.full(200_001, 1e300)]),
+])
+def test_median_of_many_values_is_numpys_to_the_bit(values):
+    assert robust._median(values) == float(np.median(values))
+
+
+def test_median_whose_bracket_misses_is_numpys_still(monkeypatch):
+    monkeypatch.setattr(robust, "MEDIAN_MARGIN", 0)  # a bracket of one sample value: the middle falls outside
+    values = np.random.default_rng(10).normal(0, 1, 300_000)
+    assert robust._median(values) == float(np.median(values))
+
+
+def test_theil_sen_slope_of_a_calibrations_points_is_the_median_of_the_pair_slopes_to_the_bit():
+    rng = np.random.default_rng(11)
+    size = np.round(rng.uniform(16, 512, 2000))  # sizes repeat: pairs left out
+    ttft = 20.0 + 0.1 * size + rng.normal(0, 5, 2000)
+    i, j = np.triu_indices(2000, k=1)
+    distinct = size[j] != size[i]
+    slopes = (ttft[j] - ttft[i])[distinct] / (size[j] - size[i])[distinct]
+    assert theil_sen(size, ttft).slope == float(np.median(slopes))
 
 
 def test_theil_sen_refits_only_points_it_has_not_fitted():

@@ -33,13 +33,14 @@ from tokenprobe.agent.sampling.samplers import (
     gpu_samples_arrow,
     server_gpus_arrow,
 )
+from tokenprobe.analytics import indicators
 from tokenprobe.analytics.calibration import BYTES, TOKENS
 from tokenprobe.analytics.cli import add_analyze_parser
 from tokenprobe.analytics.config import AnalysisSpans, AnalyticsConfig
 from tokenprobe.analytics.figures import window_figures
-from tokenprobe.analytics.indicators import CRIT, NO_DATA, OK, WARN
+from tokenprobe.analytics.indicators import CRIT, NO_DATA, OK, WARN, Windows
 from tokenprobe.analytics.pipeline import analyze
-from tokenprobe.analytics.scope import Scope, Server
+from tokenprobe.analytics.scope import EVERYTHING, Scope, Server
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
 from tokenprobe.store.embedded import open_store
 
@@ -285,6 +286,28 @@ def test_retry_storm_is_lit_by_repeated_fingerprints(analysed):
     assert storm and set(states(storm)) == {CRIT}, [(c.value, c.explanation) for c in storm]
     assert all(0.2 < cell.value < 0.4 for cell in storm)
     assert set(states(cells_of(report, 8000, "retry_storm"))) == {OK}
+
+
+def test_retry_counts_are_each_window_s_requests_that_repeat_one_within_the_retry_window(analysed):
+    store, _, _, _ = analysed
+    retry_window_s = AnalyticsConfig().thresholds.retry_window_s
+    windows = Windows(TimeRange(START_NS + 2 * MINUTE, END_NS), WINDOW_S, 0)  # earlier requests count as previous
+    counted = indicators._retries(store, windows, EVERYTHING, retry_window_s)
+    got = {(port, window): (fingerprinted, retries) for port, window, fingerprinted, retries in zip(
+        counted["server_port"], counted["window"], counted["fingerprinted"], counted["retries"], strict=True)}
+    expected: dict[tuple[int, int], list[int]] = {}
+    previous: dict[tuple, int] = {}
+    for port, start_ns, *fingerprint in sorted(store.query_rows(
+            "SELECT server_port, toUnixTimestamp64Nano(req_start), client_addr, method, path, body_fp"
+            " FROM tokenprobe.requests WHERE method = 'POST' AND body_fp != 0")):
+        key, last_ns = (port, *fingerprint), previous.get((port, *fingerprint))
+        previous[key] = start_ns
+        if windows.origin_ns <= start_ns < END_NS:
+            counts = expected.setdefault((port, (start_ns - windows.origin_ns) // (WINDOW_S * NS_PER_S)), [0, 0])
+            counts[0] += 1
+            counts[1] += last_ns is not None and start_ns - last_ns <= retry_window_s * NS_PER_S
+    assert any(retries for _, retries in expected.values())
+    assert got == {key: tuple(counts) for key, counts in expected.items()}
 
 
 def test_gpu_memory_pressure_and_fragmentation(analysed):

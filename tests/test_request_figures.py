@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 from tokenprobe.analytics.config import DEFAULT_CONFIG, AnalyticsConfig
-from tokenprobe.analytics.phases import compute_phases
+from tokenprobe.analytics.phases import compute_phases, phase_requests
 from tokenprobe.analytics.pipeline import analyze
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
@@ -94,7 +94,8 @@ def test_every_stored_request_has_its_figures_and_the_pass_reads_them(reference,
     # The pass's figures are the stored ones: a changed stored figure shows in the phases it writes.
     store.command(f"ALTER TABLE {store.table(REQUEST_FIGURES_TABLE)} UPDATE tls_ms = 1234.5 WHERE 1"
                   " SETTINGS mutations_sync = 2")
-    compute_phases(store, ANALYSED, {}, EVERYTHING, DEFAULT_CONFIG.thresholds, next(PASS_TIMES))
+    compute_phases(store, phase_requests(store, ANALYSED, EVERYTHING), {}, DEFAULT_CONFIG.thresholds,
+                   next(PASS_TIMES))
     assert {tls for (tls,) in store.query_rows(
         f"SELECT tls_ms FROM {store.table('request_phases')} FINAL")} == {1234.5}
 
