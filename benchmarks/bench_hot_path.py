@@ -13,8 +13,10 @@ commit before kernel batching kept templates across responses) — it prints:
 - for 1, 64 and 512 concurrent streams: per offered rate, the token events the
   clients read per second, the kernel records the agent handled per second and
   the writes that came batched in them, the records per response, the share of
-  records the kernel dropped, the agent's CPU per 1k token events and its RSS;
-  and the highest rate it kept up with, no drops;
+  records the kernel dropped, the agent's CPU per 1k token events (its capture's:
+  the passes of its live analysis are counted apart, from the agent's own
+  counter, and spread over the token events of the requests they analysed) and
+  its RSS; and the highest rate it kept up with, no drops;
 - the watched server at a fixed offered rate: events delivered per second, the
   firehose's own CPU per 1k events (where the probes' work in its calls shows)
   and client-side p50/p99 TTFT without an agent and with each implementation,
