@@ -61,8 +61,6 @@ import socket
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-import numpy as np
-
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from .assembler import Exchange, H2cUpgrade, HttpConnectionAssembler
 from .clock import MonotonicWallClock
@@ -135,10 +133,7 @@ def _offsets_us(times: list[int], first: int | None) -> list[int]:
     if not times:
         return []
     if (max(times) - first) // 1000 <= _OFFSET_CAP_US:
-        offsets = np.fromiter(times, dtype=np.int64, count=len(times))  # a third faster than a comprehension
-        offsets -= first
-        offsets //= 1000
-        return offsets.tolist()
+        return [(t - first) // 1000 for t in times]
     return [min((t - first) // 1000, _OFFSET_CAP_US) for t in times]
 
 
