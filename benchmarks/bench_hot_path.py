@@ -15,8 +15,10 @@ commit before kernel batching kept templates across responses) — it prints:
   the writes that came batched in them, the records per response, the share of
   records the kernel dropped, the agent's CPU per 1k token events (its capture's:
   the passes of its live analysis are counted apart, from the agent's own
-  counter, and spread over the token events of the requests they analysed) and
-  its RSS; and the highest rate it kept up with, no drops;
+  counter, and spread over the token events of the requests they analysed),
+  the part of it its store writer took (the rows' inserts, from the agent's own
+  counter: with the embedded store, the store's work on them) and its RSS; and
+  the highest rate it kept up with, no drops;
 - the watched server at a fixed offered rate: events delivered per second, the
   firehose's own CPU per 1k events (where the probes' work in its calls shows)
   and client-side p50/p99 TTFT without an agent and with each implementation,
@@ -140,7 +142,7 @@ class AgentProcess:
     def _did_not_start(self) -> RuntimeError:
         return RuntimeError(f"agent did not start:\n{self.log_path.read_text(errors='replace')[-2000:]}")
 
-    def settled_figures(self) -> tuple[tuple[float, float, float, float, int, float], float, float]:
+    def settled_figures(self) -> tuple[tuple[float, float, float, float, int, float, float], float, float]:
         """The figures once the agent has handled what the kernel holds (they stop moving; the agent
         publishes them every second, so two publications apart), the CPU seconds a second it spent
         idle between those two, and when they were read. (The agent's own idle work, its poll loop
@@ -156,15 +158,16 @@ class AgentProcess:
             previous, previous_at = current, now
         return previous, 0.0, previous_at  # never idle: nothing to take off
 
-    def figures(self) -> tuple[float, float, float, float, int, float]:
+    def figures(self) -> tuple[float, float, float, float, int, float, float]:
         """(kernel records handled, kernel drops, writes that came batched, CPU seconds, RSS bytes, CPU
-        seconds of the live analysis' passes) so far."""
+        seconds of the live analysis' passes, CPU seconds of the store writer's inserts) so far."""
         page = self.page()
         cpu = cpu_seconds(self.proc.pid)
         rss = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{self.proc.pid}/status").read_text())[1]) * 1024
         return (metric(page, "tokenprobe_agent_events_total"), metric(page, "tokenprobe_agent_drops_total"),
                 metric(page, "tokenprobe_agent_batched_writes_total"), cpu, rss,
-                metric(page, "tokenprobe_agent_analysis_cpu_seconds_total"))
+                metric(page, "tokenprobe_agent_analysis_cpu_seconds_total"),
+                metric(page, "tokenprobe_agent_store_write_cpu_seconds_total"))
 
     def page(self) -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
@@ -319,10 +322,11 @@ def connect_clients(hose: Firehose, streams: int, rate: float) -> None:
 def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], seconds: float,
              stream_counts: tuple[int, ...]) -> list[Capacity]:
     print(f"\n== {impl.name}: agent on CPU {AGENT_CPU}, server and clients on CPU {LOAD_CPU}, {seconds:.0f} s a rate")
-    print("   CPU ms/1k ev: the capture's (the agent's, less its live analysis' passes); the passes' own,"
-          " per 1k events of the requests they analysed over the run, follow each stream count")
+    print("   CPU ms/1k ev: the capture's (the agent's, less its live analysis' passes); store part: what of it"
+          " the store writer's inserts took; the passes' own, per 1k events of the requests they analysed over"
+          " the run, follow each stream count")
     print(f"{'streams':>8}{'offered ev/s':>14}{'served ev/s':>13}{'records/s':>11}{'batched/s':>11}"
-          f"{'rec/resp':>10}{'dropped':>9}{'CPU ms/1k ev':>14}{'RSS MiB':>9}")
+          f"{'rec/resp':>10}{'dropped':>9}{'CPU ms/1k ev':>14}{'store part':>12}{'RSS MiB':>9}")
     found = []
     for streams in stream_counts:
         port = free_port()
@@ -343,10 +347,13 @@ def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], 
                     share = drops / max(1.0, records + drops)
                     # Per token event the server wrote: with batching, a record holds many.
                     per_1k = cpu * 1e6 / max(1.0, load.events_per_s * seconds)
+                    # '-': an implementation without the counter
+                    store = (f"{(after[6] - before[6]) * 1e6 / max(1.0, load.events_per_s * seconds):12.2f}"
+                             if after[6] else f"{'-':>12}")
                     per_response = records / max(1, load.responses)
                     rss = after[4] / 2**20
                     print(f"{streams:8}{rate:14.0f}{load.events_per_s:13.0f}{records / seconds:11.0f}"
-                          f"{batched / seconds:11.0f}{per_response:10.1f}{share:9.1%}{per_1k:14.2f}{rss:9.0f}")
+                          f"{batched / seconds:11.0f}{per_response:10.1f}{share:9.1%}{per_1k:14.2f}{store}{rss:9.0f}")
                     if drops == 0 and load.events_per_s > result.kept_up:
                         result = Capacity(streams, load.events_per_s, per_1k, per_response, rss)
                 analysis = agent.analysis(until=responses.last_report)

@@ -49,6 +49,9 @@ class SinkStats:
     # Rows the bounded spool dropped (oldest first) since it was created, across restarts.
     spool_dropped_rows: int = 0
     spool_bytes: int = 0
+    # CPU the writer thread took delivering batches (Arrow conversion, inserts: an embedded store's own
+    # work on them, its views included, runs on this thread), in seconds.
+    cpu_s: float = 0.0
 
 
 def _is_transient(error: Exception) -> bool:
@@ -131,6 +134,7 @@ class RequestSink:
         self._rows_rejected = 0
         self._rows_lost = 0
         self._inserts = 0
+        self._cpu_s = 0.0
         self._last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"tokenprobe-sink-{table}", daemon=True)
         self._thread.start()
@@ -183,6 +187,7 @@ class RequestSink:
                 last_error=self._last_error,
                 spool_dropped_rows=self._spool.dropped_rows,
                 spool_bytes=self._spool.bytes,
+                cpu_s=self._cpu_s,
             )
 
     def close(self, timeout: float = 30.0) -> SinkStats:
@@ -227,9 +232,11 @@ class RequestSink:
                 self._in_flight, self._in_flight_token = batch, new_batch_token()
                 token = self._in_flight_token
                 finished = self._closing and not self._queued
+            started = time.thread_time()
             self._deliver(batch, token)
             with self._condition:
                 self._in_flight = []
+                self._cpu_s += time.thread_time() - started
             if finished:
                 return
 

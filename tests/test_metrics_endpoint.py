@@ -177,7 +177,7 @@ def test_indicators_not_refreshed_expire():
 
 def test_agent_health_figures(metrics):
     sink = SinkStats(rows_written=900, rows_pending=10, rows_spooled=50, rows_rejected=0, rows_lost=0,
-                     inserts=9, last_error=None, spool_dropped_rows=12, spool_bytes=4096)
+                     inserts=9, last_error=None, spool_dropped_rows=12, spool_bytes=4096, cpu_s=0.75)
     metrics.set_agent_stats(events_total=1000, drops_total=7, lag_s=0.02, events_per_s=350.0, sink=sink)
     page = read(metrics)
     assert value(page, "tokenprobe_agent_events_total") == 1000
@@ -188,6 +188,7 @@ def test_agent_health_figures(metrics):
     assert value(page, "tokenprobe_agent_spooled_rows") == 50
     assert value(page, "tokenprobe_agent_spool_bytes") == 4096
     assert value(page, "tokenprobe_agent_spool_dropped_rows_total") == 12
+    assert value(page, "tokenprobe_agent_store_write_cpu_seconds_total") == 0.75
     assert series(page, "tokenprobe_agent_open_connections") == []  # not given: not exposed
     assert value(page, "process_resident_memory_bytes") > 0
     with pytest.raises(TypeError, match="drops_total"):

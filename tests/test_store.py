@@ -552,6 +552,7 @@ def test_sink_inserts_in_batches_and_close_flushes_the_rest(owner, tmp_path):
     stats = sink.close()
     assert (stats.rows_written, stats.inserts, stats.rows_pending, stats.rows_spooled) == (25, 3, 0, 0)
     assert stored_conn_ids(owner) == list(range(25))
+    assert stats.cpu_s > 0  # what the inserts cost the writer thread, for the operator (and bench_hot_path)
 
 
 def test_sink_refuses_bad_rows_at_put(owner, tmp_path):

@@ -82,6 +82,7 @@ class SinkCounters(Protocol):
     rows_spooled: int
     spool_bytes: int
     spool_dropped_rows: int
+    cpu_s: float
 
 
 # Bucket bounds in seconds, fitted to LLM serving: TTFT from tens of ms (a
@@ -229,6 +230,8 @@ _AGENT_STATS = {
     "spooled_rows": ("gauge", "Request rows on disk waiting for the store to answer"),
     "spool_bytes": ("gauge", "Bytes the disk spool holds (bounded by --spool-max-bytes)"),
     "spool_dropped_rows_total": ("counter", "Request rows the full spool dropped, oldest first, across restarts"),
+    "store_write_cpu_seconds_total": ("counter", ("CPU the request sink's writer thread took: Arrow conversion and "
+                                                  "inserts, an embedded store's work on them included")),
     # From the live analysis (analytics/live.py).
     "analysis_passes_total": ("counter", "Live analysis passes that completed"),
     "analysis_failures_total": ("counter", "Live analysis passes that failed (retried at the next window)"),
@@ -393,7 +396,7 @@ class AgentMetrics:
             given.update(rows_written_total=sink.rows_written, rows_rejected_total=sink.rows_rejected,
                          rows_lost_total=sink.rows_lost, pending_rows=sink.rows_pending,
                          spooled_rows=sink.rows_spooled, spool_bytes=sink.spool_bytes,
-                         spool_dropped_rows_total=sink.spool_dropped_rows)
+                         spool_dropped_rows_total=sink.spool_dropped_rows, store_write_cpu_seconds_total=sink.cpu_s)
         self._agent_stats.update(
             {name: _check_number(name, value) for name, value in given.items() if value is not None},
             map_sizes, map_overflows)
