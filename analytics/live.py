@@ -134,7 +134,7 @@ class LiveAnalysis:
     def __init__(self, store: Store, node: str, *, every_s: int = DEFAULT_LIVE_EVERY_S,
                  settle_s: float = DEFAULT_SETTLE_S, config: AnalyticsConfig = DEFAULT_CONFIG,
                  outlets: Sequence[Outlet] = (), samples_inflight: bool = False,
-                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+                 clock_ns: Callable[[], int] = time.time_ns, before_pass: Callable[[], None] | None = None) -> None:
         if not isinstance(every_s, int) or isinstance(every_s, bool) or every_s < 1:
             raise ValueError(f"the analysis window must be a whole number of seconds ≥ 1, got {every_s!r}")
         if settle_s < 0:
@@ -143,6 +143,8 @@ class LiveAnalysis:
         self.settle_ns = int(settle_s * NS_PER_S)
         self.outlets = list(outlets)
         self.clock_ns = clock_ns
+        # The agent's: its request sink feeds the store's views the rows it inserted without them.
+        self.before_pass = before_pass
         # A (re)started agent first covers the window before it: a previous agent may have stopped in it.
         self.watermark_ns = clock_ns() - self.settle_ns - every_s * NS_PER_S
         self.passes = self.failures = 0
@@ -169,6 +171,8 @@ class LiveAnalysis:
         until_ns = started_ns - self.settle_ns
         if until_ns <= self.watermark_ns:
             return None
+        if self.before_pass is not None:
+            self.before_pass()
         inflight = self._fresh_inflight(started_ns)
         ended = TimeRange(self.watermark_ns, until_ns)
         starts = self._new_starts(ended)

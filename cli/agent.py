@@ -192,9 +192,10 @@ class Exporters:
             self.metrics.close()
 
 
-def start_live_analysis(cfg: AgentConfig, store: Store, node: str,
-                        exporters: Exporters) -> LiveAnalysis | None:
-    """The node's own analysis every ``cfg.analyze_every_s``, on its thread, into every outlet configured."""
+def start_live_analysis(cfg: AgentConfig, store: Store, node: str, exporters: Exporters,
+                        sink: RequestSink) -> LiveAnalysis | None:
+    """The node's own analysis every ``cfg.analyze_every_s``, on its thread, into every outlet configured;
+    each pass first has ``sink`` feed the store's views what it inserted without them."""
     if not cfg.analyze_every_s:
         return None
     outlets = []
@@ -204,7 +205,8 @@ def start_live_analysis(cfg: AgentConfig, store: Store, node: str,
         outlets.append(OtelOutlet(exporters.otel))
     if cfg.alertmanager_urls:
         outlets.append(AlertmanagerOutlet(AlertmanagerClient(cfg.alertmanager_urls)))
-    live = LiveAnalysis(store, node, every_s=cfg.analyze_every_s, outlets=outlets, samples_inflight=True)
+    live = LiveAnalysis(store, node, every_s=cfg.analyze_every_s, outlets=outlets, samples_inflight=True,
+                        before_pass=sink.feed_views)
     live.start()
     exporters.live = live
     log.info("analysing this node's servers every %d s (%s)", cfg.analyze_every_s,
@@ -220,8 +222,9 @@ class StoreServices:
 
     RETRY_MAX_S = 30.0
 
-    def __init__(self, cfg: AgentConfig, node: str, clock: MonotonicWallClock, exporters: Exporters) -> None:
-        self._cfg, self._node, self._clock, self._exporters = cfg, node, clock, exporters
+    def __init__(self, cfg: AgentConfig, node: str, clock: MonotonicWallClock, exporters: Exporters,
+                 sink: RequestSink) -> None:
+        self._cfg, self._node, self._clock, self._exporters, self._sink = cfg, node, clock, exporters, sink
         self._samplers: SamplerSet | None = None
         self._live: LiveAnalysis | None = None
         self._opened: Store | None = None  # a store this object opened itself, closed by stop()
@@ -240,7 +243,7 @@ class StoreServices:
         create_request_gpu_state_view(store)
         self._samplers = self._cfg.samplers.build(store, self._node, self._clock)
         self._samplers.start()
-        self._live = start_live_analysis(self._cfg, store, self._node, self._exporters)
+        self._live = start_live_analysis(self._cfg, store, self._node, self._exporters, self._sink)
 
     def _wait_for_store(self) -> None:
         delay = 1.0
@@ -382,7 +385,7 @@ class Agent:
             store = None
         sink = RequestSink(store or cfg.store_url, spool_max_bytes=cfg.spool_max_bytes)
         exporters = Exporters(cfg, node)
-        services = StoreServices(cfg, node, clock, exporters)
+        services = StoreServices(cfg, node, clock, exporters, sink)
         try:
             services.start(store)
             summary = self._run_probes(sink, clock, node, exporters)

@@ -19,7 +19,7 @@ from .decisions import DECISIONS
 from .ends import REQUEST_ENDS, REQUEST_ENDS_MV
 from .figures import REQUEST_FIGURES, REQUEST_FIGURES_MV
 from .inflight import INFLIGHT_SAMPLES
-from .requests import REQUESTS
+from .requests import REQUESTS, REQUESTS_FOR_VIEWS, REQUESTS_FOR_VIEWS_MV, REQUESTS_TABLE
 from .rollup import KNEE_ROLLUP, KNEE_ROLLUP_MV, ROLLUP, ROLLUP_MV
 from .samples import ENGINE_SAMPLES, GPU_SAMPLES, SERVER_GPUS
 from .tables import DEFAULT_DATABASE, DEFAULT_TTL_DAYS, Table, View
@@ -45,13 +45,30 @@ TABLES: tuple[Table, ...] = (
 MATERIALIZED_VIEWS: tuple[View, ...] = (ROLLUP_MV, KNEE_ROLLUP_MV, REQUEST_ENDS_MV, REQUEST_FIGURES_MV)
 
 
-def create_statements(database: str = DEFAULT_DATABASE, ttl_days: int = DEFAULT_TTL_DAYS) -> list[str]:
-    """The statements that create the database, every table and every materialized view, in order."""
+def tables(embedded: bool = False) -> tuple[Table, ...]:
+    """The tables as a store creates them: an embedded store's views read one more, ``requests_for_views``
+    (contract/requests.py)."""
+    return TABLES + (REQUESTS_FOR_VIEWS,) if embedded else TABLES
+
+
+def materialized_views(embedded: bool = False) -> tuple[View, ...]:
+    """The materialized views as a store creates them: an embedded store's read ``requests_for_views``, and
+    the last one feeds it (created last: before it, no row passes the views by)."""
+    if not embedded:
+        return MATERIALIZED_VIEWS
+    return (*(view.reading(REQUESTS_TABLE, REQUESTS_FOR_VIEWS.name) for view in MATERIALIZED_VIEWS),
+            REQUESTS_FOR_VIEWS_MV)
+
+
+def create_statements(database: str = DEFAULT_DATABASE, ttl_days: int = DEFAULT_TTL_DAYS, *,
+                      embedded: bool = False) -> list[str]:
+    """The statements that create the database, every table and every materialized view, in order, as a
+    ClickHouse server has them or (``embedded``) as an embedded store does."""
     if not database.isidentifier():
         raise ValueError(f"database name {database!r} is not a plain identifier")
     if not isinstance(ttl_days, int) or isinstance(ttl_days, bool) or ttl_days < 1:
         raise ValueError(f"ttl_days must be a positive integer, got {ttl_days!r}")
     statements = [f"CREATE DATABASE IF NOT EXISTS {database}"]
-    statements += [table.ddl_template.format(db=database, ttl_days=ttl_days) for table in TABLES]
-    statements += [view.ddl_template.format(db=database) for view in MATERIALIZED_VIEWS]
+    statements += [table.ddl_template.format(db=database, ttl_days=ttl_days) for table in tables(embedded)]
+    statements += [view.ddl_template.format(db=database) for view in materialized_views(embedded)]
     return statements

@@ -11,8 +11,9 @@ into a column, for writers that build typed batches themselves.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
@@ -61,6 +62,8 @@ class Table:
     ``partition_by`` and ``ttl_column`` name a timestamp column: rows are
     partitioned by its day and live ``{ttl_days}`` days after it. ``settings``
     are the table's MergeTree settings, as ClickHouse writes them after SETTINGS.
+    A table of engine ``Null`` (``feeding``) stores nothing: only the
+    materialized views that read it see its rows.
     """
 
     name: str
@@ -75,14 +78,21 @@ class Table:
     def column_names(self) -> list[str]:
         return [column.name for column in self.columns]
 
+    def feeding(self, name: str) -> Table:
+        """A table ``name`` with this one's columns that stores nothing: views read the rows inserted."""
+        return replace(self, name=name, engine="Null", settings="")
+
     @property
     def ddl_template(self) -> str:
         column_lines = ",\n    ".join(column.ddl() for column in self.columns)
-        return f"""CREATE TABLE IF NOT EXISTS {{db}}.{self.name}
+        head = f"""CREATE TABLE IF NOT EXISTS {{db}}.{self.name}
 (
     {column_lines}
 )
-ENGINE = {self.engine}
+ENGINE = {self.engine}"""
+        if self.engine == "Null":
+            return head
+        return head + f"""
 PARTITION BY toDate({self.partition_by})
 ORDER BY ({self.order_by})
 TTL toDateTime({self.ttl_column}) + INTERVAL {{ttl_days}} DAY""" + (
@@ -132,6 +142,13 @@ class View:
     @property
     def ddl_template(self) -> str:
         return f"{self.definition}\nCOMMENT '{self.comment}'"
+
+    def reading(self, table: str, instead: str) -> View:
+        """This view reading table ``instead`` where it reads ``table`` (its backfill still reads ``table``)."""
+        definition, found = re.subn(rf"\{{db\}}\.{table}\b", lambda _: f"{{db}}.{instead}", self.definition)
+        if not found:
+            raise ValueError(f"view {self.name} does not read {table}")
+        return replace(self, definition=definition)
 
 
 _SIMPLE_ARROW_TYPES = {

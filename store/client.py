@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 # At DEBUG, every call's elapsed time and the start of its statement: where an analysis spends its seconds.
 QUERY_LOG_CHARS = 160
 
-from ..contract.registry import MATERIALIZED_VIEWS, TABLES, create_statements
-from ..contract.requests import REQUESTS_TABLE
+from ..contract.registry import TABLES, create_statements, materialized_views, tables
+from ..contract.requests import REQUESTS_FOR_VIEWS_TABLE, REQUESTS_TABLE, VIEWS_LATER
 from ..contract.tables import DEDUPLICATION_WINDOW_SETTING, DEFAULT_TTL_DAYS, Table, View
 from .rows import RowSchema
 from .url import StoreURL
@@ -73,6 +73,7 @@ class Store:
         self._lock = threading.RLock()
         self._closed = False
         self._row_schemas: dict[str, RowSchema] = {}
+        self._views_read_apart: bool | None = None  # known once asked (views_fed_apart)
 
     def __enter__(self) -> Store:
         return self
@@ -111,19 +112,49 @@ class Store:
     def query_rows(self, sql: str, parameters: Mapping[str, Any] | None = None) -> list[tuple]:
         return self._call(self.client.query, sql, parameters=parameters).result_rows
 
-    def insert_arrow(self, table: str, arrow_table: pa.Table, *, deduplication_token: str | None = None) -> int:
+    def insert_arrow(self, table: str, arrow_table: pa.Table, *, deduplication_token: str | None = None,
+                     views_later: bool = False) -> int:
         """Insert an Arrow table (columns by name); returns the number of rows sent.
 
         An insert with the ``deduplication_token`` of an earlier one into the same table (a replay of a
         batch whose answer was lost) is dropped by ClickHouse instead of storing the rows twice.
+        ``views_later``: leave the materialized views over ``table`` to a later ``feed_views`` of the same
+        rows (only where ``views_fed_apart(table)``).
         """
         if arrow_table.num_rows == 0:
             return 0
-        # The materialized views an insert feeds deduplicate alongside it (the heatmap rollup).
-        settings = {"insert_deduplication_token": deduplication_token,
-                    "deduplicate_blocks_in_dependent_materialized_views": 1} if deduplication_token else None
-        self._call(self.client.insert_arrow, self.table(table), arrow_table, settings=settings)
+        settings = self._insert_settings(deduplication_token)
+        if views_later:
+            if not self.views_fed_apart(table):
+                raise ValueError(f"the views over {self.table(table)} in store {self.url} cannot be fed apart")
+            settings["log_comment"] = VIEWS_LATER
+        self._call(self.client.insert_arrow, self.table(table), arrow_table, settings=settings or None)
         return arrow_table.num_rows
+
+    def views_fed_apart(self, table: str) -> bool:
+        """Whether an insert into ``table`` may leave its materialized views to ``feed_views``: an embedded
+        store's ``requests`` (contract/requests.py says why), once ``ensure_schema`` has made it so."""
+        if self.table(table) != self.table(REQUESTS_TABLE) or not self.mode.startswith("embedded"):
+            return False
+        if self._views_read_apart is None:
+            self._views_read_apart = bool(self.query_rows(
+                "SELECT 1 FROM system.tables WHERE database = {database:String} AND name = {table:String}",
+                {"database": self.database, "table": REQUESTS_FOR_VIEWS_TABLE}))
+        return self._views_read_apart
+
+    def feed_views(self, table: str, arrow_tables: Sequence[pa.Table], *, deduplication_token: str) -> int:
+        """Run the materialized views over ``table`` on rows inserted into it with ``views_later``, in one
+        insert (``deduplication_token``: a retry of a feed whose answer was lost counts nothing twice)."""
+        if not self.views_fed_apart(table):
+            raise ValueError(f"the views over {self.table(table)} in store {self.url} cannot be fed apart")
+        return self.insert_arrow(REQUESTS_FOR_VIEWS_TABLE, pa.concat_tables(arrow_tables),
+                                 deduplication_token=deduplication_token)
+
+    @staticmethod
+    def _insert_settings(deduplication_token: str | None) -> dict[str, Any]:
+        # The materialized views an insert feeds deduplicate alongside it (the heatmap rollup).
+        return {"insert_deduplication_token": deduplication_token,
+                "deduplicate_blocks_in_dependent_materialized_views": 1} if deduplication_token else {}
 
     def insert_rows(self, table: str, rows: Sequence[Mapping[str, Any]]) -> int:
         """Insert row dicts, converted per the table's column types (DateTime64 from int epoch units)."""
@@ -162,19 +193,22 @@ class Store:
         and the rows in it, stay). ``ttl_days`` applies to tables this call
         creates; existing tables keep theirs.
         """
-        tables = {table.ddl_template.format(db=self.database, ttl_days=ttl_days): table for table in TABLES}
-        views = {view.ddl_template.format(db=self.database): view for view in MATERIALIZED_VIEWS}
+        embedded = self.mode.startswith("embedded")
+        created_tables = {table.ddl_template.format(db=self.database, ttl_days=ttl_days): table
+                          for table in tables(embedded)}
+        views = {view.ddl_template.format(db=self.database): view for view in materialized_views(embedded)}
         existing = {name for (name,) in self.query_rows(
             "SELECT name FROM system.tables WHERE database = {database:String}", {"database": self.database})}
-        for statement in create_statements(self.database, ttl_days):
+        for statement in create_statements(self.database, ttl_days, embedded=embedded):
             if statement in views:
                 self._drop_outdated_view(views[statement])
             self.command(statement)
-            if statement in tables:
+            if statement in created_tables:
                 # Before the views that read the table are created: one may read a new column.
-                self._add_missing_columns(tables[statement])
+                self._add_missing_columns(created_tables[statement])
         self._enable_insert_deduplication()
-        self._backfill_new_views([view for view in MATERIALIZED_VIEWS if view.name not in existing])
+        self._backfill_new_views([view for view in views.values() if view.name not in existing])
+        self._views_read_apart = None
 
     def _on_cluster(self) -> bool:
         """Whether this store is a cluster's (deploy/clickhouse/cluster.sql: Replicated and Distributed tables)."""

@@ -14,7 +14,7 @@ from clickhouse_connect.driver.exceptions import DatabaseError, OperationalError
 from clickhouse_connect.driver.exceptions import Error as ClickHouseError
 
 from ..contract.requests import REQUEST_COLUMN_TYPES, REQUESTS_TABLE
-from .client import TRANSIENT_ERROR_CODES, Store
+from .client import TRANSIENT_ERROR_CODES, Store, StoreUnavailable
 from .embedded import open_store
 from .rows import RowSchema
 from .spool import DEFAULT_MAX_BYTES, Spool, UnreadableSpoolFile, new_batch_token
@@ -85,6 +85,15 @@ class RequestSink:
     store, so rows are stored once. The spool holds at most
     ``spool_max_bytes``; past that its oldest batches are dropped and counted.
 
+    Where the store lets it (an embedded store's ``requests``,
+    ``Store.views_fed_apart``), a batch is inserted without running the
+    store's materialized views, and the views are fed the batches of every
+    ``views_every`` seconds in one insert, at close, and whenever
+    ``feed_views()`` is called (the live analysis calls it before each pass).
+    A sink killed before that leaves those rows in ``requests`` without their
+    rollups, ends and figures (the readers of the figures check them against
+    ``requests`` and compute what is missing).
+
     ``store`` is an open Store (the caller keeps ownership) or a URL the sink
     opens itself, lazily and again after failures, and closes with the sink.
     """
@@ -103,9 +112,10 @@ class RequestSink:
         spool_max_bytes: int = DEFAULT_MAX_BYTES,
         retry_min_s: float = 1.0,
         retry_max_s: float = 30.0,
+        views_every: float = 5.0,
     ):
-        if flush_interval <= 0 or batch_rows < 1:
-            raise ValueError("flush_interval must be > 0 and batch_rows >= 1")
+        if flush_interval <= 0 or batch_rows < 1 or views_every <= 0:
+            raise ValueError("flush_interval and views_every must be > 0 and batch_rows >= 1")
         self._store = store if isinstance(store, Store) else None
         self._store_url = None if isinstance(store, Store) else store
         target = store.target if isinstance(store, Store) else parse_store_url(store)
@@ -136,6 +146,14 @@ class RequestSink:
         self._inserts = 0
         self._cpu_s = 0.0
         self._last_error: str | None = None
+        # Batches inserted with their views left for later, grouped by the feed that takes them, each group
+        # with its deduplication token (a group whose feed failed is retried as it was).
+        self._views_every = views_every
+        self._views_due = time.monotonic() + views_every
+        self._unfed: list[pa.Table] = []
+        self._unfed_groups: list[tuple[list[pa.Table], str]] = []
+        self._feed_asked = False
+        self._feeds = 0  # done by the writer thread: feed_views() waits for the next one
         self._thread = threading.Thread(target=self._run, name=f"tokenprobe-sink-{table}", daemon=True)
         self._thread.start()
 
@@ -190,6 +208,16 @@ class RequestSink:
                 cpu_s=self._cpu_s,
             )
 
+    def feed_views(self, timeout: float = 10.0) -> None:
+        """Have the writer thread feed the store's views now (see the class docstring), and wait for it
+        at most ``timeout`` seconds. The live analysis calls it before each pass."""
+        with self._condition:
+            if self._closing:
+                return
+            feeds, self._feed_asked = self._feeds, True
+            self._condition.notify_all()
+            self._condition.wait_for(lambda: self._feeds > feeds or self._closing, timeout)
+
     def close(self, timeout: float = 30.0) -> SinkStats:
         """Deliver or spool everything queued, stop, and return the final counts.
 
@@ -213,6 +241,10 @@ class RequestSink:
             for rows, token in leftovers:
                 if rows:
                     self._spool_rows(rows, token)
+            unfed = sum(map(len, self._unfed)) + sum(sum(map(len, tables)) for tables, _ in self._unfed_groups)
+            if unfed:
+                logger.warning("%d rows stored in %s without their views having run (rollups, ends, figures)",
+                               unfed, self._table)
         elif self._store_url is not None and self._store is not None:
             self._store.close()
         self._spool.close()
@@ -224,7 +256,8 @@ class RequestSink:
         while True:
             with self._condition:
                 self._condition.wait_for(
-                    lambda: self._closing or len(self._queued) >= self._batch_rows, self._flush_interval
+                    lambda: self._closing or self._feed_asked or len(self._queued) >= self._batch_rows,
+                    self._flush_interval,
                 )
                 batch = self._queued[:self._batch_rows]
                 del self._queued[:self._batch_rows]
@@ -232,11 +265,18 @@ class RequestSink:
                 self._in_flight, self._in_flight_token = batch, new_batch_token()
                 token = self._in_flight_token
                 finished = self._closing and not self._queued
+                asked = self._feed_asked
             started = time.thread_time()
             self._deliver(batch, token)
+            if finished or asked or time.monotonic() >= self._views_due:
+                self._feed_views()
             with self._condition:
                 self._in_flight = []
                 self._cpu_s += time.thread_time() - started
+                if asked:
+                    self._feed_asked = False
+                    self._feeds += 1
+                    self._condition.notify_all()
             if finished:
                 return
 
@@ -249,7 +289,7 @@ class RequestSink:
         try:
             self._replay_spool()
             if table is not None:
-                self._insert(table, token)
+                self._insert(table, token, views_later=True)
         except Exception as error:  # classified: an outage spools the batch, a refusal sets it aside
             transient = _is_transient(error)
             if table is not None and not self._abandoned:  # close() has already spooled an abandoned batch
@@ -259,17 +299,44 @@ class RequestSink:
             return
         self._retry_delay = self._retry_min_s
 
-    def _insert(self, table: pa.Table, token: str) -> None:
+    def _insert(self, table: pa.Table, token: str, *, views_later: bool = False) -> None:
         if self._store is None:
             store = open_store(self._store_url)
             # The store may have been down since before anything created the
             # tables (an agent started during an outage): create them now.
             store.ensure_schema()
             self._store = store
-        self._store.insert_arrow(self._table, table, deduplication_token=token)
+        later = views_later and self._store.views_fed_apart(self._table)
+        self._store.insert_arrow(self._table, table, deduplication_token=token, views_later=later)
         with self._condition:
             self._rows_written += table.num_rows
             self._inserts += 1
+            if later:
+                self._unfed.append(table)
+
+    def _feed_views(self) -> None:
+        """Run the store's materialized views over the rows inserted without them (the writer thread's
+        work). Failures are kept for the next feed (an outage) or logged (a refusal), never raised."""
+        with self._condition:
+            if self._unfed:
+                self._unfed_groups.append((self._unfed, new_batch_token()))
+                self._unfed = []
+            groups, self._unfed_groups = self._unfed_groups, []
+            self._views_due = time.monotonic() + self._views_every
+        while groups:
+            tables, token = groups[0]
+            try:
+                if self._store is None:
+                    raise StoreUnavailable("the store is not open")
+                self._store.feed_views(self._table, tables, deduplication_token=token)
+            except Exception as error:  # classified: an outage keeps the groups, a refusal drops one
+                if _is_transient(error):
+                    break
+                self._record_failure(f"the store refused to run its views over {sum(map(len, tables))} rows of"
+                                     f" {self._table} (stored, without their rollups, ends and figures): {error}")
+            groups.pop(0)
+        with self._condition:
+            self._unfed_groups[:0] = groups
 
     def _replay_spool(self) -> None:
         """Insert spooled batches oldest first, one file per insert with the file's own token."""

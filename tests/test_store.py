@@ -222,9 +222,10 @@ OLD_ROLLUP_VIEW = Path(__file__).with_name("data") / "request_latency_bands_mv.v
 
 def test_ensure_schema_replaces_a_rollup_view_made_by_an_older_definition(store_dir, caplog):
     """A store made before the ITL rollup: its view is replaced on the next start, the rows it rolled up stay."""
+    rollup_view = ROLLUP_MV.reading("requests", "requests_for_views")  # as an embedded store has it
     with open_store(f"chdb://{store_dir}") as owner:
-        for statement in registry.create_statements("tokenprobe", 30):  # everything but the latency rollup's view
-            if statement != ROLLUP_MV.ddl_template.format(db="tokenprobe"):
+        for statement in registry.create_statements("tokenprobe", 30, embedded=True):  # all but the rollup's view
+            if statement != rollup_view.ddl_template.format(db="tokenprobe"):
                 owner.command(statement)
         owner.command(OLD_ROLLUP_VIEW.read_text().format(db="tokenprobe"))
         owner.insert_rows("requests", [make_row(conn_id=1)])
@@ -238,7 +239,7 @@ def test_ensure_schema_replaces_a_rollup_view_made_by_an_older_definition(store_
             owner.ensure_schema()
         (replaced,) = [record.getMessage() for record in caplog.records]
         assert "replacing materialized view tokenprobe.request_latency_bands_mv" in replaced
-        assert "no digest" in replaced and ROLLUP_MV.comment in replaced
+        assert "no digest" in replaced and rollup_view.comment in replaced
         assert rolled_up() == {"all": 1, "ttft": 1, "tpot": 1, "e2e": 1}
         owner.insert_rows("requests", [make_row(conn_id=2)])  # 3 text events: 2 gaps
         assert rolled_up() == {"all": 2, "ttft": 2, "tpot": 2, "e2e": 2, "itl": 2}
@@ -258,15 +259,20 @@ def test_ttl_days_is_configurable(tmp_path):
 
 def test_every_registered_table_and_view_is_created_in_registry_order(owner):
     """The registry is the one list: the store holds exactly its tables and views (and the GPU join
-    view), whatever this process imported."""
+    view), whatever this process imported; an embedded store's views read the table fed apart."""
     created = {name for (name,) in owner.query_rows("SELECT name FROM system.tables WHERE database = 'tokenprobe'")}
-    expected = {table.name for table in registry.TABLES} | {view.name for view in registry.MATERIALIZED_VIEWS}
+    expected = ({table.name for table in registry.tables(embedded=True)}
+                | {view.name for view in registry.materialized_views(embedded=True)})
     assert expected <= created
     assert created - expected <= {"request_gpu_state"}
-    created_in_order = [re.match(r"CREATE (?:TABLE|MATERIALIZED VIEW) IF NOT EXISTS tokenprobe\.(\w+)", statement)[1]
-                        for statement in registry.create_statements("tokenprobe", 30)[1:]]
-    assert created_in_order == [table.name for table in registry.TABLES] + [
-        view.name for view in registry.MATERIALIZED_VIEWS]
+    assert expected - {table.name for table in registry.TABLES} - {view.name for view in registry.MATERIALIZED_VIEWS} \
+        == {"requests_for_views", "requests_for_views_mv"}
+    for embedded in (True, False):
+        created_in_order = [
+            re.match(r"CREATE (?:TABLE|MATERIALIZED VIEW) IF NOT EXISTS tokenprobe\.(\w+)", statement)[1]
+            for statement in registry.create_statements("tokenprobe", 30, embedded=embedded)[1:]]
+        assert created_in_order == [table.name for table in registry.tables(embedded)] + [
+            view.name for view in registry.materialized_views(embedded)]
 
 
 def test_a_table_declared_in_the_contract_is_created_and_takes_typed_rows(owner, monkeypatch):
@@ -553,6 +559,56 @@ def test_sink_inserts_in_batches_and_close_flushes_the_rest(owner, tmp_path):
     assert (stats.rows_written, stats.inserts, stats.rows_pending, stats.rows_spooled) == (25, 3, 0, 0)
     assert stored_conn_ids(owner) == list(range(25))
     assert stats.cpu_s > 0  # what the inserts cost the writer thread, for the operator (and bench_hot_path)
+
+
+def view_rows(store) -> tuple[int, int, int]:
+    """What the views over requests hold: figures, ends, requests in the latency rollup."""
+    return store.query_rows("SELECT (SELECT count() FROM tokenprobe.request_figures),"
+                            " (SELECT count() FROM tokenprobe.request_ends),"
+                            " (SELECT sum(requests) FROM tokenprobe.request_latency_bands WHERE metric = 'all')")[0]
+
+
+@pytest.mark.parametrize("through_owner", [False, True], ids=["owner", "via-owner"])
+def test_the_sink_feeds_an_embedded_stores_views_apart_and_every_other_writer_at_once(owner, store_dir, tmp_path,
+                                                                                      through_owner):
+    """Each insert that runs the views costs the agent ~50 ms whatever it holds: the sink's inserts leave them
+    to one feed every few seconds, on demand (before a live pass) and at close; every other insert runs them."""
+    writer = open_store(f"chdb://{store_dir}") if through_owner else owner
+    assert writer.mode == ("embedded-via-owner" if through_owner else "embedded-owner")
+    assert writer.views_fed_apart("requests") and not writer.views_fed_apart("gpu_samples")
+    sink = RequestSink(writer, spool_dir=tmp_path / "spool", flush_interval=0.05, views_every=600)
+    for conn_id in range(5):
+        sink.put(make_row(conn_id=conn_id))
+    wait_until(lambda: sink.rows_written == 5)
+    assert stored_conn_ids(owner) == list(range(5))
+    assert view_rows(owner) == (0, 0, 0)
+    sink.feed_views()
+    assert view_rows(owner) == (5, 5, 5)
+
+    owner.insert_rows("requests", [make_row(conn_id=100)])  # a writer of its own: its views run as it inserts
+    owner.command("INSERT INTO tokenprobe.requests SELECT * REPLACE (conn_id + 200 AS conn_id)"
+                  " FROM (SELECT * FROM tokenprobe.requests WHERE conn_id = 100)")
+    assert view_rows(owner) == (7, 7, 7)
+    for conn_id in range(5, 8):
+        sink.put(make_row(conn_id=conn_id))
+    wait_until(lambda: sink.rows_written == 8)
+    assert view_rows(owner) == (7, 7, 7)
+    sink.close()
+    assert view_rows(owner) == (10, 10, 10)
+    sink.feed_views()  # closed: nothing to do, no wait
+    if through_owner:
+        writer.close()
+
+
+def test_a_feed_of_the_views_sent_twice_counts_once(owner):
+    """A feed whose answer was lost is sent again with its token: the views' tables drop the copy."""
+    batch = RowSchema(schema.REQUEST_COLUMN_TYPES).to_arrow([make_row(conn_id=conn_id) for conn_id in range(3)])
+    owner.insert_arrow("requests", batch, deduplication_token="batch-1", views_later=True)
+    for _ in range(2):
+        owner.feed_views("requests", [batch], deduplication_token="views-1")
+    assert view_rows(owner) == (3, 3, 3)
+    with pytest.raises(ValueError, match="cannot be fed apart"):
+        owner.insert_arrow("gpu_samples", batch, views_later=True)
 
 
 def test_sink_refuses_bad_rows_at_put(owner, tmp_path):
