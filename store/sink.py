@@ -335,6 +335,12 @@ class RequestSink:
                 self._record_failure(f"the store refused to run its views over {sum(map(len, tables))} rows of"
                                      f" {self._table} (stored, without their rollups, ends and figures): {error}")
             groups.pop(0)
+        # A store that keeps taking rows but not the views' feed: keep as many rows as the queue may hold.
+        while sum(sum(map(len, tables)) for tables, _ in groups) > self._max_pending_rows:
+            tables, _ = groups.pop(0)
+            self._record_failure(f"gave up running the store's views over {sum(map(len, tables))} rows of"
+                                 f" {self._table} (stored, without their rollups, ends and figures): the store did"
+                                 " not take them while it took newer rows")
         with self._condition:
             self._unfed_groups[:0] = groups
 
