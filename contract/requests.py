@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from .tables import (
     DEDUPLICATION_WINDOW_SETTING,
-    View,
     INTEGER_CODEC,
     NULLABLE_TIMESTAMP_TYPE,
     OPAQUE_CODEC,
@@ -13,6 +12,7 @@ from .tables import (
     TIMESTAMP_TYPE,
     Column,
     Table,
+    View,
 )
 
 # One row per HTTP request, exactly as docs/ROW_SCHEMA.md lists it (names,
