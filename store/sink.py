@@ -171,7 +171,7 @@ class RequestSink:
             if len(self._queued) >= self._max_pending_rows or self._queued_bytes >= self._max_pending_bytes:
                 overflow, self._queued, self._queued_bytes = self._queued, [], 0
             elif len(self._queued) >= self._batch_rows:
-                self._condition.notify()
+                self._condition.notify_all()  # all: one notify could wake a feed_views() caller, not the writer
         if overflow:
             logger.warning("store is slow: spooling %d queued rows to %s", len(overflow), self._spool.directory)
             self._spool_rows(overflow, new_batch_token())
@@ -228,7 +228,7 @@ class RequestSink:
             if self._closing:
                 return self.stats()
             self._closing = True
-            self._condition.notify()
+            self._condition.notify_all()  # the writer thread and any feed_views() caller
         self._thread.join(timeout)
         if self._thread.is_alive():
             with self._condition:
