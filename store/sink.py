@@ -241,12 +241,13 @@ class RequestSink:
             for rows, token in leftovers:
                 if rows:
                     self._spool_rows(rows, token)
-            unfed = sum(map(len, self._unfed)) + sum(sum(map(len, tables)) for tables, _ in self._unfed_groups)
-            if unfed:
-                logger.warning("%d rows stored in %s without their views having run (rollups, ends, figures)",
-                               unfed, self._table)
         elif self._store_url is not None and self._store is not None:
             self._store.close()
+        with self._condition:  # the last feed failed, or the writer never got to it
+            unfed = sum(map(len, self._unfed)) + sum(sum(map(len, tables)) for tables, _ in self._unfed_groups)
+        if unfed:
+            self._record_failure(f"{unfed} rows stored in {self._table} without their views having run"
+                                 " (rollups, ends, figures): the store did not take the last feed")
         self._spool.close()
         return self.stats()
 

@@ -600,6 +600,25 @@ def test_the_sink_feeds_an_embedded_stores_views_apart_and_every_other_writer_at
         writer.close()
 
 
+def test_rows_whose_views_the_store_did_not_take_at_close_are_reported(store_dir, tmp_path, caplog):
+    """The store goes away between the sink's inserts and its last feed: the rows are stored, and the sink
+    says which of them lack their rollups, ends and figures."""
+    store = open_store(f"chdb://{store_dir}")
+    store.ensure_schema()
+    sink = RequestSink(store, spool_dir=tmp_path / "spool", flush_interval=0.05, views_every=600)
+    for conn_id in range(4):
+        sink.put(make_row(conn_id=conn_id))
+    wait_until(lambda: sink.rows_written == 4)
+    store.close()
+    with caplog.at_level("ERROR", logger="tokenprobe.store.sink"):
+        stats = sink.close()
+    assert "4 rows stored in requests without their views having run" in stats.last_error
+    assert any("without their views" in record.getMessage() for record in caplog.records)
+    with open_store(f"chdb://{store_dir}") as reopened:
+        assert stored_conn_ids(reopened) == list(range(4))
+        assert view_rows(reopened) == (0, 0, 0)
+
+
 def test_a_feed_of_the_views_sent_twice_counts_once(owner):
     """A feed whose answer was lost is sent again with its token: the views' tables drop the copy."""
     batch = RowSchema(schema.REQUEST_COLUMN_TYPES).to_arrow([make_row(conn_id=conn_id) for conn_id in range(3)])
