@@ -128,6 +128,9 @@ class AnalysisSpans:
     knee_min_requests_per_level: int = 3
     baseline_lookback_s: float = 3600.0  # the controller's low-load p99 TTFT
     engine_check_min_samples: int = 5
+    # The agent's live passes refit the prefill calibration and the knee at most this often, reusing
+    # the last fits between (``pipeline.KeptFits``): both look back hours, which one window moves little.
+    live_refit_every_s: float = 120.0
 
     def __post_init__(self) -> None:
         for item in fields(self):

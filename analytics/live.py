@@ -16,7 +16,9 @@ A pass:
    seconds (aligned to the epoch) from the one where the earliest of them
    started up to the settle point, for the servers they belong to only;
    the phases of those requests only (the ones before them have theirs from
-   earlier passes), so a pass costs what the new rows cost.
+   earlier passes), so a pass costs what the new rows cost. The prefill
+   calibration and the knee are fitted again only every
+   ``live_refit_every_s`` (``AnalysisSpans``; ``pipeline.KeptFits``).
    The analytics tables replace what an earlier pass wrote for the same
    request or window (ReplacingMergeTree), so a window analysed again, or a
    pass retried after a failure, leaves one result per request and cell;
@@ -51,7 +53,7 @@ from .calibration import IdleArrivalFloors
 from .config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
 from .indicators import NO_DATA, OK, Cell, KeptOccupancy
 from .inflight import stall_cells, store_samples
-from .pipeline import AnalysisReport, analyze
+from .pipeline import AnalysisReport, KeptFits, analyze
 from .scope import Scope, Server
 from .slo import SloMinutes
 from .timerange import NS_PER_S, TimeRange, range_condition
@@ -152,6 +154,7 @@ class LiveAnalysis:
         self.slo_minutes = SloMinutes()  # so a pass counts only the minutes new since the last one
         self.idle_floors = IdleArrivalFloors()  # so a pass reads the idle arrivals since the last one's oldest
         self.occupancy = KeptOccupancy()  # so a pass reads the phases it wrote, not the occupancy's look-back
+        self.fits = KeptFits(config.spans.live_refit_every_s)  # so a pass fits only when they are due
         self.outlet_failures: dict[str, int] = {}
         self.samples_inflight = samples_inflight
         self._offered: tuple[int, list[dict]] | None = None  # (taken at, Unix ns; samples)
@@ -189,10 +192,11 @@ class LiveAnalysis:
             # computed_at is real time (the clock may be a test's), so a pass's rows replace older ones.
             computed_ns = time.time_ns()
             self.occupancy.expect(f"node = {{live_node:String}} AND {started}", parameters, PHASE_EXPRESSIONS)
+            self.fits.due(started_ns)
             report = analyze(self.store, analysed, window_s=self.every_s, scope=scope, config=self.config,
                              now_ns=computed_ns, new_requests=(new, parameters), schema_ready=True,
                              slo_minutes=self.slo_minutes, idle_floors=self.idle_floors,
-                             occupancy=self.occupancy, summarize=False)
+                             occupancy=self.occupancy, fits=self.fits, summarize=False)
             cells, phases = list(report.cells), self._ended_phases()
         if inflight is not None:
             cells += self._judge_inflight(inflight, {(self.node, port) for port in starts}, until_ns)

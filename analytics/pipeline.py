@@ -9,7 +9,7 @@ slots or the knee), and each step writes its table before the next reads it.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import pandas as pd
@@ -87,7 +87,8 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
             config: AnalyticsConfig = DEFAULT_CONFIG, now_ns: int | None = None,
             new_requests: tuple[str, dict] | None = None, schema_ready: bool = False,
             slo_minutes: SloMinutes | None = None, idle_floors: IdleArrivalFloors | None = None,
-            occupancy: KeptOccupancy | None = None, summarize: bool = True) -> AnalysisReport:
+            occupancy: KeptOccupancy | None = None, fits: KeptFits | None = None,
+            summarize: bool = True) -> AnalysisReport:
     """Run every analysis over ``analysed`` and store the results (see the module docstring).
 
     ``new_requests`` (a condition over the requests, with its parameters) narrows the phases computed, and
@@ -98,6 +99,7 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     ``slo_minutes``: the SLO counts of whole minutes an earlier pass took (``slo.SloMinutes``), reused.
     ``idle_floors``: where an earlier pass found the latest idle arrivals (``calibration.IdleArrivalFloors``).
     ``occupancy``: the request intervals an earlier pass kept (``indicators.KeptOccupancy``).
+    ``fits``: the calibrations and knees an earlier pass fitted, reused until they are due (``KeptFits``).
     ``summarize=False`` leaves out the phase summary (a report for people; the live analysis has none).
     """
     now_ns = time.time_ns() if now_ns is None else now_ns
@@ -110,16 +112,74 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     first_window_ns = Windows(analysed, window_s, lead_s).base_ns
     phases_range = TimeRange(first_window_ns, analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
     requests = phase_requests(store, phases_range, scope, new_requests)
-    calibrations = calibrate(store, phases_range, scope, config.spans, now_ns, needed=requests.keys,
-                             floors=idle_floors)
+    fits = fits or KeptFits.none()
+    calibrations = fits.calibrations(requests.keys, lambda keys: calibrate(
+        store, phases_range, scope, config.spans, now_ns, needed=keys, floors=idle_floors))
     compute_phases(store, requests, calibrations, config.thresholds, now_ns)
-    fitted = fit_knees(store, analysed, scope, config.spans, now_ns)
-    knees = latest_found_knees(store, scope)  # this run's, where it found one, are the latest
+    knees, fitted = fits.knees(requests.keys, lambda: (
+        fit_knees(store, analysed, scope, config.spans, now_ns),
+        latest_found_knees(store, scope)))  # this run's fits, where one found a knee, are the latest
     capacities = server_capacities(knees, fitted)
     cells = compute_matrix(store, analysed, window_s, scope, config.thresholds, capacities, now_ns, occupancy)
     slos = evaluate_slos(store, analysed.end_ns, config.objectives, scope, slo_minutes)
     summary = phase_summary(store, analysed, scope) if summarize else None
     return AnalysisReport(analysed, window_s, summary, calibrations, knees, capacities, cells, slos)
+
+
+class KeptFits:
+    """The prefill calibrations and knees a live pass fitted, reused by the passes after it until
+    ``refit_every_ns`` has passed (on the passes' clock; ``due`` decides at the start of each).
+
+    Both are fitted over hours of traffic (``AnalysisSpans``), which one window moves little, and fitting
+    them (idle arrivals read, Theil–Sen fits, TTFT curves, both stored) was a third of a pass. A server and
+    model with no kept calibration (new, or never idle enough to fit one) is calibrated every pass until it
+    has one, and the knees are fitted again whenever one of the pass's servers and models has none kept,
+    so a knee is found as soon as the load reveals it. Between refits the rows a pass writes name the kept
+    calibration (its ``calibration_id``), as those of a pass that found too few idle arrivals did.
+    """
+
+    def __init__(self, refit_every_s: float) -> None:
+        self.refit_every_ns = int(refit_every_s * NS_PER_S)
+        self.kept_calibrations: dict[ServerModel, Calibration] = {}
+        self.kept_knees: dict[ServerModel, Knee] = {}  # the knees in use (found now or before)
+        self.kept_fitted: dict[ServerModel, Knee] = {}  # the latest fits, knee or not (their engine slots)
+        self.refitting = True  # this pass fits everything again
+        self._refitted_ns: int | None = None
+
+    @classmethod
+    def none(cls) -> KeptFits:
+        """Nothing kept: every run fits (``tokenprobe analyze``)."""
+        return cls(0)
+
+    def due(self, now_ns: int) -> None:
+        """A pass starts at ``now_ns``: it refits if the last refit is ``refit_every_ns`` old."""
+        self.refitting = self._refitted_ns is None or now_ns - self._refitted_ns >= self.refit_every_ns
+        if self.refitting:
+            self._refitted_ns = now_ns
+
+    def calibrations(self, keys: list[ServerModel],
+                     calibrate_keys: Callable[[list[ServerModel]], dict[ServerModel, Calibration]]
+                     ) -> dict[ServerModel, Calibration]:
+        """The calibration of each of ``keys`` that has one: fitted by ``calibrate_keys`` for all of them
+        on a refit, else for those with none kept."""
+        unfitted = list(keys) if self.refitting else [key for key in keys if key not in self.kept_calibrations]
+        if unfitted:
+            self.kept_calibrations.update(calibrate_keys(unfitted))
+        return {key: self.kept_calibrations[key] for key in keys if key in self.kept_calibrations}
+
+    def knees(self, keys: list[ServerModel],
+              fit: Callable[[], tuple[dict[ServerModel, Knee], dict[ServerModel, Knee]]]
+              ) -> tuple[dict[ServerModel, Knee], dict[ServerModel, Knee]]:
+        """The knees in use and the latest fits of ``keys``' servers: ``fit()`` (fits, then the knees in
+        use) on a refit or where one of ``keys`` has no knee kept, else the kept ones."""
+        if self.refitting or any(key not in self.kept_knees for key in keys):
+            fitted, knees = fit()
+            self.kept_fitted.update(fitted)
+            self.kept_knees.update(knees)
+            return knees, fitted
+        servers = {(node, port) for node, port, _ in keys}
+        return ({key: knee for key, knee in self.kept_knees.items() if key[:2] in servers},
+                {key: knee for key, knee in self.kept_fitted.items() if key[:2] in servers})
 
 
 def server_capacities(knees: Mapping[ServerModel, Knee],

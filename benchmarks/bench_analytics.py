@@ -23,8 +23,9 @@ to pass. With ``--baseline REF`` the analytics as of that git ref (loaded
 apart, as package ``tokenprobe_baseline``) analyse the same windows of the
 same store, each window by both in turn (alternating which goes first), so
 the two medians are taken under the same load. Each prints median, p95 and
-max wall time and median CPU time per window (its first pass, which builds
-what the later ones keep, apart); ``--live-queries`` lists the store calls of
+max wall time, median CPU time, and the mean of both (a pass that refits the
+calibration and the knee, every ``live_refit_every_s``, weighs in it) per
+window (its first pass, which builds what the later ones keep, apart); ``--live-queries`` lists the store calls of
 the last window with their times.
 
     python benchmarks/bench_analytics.py                       # 1 million requests: CI's size
@@ -218,7 +219,8 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
         wall, cpu = [wall for wall, _ in later], [cpu for _, cpu in later]
         print(f"    {name:<24} median {statistics.median(wall) * 1000:6.0f} ms,"
               f" p95 {percentile(wall, 0.95) * 1000:6.0f} ms, max {max(wall) * 1000:6.0f} ms;"
-              f" CPU median {statistics.median(cpu) * 1000:6.0f} ms; first pass {first_wall:5.1f} s"
+              f" CPU median {statistics.median(cpu) * 1000:6.0f} ms; mean {statistics.mean(wall) * 1000:6.0f} ms"
+              f" (CPU {statistics.mean(cpu) * 1000:6.0f} ms); first pass {first_wall:5.1f} s"
               f" (CPU {first_cpu:5.1f} s); {per_window / statistics.median(wall):10,.0f} requests/s", flush=True)
     if queries:  # what a call costs however little it reads: what merging two calls saves at most
         queries.taken = []  # not the last window's

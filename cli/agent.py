@@ -35,7 +35,7 @@ from ..agent.sampling.engine_metrics import EngineScraper
 from ..agent.sampling.gpu import NvmlSampler, ServerGpuMap
 from ..agent.sampling.samplers import SamplerSet
 from ..analytics.alerting import AlertmanagerClient
-from ..analytics.config import DEFAULT_LIVE_EVERY_S
+from ..analytics.config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
 from ..analytics.live import LiveAnalysis
 from ..analytics.outlets import AlertmanagerOutlet, MetricsOutlet, OtelOutlet
 from ..contract.tenant import DEFAULT_TENANT_HEADER
@@ -110,6 +110,7 @@ class AgentConfig:
     tenant_header: str | None = DEFAULT_TENANT_HEADER  # request header naming the tenant; None: off
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES  # the disk spool's bound while the store is away
     analyze_every_s: int = DEFAULT_LIVE_EVERY_S     # live analysis window; 0: off
+    analysis: AnalyticsConfig = DEFAULT_CONFIG      # its thresholds, SLOs and look-backs
     alertmanager_urls: list[str] = field(default_factory=list)  # post the live analysis' findings here
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a connection with no I/O this long is forgotten
 
@@ -205,8 +206,8 @@ def start_live_analysis(cfg: AgentConfig, store: Store, node: str, exporters: Ex
         outlets.append(OtelOutlet(exporters.otel))
     if cfg.alertmanager_urls:
         outlets.append(AlertmanagerOutlet(AlertmanagerClient(cfg.alertmanager_urls)))
-    live = LiveAnalysis(store, node, every_s=cfg.analyze_every_s, outlets=outlets, samples_inflight=True,
-                        before_pass=sink.feed_views)
+    live = LiveAnalysis(store, node, every_s=cfg.analyze_every_s, config=cfg.analysis, outlets=outlets,
+                        samples_inflight=True, before_pass=sink.feed_views)
     live.start()
     exporters.live = live
     log.info("analysing this node's servers every %d s (%s)", cfg.analyze_every_s,

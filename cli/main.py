@@ -11,7 +11,8 @@ from ..actuator.control_cli import add_control_parser
 from ..agent.capture.tracker import DEFAULT_IDLE_TIMEOUT_S
 from ..analytics.alerting import check_url as check_alertmanager_url
 from ..analytics.cli import add_analyze_parser
-from ..analytics.config import DEFAULT_LIVE_EVERY_S
+from ..analytics.config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S
+from ..analytics.config import load_config as load_analysis_config
 from ..contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from ..dashboard.cli import add_dashboard_parser
 from ..store.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_MAX_BYTES
@@ -66,6 +67,10 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
     live.add_argument("--analyze-every", type=int, default=DEFAULT_LIVE_EVERY_S, metavar="S",
                       help="analyse the requests that ended every S seconds, in windows of S seconds, into the "
                            "analytics tables and the exporters (default %(default)s; 0 turns it off)")
+    live.add_argument("--analysis-config", metavar="TOML",
+                      help="threshold, SLO and look-back overrides, as `tokenprobe analyze --config` reads them; "
+                           "[analysis] live_refit_every_s sets how often a pass fits the prefill calibration "
+                           "and the knee again (default 120)")
     live.add_argument("--alertmanager", action="append", default=[], metavar="URL",
                       help="post the live analysis' lit indicators to this Alertmanager (API v2), labelled as "
                            "the Prometheus rules label them (repeatable: every member of an HA cluster)")
@@ -146,6 +151,11 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     if args.analyze_every < 0:
         print("tokenprobe agent: --analyze-every must be ≥ 0 seconds (0: off)", file=sys.stderr)
         return 2
+    try:
+        analysis = load_analysis_config(args.analysis_config) if args.analysis_config else DEFAULT_CONFIG
+    except ValueError as exc:
+        print(f"tokenprobe agent: --analysis-config: {exc}", file=sys.stderr)
+        return 2
     if args.alertmanager and not args.analyze_every:
         print("tokenprobe agent: --alertmanager needs the live analysis (--analyze-every > 0)", file=sys.stderr)
         return 2
@@ -161,7 +171,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                          metrics_address=(args.metrics_host, args.metrics_port) if args.metrics_port else None,
                          otlp_endpoint=args.otlp_endpoint, tenant_header=tenant_header,
                          spool_max_bytes=args.spool_max_bytes, idle_timeout_s=args.idle_timeout,
-                         analyze_every_s=args.analyze_every, alertmanager_urls=args.alertmanager)
+                         analyze_every_s=args.analyze_every, analysis=analysis,
+                         alertmanager_urls=args.alertmanager)
     try:
         if args.otlp_endpoint:
             from ..agent.export.otel_export import check_endpoint

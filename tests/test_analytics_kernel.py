@@ -53,6 +53,17 @@ KNEE_SERVER = dict(decode_ms=10.0, prefill_base_ms=10.0, prefill_ms_per_token=0.
 KNEE_LOAD_OPTIONS = dict(prompt_tokens=(16, 128), max_tokens=(8, 12), include_usage_fraction=0.5)
 REQUESTS_PER_WORKER = 5
 WINDOW_S = 2
+# The agent's live analysis is told its SLO and how often to refit (--analysis-config); its rows show both.
+LIVE_TTFT_OBJECTIVE_MS = 2500.0
+LIVE_ANALYSIS_CONFIG = f"""
+[analysis]
+live_refit_every_s = {5 * WINDOW_S}
+
+[[slo]]
+objective = "ttft"
+threshold_ms = {LIVE_TTFT_OBJECTIVE_MS}
+target = 0.95
+"""
 # The benchmark's target is 10% of TTFT; the test leaves room for a loaded machine.
 ERROR_BOUND = 0.2
 
@@ -68,6 +79,7 @@ class Capture:
     live_page: Exposition  # the agent's /metrics after its own live analysis caught up
     live_states: dict[str, set[str]]  # indicator -> states the agent's live passes stored, accuracy server
     inflight_samples: int  # requests the agent saw in flight at its passes, accuracy server
+    live_objectives: set[tuple[str, float | None]]  # (objective, threshold) of the SLO rows its passes stored
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +92,10 @@ def capture(tmp_path_factory) -> Iterator[Capture]:
         knee_ports = {slots: servers.enter_context(reference_server(tmp, slots=slots, **KNEE_SERVER))[0]
                       for slots in KNEE_SLOTS}
         metrics_port = free_port()
+        analysis_config = tmp / "analysis.toml"
+        analysis_config.write_text(LIVE_ANALYSIS_CONFIG)
         with agent(tmp, "--analyze-every", str(WINDOW_S), "--metrics-port", str(metrics_port),
+                   "--analysis-config", str(analysis_config),
                    ports=[accuracy_port, *knee_ports.values()]) as handle:
             levels = run_levels(accuracy_port, LOAD_LEVELS, **LOAD_OPTIONS)
             for slots, port in knee_ports.items():
@@ -97,9 +112,10 @@ def capture(tmp_path_factory) -> Iterator[Capture]:
                 "SELECT indicator, state FROM tokenprobe.indicator_matrix FINAL WHERE server_port = {port:UInt16}",
                 {"port": accuracy_port}):
             live_states.setdefault(indicator, set()).add(state)
+        live_objectives = set(store.query_rows("SELECT DISTINCT objective, threshold_ms FROM tokenprobe.slo_status"))
         report = analyze(store, TimeRange(started_ns, time.time_ns()), window_s=WINDOW_S)
         yield Capture(report, store, read_truth(truth_log), levels, accuracy_port, knee_ports, live_page,
-                      live_states, inflight_samples)
+                      live_states, inflight_samples, live_objectives)
     finally:
         store.close()
 
@@ -142,6 +158,7 @@ def test_the_agent_analyses_its_own_traffic_while_tracing(capture: Capture):
     assert {OK, CRIT} <= capture.live_states["queue_wait_p95"], capture.live_states
     assert capture.inflight_samples > 0
     assert capture.live_states["inflight_stall"] == {OK}, "nothing stalled"
+    assert capture.live_objectives == {("ttft", LIVE_TTFT_OBJECTIVE_MS), ("goodput", None)}, "its --analysis-config"
 
 
 def test_queue_and_prefill_match_ground_truth_at_every_load_level(capture: Capture):

@@ -40,6 +40,17 @@ def test_agent_refuses_bad_options_in_plain_words(args, message):
     assert message in result.stderr
 
 
+def test_agent_refuses_an_analysis_config_it_cannot_use_naming_the_key(tmp_path):
+    config = tmp_path / "analysis.toml"
+    config.write_text("[analysis]\nlive_refit_every = 60\n")
+    result = run("agent", "--port", "8000", "--analysis-config", str(config))
+    assert result.returncode == 2
+    assert "--analysis-config" in result.stderr and "live_refit_every" in result.stderr
+    assert "live_refit_every_s" in result.stderr, "the key it meant is named"
+    result = run("agent", "--port", "8000", "--analysis-config", str(tmp_path / "missing.toml"))
+    assert result.returncode == 2 and "cannot read" in result.stderr
+
+
 @pytest.mark.kernel
 def test_doctor_reports_this_node():
     require_kernel()

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 from tokenprobe.agent.export.metrics_endpoint import AgentMetrics
 from tokenprobe.agent.sampling.prom_text import parse_exposition
+from tokenprobe.analytics.config import DEFAULT_CONFIG
 from tokenprobe.analytics.indicators import CRIT, OK
 from tokenprobe.analytics.live import LiveAnalysis
 from tokenprobe.analytics.outlets import MetricsOutlet
@@ -198,3 +199,43 @@ def test_a_pass_finds_requests_by_their_end_through_the_index_as_a_search_does(s
                               " WHERE node = {node:String} AND conn_id = {conn:UInt64}",
                               {"node": node, "conn": stream["conn_id"]})
     assert stored and stored[0][0] is not None, "the long stream, 20 min before the rest, has its phases"
+
+
+def fits_stored(store) -> tuple[int, int]:
+    """Calibrations and knee fits stored for the module's node."""
+    return store.query_rows(
+        f"SELECT (SELECT count() FROM tokenprobe.prefill_calibration WHERE node = '{NODE}'),"
+        f" (SELECT count() FROM tokenprobe.knee WHERE node = '{NODE}')")[0]
+
+
+def test_calibration_and_knee_are_refitted_when_due_and_kept_between(store):
+    store, rows = store
+    refit_every_s = 3 * EVERY_S
+    config = replace(DEFAULT_CONFIG, spans=replace(DEFAULT_CONFIG.spans, live_refit_every_s=refit_every_s))
+    clock = Clock(START_NS + WINDOW_NS)
+    live = live_at(store, clock, config=config)
+    live.watermark_ns = START_NS
+    last_end = max(row["resp_end"] for row in rows)
+    passes = []  # (refitting, calibrations stored, knees stored, a knee kept, the calibration ids written)
+    while clock.now_ns - SETTLE_S * NS_PER_S <= last_end:
+        clock.now_ns += WINDOW_NS
+        before = fits_stored(store)
+        knee_kept = (NODE, 8000, "sim-model") in live.fits.kept_knees
+        pass_started_ns = time.time_ns()  # the pass's rows are computed at a later real time
+        result = live.run_once()
+        if result is None:
+            continue
+        after = fits_stored(store)
+        written = {row[0] for row in store.query_rows(
+            f"SELECT DISTINCT calibration_id FROM tokenprobe.request_phases FINAL"
+            f" WHERE node = '{NODE}' AND toUnixTimestamp64Nano(computed_at) >= {pass_started_ns}")}
+        passes.append((live.fits.refitting, after[0] - before[0], after[1] - before[1], knee_kept, written))
+    assert len(passes) >= 4 and [p[0] for p in passes][:4] == [True, False, False, True], passes
+    for refitting, calibrations, knees, knee_kept, written in passes:
+        assert (calibrations > 0) == refitting, passes  # calibrated from the first pass on: fitted when due
+        assert (knees > 0) == (refitting or not knee_kept), passes  # and the knee until one is found
+        assert len(written) == 1 and "" not in written, passes  # every request split, by one calibration
+    for before, now in zip(passes, passes[1:], strict=False):
+        assert now[0] or now[4] == before[4], "between refits the kept calibration splits the requests"
+        assert not now[0] or now[4] != before[4], "a refit splits them by the new one"
+    assert any(p[3] for p in passes) and any(not p[3] for p in passes), "a knee was found in the overload"
