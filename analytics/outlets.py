@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
+
 from ..agent.export.metrics_endpoint import AgentMetrics
 from ..agent.export.otel_export import OtelExporter, request_key
 from .alerting import Alert, AlertmanagerClient, finding
@@ -51,8 +53,17 @@ class MetricsOutlet:
         for cell in result.latest_cells:
             self.metrics.set_indicator(cell.server_port, SERVER_WIDE_MODEL, cell.indicator, cell.value, cell.state,
                                        node=cell.node, device=cell.device_id)
-        for port, model, queue_s, prefill_s in _splits(result, "server_port", "model"):
-            self.metrics.observe_split(port, model, queue_s=queue_s, prefill_s=prefill_s)
+        columns = result.phases.columns
+        # None (a request the analysis could not split) becomes NaN, and such requests are left out
+        queue_ms, prefill_ms = (np.array(columns[name], dtype=np.float64) for name in ("queue_ms", "prefill_ms"))
+        split = ~(np.isnan(queue_ms) | np.isnan(prefill_ms))
+        requests: dict[tuple[int, str], list[int]] = {}  # per server and model, its requests' indices
+        for index, key in enumerate(zip(columns["server_port"], columns["model"], strict=True)):
+            if split[index]:
+                requests.setdefault(key, []).append(index)
+        for (port, model), indices in requests.items():
+            self.metrics.observe_splits(port, model, queue_s=queue_ms[indices] / 1000,
+                                        prefill_s=prefill_ms[indices] / 1000)
 
 
 class OtelOutlet:

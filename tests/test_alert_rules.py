@@ -62,7 +62,7 @@ def agent_exposition():
         "outcome": "complete", "token_events": 5, "completion_tokens": 5, "req_start": t0, "req_end": t0 + 1,
         "first_token": t0 + 10**8, "last_token": t0 + 5 * 10**8, "resp_end": t0 + 6 * 10**8,
     })  # fmt: skip
-    metrics.observe_split(8000, "m", queue_s=0.1, prefill_s=0.05)
+    metrics.observe_splits(8000, "m", queue_s=[0.1], prefill_s=[0.05])
     metrics.set_indicator(8000, "m", "kv_cache_pressure", 0.5, "ok")
     sink = SinkStats(rows_written=1, rows_pending=0, rows_spooled=0, rows_rejected=0, rows_lost=0, inserts=1,
                      last_error=None)

@@ -7,9 +7,13 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
 from tokenprobe.agent.export.metrics_endpoint import (
     OVERFLOW_MODEL,
+    QUEUE_BUCKETS_S,
+    TTFT_BUCKETS_S,
     AgentMetrics,
     RequestTimings,
 )
@@ -126,9 +130,8 @@ def test_model_names_from_clients_are_capped_per_port(metrics):
 
 
 def test_queue_and_prefill_split_from_the_analytics(metrics):
-    metrics.observe_split(8000, "llama-3-8b", queue_s=0.3, prefill_s=0.04)
-    # the prefill model over-predicted: no queue
-    metrics.observe_split(8000, "llama-3-8b", queue_s=-0.02, prefill_s=0.2)
+    # the second: the prefill model over-predicted, no queue
+    metrics.observe_splits(8000, "llama-3-8b", queue_s=[0.3, -0.02], prefill_s=[0.04, 0.2])
     page = read(metrics)
     assert value(page, "tokenprobe_request_queue_seconds_count", server_port="8000") == 2
     assert value(page, "tokenprobe_request_queue_seconds_bucket", le="0.01", server_port="8000") == 1
@@ -136,7 +139,37 @@ def test_queue_and_prefill_split_from_the_analytics(metrics):
     assert value(page, "tokenprobe_request_prefill_seconds_sum", server_port="8000") == pytest.approx(0.24)
     assert value(page, "tokenprobe_request_prefill_seconds_bucket", le="0.05", server_port="8000") == 1
     with pytest.raises(ValueError, match="NaN"):
-        metrics.observe_split(8000, "m", queue_s=math.nan, prefill_s=0.1)
+        metrics.observe_splits(8000, "m", queue_s=[0.2, math.nan], prefill_s=[0.1, 0.1])
+    with pytest.raises(ValueError, match="one value per request"):
+        metrics.observe_splits(8000, "m", queue_s=[0.2], prefill_s=[0.1, 0.1])
+    assert value(read(metrics), "tokenprobe_request_queue_seconds_count", server_port="8000") == 2, "none taken"
+
+
+def test_split_histograms_fed_in_bulk_read_as_histograms_fed_one_by_one():
+    """A pass's requests binned at once give the series a ``prometheus_client.Histogram`` observing each
+    would: the same buckets (a value on a bound counts in it), counts and sums, for every server and model."""
+    rng = np.random.default_rng(7)
+    bulk, reference = AgentMetrics(), CollectorRegistry()
+    buckets = {"queue": QUEUE_BUCKETS_S, "prefill": TTFT_BUCKETS_S}
+    one_by_one = {name: Histogram(f"tokenprobe_request_{name}_seconds", "reference", ("server_port", "model"),
+                                  buckets=bounds, registry=reference) for name, bounds in buckets.items()}
+    for port, model in ((8000, "a"), (8000, "b"), (8001, "a"), (8000, "a")):
+        queue = np.concatenate([rng.exponential(2.0, 500), QUEUE_BUCKETS_S, -rng.random(5)])
+        prefill = np.concatenate([rng.exponential(0.5, 500), TTFT_BUCKETS_S[:len(QUEUE_BUCKETS_S)], rng.random(5)])
+        bulk.observe_splits(port, model, queue_s=queue, prefill_s=prefill)
+        for name, values in (("queue", queue), ("prefill", prefill)):
+            for seconds in values:
+                one_by_one[name].labels(str(port), model).observe(max(float(seconds), 0.0))
+
+    def samples(registry, prefix):
+        return sorted((s.name, tuple(sorted(s.labels.items())), round(s.value, 9))
+                      for family in registry.collect() for s in family.samples
+                      if s.name.startswith(prefix) and not s.name.endswith("_created"))
+
+    for name in ("queue", "prefill"):
+        prefix = f"tokenprobe_request_{name}_seconds"
+        assert samples(bulk.registry, prefix) == samples(reference, prefix)
+        assert len(samples(reference, prefix)) == 3 * (len(buckets[name]) + 3)  # +Inf, count, sum
 
 
 def test_indicator_cells_and_their_states(metrics):
