@@ -17,7 +17,8 @@ Then the live analysis (``analytics/live.py``): another node's four servers
 serve ``--live-rate`` requests/s (1000 by default) for ``--live-history``
 seconds and then ``--live-windows`` windows of ``--live-every`` seconds, and
 ``LiveAnalysis.run_once`` analyses
-each window as the agent would when it ends (the target: 100 ms a window at
+each window as the agent would when it ends, publishing to the agent's /metrics as
+with ``--metrics-port`` (the target: 100 ms a window at
 1000 requests/s). The clock is the benchmark's, so no window waits for time
 to pass. With ``--baseline REF`` the analytics as of that git ref (loaded
 apart, as package ``tokenprobe_baseline``) analyse the same windows of the
@@ -51,6 +52,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenprobe.analytics.calibration import calibrate
@@ -62,7 +64,6 @@ from tokenprobe.analytics.indicators import (
     matrix_lead_s,
 )
 from tokenprobe.analytics.knee import fit_knees
-from tokenprobe.analytics.live import LiveAnalysis
 from tokenprobe.analytics.phases import compute_phases, phase_requests, phase_summary
 from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
@@ -151,14 +152,24 @@ def generate(store, node: str, start_ns: int, span_s: int, requests: int) -> Non
                                   span_ns=span_s * NS_PER_S, requests=requests))
 
 
-def baseline_live_analysis(ref: str, directory: Path) -> type:
-    """``LiveAnalysis`` as of git ``ref``: the product imports itself relatively, so it loads under another name."""
+def agent_live_analysis(package: str) -> Callable[..., object]:
+    """``LiveAnalysis`` of the product installed as ``package``, as an agent with ``--metrics-port`` runs it:
+    each pass also published to the agent's /metrics (its ``MetricsOutlet``)."""
+    live = importlib.import_module(f"{package}.analytics.live").LiveAnalysis
+    outlets = importlib.import_module(f"{package}.analytics.outlets")
+    metrics = importlib.import_module(f"{package}.agent.export.metrics_endpoint")
+    return lambda *args, **kwargs: live(*args, outlets=[outlets.MetricsOutlet(metrics.AgentMetrics())], **kwargs)
+
+
+def baseline_live_analysis(ref: str, directory: Path) -> Callable[..., object]:
+    """``agent_live_analysis`` as of git ``ref``: the product imports itself relatively, so it loads under
+    another name."""
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], check=True,
                              capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(directory / BASELINE_PACKAGE, filter="data")
     sys.path.insert(0, str(directory))
-    return importlib.import_module(f"{BASELINE_PACKAGE}.analytics.live").LiveAnalysis
+    return agent_live_analysis(BASELINE_PACKAGE)
 
 
 class CollectedCalls(logging.Handler):
@@ -180,7 +191,7 @@ def call_seconds(store) -> float:
 
 
 def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, history_s: int,
-                 implementations: dict[str, type], show_queries: bool = False) -> None:
+                 implementations: dict[str, Callable[..., object]], show_queries: bool = False) -> None:
     """Time the live analysis of each of ``windows`` windows of ``rate`` requests/s, ending at ``end_ns``,
     after ``history_s`` of the same traffic (what a pass reads back: occupancy, calibration, SLO windows),
     by each implementation in turn: wall time, and CPU time (the process's, chDB's threads included:
@@ -293,7 +304,7 @@ def main() -> int:
                      f" {10_000_000 * full_cpu_s / n:.1f} CPU-s at this rate)")
         if args.live_windows:
             print("live analysis (the agent's incremental windows, another node's servers):")
-            implementations = {"this checkout": LiveAnalysis}
+            implementations = {"this checkout": agent_live_analysis("tokenprobe")}
             if args.baseline:
                 implementations[f"baseline ({args.baseline})"] = baseline_live_analysis(args.baseline,
                                                                                               baseline_directory)

@@ -17,7 +17,10 @@ commit before kernel batching kept templates across responses) — it prints:
   the passes of its live analysis are counted apart, from the agent's own
   counter, and spread over the token events of the requests they analysed),
   the part of it its store writer took (the rows' inserts, from the agent's own
-  counter: with the embedded store, the store's work on them) and its RSS; and
+  counter: with the embedded store, the store's work on them), the part its main
+  thread took (reading the kernel's records: tracking, parsing, making rows; the
+  rest is the store's own threads, its merges, and the agent's others) and its
+  RSS; and
   the highest rate it kept up with, no drops;
 - the watched server at a fixed offered rate: events delivered per second, the
   firehose's own CPU per 1k events (where the probes' work in its calls shows)
@@ -48,7 +51,7 @@ import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -92,10 +95,32 @@ def previous_implementation(ref: str, tmp: Path) -> Implementation:
     return Implementation(f"previous ({ref})", str(site))
 
 
-def cpu_seconds(pid: int) -> float:
-    """The user and system CPU a process has spent so far."""
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """The user and system CPU a process (or one of its threads) has spent so far."""
+    path = f"/proc/{pid}/task/{thread}/stat" if thread is not None else f"/proc/{pid}/stat"
+    stat = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(stat[11]) + int(stat[12])) / TICKS
+
+
+@dataclass(frozen=True)
+class AgentFigures:
+    """What an agent has done and spent so far: kernel records handled and dropped, writes that came
+    batched, CPU seconds (the process's, its main thread's, its live analysis passes' and its store
+    writer's inserts', from its own counters: 0 where it has none), and RSS bytes."""
+
+    records: float
+    drops: float
+    batched: float
+    cpu_s: float
+    rss: int
+    analysis_cpu_s: float
+    store_cpu_s: float
+    main_cpu_s: float
+
+    def minus(self, earlier: AgentFigures) -> AgentFigures:
+        """What was done and spent since ``earlier`` (the RSS: now)."""
+        return AgentFigures(*(now - then if name != "rss" else now for name, now, then in zip(
+            self.__dataclass_fields__, astuple(self), astuple(earlier), strict=True)))
 
 
 def metric(page: str, name: str) -> float:
@@ -142,32 +167,32 @@ class AgentProcess:
     def _did_not_start(self) -> RuntimeError:
         return RuntimeError(f"agent did not start:\n{self.log_path.read_text(errors='replace')[-2000:]}")
 
-    def settled_figures(self) -> tuple[tuple[float, float, float, float, int, float, float], float, float]:
+    def settled_figures(self) -> tuple[AgentFigures, float, float]:
         """The figures once the agent has handled what the kernel holds (they stop moving; the agent
         publishes them every second, so two publications apart), the CPU seconds a second it spent
-        idle between those two, and when they were read. (The agent's own idle work, its poll loop
-        and store, is not what the events cost.)"""
+        between those two (its live analysis' passes apart), and when they were read."""
         time.sleep(2.5)
         previous, previous_at = self.figures(), time.monotonic()
         for _ in range(20):
             time.sleep(2.5)
             current, now = self.figures(), time.monotonic()
-            if current[:2] == previous[:2]:
-                idle = (current[3] - previous[3]) - (current[5] - previous[5])  # a pass between is no idling
-                return current, idle / (now - previous_at), now
+            if (current.records, current.drops) == (previous.records, previous.drops):
+                since = current.minus(previous)
+                spent = since.cpu_s - since.analysis_cpu_s
+                return current, spent / (now - previous_at), now
             previous, previous_at = current, now
-        return previous, 0.0, previous_at  # never idle: nothing to take off
+        return previous, 0.0, previous_at  # never settled: nothing to take off
 
-    def figures(self) -> tuple[float, float, float, float, int, float, float]:
-        """(kernel records handled, kernel drops, writes that came batched, CPU seconds, RSS bytes, CPU
-        seconds of the live analysis' passes, CPU seconds of the store writer's inserts) so far."""
+    def figures(self) -> AgentFigures:
+        """What the agent has done and spent so far (``AgentFigures``)."""
         page = self.page()
-        cpu = cpu_seconds(self.proc.pid)
         rss = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{self.proc.pid}/status").read_text())[1]) * 1024
-        return (metric(page, "tokenprobe_agent_events_total"), metric(page, "tokenprobe_agent_drops_total"),
-                metric(page, "tokenprobe_agent_batched_writes_total"), cpu, rss,
-                metric(page, "tokenprobe_agent_analysis_cpu_seconds_total"),
-                metric(page, "tokenprobe_agent_store_write_cpu_seconds_total"))
+        return AgentFigures(
+            records=metric(page, "tokenprobe_agent_events_total"), drops=metric(page, "tokenprobe_agent_drops_total"),
+            batched=metric(page, "tokenprobe_agent_batched_writes_total"), cpu_s=cpu_seconds(self.proc.pid),
+            rss=rss, analysis_cpu_s=metric(page, "tokenprobe_agent_analysis_cpu_seconds_total"),
+            store_cpu_s=metric(page, "tokenprobe_agent_store_write_cpu_seconds_total"),
+            main_cpu_s=cpu_seconds(self.proc.pid, thread=self.proc.pid))
 
     def page(self) -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
@@ -323,10 +348,12 @@ def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], 
              stream_counts: tuple[int, ...]) -> list[Capacity]:
     print(f"\n== {impl.name}: agent on CPU {AGENT_CPU}, server and clients on CPU {LOAD_CPU}, {seconds:.0f} s a rate")
     print("   CPU ms/1k ev: the capture's (the agent's, less its live analysis' passes); store part: what of it"
-          " the store writer's inserts took; the passes' own, per 1k events of the requests they analysed over"
-          " the run, follow each stream count")
+          " the store writer's inserts took; main thread: what of it the thread reading the kernel's records"
+          " (tracking, parsing, rows) took, the rest being the store's own threads (merges) and the agent's"
+          " others; the passes' own, per 1k events of the requests they analysed over the run, follow each"
+          " stream count")
     print(f"{'streams':>8}{'offered ev/s':>14}{'served ev/s':>13}{'records/s':>11}{'batched/s':>11}"
-          f"{'rec/resp':>10}{'dropped':>9}{'CPU ms/1k ev':>14}{'store part':>12}{'RSS MiB':>9}")
+          f"{'rec/resp':>10}{'dropped':>9}{'CPU ms/1k ev':>14}{'store part':>12}{'main thread':>13}{'RSS MiB':>9}")
     found = []
     for streams in stream_counts:
         port = free_port()
@@ -336,30 +363,37 @@ def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], 
         with streaming_server(binary, port, tokens=tokens) as hose:
             agent = AgentProcess(impl, port, tmp)
             try:
+                # What the agent spends with no traffic (its poll loop, store, timers), taken off each run
+                # for the time it lasted; read before any traffic, as after it the store merges the parts
+                # the traffic made, which is the traffic's cost.
+                _, idle_cpu, _ = agent.settled_figures()
                 connect_clients(hose, streams, rates[0])
                 for rate in rates:
-                    before, idle_cpu, started = agent.settled_figures()
+                    before, _, started = agent.settled_figures()
                     load = drive(hose, rate, seconds, responses)
                     after, _, settled = agent.settled_figures()
-                    records, drops, batched, cpu = (after[i] - before[i] for i in range(4))
-                    cpu -= after[5] - before[5]  # a pass of the live analysis that fell here is counted apart
+                    run = after.minus(before)
+                    records = run.records
+                    # a pass of the live analysis that fell here is counted apart
+                    cpu = run.cpu_s - run.analysis_cpu_s
                     cpu = max(0.0, cpu - idle_cpu * (settled - started))  # what the events cost, not the waits
-                    share = drops / max(1.0, records + drops)
+                    share = run.drops / max(1.0, records + run.drops)
                     # Per token event the server wrote: with batching, a record holds many.
-                    per_1k = cpu * 1e6 / max(1.0, load.events_per_s * seconds)
+                    events = max(1.0, load.events_per_s * seconds)
+                    per_1k = cpu * 1e6 / events
                     # '-': an implementation without the counter
-                    store = (f"{(after[6] - before[6]) * 1e6 / max(1.0, load.events_per_s * seconds):12.2f}"
-                             if after[6] else f"{'-':>12}")
+                    store = f"{run.store_cpu_s * 1e6 / events:12.2f}" if after.store_cpu_s else f"{'-':>12}"
                     per_response = records / max(1, load.responses)
-                    rss = after[4] / 2**20
                     print(f"{streams:8}{rate:14.0f}{load.events_per_s:13.0f}{records / seconds:11.0f}"
-                          f"{batched / seconds:11.0f}{per_response:10.1f}{share:9.1%}{per_1k:14.2f}{store}{rss:9.0f}")
-                    if drops == 0 and load.events_per_s > result.kept_up:
-                        result = Capacity(streams, load.events_per_s, per_1k, per_response, rss)
+                          f"{run.batched / seconds:11.0f}{per_response:10.1f}{share:9.1%}{per_1k:14.2f}{store}"
+                          f"{run.main_cpu_s * 1e6 / events:13.2f}{after.rss / 2**20:9.0f}")
+                    if run.drops == 0 and load.events_per_s > result.kept_up:
+                        result = Capacity(streams, load.events_per_s, per_1k, per_response, after.rss / 2**20)
                 analysis = agent.analysis(until=responses.last_report)
             finally:
                 agent.stop()
-        print(f"{'':8}highest rate with no drops: {result.kept_up:.0f} events/s")
+        print(f"{'':8}highest rate with no drops: {result.kept_up:.0f} events/s; the agent with no traffic:"
+              f" {idle_cpu * 1000:.1f} ms of CPU a second (taken off the runs)")
         analysed = responses.ended_by(analysis[1]) * tokens if analysis is not None else 0.0
         if analysed:
             analysis_cpu = analysis[0]
