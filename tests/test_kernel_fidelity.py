@@ -94,15 +94,22 @@ def test_rows_that_lost_kernel_events_say_dropped(tmp_path: Path):
     lose nothing and stay exact."""
     with shapes_server() as (port, _), agent(tmp_path, "--ringbuf-kb", "16", ports=[port]) as handle:
         sent: dict[str, int] = {}  # response id → token events sent
+        client_ports: set[int] = set()  # so that a row of a client this test did not open says so
+
+        def client() -> http.client.HTTPConnection:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.connect()
+            client_ports.add(conn.sock.getsockname()[1])
+            return conn
 
         def paced() -> None:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn = client()
             for _ in range(3):
                 sent[stream(conn, 10, delay_ms=3)] = 10
             conn.close()
 
         def burst() -> None:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn = client()
             for _ in range(3):
                 sent[stream(conn, 150)] = 150
             conn.close()
@@ -118,6 +125,8 @@ def test_rows_that_lost_kernel_events_say_dropped(tmp_path: Path):
     drops = int(re.search(r"; (\d+) events dropped by the kernel", handle.log()).group(1))
     assert drops > 0, handle.log()
     rows = read_rows(handle.store_url)
+    strays = [row for row in rows if row["client_port"] not in client_ports]
+    assert not strays, f"rows of clients this test did not open: {strays}"
     by_capture = {c: [r for r in rows if r["capture"] == c] for c in ("exact", "gaps", "dropped")}
     assert len(rows) == sum(map(len, by_capture.values())), {r["capture"] for r in rows}
     assert by_capture["dropped"], f"{drops} events dropped and no row says so"
