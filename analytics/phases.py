@@ -81,55 +81,68 @@ _COUNTED = f"node, server_port, model, count(), sum({_KEY})"
 @dataclass(frozen=True)
 class PhaseRequests:
     """The inference requests whose phases a run computes: a condition on the columns ``requests`` and
-    ``request_figures`` share, its parameters, and per server and model their count and keys' sum."""
+    ``request_figures`` share, its parameters, per server and model their count and keys' sum, the
+    thresholds their figures are computed with, and whether ``request_figures`` holds every one of them
+    computed so (per server and model the same count and sum of key hashes: no row missing, none extra)."""
 
     condition: str
     parameters: dict
     counted: dict[ServerModel, tuple[int, int]]
+    thresholds: Thresholds
+    figures_stored: bool
 
     @property
     def keys(self) -> list[ServerModel]:
         return sorted(self.counted)
 
 
-def phase_requests(store: Store, requests: TimeRange, scope: Scope,
+def phase_requests(store: Store, requests: TimeRange, scope: Scope, thresholds: Thresholds,
                    only: tuple[str, dict] | None = None) -> PhaseRequests:
     """Every inference request that started in ``requests`` (and, with ``only``, meets that condition over
-    the requests' columns that ``request_figures`` copies, given with its parameters)."""
+    the requests' columns that ``request_figures`` copies, given with its parameters), whose figures are
+    computed with ``thresholds``."""
     in_range, range_parameters = range_condition("req_start", "requests", requests)
     in_scope, scope_parameters = scope.condition()
     if only is not None:
         in_scope, scope_parameters = f"{in_scope} AND {only[0]}", {**scope_parameters, **only[1]}
     condition, parameters = f"{in_range} AND {in_scope}", {**range_parameters, **scope_parameters}
-    counted = store.query_rows(f"SELECT {_COUNTED} FROM {store.table(REQUESTS_TABLE)}"
-                               f" WHERE {measures.IS_INFERENCE} AND {condition} GROUP BY node, server_port, model",
-                               parameters)
-    return PhaseRequests(condition, parameters, _by_server_model(counted))
+    # Both tables counted in one call (a store call costs some 20 ms whatever it reads).
+    counted = store.query_rows(
+        f"SELECT 0 AS stored, {_COUNTED} FROM {store.table(REQUESTS_TABLE)}"
+        f" WHERE {measures.IS_INFERENCE} AND {condition} GROUP BY node, server_port, model"
+        f" UNION ALL SELECT 1 AS stored, {_COUNTED} FROM ({_stored_figures(store, condition, thresholds)})"
+        " GROUP BY node, server_port, model", parameters)
+    in_requests = _by_server_model([row[1:] for row in counted if not row[0]])
+    in_figures = _by_server_model([row[1:] for row in counted if row[0]])
+    return PhaseRequests(condition, parameters, in_requests, thresholds, in_figures == in_requests)
 
 
 def _by_server_model(counted: list[tuple]) -> dict[ServerModel, tuple[int, int]]:
     return {(node, int(port), model): (int(count), int(keys)) for node, port, model, count, keys in counted}
 
 
-def _figures_source(store: Store, requests: PhaseRequests, thresholds: Thresholds) -> str:
-    """Where the figures of ``requests`` come from: ``request_figures``, when it holds every one of them
-    computed by this definition with ``thresholds`` (per server and model the same count and sum of key
-    hashes: no row missing, none extra), else the same figures computed from ``requests`` here."""
+def _stored_figures(store: Store, condition: str, thresholds: Thresholds) -> str:
+    """The rows of ``request_figures`` that meet ``condition``, computed by this definition with
+    ``thresholds``."""
     definition = figures_definition(thresholds.stall_factor, thresholds.long_stream_events)
-    figures = (f"SELECT * FROM {store.table(REQUEST_FIGURES_TABLE)} WHERE {requests.condition}"
-               f" AND definition = '{definition}'")
-    stored = store.query_rows(f"SELECT {_COUNTED} FROM ({figures}) GROUP BY node, server_port, model",
-                              requests.parameters)
-    if _by_server_model(stored) == requests.counted:
-        return figures
+    return (f"SELECT * FROM {store.table(REQUEST_FIGURES_TABLE)} WHERE {condition}"
+            f" AND definition = '{definition}'")
+
+
+def _figures_source(store: Store, requests: PhaseRequests) -> str:
+    """Where the figures of ``requests`` come from: ``request_figures``, when it holds every one of them,
+    else the same figures computed from ``requests`` here."""
+    thresholds = requests.thresholds
+    if requests.figures_stored:
+        return _stored_figures(store, requests.condition, thresholds)
     return figures_select(store.table(REQUESTS_TABLE), thresholds.stall_factor, thresholds.long_stream_events,
                           requests.condition)
 
 
 def compute_phases(store: Store, requests: PhaseRequests, calibrations: Mapping[ServerModel, Calibration],
-                   thresholds: Thresholds, now_ns: int) -> None:
+                   now_ns: int) -> None:
     """(Re)compute the phases of ``requests`` (``phase_requests``)."""
-    source = _figures_source(store, requests, thresholds)
+    source = _figures_source(store, requests)
     split = _split_expressions()
     names = [column.name for column in REQUEST_PHASES_COLUMNS]
     select_list = ",\n    ".join(f"{split[name]} AS {name}" if name in split else name for name in names)

@@ -111,11 +111,11 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     lead_s = matrix_lead_s(window_s, config.thresholds)
     first_window_ns = Windows(analysed, window_s, lead_s).base_ns
     phases_range = TimeRange(first_window_ns, analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
-    requests = phase_requests(store, phases_range, scope, new_requests)
+    requests = phase_requests(store, phases_range, scope, config.thresholds, new_requests)
     fits = fits or KeptFits.none()
     calibrations = fits.calibrations(requests.keys, lambda keys: calibrate(
         store, phases_range, scope, config.spans, now_ns, needed=keys, floors=idle_floors))
-    compute_phases(store, requests, calibrations, config.thresholds, now_ns)
+    compute_phases(store, requests, calibrations, now_ns)
     knees, fitted = fits.knees(requests.keys, lambda: (
         fit_knees(store, analysed, scope, config.spans, now_ns),
         latest_found_knees(store, scope)))  # this run's fits, where one found a knee, are the latest

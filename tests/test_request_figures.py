@@ -94,7 +94,7 @@ def test_every_stored_request_has_its_figures_and_the_pass_reads_them(reference,
     # The pass's figures are the stored ones: a changed stored figure shows in the phases it writes.
     store.command(f"ALTER TABLE {store.table(REQUEST_FIGURES_TABLE)} UPDATE tls_ms = 1234.5 WHERE 1"
                   " SETTINGS mutations_sync = 2")
-    compute_phases(store, phase_requests(store, ANALYSED, EVERYTHING), {}, DEFAULT_CONFIG.thresholds,
+    compute_phases(store, phase_requests(store, ANALYSED, EVERYTHING, DEFAULT_CONFIG.thresholds), {},
                    next(PASS_TIMES))
     assert {tls for (tls,) in store.query_rows(
         f"SELECT tls_ms FROM {store.table('request_phases')} FINAL")} == {1234.5}
