@@ -69,6 +69,7 @@ from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.slo import evaluate_slos
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+from tokenprobe.contract.requests import REQUESTS_TABLE
 from tokenprobe.refserver.overload import percentile
 from tokenprobe.store.client import Store
 from tokenprobe.store.embedded import open_store
@@ -83,7 +84,6 @@ BASELINE_PACKAGE = "tokenprobe_baseline"
 
 # One request per number n; 'load' swings between 0 and 1 six times over the span.
 GENERATE = """
-INSERT INTO {db}.requests
 SELECT
     '{node}' AS node, n AS conn_id, 0 AS req_seq, 'server' AS role, 4242 AS pid, 'engine' AS comm,
     8000 + n % {servers} AS server_port,
@@ -148,8 +148,8 @@ def log_store_calls(handler: logging.Handler) -> None:
 
 
 def generate(store, node: str, start_ns: int, span_s: int, requests: int) -> None:
-    store.command(GENERATE.format(db=store.database, node=node, servers=SERVERS, start_ns=start_ns,
-                                  span_ns=span_s * NS_PER_S, requests=requests))
+    store.insert_select(REQUESTS_TABLE, GENERATE.format(node=node, servers=SERVERS, start_ns=start_ns,
+                                                        span_ns=span_s * NS_PER_S, requests=requests))
 
 
 def agent_live_analysis(package: str) -> Callable[..., object]:
@@ -290,7 +290,7 @@ def main() -> int:
         calibrations = timed("prefill calibration", n, lambda: calibrate(store, phases_range, EVERYTHING,
                                                                          config.spans, now_ns))
         timed("phases (INSERT ... SELECT)", n, lambda: compute_phases(
-            store, phase_requests(store, phases_range, EVERYTHING), calibrations, config.thresholds, now_ns))
+            store, phase_requests(store, phases_range, EVERYTHING, config.thresholds), calibrations, now_ns))
         timed("phase summary", n, lambda: phase_summary(store, analysed, EVERYTHING))
         knees = timed("knee", n, lambda: fit_knees(store, analysed, EVERYTHING, config.spans, now_ns))
         cells = timed("indicator matrix", n, lambda: compute_matrix(

@@ -19,7 +19,7 @@ from .decisions import DECISIONS
 from .ends import REQUEST_ENDS, REQUEST_ENDS_MV
 from .figures import REQUEST_FIGURES, REQUEST_FIGURES_MV
 from .inflight import INFLIGHT_SAMPLES
-from .requests import REQUESTS, REQUESTS_FOR_VIEWS, REQUESTS_FOR_VIEWS_MV, REQUESTS_TABLE
+from .requests import REQUESTS, REQUESTS_FOR_VIEWS, REQUESTS_TABLE
 from .rollup import KNEE_ROLLUP, KNEE_ROLLUP_MV, ROLLUP, ROLLUP_MV
 from .samples import ENGINE_SAMPLES, GPU_SAMPLES, SERVER_GPUS
 from .tables import DEFAULT_DATABASE, DEFAULT_TTL_DAYS, Table, View
@@ -52,12 +52,11 @@ def tables(embedded: bool = False) -> tuple[Table, ...]:
 
 
 def materialized_views(embedded: bool = False) -> tuple[View, ...]:
-    """The materialized views as a store creates them: an embedded store's read ``requests_for_views``, and
-    the last one feeds it (created last: before it, no row passes the views by)."""
+    """The materialized views as a store creates them: an embedded store's read ``requests_for_views``, which
+    the store's writers feed (contract/requests.py)."""
     if not embedded:
         return MATERIALIZED_VIEWS
-    return (*(view.reading(REQUESTS_TABLE, REQUESTS_FOR_VIEWS.name) for view in MATERIALIZED_VIEWS),
-            REQUESTS_FOR_VIEWS_MV)
+    return tuple(view.reading(REQUESTS_TABLE, REQUESTS_FOR_VIEWS.name) for view in MATERIALIZED_VIEWS)
 
 
 def create_statements(database: str = DEFAULT_DATABASE, ttl_days: int = DEFAULT_TTL_DAYS, *,

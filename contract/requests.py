@@ -12,7 +12,6 @@ from .tables import (
     TIMESTAMP_TYPE,
     Column,
     Table,
-    View,
 )
 
 # One row per HTTP request, exactly as docs/ROW_SCHEMA.md lists it (names,
@@ -95,20 +94,19 @@ REQUESTS_DDL = REQUESTS.ddl_template
 
 # In an embedded store the materialized views over ``requests`` (rollups,
 # ends, figures) read ``requests_for_views`` instead: a table that stores
-# nothing (engine Null), fed by one more view that passes on every row
-# inserted into ``requests``, except those of an insert whose ``log_comment``
-# setting is VIEWS_LATER. The agent's writer inserts a second's rows that way
-# and feeds ``requests_for_views`` itself every few seconds: each insert that
-# runs the views costs the agent's CPU about 50 ms whatever it holds
-# (planning them, a part written in each view's table), and a second's rows
-# are one insert. Every other writer (a batch, INSERT ... SELECT, raw HTTP)
-# feeds the views as it inserts. A ClickHouse server runs the views on its own
-# CPU: there they read ``requests``.
-VIEWS_LATER = "tokenprobe: views fed later"
+# nothing (engine Null), and no view reads ``requests`` itself. Each insert
+# into a table that a view reads costs chDB's CPU to plan the views, whatever
+# the insert holds: about 12 ms for a view that only passes rows on, 60-120 ms
+# for the four that write a part each. So the writers feed the views
+# themselves: ``Store.insert_arrow`` and ``Store.insert_select`` insert into
+# ``requests_for_views`` what they insert into ``requests``, and the agent's
+# writer inserts each second's rows into ``requests`` alone and feeds the
+# views those of every few seconds in one insert. An insert that goes around
+# ``Store`` (raw SQL or HTTP) leaves the views without its rows, which their
+# readers compute from ``requests`` (they check each view against it). A
+# ClickHouse server runs the views on its own CPU: there they read ``requests``.
 REQUESTS_FOR_VIEWS = REQUESTS.feeding("requests_for_views")
 REQUESTS_FOR_VIEWS_TABLE = REQUESTS_FOR_VIEWS.name
-REQUESTS_FOR_VIEWS_MV = View(
-    "requests_for_views_mv",
-    f"CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.requests_for_views_mv TO {{db}}.{REQUESTS_FOR_VIEWS_TABLE} AS\n"
-    f"SELECT * FROM {{db}}.{REQUESTS.name}\nWHERE getSetting('log_comment') != '{VIEWS_LATER}'",
-)
+# A view older releases made in an embedded store, passing every row inserted into ``requests`` on to
+# ``requests_for_views``: dropped by ``Store.ensure_schema``, or the writers' feeds would count rows twice.
+RETIRED_EMBEDDED_VIEWS = ("requests_for_views_mv",)

@@ -75,8 +75,7 @@ def fill_requests(store: Store, *, count: int, start_ns: int, span_s: float, see
     step_ns = span_s * 1e9 / count
     offsets = "arrayMap(i -> toUInt32(i * tpot_us), range(token_events))" if token_offsets else "[]"
     # Times in µs relative to req_start; each stage's alias feeds the next.
-    sql = f"""
-INSERT INTO {store.table(REQUESTS_TABLE)} ({", ".join(REQUEST_COLUMNS)})
+    select = f"""
 SELECT
     [{nodes}][{server_index}] AS node,
     number AS conn_id,
@@ -142,7 +141,7 @@ FROM (
         18000 * (1 + 0.6 * in_episode) * exp(0.2 * {_normal(13, seed)}) AS tpot_us
     FROM numbers({count})
 )"""
-    store.command(sql)
+    store.insert_select(REQUESTS_TABLE, select, columns=REQUEST_COLUMNS)
 
 
 def _device_id(node: str, gpu_index: int) -> str:

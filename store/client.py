@@ -13,7 +13,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 QUERY_LOG_CHARS = 160
 
 from ..contract.registry import TABLES, create_statements, materialized_views, tables
-from ..contract.requests import REQUESTS_FOR_VIEWS_TABLE, REQUESTS_TABLE, VIEWS_LATER
+from ..contract.requests import REQUESTS_FOR_VIEWS_TABLE, REQUESTS_TABLE, RETIRED_EMBEDDED_VIEWS
 from ..contract.tables import DEDUPLICATION_WINDOW_SETTING, DEFAULT_TTL_DAYS, Table, View
 from .rows import RowSchema
 from .url import StoreURL
@@ -73,7 +73,7 @@ class Store:
         self._lock = threading.RLock()
         self._closed = False
         self._row_schemas: dict[str, RowSchema] = {}
-        self._views_read_apart: bool | None = None  # known once asked (views_fed_apart)
+        self._views_read_apart = False  # known once it holds (views_fed_apart)
 
     def __enter__(self) -> Store:
         return self
@@ -118,25 +118,37 @@ class Store:
 
         An insert with the ``deduplication_token`` of an earlier one into the same table (a replay of a
         batch whose answer was lost) is dropped by ClickHouse instead of storing the rows twice.
-        ``views_later``: leave the materialized views over ``table`` to a later ``feed_views`` of the same
-        rows (only where ``views_fed_apart(table)``).
+        Where the store's writers feed the views over ``table`` (``views_fed_apart``), the rows are fed to
+        them too, unless ``views_later``: a later ``feed_views`` of the same rows does.
         """
         if arrow_table.num_rows == 0:
             return 0
-        settings = self._insert_settings(deduplication_token)
-        if views_later:
-            if not self.views_fed_apart(table):
-                raise ValueError(f"the views over {self.table(table)} in store {self.url} cannot be fed apart")
-            settings["log_comment"] = VIEWS_LATER
-        self._call(self.client.insert_arrow, self.table(table), arrow_table, settings=settings or None)
+        apart = self.views_fed_apart(table)
+        if views_later and not apart:
+            raise ValueError(f"the views over {self.table(table)} in store {self.url} cannot be fed apart")
+        settings = self._insert_settings(deduplication_token) or None
+        self._call(self.client.insert_arrow, self.table(table), arrow_table, settings=settings)
+        if apart and not views_later:
+            self._call(self.client.insert_arrow, self.table(REQUESTS_FOR_VIEWS_TABLE), arrow_table,
+                       settings=settings)
         return arrow_table.num_rows
 
+    def insert_select(self, table: str, select: str, parameters: Mapping[str, Any] | None = None, *,
+                      columns: Sequence[str] = ()) -> None:
+        """``INSERT INTO table [(columns)] select``. Where the store's writers feed the views over ``table``
+        (``views_fed_apart``), the same SELECT is inserted into what they read: it must give the same rows
+        twice (no rand(), no now())."""
+        names = f" ({', '.join(columns)})" if columns else ""
+        self.command(f"INSERT INTO {self.table(table)}{names}\n{select}", parameters)
+        if self.views_fed_apart(table):
+            self.command(f"INSERT INTO {self.table(REQUESTS_FOR_VIEWS_TABLE)}{names}\n{select}", parameters)
+
     def views_fed_apart(self, table: str) -> bool:
-        """Whether an insert into ``table`` may leave its materialized views to ``feed_views``: an embedded
-        store's ``requests`` (contract/requests.py says why), once ``ensure_schema`` has made it so."""
+        """Whether the store's writers, not the store, feed the materialized views over ``table``: an
+        embedded store's ``requests`` (contract/requests.py says why), once ``ensure_schema`` has made it so."""
         if self.table(table) != self.table(REQUESTS_TABLE) or not self.mode.startswith("embedded"):
             return False
-        if self._views_read_apart is None:
+        if not self._views_read_apart:  # asked again until it holds: another process may make the schema
             self._views_read_apart = bool(self.query_rows(
                 "SELECT 1 FROM system.tables WHERE database = {database:String} AND name = {table:String}",
                 {"database": self.database, "table": REQUESTS_FOR_VIEWS_TABLE}))
@@ -199,6 +211,8 @@ class Store:
         views = {view.ddl_template.format(db=self.database): view for view in materialized_views(embedded)}
         existing = {name for (name,) in self.query_rows(
             "SELECT name FROM system.tables WHERE database = {database:String}", {"database": self.database})}
+        if embedded:
+            self._drop_retired_views(existing)
         for statement in create_statements(self.database, ttl_days, embedded=embedded):
             if statement in views:
                 self._drop_outdated_view(views[statement])
@@ -208,7 +222,7 @@ class Store:
                 self._add_missing_columns(created_tables[statement])
         self._enable_insert_deduplication()
         self._backfill_new_views([view for view in views.values() if view.name not in existing])
-        self._views_read_apart = None
+        self._views_read_apart = False
 
     def _on_cluster(self) -> bool:
         """Whether this store is a cluster's (deploy/clickhouse/cluster.sql: Replicated and Distributed tables)."""
@@ -227,6 +241,14 @@ class Store:
         for view in backfills:
             logger.info("store %s: writing %s for the rows stored before it", self.url, self.table(view.name))
             self.command(view.backfill.format(db=self.database))
+
+    def _drop_retired_views(self, existing: Collection[str]) -> None:
+        """Drop the views an older release made in an embedded store that this one has no more."""
+        for name in RETIRED_EMBEDDED_VIEWS:
+            if name in existing:
+                logger.info("store %s: dropping materialized view %s (its writers now feed the views)", self.url,
+                            self.table(name))
+                self.command(f"DROP VIEW IF EXISTS {self.table(name)}")
 
     def _drop_outdated_view(self, view: View) -> None:
         """Drop ``view`` if the store has it by another definition than the current one (its comment

@@ -318,7 +318,7 @@ def test_every_table_declared_in_the_contract_is_registered_and_rendered():
         declared |= {value.name for value in vars(module).values() if isinstance(value, (Table, View))}
     embedded = {item.name for item in (*registry.tables(embedded=True), *registry.materialized_views(embedded=True))}
     assert declared == embedded
-    assert embedded - set(render.registered_tables()) == {"requests_for_views", "requests_for_views_mv"}
+    assert embedded - set(render.registered_tables()) == {"requests_for_views"}
 
 
 def test_cluster_ddl_is_clickhouse_sql_that_creates_working_tables(tmp_path):
