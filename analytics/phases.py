@@ -106,7 +106,8 @@ def phase_requests(store: Store, requests: TimeRange, scope: Scope, thresholds: 
     if only is not None:
         in_scope, scope_parameters = f"{in_scope} AND {only[0]}", {**scope_parameters, **only[1]}
     condition, parameters = f"{in_range} AND {in_scope}", {**range_parameters, **scope_parameters}
-    # Both tables counted in one call (a store call costs some 20 ms whatever it reads).
+    # Both tables counted in one call: apart, each planned and read its parts afresh (22 and 19 ms in a live
+    # pass at 1k requests/s, 24 ms together).
     counted = store.query_rows(
         f"SELECT 0 AS stored, {_COUNTED} FROM {store.table(REQUESTS_TABLE)}"
         f" WHERE {measures.IS_INFERENCE} AND {condition} GROUP BY node, server_port, model"
