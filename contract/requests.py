@@ -102,8 +102,9 @@ REQUESTS_DDL = REQUESTS.ddl_template
 # ``requests_for_views`` what they insert into ``requests``, and the agent's
 # writer inserts each second's rows into ``requests`` alone and feeds the
 # views those of every few seconds in one insert. An insert that goes around
-# ``Store`` (raw SQL or HTTP) leaves the views without its rows, which their
-# readers compute from ``requests`` (they check each view against it). A
+# ``Store`` (raw SQL or HTTP) leaves the views without its rows; most of their
+# readers check a view against ``requests`` and compute what it lacks (README,
+# "Dashboard", says which do not). A
 # ClickHouse server runs the views on its own CPU: there they read ``requests``.
 REQUESTS_FOR_VIEWS = REQUESTS.feeding("requests_for_views")
 REQUESTS_FOR_VIEWS_TABLE = REQUESTS_FOR_VIEWS.name

@@ -129,8 +129,7 @@ class Store:
         settings = self._insert_settings(deduplication_token) or None
         self._call(self.client.insert_arrow, self.table(table), arrow_table, settings=settings)
         if apart and not views_later:
-            self._call(self.client.insert_arrow, self.table(REQUESTS_FOR_VIEWS_TABLE), arrow_table,
-                       settings=settings)
+            self.feed_views(table, [arrow_table], deduplication_token=deduplication_token)
         return arrow_table.num_rows
 
     def insert_select(self, table: str, select: str, parameters: Mapping[str, Any] | None = None, *,
@@ -154,7 +153,7 @@ class Store:
                 {"database": self.database, "table": REQUESTS_FOR_VIEWS_TABLE}))
         return self._views_read_apart
 
-    def feed_views(self, table: str, arrow_tables: Sequence[pa.Table], *, deduplication_token: str) -> int:
+    def feed_views(self, table: str, arrow_tables: Sequence[pa.Table], *, deduplication_token: str | None) -> int:
         """Run the materialized views over ``table`` on rows inserted into it with ``views_later``, in one
         insert (``deduplication_token``: a retry of a feed whose answer was lost counts nothing twice)."""
         if not self.views_fed_apart(table):
