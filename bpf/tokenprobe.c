@@ -45,6 +45,7 @@
 #ifndef MAX_PENDING
 #define MAX_PENDING 16384 // threads inside a traced call at once
 #endif
+#define MAX_UNSEEN_ENDS 16384 // connections that ended unseen, until the agent takes them
 #define MAX_IOV 64 // iovecs copied per program (hyper and libuv gather three a chunk); more: tail calls
 #define MAX_EXE_PATHS 8 // up to 4 executables, each as given and resolved
 #define EXE_PATH_LEN 256
@@ -167,6 +168,18 @@ BPF_ARRAY(config, u32, CFG_SLOTS);
 BPF_ARRAY(exe_paths, struct exe_path, MAX_EXE_PATHS);
 
 BPF_TABLE("lru_hash", struct conn_key, struct conn_info, conns, MAX_CONNS);
+// Ends of connections the agent had no record of: a close whose record the
+// ring buffer refused, or a close never traced (close_range, dup2 over the fd,
+// close on exec), found when accept or connect reuses the fd. The agent takes
+// an entry when it finds the connection gone (its fd reused, or idle) and
+// counts from its counters what it lost of the connection's last events.
+struct unseen_end {
+    u64 accept_ns;      // the connection's generation (conn_info.accept_ns)
+    u64 close_ns;       // close()'s time; 0 when the close was never traced
+    u64 bytes[2];       // the connection's counters at its end
+    u32 events[2];
+};
+BPF_TABLE("lru_hash", struct conn_key, struct unseen_end, unseen_ends, MAX_UNSEEN_ENDS);
 BPF_HASH(target_ports, u16, u8, 256); // probes.MAX_TARGET_PORTS
 BPF_TABLE("lru_hash", u32, u8, target_tgids, MAX_TGIDS);
 // Processes that own a tracked connection: the libssl uprobes return at once
@@ -247,11 +260,22 @@ static __always_inline void count_overflow(int slot) {
         __sync_fetch_and_add(n, 1);
 }
 
+static __always_inline void keep_unseen_end(struct conn_key *k, u64 accept_ns, u64 close_ns,
+                                            u64 *bytes, u32 *events) {
+    struct unseen_end end = {.accept_ns = accept_ns, .close_ns = close_ns};
+    __builtin_memcpy(end.bytes, bytes, sizeof(end.bytes));
+    __builtin_memcpy(end.events, events, sizeof(end.events));
+    unseen_ends.update(k, &end);
+}
+
 // Adds a connection to conns. Full, the LRU evicts the least recently used
 // entry, which is one nobody removed: a live connection (idle, or a busy one
 // if that many are open) or one closed unseen (close_range, exec). Counted.
 static __always_inline void track_connection(struct conn_key *k, struct conn_info *ci) {
-    if (!conns.lookup(k)) {
+    struct conn_info *before = conns.lookup(k);
+    if (before) // the fd's previous connection, closed where no probe saw it
+        keep_unseen_end(k, before->accept_ns, 0, before->bytes, before->events);
+    else {
         int kernel = 0, agent = 1;
         s64 *mine = conns_fill.lookup(&kernel), *theirs = conns_fill.lookup(&agent);
         if (mine && theirs) {
@@ -341,12 +365,15 @@ static __always_inline u64 ring_flags(u64 size) {
     return RB_FORCE_WAKEUP;
 }
 
-static __always_inline void submit(struct event *e, u32 data_len) {
+// Sends a record; 0 if the ring buffer took it (a refused one is counted).
+static __always_inline int submit(struct event *e, u32 data_len) {
     u32 size = offsetof(struct event, data) + (data_len & (2 * HEAD_CAP - 1));
     if (size > sizeof(struct event))
         size = sizeof(struct event);
-    if (events.ringbuf_output(e, size, ring_flags(size)) != 0)
-        count_drop();
+    if (events.ringbuf_output(e, size, ring_flags(size)) == 0)
+        return 0;
+    count_drop();
+    return -1;
 }
 
 // Copies the head (and, for large calls, the tail) of a contiguous buffer.
@@ -1060,8 +1087,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     steady_end(&k);
     struct event *e = new_event(EV_CLOSE, k.tgid, k.fd, ci, bpf_ktime_get_ns());
     untrack_connection(&k);
-    if (e)
-        submit(e, 0);
+    if (e && submit(e, 0) != 0) // kept for the agent, which would count this close's record as lost
+        keep_unseen_end(&k, e->conn_ns, e->ts_ns, e->bytes, e->events);
     return 0;
 }
 

@@ -416,7 +416,7 @@ class Agent:
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
             forget_connection=probes.forget_connection, restart_connection=probes.restart_connection,
             on_unreadable=exporters.unreadable, tenant_header=cfg.tenant_header, idle_timeout_s=cfg.idle_timeout_s,
-            steady=probes if cfg.kernel_batching else None)
+            steady=probes if cfg.kernel_batching else None, unseen_ends=probes)
         lag = LagMeter()
 
         def handle(event) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -136,6 +138,75 @@ def test_rows_that_lost_kernel_events_say_dropped(tmp_path: Path):
         expected = sent.get(row["response_id"])
         assert (row["token_events"], row["completion_tokens"], row["outcome"], row["bytes_unseen"]) == (
             expected, expected, "complete", 0), row
+
+
+def connection_sockets(pid: int, listening: set[str]) -> dict[int, str]:
+    """The server's connected sockets: fd → its socket inode ('socket:[…]')."""
+    fds = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith("socket:") and target not in listening:
+            fds[int(fd)] = target
+    return fds
+
+
+def test_a_close_the_ring_buffer_refused_is_read_from_the_kernels_kept_end(tmp_path: Path):
+    """The agent is stopped (SIGSTOP) while a stream goes on and short connections fill its
+    16 KiB ring buffer: the stream's last writes and its connection's close are refused. A later connection of the
+    server's reuses the fd. Resumed, the agent finds the first connection gone and takes
+    its end from the kernel: the row says `dropped` with the bytes it never saw, where
+    without it the row read `exact`, a stream cut short."""
+    with shapes_server() as (port, server_pid), agent(tmp_path, "--ringbuf-kb", "16", ports=[port]) as handle:
+        # Its listener alone (wait_for_port's probe connection is gone), so the fd is reused.
+        wait_until(lambda: len(connection_sockets(server_pid, set())) == 1)
+        listening = set(connection_sockets(server_pid, set()).values())
+        first = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        first.connect()
+        first_port = first.sock.getsockname()[1]
+        wait_until(lambda: len(connection_sockets(server_pid, listening)) == 1)
+        ((fd, first_socket),) = connection_sockets(server_pid, listening).items()
+        os.kill(handle.proc.pid, signal.SIGSTOP)
+        try:
+            cut = f"cmpl-{uuid.uuid4().hex}"
+            first.request("POST", "/v1/completions", body=json.dumps({"id": cut, "max_tokens": 60, "delay_ms": 50}),
+                          headers={"Content-Type": "application/json"})
+            response = first.getresponse()  # the request and header are in the ring buffer; 3 s of tokens to come
+            # Records of a header alone (accept, an EOF read, close), more than the ring buffer holds: no room
+            # is left for any record, the stream's own small last writes and its close's included.
+            for _ in range(100):
+                socket.create_connection(("127.0.0.1", port)).close()
+            wait_until(lambda: len(connection_sockets(server_pid, listening)) == 1)
+            assert response.read().endswith(b"data: [DONE]\n\n")
+            first.close()
+            wait_until(lambda: not connection_sockets(server_pid, listening))
+            # Connections until the server gives one the first one's fd (a lower one may be free).
+            idle: list[http.client.HTTPConnection] = []
+            while connection_sockets(server_pid, listening).get(fd, first_socket) == first_socket:
+                assert len(idle) < 8, connection_sockets(server_pid, listening)
+                idle.append(http.client.HTTPConnection("127.0.0.1", port, timeout=30))
+                idle[-1].connect()
+                wait_until(lambda: len(connection_sockets(server_pid, listening)) == len(idle))
+            second = idle.pop()
+            second_port = second.sock.getsockname()[1]
+        finally:
+            os.kill(handle.proc.pid, signal.SIGCONT)
+        time.sleep(2)  # the agent reads the ring buffer at least every 100 ms: room for the next stream
+        whole = stream(second, 3)  # its events find the first connection gone
+        for conn in (second, *idle):
+            conn.close()
+        assert handle.stop() == 0, handle.log()
+    drops = int(re.search(r"; (\d+) events dropped by the kernel", handle.log()).group(1))
+    assert drops > 0, handle.log()
+    rows = {row["client_port"]: row for row in read_rows(handle.store_url)}
+    assert set(rows) == {first_port, second_port}, rows
+    assert (rows[second_port]["response_id"], rows[second_port]["capture"], rows[second_port]["outcome"],
+            rows[second_port]["token_events"]) == (whole, "exact", "complete", 3)
+    cut_row = rows[first_port]  # its id may be unseen: the ring buffer may have been full by the first token
+    assert cut_row["response_id"] in ("", cut) and cut_row["token_events"] < 60, cut_row
+    assert cut_row["capture"] == "dropped" and cut_row["bytes_unseen"] > 0, cut_row
 
 
 def connect(port: int, tls: bool) -> http.client.HTTPConnection:

@@ -26,6 +26,7 @@ from tokenprobe.agent.capture.probes import (
     HEADER_SIZE,
     EventDecodeError,
     KernelEvent,
+    UnseenEnd,
     decode_event,
 )
 from tokenprobe.agent.capture.tracker import ConnectionTracker
@@ -314,6 +315,101 @@ def test_process_exit_ends_its_connections_and_their_inflight_count():
 
 IDLE_S = 60
 IDLE_NS = IDLE_S * 1_000_000_000
+
+
+class KeptEnds:
+    """The kernel's `unseen_ends` map for one connection numbered by `Numbered`: what
+    bpf/tokenprobe.c keeps when the ring buffer refuses a close's record, or when an accept
+    reuses the fd of a connection whose close no probe saw."""
+
+    def __init__(self, conn: Numbered):
+        self.conn = conn
+        self.ends: dict[tuple[int, int], UnseenEnd] = {}
+
+    def keep(self, traced: bool) -> None:
+        conn = self.conn
+        conn.ts += 1_000_000
+        self.ends[(42, 7)] = UnseenEnd(conn.conn_ns, conn.ts if traced else 0, tuple(conn.bytes), tuple(conn.events))
+
+    def take_unseen_end(self, tgid: int, fd: int) -> UnseenEnd | None:
+        return self.ends.pop((tgid, fd), None)
+
+
+def half_served(clock: MonotonicWallClock, lose_last: bool, **kwargs):
+    """A tracker on `clock` whose connection has a request answered with a header and two
+    tokens, the second maybe lost, and no end yet; returns the tracker, its rows, the
+    connection and the kernel's kept ends."""
+    tracker, rows = make_tracker(**kwargs)
+    tracker.clock = clock
+    tracker.handle(ev(EV_ACCEPT, 500))
+    conn = Numbered(tracker)
+    kernel = KeptEnds(conn)
+    tracker.unseen_ends = kernel
+    conn.send(DIR_READ, REQUEST)
+    conn.send(DIR_WRITE, HEAD)
+    conn.send(DIR_WRITE, sse_chunk(b'{"id":"cmpl-1","choices":[{"text":"a"}]}'))
+    conn.send(DIR_WRITE, sse_chunk(b'{"id":"cmpl-1","choices":[{"text":"b"}]}'), lose=lose_last)
+    return tracker, rows, conn, kernel
+
+
+@pytest.mark.parametrize("lose_last", [False, True], ids=["nothing_else_lost", "last_write_lost"])
+@pytest.mark.parametrize("found_by", ["accept", "data_after_a_lost_accept", "idle_eviction", "agent_stop"])
+def test_a_close_whose_record_the_ring_buffer_refused_gives_the_row_its_record_would_have(found_by, lose_last):
+    """The kernel keeps the end of a connection whose close record it could not send. Found
+    when the fd is reused (by an accept, or by a data event of the next connection whose accept
+    was lost too), when the connection idles, or at the agent's stop, it gives the very row the close record would
+    have given: its time and outcome, and `dropped` exactly when the counters say events were
+    lost. Without the kept end a lost last write would leave the row `exact`, and the agent's
+    stop would call the connection's open exchange truncated by the stop."""
+    clock = MonotonicWallClock()
+
+    def served(close: str) -> list[dict]:
+        tracker, rows, conn, kernel = half_served(clock, lose_last, idle_timeout_s=IDLE_S)
+        if close == "delivered":
+            conn.send(DIR_READ, kind=EV_CLOSE)
+            return rows.rows
+        kernel.keep(traced=True)
+        if found_by == "accept":
+            tracker.handle(ev(EV_ACCEPT, conn.ts + 5_000_000, conn_ns=conn.ts + 5_000_000))
+        elif found_by == "data_after_a_lost_accept":
+            tracker.handle(ev(EV_DATA, conn.ts + 6_000_000, conn_ns=conn.ts + 5_000_000, data=REQUEST))
+        elif found_by == "idle_eviction":
+            assert tracker.evict_idle(conn.ts + IDLE_NS) == 0 and tracker.stats.idle_evicted == 0
+            assert not tracker.connections
+        else:
+            tracker.close_all(conn.ts + 10_000_000)
+        assert not kernel.ends, "the agent took the kept end"
+        return rows.rows
+
+    delivered, refused = served("delivered"), served("refused")
+    assert refused == delivered and len(refused) == 1
+    assert refused[0]["capture"] == ("dropped" if lose_last else "exact")
+
+
+def test_a_close_no_probe_saw_is_dated_when_found_and_counts_what_its_counters_say_was_lost():
+    """close_range or dup2 over the fd: no close record, and the kernel keeps the connection's
+    counters when an accept reuses its fd. The row is the one a close record at that moment
+    would have given: a lost last write reads as `dropped`. An end kept of an older connection
+    on the fd is not this one's."""
+    clock = MonotonicWallClock()
+    for lose_last, capture in ((False, "exact"), (True, "dropped")):
+        served = []
+        for close in ("delivered", "unseen"):
+            tracker, rows, conn, kernel = half_served(clock, lose_last)
+            found_ns = conn.ts + 5_000_000
+            if close == "delivered":
+                tracker.handle(ev(EV_CLOSE, found_ns, conn_ns=conn.conn_ns, bytes_before=tuple(conn.bytes),
+                                  events_before=tuple(conn.events)))
+            else:
+                kernel.keep(traced=False)
+                tracker.handle(ev(EV_ACCEPT, found_ns, conn_ns=found_ns))
+            served.append(rows.rows)
+        assert served[0] == served[1] and [r["capture"] for r in served[1]] == [capture]
+
+    tracker, rows, conn, kernel = half_served(clock, lose_last=False)
+    kernel.ends[(42, 7)] = UnseenEnd(400, 450, (9999, 9999), (99, 99))  # the connection before this one
+    tracker.handle(ev(EV_ACCEPT, conn.ts + 5_000_000, conn_ns=conn.ts + 5_000_000))
+    assert [(r["capture"], r["bytes_unseen"]) for r in rows.rows] == [("exact", 0)] and not kernel.ends
 
 
 def test_idle_connections_are_evicted_with_their_open_request_truncated():

@@ -51,7 +51,7 @@ KERNEL_MAPS = ("events", "scratch", "drops", "map_overflows", "conns_fill", "con
                "target_ports", "target_tgids", "active_tgids", "listeners", "bind_pending", "listener_tgids",
                "io_pending", "accept_pending", "connect_pending", "ssl_pending", "ssl_fd", "bio_conn",
                "cipher_read", "written_record_ssl", "go_tls_pending", "go_tcp_conn_itab_hashes", "steady_templates",
-               "steady_batches", "steady_empty", "iov_walks", "iov_more", "ring_sent")
+               "steady_batches", "steady_empty", "iov_walks", "iov_more", "ring_sent", "unseen_ends")
 
 # (symbol, entry handler, return handler or None). Both OpenSSL call
 # families: CPython calls the _ex forms, nginx and most C servers the classic
@@ -125,6 +125,18 @@ class KernelEvent:
     peer_port: int
     peer_addr: str
     comm: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnseenEnd:
+    """A connection's end the agent received no close record of (struct unseen_end in
+    bpf/tokenprobe.c): its close() the ring buffer refused, or a close no probe saw, found
+    when the fd was reused. Its counters are those a close record would have carried."""
+
+    conn_ns: int   # the connection's generation; 0 for one adopted or restarted
+    ts_ns: int     # close()'s time; 0 when the close was never traced
+    bytes_before: tuple[int, int]
+    events_before: tuple[int, int]
 
 
 # struct steady_batch (bpf/tokenprobe.c): laid out as struct event up to `kind`, then the words
@@ -647,17 +659,31 @@ class Probes:
     def take_steady_batch(self, tgid: int, fd: int) -> SteadyBatch | None:
         """The batch a connection of a process that is gone left in the kernel (no close()
         sent it), removed from the kernel; None if there is none."""
-        table = self.bpf["steady_batches"]
+        leaf = self._take("steady_batches", tgid, fd)
+        if leaf is None or not leaf.count:
+            return None
+        size = _STEADY_HEADER.size + min(leaf.count, STEADY_WORDS) * 8
+        return decode_steady_batch(ctypes.string_at(ctypes.addressof(leaf), size))
+
+    def take_unseen_end(self, tgid: int, fd: int) -> UnseenEnd | None:
+        """The end the kernel kept of the connection last on (tgid, fd), removed from the kernel;
+        None if it kept none (its close record came, or it was never tracked)."""
+        end = self._take("unseen_ends", tgid, fd)
+        if end is None:
+            return None
+        return UnseenEnd(conn_ns=end.accept_ns, ts_ns=end.close_ns, bytes_before=(end.bytes[0], end.bytes[1]),
+                         events_before=(end.events[0], end.events[1]))
+
+    def _take(self, name: str, tgid: int, fd: int):
+        """A connection's entry of a map, removed from it; None if it has none."""
+        table = self.bpf[name]
         key = self._conn_key(table, tgid, fd)
         try:
             leaf = table[key]
         except KeyError:
             return None
         self._delete(table, key)
-        if not leaf.count:
-            return None
-        size = _STEADY_HEADER.size + min(leaf.count, STEADY_WORDS) * 8
-        return decode_steady_batch(ctypes.string_at(ctypes.addressof(leaf), size))
+        return leaf
 
     def held_steady_writes(self, tgid: int, fd: int) -> tuple[int, int] | None:
         """(first, last) write time of the batch the kernel holds for a connection, left where it is;

@@ -15,6 +15,13 @@ framing stays in step. Bytes a delivered event did not carry (beyond its
 head and tail) are counted too: a response with any, or a request whose
 framing they broke, is `gaps`. Everything else is `exact`.
 
+A close whose record the ring buffer refused, or one no probe saw
+(`close_range`, `dup2` over the fd), leaves the connection open here until it
+is found gone: its fd reused, idle, or the agent stopping. The kernel keeps
+such a connection's end (`UnseenEnds`): the close's time and the counters its
+record would have carried, so its rows end when it did and count its lost
+last events as any close would.
+
 Kernel batching (`steady`): after a whole response write that the assembler
 reads as one chunk of one event of a steady SSE stream, the tracker names the
 bytes around its text to the kernel (HttpConnectionAssembler.steady_template);
@@ -58,7 +65,7 @@ import hashlib
 import logging
 import re
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
@@ -84,6 +91,7 @@ from .probes import (
     ROLE_CLIENT,
     KernelEvent,
     SteadyBatch,
+    UnseenEnd,
     steady_template_fits,
 )
 from .procfs import comm_of, socket_endpoints
@@ -145,6 +153,12 @@ class SteadyKernel(Protocol):
     def held_steady_writes(self, tgid: int, fd: int) -> tuple[int, int] | None: ...
 
 
+class UnseenEnds(Protocol):
+    """The kernel's record of connections that ended where the agent saw no close (probes.Probes)."""
+
+    def take_unseen_end(self, tgid: int, fd: int) -> UnseenEnd | None: ...
+
+
 @dataclass(slots=True)
 class Fidelity:
     """What the capture missed of one exchange while it was open."""
@@ -188,6 +202,11 @@ class Connection:
     next_byte: list[int] = field(default_factory=lambda: [0, 0])
     open: dict[int, Fidelity] = field(default_factory=dict)  # exchange seq → what it missed
 
+    @property
+    def generation(self) -> int:
+        """The kernel's accept time of the connection (its events' conn_ns); 0 if it had none."""
+        return self.opened_ns if self.accept_seen else 0
+
 
 @dataclass
 class TrackerStats:
@@ -214,7 +233,8 @@ class ConnectionTracker:
                  on_unreadable: Callable[[int, str], None] | None = None,
                  restart_connection: Callable[[int, int], None] | None = None,
                  tenant_header: str | None = DEFAULT_TENANT_HEADER,
-                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, steady: SteadyKernel | None = None) -> None:
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, steady: SteadyKernel | None = None,
+                 unseen_ends: UnseenEnds | None = None) -> None:
         """`on_unreadable(server_port, reason)`: a connection was found unreadable, once per connection."""
         if idle_timeout_s <= 0:
             raise ValueError("the idle timeout must be positive")
@@ -230,6 +250,7 @@ class ConnectionTracker:
         self.forget_connection = forget_connection
         self.restart_connection = restart_connection  # the kernel's side of an idle eviction
         self.steady = steady  # None: kernel batching off (every write comes as its own event)
+        self.unseen_ends = unseen_ends  # None: a close the agent did not see is known only from its fd's reuse
         self.connections: dict[tuple[int, int], Connection] = {}
         self.idle_timeout_ns = int(idle_timeout_s * 1e9)
         self.stats = TrackerStats()
@@ -258,7 +279,7 @@ class ConnectionTracker:
     def _on_open(self, ev: KernelEvent) -> None:
         old = self.connections.pop((ev.tgid, ev.fd), None)
         if old is not None:  # the fd was reused and its close() was not seen
-            self._close(old, ev.ts_ns, "server_closed")
+            self._close_unseen(old, ev.ts_ns, self._unseen_end(old))
         if ev.role != ROLE_CLIENT and ev.local_port == 0:
             # The kernel could not name the port (see accept_exit in the BPF
             # program): read it, and the peer, from /proc.
@@ -274,9 +295,9 @@ class ConnectionTracker:
 
     def _connection_for(self, ev: KernelEvent) -> Connection:
         conn = self.connections.get((ev.tgid, ev.fd))
-        if conn is not None and conn.accept_seen and ev.conn_ns and conn.opened_ns != ev.conn_ns:
+        if conn is not None and ev.conn_ns != conn.generation:
             # A newer connection on the same fd whose accept event was lost.
-            self._close(conn, ev.ts_ns, "server_closed")
+            self._close_unseen(conn, ev.ts_ns, self._unseen_end(conn))
             conn = None
         if conn is None:
             # Opened before the agent started, or its accept event was lost.
@@ -431,13 +452,36 @@ class ConnectionTracker:
         if conn is None:
             return
         self._check_sequence(conn, ev)  # the last data events may be the ones lost
+        self._close(conn, ev.ts_ns, self._close_reason(conn))
+
+    @staticmethod
+    def _close_reason(conn: Connection) -> str:
         if conn.reset:
-            reason = "reset"
-        elif conn.peer_eof or conn.client_gone:
-            reason = "client_closed"
-        else:
-            reason = "server_closed"
-        self._close(conn, ev.ts_ns, reason)
+            return "reset"
+        if conn.peer_eof or conn.client_gone:
+            return "client_closed"
+        return "server_closed"
+
+    def _unseen_end(self, conn: Connection) -> UnseenEnd | None:
+        """The end the kernel kept of `conn` (`unseen_ends`): a close whose record the ring
+        buffer refused, or a close no probe saw, found when the fd was reused. None if it kept
+        none of this connection (its close was seen, it is still open, or the kernel's LRU
+        let it go)."""
+        end = self.unseen_ends.take_unseen_end(conn.tgid, conn.fd) if self.unseen_ends else None
+        return end if end is not None and end.conn_ns == conn.generation else None  # not an older one's
+
+    def _close_unseen(self, conn: Connection, found_ns: int, end: UnseenEnd | None) -> None:
+        """Closes a connection found gone at `found_ns` whose close record never came. Its
+        kept end dates the close (if it was traced) and carries the counters the close record
+        would have, which say whether any of the connection's last events were lost; without
+        one, the close is dated when it was found."""
+        if end is None:
+            self._close(conn, found_ns, "server_closed")
+            return
+        if not end.ts_ns:  # a close no probe saw (close_range, dup2 over the fd, close on exec)
+            end = replace(end, ts_ns=found_ns)
+        self._check_sequence(conn, end)
+        self._close(conn, end.ts_ns, self._close_reason(conn))
 
     def _on_tls_done(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
@@ -460,23 +504,35 @@ class ConnectionTracker:
 
     def evict_idle(self, now_ns: int) -> int:
         """Forgets every connection with no I/O for the idle timeout (its open
-        exchanges written `truncated`); returns how many."""
+        exchanges written `truncated`); returns how many. One that ended where
+        the agent saw no close, as the kernel kept its end, is closed instead."""
         deadline = now_ns - self.idle_timeout_ns
         idle = [key for key, conn in self.connections.items() if conn.last_ns < deadline]
+        evicted = 0
         for key in idle:
             self._take_kernel_batch(key)  # a batch whose body end the kernel did not see waits for no write now
             conn = self.connections.pop(key)
+            end = self._unseen_end(conn)
+            if end is not None:
+                self._close_unseen(conn, now_ns, end)
+                continue
             if self.restart_connection:
                 self.restart_connection(conn.tgid, conn.fd)
             self._close(conn, now_ns, "idle_timeout")
-        self.stats.idle_evicted += len(idle)
-        return len(idle)
+            evicted += 1
+        self.stats.idle_evicted += evicted
+        return evicted
 
     def close_all(self, ts_ns: int) -> None:
-        """Agent stop: every exchange still open is written, marked truncated."""
+        """Agent stop: every exchange still open is written, marked truncated (or
+        as its connection ended, where the kernel kept an end the agent did not see)."""
         for key, conn in list(self.connections.items()):
             self._take_kernel_batch(key)  # the writes of a stream still going that the kernel holds
-            self._close(conn, ts_ns, "agent_stop")
+            end = self._unseen_end(conn)
+            if end is not None:
+                self._close_unseen(conn, ts_ns, end)
+            else:
+                self._close(conn, ts_ns, "agent_stop")
         self.connections.clear()
 
     # -- protocols ---------------------------------------------------------
