@@ -18,3 +18,4 @@ bench: install
 	.venv/bin/python -m benchmarks.bench_actuator
 	.venv/bin/python -m benchmarks.bench_control_loop
 	.venv/bin/python -m benchmarks.bench_connection_churn --agent
+	.venv/bin/python -m benchmarks.bench_rescan

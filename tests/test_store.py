@@ -249,6 +249,12 @@ def test_ensure_schema_replaces_a_rollup_view_made_by_an_older_definition(store_
         assert rolled_up()["all"] == 2
 
 
+def test_the_embedded_engine_starts_its_memory_worker_once_a_second(owner):
+    """The engine's own background reader of RSS costs an idle agent 2.7 ms a second at its default tick."""
+    assert owner.query_rows("SELECT value FROM system.server_settings WHERE name = 'memory_worker_period_ms'") == [
+        ("1000",)]
+
+
 def test_ttl_days_is_configurable(tmp_path):
     with open_store(f"chdb://{tmp_path / 'store'}?database=short_lived") as store:
         store.ensure_schema(ttl_days=3)

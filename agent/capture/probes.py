@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 from .go_tls import GO_TLS_HANDSHAKES, GO_TLS_READ, GO_TLS_WRITE
 from .kernel_btf import BtfError, socket_offset_flags
 from .kernel_headers import HeaderChoice, choose_headers
-from .procfs import target_port_sockets
+from .procfs import ListenerScan, target_port_sockets
 from .sse import SteadyTemplate
 from .tls_libraries import ElfTls, elf_tls, mapped_elves
 
@@ -370,6 +370,7 @@ class Probes:
         # Map entries the agent itself could not store (listeners learnt from /proc).
         self._refused: dict[str, int] = {}
         self._conns_added = 0  # the agent's own inserts less its deletes (conns_fill[1])
+        self._listeners = ListenerScan(set(targets.ports))
         ensure_tracefs()
         if self.headers.kernel_source is not None:
             os.environ["BCC_KERNEL_SOURCE"] = str(self.headers.kernel_source)
@@ -434,7 +435,7 @@ class Probes:
         """Tells the kernel about listening sockets of target ports and
         running processes of target executables that it cannot have seen
         (started before us, forked workers, exec'd through another path)."""
-        listening, _ = target_port_sockets(set(self.targets.ports))
+        listening = self._listeners.scan() if self.targets.ports else []
         listeners, listener_tgids = self.bpf["listeners"], self.bpf["listener_tgids"]
         # Pruned to what listens now: bind() adds entries in the kernel that
         # outlive their sockets and processes.
