@@ -33,7 +33,7 @@ from tests.kernel_harness import (
     require_kernel,
 )
 from tests.servers.grpc_generator import METHOD, call_generate
-from tests.support import mapped_libssl
+from tests.support import mapped_libssl, wait_until
 from tests.support.stream_client import OPENAI, ClientView, stream
 from tests.test_http2_real_server import stream_chats
 from tests.test_kernel_matrix import (
@@ -226,3 +226,24 @@ def test_openssl_linked_into_node_and_a_renamed_libssl_are_probed_and_read(tmp_p
     rows = read_rows(handle.store_url)
     for port, seen in views.items():
         check_read([r for r in rows if r["server_port"] == port], seen, tls=True)
+
+
+def test_a_renamed_libssl_of_a_server_started_after_the_agent_is_probed_at_a_rescan(tmp_path: Path):
+    """After its first look at every process, the agent's rescans read the memory maps only
+    of the processes the kernel watches: a server started later on a target port, running on
+    its own copy of libssl, is among them from its bind(), and its copy is probed at the next
+    rescan; every streamed request after that is a row matching its client."""
+    cert, key = make_self_signed_cert(tmp_path)
+    renamed = tmp_path / "libssl-7c0e51b4.so.3"
+    shutil.copy(mapped_libssl(), renamed)
+    paths = Paths(cert, key, go_binary=Path("/nonexistent"), upstream=0)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO / "tests" / "servers"), LD_PRELOAD=str(renamed))
+    with agent(tmp_path, ports=[port]) as handle:
+        assert str(renamed) not in handle.log()
+        with serving(LAUNCHES["uvicorn-tls"].argv(port, paths), port, env, tmp_path / "uvicorn.log"):
+            wait_until(lambda: "probing OpenSSL in /proc/" in handle.log() and str(renamed) in handle.log(),
+                       timeout=30)
+            views = _drive_tls_sse(port)
+        assert handle.stop() == 0, handle.log()
+    check_read(read_rows(handle.store_url), views, tls=True)

@@ -371,6 +371,7 @@ class Probes:
         self._refused: dict[str, int] = {}
         self._conns_added = 0  # the agent's own inserts less its deletes (conns_fill[1])
         self._listeners = ListenerScan(set(targets.ports))
+        self._ssl_scanned = False  # whether attach_ssl read every process's map once
         ensure_tracefs()
         if self.headers.kernel_source is not None:
             os.environ["BCC_KERNEL_SOURCE"] = str(self.headers.kernel_source)
@@ -489,9 +490,17 @@ class Probes:
         return len(established)
 
     def attach_ssl(self) -> list[str]:
-        """Attaches the OpenSSL uprobes to every copy of OpenSSL not yet attached."""
+        """Attaches the OpenSSL uprobes to every copy of OpenSSL not yet attached: at the first
+        call, those any process maps; later (the rescans), those the processes the kernel watches
+        map (targets, listeners on target ports, owners of tracked connections). A process that
+        starts later joins those at its first bind() on a target port, exec() of a target or
+        tracked connection. Reading every process's memory map at every rescan cost more the
+        larger the node (5 ms a rescan with this machine's 76 processes, more where servers map
+        thousands of libraries)."""
+        pids = sorted(self._watched_tgids()) if self._ssl_scanned else None
+        self._ssl_scanned = True
         new = []
-        for copy in openssl_copies():
+        for copy in openssl_copies(pids):
             real = os.path.realpath(copy.path)
             if real in self.attached_ssl:
                 continue
@@ -511,14 +520,16 @@ class Probes:
             new.append(copy.path)
         return new
 
+    def _watched_tgids(self) -> set[int]:
+        """The processes the kernel watches: targets, listeners on target ports, owners of tracked connections."""
+        return {key.value for table in ("target_tgids", "listener_tgids", "active_tgids") for key in self.bpf[table]}
+
     def attach_go_tls(self) -> list[str]:
         """Attaches the Go crypto/tls probes to the files mapped by the processes the kernel
         watches (targets, and listeners on target ports) not looked at yet; the paths attached.
         One that cannot be probed is left to tls_reach, which names why."""
-        tgids = {key.value for table in ("target_tgids", "listener_tgids", "active_tgids")
-                 for key in self.bpf[table]}
         new = []
-        for tgid in sorted(tgids):
+        for tgid in sorted(self._watched_tgids()):
             try:
                 mapped = [elf for elf in mapped_elves(tgid) if elf.file_id not in self._go_files]
             except OSError:
