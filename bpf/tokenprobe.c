@@ -171,8 +171,8 @@ BPF_TABLE("lru_hash", struct conn_key, struct conn_info, conns, MAX_CONNS);
 // Ends of connections the agent had no record of: a close whose record the
 // ring buffer refused, or a close never traced (close_range, dup2 over the fd,
 // close on exec), found when accept or connect reuses the fd. The agent takes
-// an entry when it finds the connection gone (its fd reused, or idle) and
-// counts from its counters what it lost of the connection's last events.
+// an entry when it finds the connection gone (its fd reused, idle, or at its
+// own stop) and counts from its counters what it lost of its last events.
 struct unseen_end {
     u64 accept_ns;      // the connection's generation (conn_info.accept_ns)
     u64 close_ns;       // close()'s time; 0 when the close was never traced

@@ -60,8 +60,12 @@ def _same_rows(batching, full, expected_rows: int) -> dict[str, dict]:
         for name in TIMED_FIELDS:
             assert abs(got[name] - expected[name]) <= STAMP_SKEW_NS, (name, got[name], expected[name])
         assert len(got["token_offsets_us"]) == len(expected["token_offsets_us"]) == expected["token_events"]
-        assert all(abs(int(a) - int(b)) <= OFFSET_SLACK_US
-                   for a, b in zip(got["token_offsets_us"], expected["token_offsets_us"])), rid
+        # A probe preempted between the two programs moves that one stamp (it once moved one by
+        # more than 400 µs on a loaded 2-core machine); a token counted at another's time would
+        # move many.
+        far = [(int(a), int(b)) for a, b in zip(got["token_offsets_us"], expected["token_offsets_us"])
+               if abs(int(a) - int(b)) > OFFSET_SLACK_US]
+        assert len(far) <= max(1, len(expected["token_offsets_us"]) // 100), (rid, far)
     return off
 
 
