@@ -94,7 +94,7 @@ class ListenerScan:
     namespace, found again at each of the agent's rescans for a fraction of a full scan's cost.
 
     A full scan (target_port_sockets) reads every socket of every namespace and every open file
-    of every process: 140 ms a rescan with 5,000 connections and 5,000 other files open
+    of every process: 197 ms a rescan with 5,000 connections and 5,000 other files open
     (benchmarks/bench_rescan.py). Here the namespaces' tables are read up to their listening
     sockets, and the processes' files only where something new may hold one: every process when
     a listening socket appeared since the last scan, else only the processes that started since

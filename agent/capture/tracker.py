@@ -201,11 +201,10 @@ class Connection:
     next_event: list[int] = field(default_factory=lambda: [0, 0])
     next_byte: list[int] = field(default_factory=lambda: [0, 0])
     open: dict[int, Fidelity] = field(default_factory=dict)  # exchange seq → what it missed
-
-    @property
-    def generation(self) -> int:
-        """The kernel's accept time of the connection (its events' conn_ns); 0 if it had none."""
-        return self.opened_ns if self.accept_seen else 0
+    # The kernel's accept time of the connection, which its events carry (conn_ns); 0 if it had
+    # none (adopted at start, restarted after idling). A field, not a property: every data event
+    # compares it.
+    generation: int = 0
 
 
 @dataclass
@@ -271,7 +270,7 @@ class ConnectionTracker:
             tgid=ev.tgid, fd=ev.fd, opened_ns=opened_ns, accept_seen=accept_seen, role=ev.role,
             local_port=ev.local_port, peer_addr=ev.peer_addr, peer_port=ev.peer_port,
             comm=ev.comm or comm_of(ev.tgid), conn_id=connection_id(ev.tgid, ev.fd, opened_ns),
-            first_ns=ev.ts_ns, last_ns=ev.ts_ns)
+            first_ns=ev.ts_ns, last_ns=ev.ts_ns, generation=ev.conn_ns)
         self.connections[(ev.tgid, ev.fd)] = conn
         self.stats.connections += 1
         return conn
