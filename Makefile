@@ -14,7 +14,9 @@ bench: install
 	.venv/bin/python -m benchmarks.bench_assembler
 	.venv/bin/python -m benchmarks.bench_agent_overhead
 	.venv/bin/python -m benchmarks.bench_hot_path
+	.venv/bin/python -m benchmarks.bench_hot_path --steady
 	.venv/bin/python -m benchmarks.bench_store_writes
+	.venv/bin/python -m benchmarks.bench_store_writes --samplers --warm-up 5 --seconds 30
 	.venv/bin/python -m benchmarks.bench_actuator
 	.venv/bin/python -m benchmarks.bench_control_loop
 	.venv/bin/python -m benchmarks.bench_connection_churn --agent

@@ -29,6 +29,17 @@ commit before kernel batching kept templates across responses) — it prints:
   of its per-round ratio and p99 TTFT added, and their spread;
 - then all of it side by side, one line per implementation and stream count.
 
+``--steady`` measures instead what a node pays in steady state, which the
+short runs above cannot show (they take the agent's idle cost off, and a
+live analysis pass, every 30 s, costs about the same whatever a window
+holds): 64 streams at each offered rate (default 10k and 100k events/s)
+held for ``--seconds`` (default 90: three of the live analysis' windows)
+after STEADY_WARM_UP_S (the agent's first pass, which counts its whole past,
+falls there), one agent for all the rates; per implementation and rate, the
+whole agent's CPU (every thread: capture, store writer, live analysis, the
+store's merges, idle work), its parts, per second and per 10k events/s as a
+share of one core, beside the events delivered and dropped.
+
 Prints figures; asserts nothing. Needs root (real BPF), cc and git. `--quick`
 takes fewer rates for less time each, and the server's figures in three rounds
 for this checkout alone (about 8 minutes in all).
@@ -65,6 +76,9 @@ TICKS = os.sysconf("SC_CLK_TCK")
 # How long to wait for the agent's live analysis (a pass every 30 s, 3 s behind the clock) to reach the
 # requests of the last run: its passes' CPU is then spread over all the requests it analysed.
 ANALYSIS_WAIT_S = 45.0
+# --steady: how long a rate runs before it is measured (the live analysis' first pass, the agent's past,
+# falls here at the first rate; at the next ones, a pass over the change of rate).
+STEADY_WARM_UP_S = 40.0
 
 
 
@@ -452,6 +466,39 @@ def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: floa
     return costs
 
 
+def steady(impl: Implementation, binary: Path, tmp: Path, rates: list[float], seconds: float) -> None:
+    """The whole agent's CPU at each rate held steady (see ``--steady`` in the module docstring)."""
+    print(f"\n== {impl.name}, steady state: 64 streams of 200 tokens, {STEADY_WARM_UP_S:.0f} s at a rate, then"
+          f" {seconds:.0f} s measured; the agent's CPU is all of its threads'")
+    print(f"{'offered ev/s':>13}{'served ev/s':>13}{'dropped':>9}{'agent CPU ms/s':>16}{'main thread':>13}"
+          f"{'store writer':>14}{'live analysis':>15}{'other':>7}{'ms/1k ev':>10}")
+    print("   ms/1k ev: also the share of one core (%) a rate of 10k events/s costs; the target is 2")
+    port = free_port()
+    with streaming_server(binary, port, tokens=200) as hose:
+        agent = AgentProcess(impl, port, tmp)
+        try:
+            connect_clients(hose, 64, rates[0])
+            for rate in rates:
+                hose.rate(rate)
+                time.sleep(STEADY_WARM_UP_S)
+                hose.report(STEADY_WARM_UP_S)  # the clients' count starts here
+                before, started = agent.figures(), time.monotonic()
+                time.sleep(seconds)
+                after, elapsed = agent.figures(), time.monotonic() - started
+                load = hose.report(elapsed)
+                run = after.minus(before)
+                parts = [run.cpu_s, run.main_cpu_s, run.store_cpu_s, run.analysis_cpu_s]
+                parts.append(parts[0] - sum(parts[1:]))
+                per_s = [part * 1000 / elapsed for part in parts]
+                share = run.drops / max(1.0, run.records + run.drops)
+                per_1k = parts[0] * 1e6 / max(1.0, load.events_per_s * elapsed)
+                print(f"{rate:13.0f}{load.events_per_s:13.0f}{share:9.1%}{per_s[0]:16.1f}{per_s[1]:13.1f}"
+                      f"{per_s[2]:14.1f}{per_s[3]:15.1f}{per_s[4]:7.1f}{per_1k:10.2f}")
+            hose.rate(0)
+        finally:
+            agent.stop()
+
+
 def summary(results: dict[str, list[Capacity]], costs: dict[str, tuple[float, float]]) -> None:
     """The issue's figures side by side (targets: >= 300k events/s with no drops, <= 2 ms of agent
     CPU per 1k events, the server's throughput within 1% and its p99 TTFT within 50 µs)."""
@@ -483,9 +530,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, help="rounds of the server's figures (default 5; --quick: 3)")
     parser.add_argument("--quick", action="store_true", help="two rates, 3 s each; the server's figures in three "
                         "rounds, for this checkout alone")
+    parser.add_argument("--steady", action="store_true", help="instead, the whole agent's CPU with 64 streams held"
+                        " at each rate (default 10k, 100k) for --seconds (default 90) after"
+                        f" {STEADY_WARM_UP_S:.0f} s, for this checkout and the baseline (about 5 min each)")
     args = parser.parse_args()
-    rates = args.rates or ([100_000, 300_000] if args.quick else [50_000, 100_000, 200_000, 300_000])
-    seconds = args.seconds or (3.0 if args.quick else 5.0)
+    if args.steady:
+        rates, seconds = args.rates or [10_000, 100_000], args.seconds or 90.0
+    else:
+        rates = args.rates or ([100_000, 300_000] if args.quick else [50_000, 100_000, 200_000, 300_000])
+        seconds = args.seconds or (3.0 if args.quick else 5.0)
     if os.geteuid() != 0 or not shutil.which("cc") or os.cpu_count() < 2:
         print("needs root, cc and two CPUs", file=sys.stderr)
         return 2
@@ -496,6 +549,10 @@ def main() -> int:
                  Implementation("this checkout, no kernel batching", None, ("--no-kernel-batching",))]
         if args.baseline:
             impls.append(previous_implementation(args.baseline, tmp))
+        if args.steady:
+            for impl in (impl for impl in impls if not impl.agent_args):
+                steady(impl, binary, tmp, rates, seconds)
+            return 0
         results = {impl.name: capacity(impl, binary, tmp, rates, seconds, (1, 64, 512)) for impl in impls}
         rounds = args.rounds or (3 if args.quick else 5)
         # --quick: this checkout's cost to the server alone (an agent's start, its BPF compile, is the

@@ -153,7 +153,9 @@ class Exporters:
         self.metrics_address = cfg.metrics_address
         self.metrics = AgentMetrics() if cfg.metrics_address else None
         self.otel = OtelExporter(cfg.otlp_endpoint, node=node) if cfg.otlp_endpoint else None
-        self.live: LiveAnalysis | None = None  # its progress is reported with the agent's own figures
+        # Their progress is reported with the agent's own figures.
+        self.live: LiveAnalysis | None = None
+        self.samplers: SamplerSet | None = None
 
     def export(self, row: dict) -> None:
         if self.metrics:
@@ -185,6 +187,8 @@ class Exporters:
                 self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
                                                 analysed_until_s=self.live.watermark_ns / 1e9,
                                                 cpu_s=self.live.cpu_s)
+            if self.samplers:
+                self.metrics.set_sampler_stats(self.samplers.stats())
 
     def close(self) -> None:
         if self.otel:
@@ -193,10 +197,20 @@ class Exporters:
             self.metrics.close()
 
 
+def before_each_pass(sink: RequestSink, samplers: SamplerSet | None) -> Callable[[], None]:
+    """What a live pass must find stored, done first: the GPU and engine samples taken since the samplers'
+    last insert, and the store's views fed the request rows the sink inserted without them."""
+    def store_what_is_held() -> None:
+        if samplers is not None:
+            samplers.flush()
+        sink.feed_views()
+    return store_what_is_held
+
+
 def start_live_analysis(cfg: AgentConfig, store: Store, node: str, exporters: Exporters,
-                        sink: RequestSink) -> LiveAnalysis | None:
-    """The node's own analysis every ``cfg.analyze_every_s``, on its thread, into every outlet configured;
-    each pass first has ``sink`` feed the store's views what it inserted without them."""
+                        sink: RequestSink, samplers: SamplerSet | None = None) -> LiveAnalysis | None:
+    """The node's own analysis every ``cfg.analyze_every_s``, on its thread, into every outlet configured
+    (``before_each_pass`` first)."""
     if not cfg.analyze_every_s:
         return None
     outlets = []
@@ -207,7 +221,7 @@ def start_live_analysis(cfg: AgentConfig, store: Store, node: str, exporters: Ex
     if cfg.alertmanager_urls:
         outlets.append(AlertmanagerOutlet(AlertmanagerClient(cfg.alertmanager_urls)))
     live = LiveAnalysis(store, node, every_s=cfg.analyze_every_s, config=cfg.analysis, outlets=outlets,
-                        samples_inflight=True, before_pass=sink.feed_views)
+                        samples_inflight=True, before_pass=before_each_pass(sink, samplers))
     live.start()
     exporters.live = live
     log.info("analysing this node's servers every %d s (%s)", cfg.analyze_every_s,
@@ -244,7 +258,8 @@ class StoreServices:
         create_request_gpu_state_view(store)
         self._samplers = self._cfg.samplers.build(store, self._node, self._clock)
         self._samplers.start()
-        self._live = start_live_analysis(self._cfg, store, self._node, self._exporters, self._sink)
+        self._exporters.samplers = self._samplers
+        self._live = start_live_analysis(self._cfg, store, self._node, self._exporters, self._sink, self._samplers)
 
     def _wait_for_store(self) -> None:
         delay = 1.0

@@ -1,6 +1,7 @@
 """The reference server and the real `tokenprobe agent` as processes, for the tests and the
 benchmarks: each in its own process, so the agent sees the server only through the kernel.
-Ports, and waiting for them; an ASGI request's whole body."""
+Ports, and waiting for them; an ASGI request's whole body; static pages (a dcgm-exporter's, an
+engine's /metrics) served on loopback."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +23,35 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@contextmanager
+def served_pages(pages: Mapping[str, bytes]) -> Iterator[str]:
+    """Serves each body at its path (404 elsewhere) from a real HTTP server on 127.0.0.1 while open;
+    yields its base URL (``http://127.0.0.1:PORT``)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Pages(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's naming)
+            body = pages.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

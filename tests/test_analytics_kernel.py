@@ -154,6 +154,8 @@ def test_the_agent_analyses_its_own_traffic_while_tracing(capture: Capture):
     assert passes[0] >= 1 and cpu[0] > 0  # what the passes cost is counted, for the operator (and bench_hot_path)
     writes = [s.value for s in capture.live_page.samples if s.name == "tokenprobe_agent_store_write_cpu_seconds_total"]
     assert writes[0] > 0  # and so is what the store's inserts cost
+    dropped = [s.value for s in capture.live_page.samples if s.name == "tokenprobe_agent_sample_rows_dropped_total"]
+    assert dropped == [0]  # the samplers' figures are published too (no GPU here: nothing to sample)
     # Pass by pass, the agent saw the idle start and the overload, and the requests in flight at each pass.
     assert {OK, CRIT} <= capture.live_states["queue_wait_p95"], capture.live_states
     assert capture.inflight_samples > 0

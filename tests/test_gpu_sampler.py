@@ -16,11 +16,10 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 import pynvml
 import pytest
@@ -34,7 +33,10 @@ from tokenprobe.agent.sampling.gpu import (
     read_parent_pid,
 )
 from tokenprobe.agent.sampling.samplers import SamplerSet
+from tokenprobe.refserver.harness import served_pages
 from tokenprobe.store.embedded import open_store
+
+from tests.support import free_port
 
 GIB = 1024**3
 MIB = 1024**2
@@ -489,19 +491,6 @@ def test_server_map_from_configuration_by_index_uuid_or_mig_device():
 # --------------------------------------------------------------------------- SamplerSet into a real store
 
 
-class _VllmHandler(BaseHTTPRequestHandler):
-    body = b'vllm:num_requests_running{engine="0",model_name="small"} 1.0\n'
-
-    def do_GET(self):  # noqa: N802
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(self.body)))
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *args):
-        pass
-
-
 def wait_for(predicate, what: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not predicate():
@@ -560,21 +549,15 @@ def test_sampler_set_writes_replayed_samples_and_mapping_and_survives_errors(
 
 @pytest.mark.skipif(nvml_library_present, reason="this machine has an NVIDIA driver")
 def test_sampler_set_without_nvml_says_so_once_and_runs_the_rest(store, caplog):
-    handler = type("Handler", (_VllmHandler,), {})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    unreachable = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    unreachable.server_close()
-    try:
+    unreachable_port = free_port()
+    with served_pages({"/metrics": b'vllm:num_requests_running{engine="0",model_name="small"} 1.0\n'}) as base:
+        url = f"{base}/metrics"
         samplers = SamplerSet(
             store,
             "node-b",
             MonotonicWallClock(),
             nvml=NvmlSampler(),
-            engines=[
-                EngineScraper(f"http://127.0.0.1:{server.server_port}/metrics"),
-                EngineScraper(f"http://127.0.0.1:{unreachable.server_port}/metrics", timeout_s=5),
-            ],
+            engines=[EngineScraper(url), EngineScraper(f"http://127.0.0.1:{unreachable_port}/metrics", timeout_s=5)],
             scrape_interval_s=0.05,
             flush_interval_s=0.2,
         )
@@ -583,14 +566,11 @@ def test_sampler_set_without_nvml_says_so_once_and_runs_the_rest(store, caplog):
             wait_for(lambda: samplers.stats()["rows_written"].get("engine_samples", 0) >= 3, "engine rows")
             wait_for(lambda: sum(samplers.stats()["errors"].values()) >= 3, "repeated scrape failures")
             samplers.stop()
-    finally:
-        server.shutdown()
-        server.server_close()
 
     stats = samplers.stats()
     assert stats["nvml"].startswith("No NVIDIA driver here")
     warnings = [record.getMessage() for record in caplog.records]
     assert warnings.count(stats["nvml"]) == 1
-    assert sum(f"127.0.0.1:{unreachable.server_port}" in message for message in warnings) == 1
+    assert sum(f"127.0.0.1:{unreachable_port}" in message for message in warnings) == 1
     ports = store.query_rows(f"SELECT DISTINCT server_port, engine FROM {store.table('engine_samples')}")
-    assert ports == [(server.server_port, "vllm")]
+    assert ports == [(urlsplit(url).port, "vllm")]

@@ -11,10 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
+from tokenprobe.agent.capture.clock import MonotonicWallClock
 from tokenprobe.agent.export.metrics_endpoint import AgentMetrics
+from tokenprobe.agent.sampling.engine_metrics import EngineScraper
+from tokenprobe.agent.sampling.samplers import SamplerSet
 from tokenprobe.agent.sampling.prom_text import parse_exposition
 from tokenprobe.analytics.config import DEFAULT_CONFIG
 from tokenprobe.analytics.indicators import CRIT, OK
@@ -22,7 +26,10 @@ from tokenprobe.analytics.live import LiveAnalysis
 from tokenprobe.analytics.outlets import MetricsOutlet
 from tokenprobe.analytics.timerange import NS_PER_S
 from tokenprobe.store.client import Store
+from tokenprobe.cli.agent import before_each_pass
+from tokenprobe.refserver.harness import served_pages
 from tokenprobe.store.embedded import open_store
+from tokenprobe.store.sink import RequestSink
 
 from tests.support.slot_simulation import LoadPhase, SlotServer, simulate
 
@@ -239,3 +246,37 @@ def test_calibration_and_knee_are_refitted_when_due_and_kept_between(store):
         assert now[0] or now[4] == before[4], "between refits the kept calibration splits the requests"
         assert not now[0] or now[4] != before[4], "a refit splits them by the new one"
     assert any(p[3] for p in passes) and any(not p[3] for p in passes), "a knee was found in the overload"
+
+
+def test_the_agent_stores_what_its_writers_hold_before_each_pass(store, tmp_path):
+    """The samplers insert every 5 s and the sink feeds the store's views every 15 s: a pass must not read
+    the store before they have stored what they hold (here they would not until an hour had passed)."""
+    store, rows = store
+    node = "held-node"
+    stored = ("SELECT (SELECT count() FROM tokenprobe.engine_samples WHERE node = {node:String}),"
+              " (SELECT count() FROM tokenprobe.request_ends WHERE node = {node:String})")
+    engine_page = (Path(__file__).parent / "data" / "fixtures" / "vllm_metrics_busy.txt").read_bytes()
+    with served_pages({"/metrics": engine_page}) as url:
+        samplers = SamplerSet(store, node, MonotonicWallClock(), engines=[EngineScraper(f"{url}/metrics")],
+                              scrape_interval_s=0.05, flush_interval_s=3600)
+        sink = RequestSink(store, spool_dir=tmp_path / "spool", flush_interval=0.05, views_every=3600)
+        try:
+            samplers.start()
+            sink.put(dict(rows[0], node=node, api="openai.chat", choices=1, choice_events=rows[0]["token_events"],
+                          request_messages=0, request_message_bytes=0, response_message_bytes=0,
+                          largest_response_message_bytes=0))
+            deadline = time.monotonic() + 30
+            while sink.rows_written < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)  # a few scrapes
+            assert sink.rows_written == 1
+            assert store.query_rows(stored, parameters={"node": node}) == [(0, 0)]  # all still held
+            live = LiveAnalysis(store, node, every_s=EVERY_S, settle_s=SETTLE_S,
+                                before_pass=before_each_pass(sink, samplers))
+            live.run_once()
+            samples, ends = store.query_rows(stored, parameters={"node": node})[0]
+            assert samples >= 2 and ends == 1
+            assert samplers.stats()["write_cpu_s"] > 0
+        finally:
+            samplers.stop()
+            sink.close()

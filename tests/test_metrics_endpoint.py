@@ -222,6 +222,13 @@ def test_agent_health_figures(metrics):
     assert value(page, "tokenprobe_agent_spool_bytes") == 4096
     assert value(page, "tokenprobe_agent_spool_dropped_rows_total") == 12
     assert value(page, "tokenprobe_agent_store_write_cpu_seconds_total") == 0.75
+    assert series(page, "tokenprobe_agent_sample_rows_dropped_total") == []  # no samplers yet
+    metrics.set_sampler_stats({"rows_written": {"gpu_samples": 80, "engine_samples": 4}, "errors": {},
+                               "rows_dropped": {"gpu_samples": 3}, "write_cpu_s": 0.25, "nvml": "sampling"})
+    page = read(metrics)
+    assert value(page, "tokenprobe_agent_sample_rows_written_total") == 84
+    assert value(page, "tokenprobe_agent_sample_rows_dropped_total") == 3
+    assert value(page, "tokenprobe_agent_sampler_write_cpu_seconds_total") == 0.25
     assert series(page, "tokenprobe_agent_open_connections") == []  # not given: not exposed
     assert value(page, "process_resident_memory_bytes") > 0
     with pytest.raises(TypeError, match="drops_total"):

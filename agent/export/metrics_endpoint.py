@@ -51,7 +51,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
@@ -273,6 +273,11 @@ _AGENT_STATS = {
     "spool_dropped_rows_total": ("counter", "Request rows the full spool dropped, oldest first, across restarts"),
     "store_write_cpu_seconds_total": ("counter", ("CPU the request sink's writer thread took: Arrow conversion and "
                                                   "inserts, an embedded store's work on them included")),
+    # From the GPU and engine samplers (agent/sampling/samplers.py), all their tables together.
+    "sample_rows_written_total": ("counter", "GPU and engine sample rows written to the store"),
+    "sample_rows_dropped_total": ("counter", ("GPU and engine sample rows dropped: not fitting their table, or the "
+                                              "oldest of a buffer the store did not take in time")),
+    "sampler_write_cpu_seconds_total": ("counter", "CPU the samplers' inserts took, an embedded store's work included"),
     # From the live analysis (analytics/live.py).
     "analysis_passes_total": ("counter", "Live analysis passes that completed"),
     "analysis_failures_total": ("counter", "Live analysis passes that failed (retried at the next window)"),
@@ -451,6 +456,13 @@ class AgentMetrics:
             "analysis_failures_total": _check_number("failures_total", failures_total),
             "analysed_until_seconds": _check_number("analysed_until_s", analysed_until_s),
             "analysis_cpu_seconds_total": _check_number("cpu_s", cpu_s)})
+
+    def set_sampler_stats(self, stats: Mapping) -> None:
+        """The GPU and engine samplers' ``SamplerSet.stats()``: what they wrote, dropped, and what writing cost."""
+        self._agent_stats.update({
+            "sample_rows_written_total": _check_number("rows_written", sum(stats["rows_written"].values())),
+            "sample_rows_dropped_total": _check_number("rows_dropped", sum(stats["rows_dropped"].values())),
+            "sampler_write_cpu_seconds_total": _check_number("write_cpu_s", stats["write_cpu_s"])})
 
     def observe_splits(self, server_port: int, model: str, *, queue_s: Sequence[float],
                        prefill_s: Sequence[float]) -> None:
