@@ -182,7 +182,8 @@ class Exporters:
                 inflight_requests=sum(stats.inflight.values()), sink=sink.stats(),
                 idle_evicted_total=stats.idle_evicted,
                 map_sizes=map_sizes, map_overflows=map_overflows,
-                batched_writes_total=stats.steady_writes, lost_events_total=stats.lost_events)
+                batched_writes_total=stats.steady_writes, lost_events_total=stats.lost_events,
+                unknown_ends_total=stats.unknown_ends)
             if self.live:
                 self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
                                                 analysed_until_s=self.live.watermark_ns / 1e9,

@@ -239,8 +239,10 @@ def test_bounded_state_figures(metrics):
     metrics.set_agent_stats(events_total=1, drops_total=0, lag_s=0, events_per_s=0, idle_evicted_total=5,
                             map_sizes={"conns": 65536, "listeners": 16384},
                             map_overflows={"conns": 36, "listeners": 0})
-    metrics.set_agent_stats(events_total=2, drops_total=0, lag_s=0, events_per_s=0, map_overflows={"conns": 40})
+    metrics.set_agent_stats(events_total=2, drops_total=0, lag_s=0, events_per_s=0, map_overflows={"conns": 40},
+                            unknown_ends_total=3)
     page = read(metrics)
+    assert value(page, "tokenprobe_agent_unknown_ends_total") == 3
     assert value(page, "tokenprobe_agent_idle_evicted_connections_total") == 5
     assert value(page, "tokenprobe_agent_map_size", map="conns") == 65536
     assert value(page, "tokenprobe_agent_map_overflows_total", map="conns") == 40

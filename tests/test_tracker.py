@@ -390,7 +390,8 @@ def test_a_close_no_probe_saw_is_dated_when_found_and_counts_what_its_counters_s
     """close_range or dup2 over the fd: no close record, and the kernel keeps the connection's
     counters when an accept reuses its fd. The row is the one a close record at that moment
     would have given: a lost last write reads as `dropped`. An end kept of an older connection
-    on the fd is not this one's."""
+    on the fd is not this one's: its counters are not this connection's (nothing is counted
+    from them), and this one's end is unknown (see the next test)."""
     clock = MonotonicWallClock()
     for lose_last, capture in ((False, "exact"), (True, "dropped")):
         served = []
@@ -409,7 +410,29 @@ def test_a_close_no_probe_saw_is_dated_when_found_and_counts_what_its_counters_s
     tracker, rows, conn, kernel = half_served(clock, lose_last=False)
     kernel.ends[(42, 7)] = UnseenEnd(400, 450, (9999, 9999), (99, 99))  # the connection before this one
     tracker.handle(ev(EV_ACCEPT, conn.ts + 5_000_000, conn_ns=conn.ts + 5_000_000))
-    assert [(r["capture"], r["bytes_unseen"]) for r in rows.rows] == [("exact", 0)] and not kernel.ends
+    assert [(r["capture"], r["bytes_unseen"]) for r in rows.rows] == [("dropped", 0)] and not kernel.ends
+
+
+@pytest.mark.parametrize("found_by", ["accept", "data_after_a_lost_accept"])
+def test_a_connection_found_gone_with_no_end_kept_says_its_last_events_are_unknown(found_by):
+    """The kernel keeps the end of every connection it follows whose close the agent gets no
+    record of, so a connection whose fd is reused with no end kept is one the kernel lost track
+    of (its LRU let the kept end, or the connection, go): its open exchange may lack its last
+    writes, and says `dropped` (with no unseen bytes it could count), not `exact`; counted. A
+    tracker with no kernel to ask (a replay) cannot tell, and leaves the row as it was."""
+    clock = MonotonicWallClock()
+    for with_kernel, capture, unknown in ((True, "dropped", 1), (False, "exact", 0)):
+        tracker, rows, conn, _ = half_served(clock, lose_last=False)
+        if not with_kernel:
+            tracker.unseen_ends = None
+        found_ns = conn.ts + 5_000_000
+        if found_by == "accept":
+            tracker.handle(ev(EV_ACCEPT, found_ns, conn_ns=found_ns))
+        else:
+            tracker.handle(ev(EV_DATA, found_ns + 1_000_000, conn_ns=found_ns, data=REQUEST))
+        assert [(r["capture"], r["bytes_unseen"], r["outcome"]) for r in rows.rows] == [
+            (capture, 0, "truncated")], with_kernel
+        assert tracker.stats.unknown_ends == unknown
 
 
 def test_idle_connections_are_evicted_with_their_open_request_truncated():

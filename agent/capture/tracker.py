@@ -221,6 +221,7 @@ class TrackerStats:
     idle_evicted: int = 0          # connections forgotten after the idle timeout
     steady_writes: int = 0         # writes that came in the kernel's batches, not as events of their own
     steady_templates: int = 0      # templates named to the kernel
+    unknown_ends: int = 0          # connections found gone (fd reused) with neither a close record nor a kept end
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -475,6 +476,13 @@ class ConnectionTracker:
         would have, which say whether any of the connection's last events were lost; without
         one, the close is dated when it was found."""
         if end is None:
+            if self.unseen_ends is not None:
+                # The kernel keeps the end of every connection it follows to an unseen close, so
+                # none kept means it lost track of this one (its LRU let the end, or the connection,
+                # go): what its last events held is unknown, and its open exchanges may lack them.
+                self.stats.unknown_ends += 1
+                for fidelity in conn.open.values():
+                    fidelity.dropped = True
             self._close(conn, found_ns, "server_closed")
             return
         if not end.ts_ns:  # a close no probe saw (close_range, dup2 over the fd, close on exec)
