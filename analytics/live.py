@@ -44,6 +44,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+import pandas as pd
+
 from ..contract import measures
 from ..contract.analysis import INDICATOR_MATRIX_TABLE
 from ..contract.ends import REQUEST_ENDS_TABLE
@@ -79,22 +82,35 @@ PHASE_EXPRESSIONS = tuple(f"toUnixTimestamp64Nano({name}) AS {read}" if read != 
 
 
 class EndedPhases:
-    """The phases of the requests that ended in a pass, column by column (``PHASE_COLUMNS``; timestamps in
-    Unix ns): outlets read the columns they need, so no pass builds a dict per request; iterating gives one."""
+    """The phases of the requests that ended in a pass, as the frame the pass read them in (its columns
+    ``PHASE_COLUMNS``; timestamps in Unix ns). Outlets take the columns they need, as lists (``column``) or
+    as float arrays (``floats``): at 1k requests/s a window holds 30k requests, which no pass turns into
+    Python values an outlet does not ask for. Iterating gives a dict per request."""
 
-    def __init__(self, columns: Mapping[str, list]) -> None:
-        self.columns = {name: list(columns[name]) for name in PHASE_COLUMNS}
+    def __init__(self, frame: pd.DataFrame) -> None:
+        self.frame = frame[list(PHASE_COLUMNS)].reset_index(drop=True)
 
     @classmethod
     def from_rows(cls, rows: Iterable[Mapping]) -> EndedPhases:
         rows = list(rows)
-        return cls({name: [row.get(name) for row in rows] for name in PHASE_COLUMNS})
+        return cls(pd.DataFrame({name: pd.Series([row.get(name) for row in rows], dtype=object)
+                                 for name in PHASE_COLUMNS}))
+
+    def column(self, name: str) -> list:
+        """Column ``name`` as Python values, None where it is NULL."""
+        values = self.frame[name]
+        return values.astype(object).where(values.notna(), None).tolist()
+
+    def floats(self, name: str) -> np.ndarray:
+        """Numeric column ``name`` as float64, NaN where it is NULL."""
+        return pd.to_numeric(self.frame[name]).to_numpy(dtype=np.float64, na_value=np.nan)
 
     def __len__(self) -> int:
-        return len(self.columns["conn_id"])
+        return len(self.frame)
 
     def __iter__(self) -> Iterator[dict]:
-        return (dict(zip(PHASE_COLUMNS, row, strict=True)) for row in zip(*self.columns.values(), strict=True))
+        return (dict(zip(PHASE_COLUMNS, row, strict=True))
+                for row in zip(*(self.column(name) for name in PHASE_COLUMNS), strict=True))
 
 
 @dataclass(frozen=True)
@@ -292,8 +308,7 @@ class LiveAnalysis:
         if written is None or written.empty:
             return EndedPhases.from_rows([])
         written = written.sort_values(PHASE_READ["req_end"], kind="stable")
-        return EndedPhases({name: written[read].astype(object).where(written[read].notna(), None).tolist()
-                            for name, read in PHASE_READ.items()})
+        return EndedPhases(written[list(PHASE_READ.values())].set_axis(list(PHASE_READ), axis=1))
 
     def _publish(self, result: LivePass) -> None:
         for outlet in self.outlets:

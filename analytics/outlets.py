@@ -36,8 +36,8 @@ SERVER_WIDE_MODEL = ""
 def _splits(result: LivePass, *names: str) -> Iterator[tuple]:
     """The columns ``names`` of each request of the pass that the analysis could split, then its queue and
     prefill in seconds."""
-    columns = result.phases.columns
-    for *values, queue_ms, prefill_ms in zip(*(columns[name] for name in (*names, "queue_ms", "prefill_ms")),
+    phases = result.phases
+    for *values, queue_ms, prefill_ms in zip(*(phases.column(name) for name in (*names, "queue_ms", "prefill_ms")),
                                              strict=True):
         if queue_ms is not None and prefill_ms is not None:
             yield *values, queue_ms / 1000, prefill_ms / 1000
@@ -53,16 +53,14 @@ class MetricsOutlet:
         for cell in result.latest_cells:
             self.metrics.set_indicator(cell.server_port, SERVER_WIDE_MODEL, cell.indicator, cell.value, cell.state,
                                        node=cell.node, device=cell.device_id)
-        columns = result.phases.columns
-        # None (a request the analysis could not split) becomes NaN, and such requests are left out
-        queue_ms, prefill_ms = (np.array(columns[name], dtype=np.float64) for name in ("queue_ms", "prefill_ms"))
-        split = ~(np.isnan(queue_ms) | np.isnan(prefill_ms))
-        requests: dict[tuple[int, str], list[int]] = {}  # per server and model, its requests' indices
-        for index, key in enumerate(zip(columns["server_port"], columns["model"], strict=True)):
-            if split[index]:
-                requests.setdefault(key, []).append(index)
-        for (port, model), indices in requests.items():
-            self.metrics.observe_splits(port, model, queue_s=queue_ms[indices] / 1000,
+        phases = result.phases
+        # A request the analysis could not split (NULL: NaN here) is left out.
+        queue_ms, prefill_ms = phases.floats("queue_ms"), phases.floats("prefill_ms")
+        split = np.flatnonzero(~(np.isnan(queue_ms) | np.isnan(prefill_ms)))
+        servers = phases.frame.iloc[split].groupby(["server_port", "model"], sort=False).indices
+        for (port, model), positions in servers.items():  # per server and model, its split requests
+            indices = split[positions]
+            self.metrics.observe_splits(int(port), model, queue_s=queue_ms[indices] / 1000,
                                         prefill_s=prefill_ms[indices] / 1000)
 
 

@@ -27,12 +27,16 @@ the two medians are taken under the same load. Each prints median, p95 and
 max wall time, median CPU time, and the mean of both (a pass that refits the
 calibration and the knee, every ``live_refit_every_s``, weighs in it) per
 window (its first pass, which builds what the later ones keep, apart); ``--live-queries`` lists the store calls of
-the last window with their times.
+the last window with their times. With ``--store-apart`` the passes reach the store as the DaemonSet's agent
+does, over ClickHouse's HTTP protocol (here the benchmark's own store, served by this process: its wall times
+then hold that server's Python too); each implementation also prints the median CPU of the thread that ran
+its passes, which is then the agent's own cost of a window, the store's work on it being the server's.
 
     python benchmarks/bench_analytics.py                       # 1 million requests: CI's size
     python benchmarks/bench_analytics.py --rows 10000000       # a busy day
     python benchmarks/bench_analytics.py --live-windows 0 --queries   # the full pass only, query by query
     python benchmarks/bench_analytics.py --live-history 21600 --baseline 884fb47   # SLO windows full, A/B
+    python benchmarks/bench_analytics.py --rows 20000 --store-apart   # the agent's own CPU a live window
 
 Not a test: nothing is asserted. On a 2-core machine 10 million rows take
 a few minutes, most of it generating the data.
@@ -191,12 +195,15 @@ def call_seconds(store) -> float:
 
 
 def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, history_s: int,
-                 implementations: dict[str, Callable[..., object]], show_queries: bool = False) -> None:
+                 implementations: dict[str, Callable[..., object]], show_queries: bool = False,
+                 live_store=None) -> None:
     """Time the live analysis of each of ``windows`` windows of ``rate`` requests/s, ending at ``end_ns``,
     after ``history_s`` of the same traffic (what a pass reads back: occupancy, calibration, SLO windows),
     by each implementation in turn: wall time, and CPU time (the process's, chDB's threads included:
     less moved by other work on a shared machine). The first window of each is its first pass (it builds
-    what later passes keep) and is shown apart. ``show_queries``: each statement of the last window."""
+    what later passes keep) and is shown apart. ``show_queries``: each statement of the last window.
+    ``live_store``: the store the passes use (default ``store``; a client of it over HTTP for --store-apart),
+    whose pass-thread CPU is then printed too."""
     span_s = history_s + windows * every_s
     start_ns = end_ns - span_s * NS_PER_S
     timed(f"generate {rate:,} requests/s for {span_s} s", rate * span_s,
@@ -204,12 +211,12 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
     window_ns = every_s * NS_PER_S
     first_end_ns = end_ns - windows * window_ns
     clock = [first_end_ns]
-    passes = {name: live(store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
+    passes = {name: live(live_store or store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
               for name, live in implementations.items()}
     queries = CollectedCalls() if show_queries else None
     if queries:
         log_store_calls(queries)
-    seconds: dict[str, list[tuple[float, float]]] = {name: [] for name in passes}
+    seconds: dict[str, list[tuple[float, float, float]]] = {name: [] for name in passes}
     last_queries: dict[str, list[tuple[str, float]]] = {}
     for index in range(windows):
         clock[0] = first_end_ns + (index + 1) * window_ns
@@ -217,22 +224,25 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
         for name in names:
             if queries:
                 queries.taken = []
-            started, cpu_started = time.perf_counter(), time.process_time()
+            started, cpu_started, thread_started = time.perf_counter(), time.process_time(), time.thread_time()
             passes[name].run_once()
-            seconds[name].append((time.perf_counter() - started, time.process_time() - cpu_started))
+            seconds[name].append((time.perf_counter() - started, time.process_time() - cpu_started,
+                                  time.thread_time() - thread_started))
             if queries:
                 last_queries[name] = queries.taken
     per_window = rate * every_s
     print(f"  live windows of {every_s} s at {rate:,} requests/s ({per_window:,} requests each), {windows} windows"
           " (the first, each one's first pass, apart):")
     for name, taken in seconds.items():
-        (first_wall, first_cpu), later = taken[0], taken[1:] or taken
-        wall, cpu = [wall for wall, _ in later], [cpu for _, cpu in later]
+        (first_wall, first_cpu, _), later = taken[0], taken[1:] or taken
+        wall, cpu = [wall for wall, _, _ in later], [cpu for _, cpu, _ in later]
+        own = (f"; the agent's own CPU (its pass thread) median {statistics.median(t for *_, t in later) * 1000:.0f} ms"
+               if live_store is not None else "")
         print(f"    {name:<24} median {statistics.median(wall) * 1000:6.0f} ms,"
               f" p95 {percentile(wall, 0.95) * 1000:6.0f} ms, max {max(wall) * 1000:6.0f} ms;"
               f" CPU median {statistics.median(cpu) * 1000:6.0f} ms; mean {statistics.mean(wall) * 1000:6.0f} ms"
               f" (CPU {statistics.mean(cpu) * 1000:6.0f} ms); first pass {first_wall:5.1f} s"
-              f" (CPU {first_cpu:5.1f} s); {per_window / statistics.median(wall):10,.0f} requests/s", flush=True)
+              f" (CPU {first_cpu:5.1f} s); {per_window / statistics.median(wall):10,.0f} requests/s{own}", flush=True)
     if queries:  # what a call costs however little it reads: what merging two calls saves at most
         queries.taken = []  # not the last window's
         print(f"    a store call's own cost (SELECT 1, median of {CALL_COST_SAMPLES}):"
@@ -258,6 +268,9 @@ def main() -> int:
     parser.add_argument("--queries", action="store_true", help="print each store call's elapsed time")
     parser.add_argument("--live-queries", action="store_true",
                         help="print each store call of the last live window, with its time")
+    parser.add_argument("--store-apart", action="store_true",
+                        help="the live passes reach the store over HTTP, as the DaemonSet's agent reaches its"
+                             " ClickHouse server; prints their own thread's CPU (the agent's cost of a window)")
     parser.add_argument("--store", metavar="DIR", help="where to build the store (default: a temporary folder, "
                                                       "removed afterwards)")
     args = parser.parse_args()
@@ -270,7 +283,8 @@ def main() -> int:
     config = DEFAULT_CONFIG
     end_ns = time.time_ns() // NS_PER_S * NS_PER_S
     analysed = TimeRange(end_ns - DAY_S * NS_PER_S, end_ns)
-    store = open_store(f"chdb://{directory}", serve=False)
+    store = open_store(f"chdb://{directory}", serve=args.store_apart)
+    live_store = None
     try:
         store.ensure_schema()
         if args.queries:  # printed before the line of the step that made them
@@ -308,9 +322,13 @@ def main() -> int:
             if args.baseline:
                 implementations[f"baseline ({args.baseline})"] = baseline_live_analysis(args.baseline,
                                                                                               baseline_directory)
+            if args.store_apart:  # this process owns the store: opened again, it is a client of its server
+                live_store = open_store(f"chdb://{directory}")
             live_windows(store, end_ns, args.live_rate, args.live_every, args.live_windows, args.live_history,
-                         implementations, args.live_queries)
+                         implementations, args.live_queries, live_store)
     finally:
+        if live_store is not None:
+            live_store.close()
         store.close()
         shutil.rmtree(baseline_directory, ignore_errors=True)
         if not args.store:

@@ -38,7 +38,13 @@ after STEADY_WARM_UP_S (the agent's first pass, which counts its whole past,
 falls there), one agent for all the rates; per implementation and rate, the
 whole agent's CPU (every thread: capture, store writer, live analysis, the
 store's merges, idle work), its parts, per second and per 10k events/s as a
-share of one core, beside the events delivered and dropped.
+share of one core, beside the events delivered and dropped. This checkout runs
+in two shapes, one after the other: with its embedded store (the demo's and a
+single node's: the store's engine, its inserts, merges and the analysis'
+queries, runs inside the agent) and with the store in a process of its own
+(the DaemonSet's: the agent writes to a ClickHouse server off the node; here
+the embedded store's owner, served over HTTP, pinned to the load's CPU), whose
+CPU is printed beside the agent's.
 
 Prints figures; asserts nothing. Needs root (real BPF), cc and git. `--quick`
 takes fewer rates for less time each, and the server's figures in three rounds
@@ -120,7 +126,8 @@ def cpu_seconds(pid: int, thread: int | None = None) -> float:
 class AgentFigures:
     """What an agent has done and spent so far: kernel records handled and dropped, writes that came
     batched, CPU seconds (the process's, its main thread's, its live analysis passes' and its store
-    writer's inserts', from its own counters: 0 where it has none), and RSS bytes."""
+    writer's inserts', from its own counters: 0 where it has none), RSS bytes, and the request rows it
+    stored and the live analysis passes that completed and failed (so a cheap figure is not a silent one)."""
 
     records: float
     drops: float
@@ -130,6 +137,9 @@ class AgentFigures:
     analysis_cpu_s: float
     store_cpu_s: float
     main_cpu_s: float
+    rows_written: float = 0.0
+    passes: float = 0.0
+    pass_failures: float = 0.0
 
     def minus(self, earlier: AgentFigures) -> AgentFigures:
         """What was done and spent since ``earlier`` (the RSS: now)."""
@@ -142,16 +152,55 @@ def metric(page: str, name: str) -> float:
     return float(match[1]) if match else 0.0
 
 
-class AgentProcess:
-    """`tokenprobe agent` pinned to one CPU, read through its /metrics and /proc."""
+# A process that owns an embedded store and serves it, as a ClickHouse server would, until its stdin closes.
+STORE_OWNER = """
+import sys
+from tokenprobe.store.embedded import open_store
+store = open_store(sys.argv[1])
+print("serving", flush=True)
+sys.stdin.read()
+store.close()
+"""
 
-    def __init__(self, impl: Implementation, port: int, tmp: Path):
+
+class StoreOwner:
+    """The agent's store in a process of its own (``--steady``'s DaemonSet shape), pinned to the load's CPU:
+    the agent, opening the same directory, finds it owned and writes and reads through it over HTTP."""
+
+    def __init__(self, url: str):
+        self.proc = subprocess.Popen(["taskset", "-c", LOAD_CPU, sys.executable, "-c", STORE_OWNER, url],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "serving":
+            self.proc.kill()
+            raise RuntimeError(f"the store owner of {url} did not start (exit {self.proc.wait()})")
+
+    def cpu_s(self) -> float:
+        return cpu_seconds(self.proc.pid)
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class AgentProcess:
+    """`tokenprobe agent` pinned to one CPU, read through its /metrics and /proc; with ``store_apart``, its
+    store owned by a ``StoreOwner`` started before it (``owner``), else embedded in the agent."""
+
+    def __init__(self, impl: Implementation, port: int, tmp: Path, store_apart: bool = False):
         self.log_path = tmp / f"agent-{port}.log"
+        self.store_url = f"chdb://{tmp / f'store-{port}'}"
+        self.owner = StoreOwner(self.store_url) if store_apart else None
         # A free port may be taken before the agent binds it (its store's own server binds an
         # ephemeral one first): then the agent exits, and starts again on another.
         for _ in range(3):
             if self._start(impl, port, tmp):
                 return
+        if self.owner is not None:
+            self.owner.stop()
         raise self._did_not_start()
 
     def _start(self, impl: Implementation, port: int, tmp: Path) -> bool:
@@ -163,7 +212,7 @@ class AgentProcess:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 ["taskset", "-c", AGENT_CPU, sys.executable, "-m", "tokenprobe", "agent", "--port", str(port),
-                 "--store", f"chdb://{tmp / f'store-{port}'}", "--quiet", "--metrics-port", str(self.metrics_port),
+                 "--store", self.store_url, "--quiet", "--metrics-port", str(self.metrics_port),
                  *impl.agent_args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
         deadline = time.monotonic() + 240  # the first compile of the BPF program takes a while
@@ -206,7 +255,10 @@ class AgentProcess:
             batched=metric(page, "tokenprobe_agent_batched_writes_total"), cpu_s=cpu_seconds(self.proc.pid),
             rss=rss, analysis_cpu_s=metric(page, "tokenprobe_agent_analysis_cpu_seconds_total"),
             store_cpu_s=metric(page, "tokenprobe_agent_store_write_cpu_seconds_total"),
-            main_cpu_s=cpu_seconds(self.proc.pid, thread=self.proc.pid))
+            main_cpu_s=cpu_seconds(self.proc.pid, thread=self.proc.pid),
+            rows_written=metric(page, "tokenprobe_agent_rows_written_total"),
+            passes=metric(page, "tokenprobe_agent_analysis_passes_total"),
+            pass_failures=metric(page, "tokenprobe_agent_analysis_failures_total"))
 
     def page(self) -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
@@ -232,6 +284,8 @@ class AgentProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.owner is not None:
+            self.owner.stop()
 
 
 @dataclass
@@ -466,16 +520,20 @@ def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: floa
     return costs
 
 
-def steady(impl: Implementation, binary: Path, tmp: Path, rates: list[float], seconds: float) -> None:
+def steady(impl: Implementation, binary: Path, tmp: Path, rates: list[float], seconds: float,
+           store_apart: bool = False) -> None:
     """The whole agent's CPU at each rate held steady (see ``--steady`` in the module docstring)."""
-    print(f"\n== {impl.name}, steady state: 64 streams of 200 tokens, {STEADY_WARM_UP_S:.0f} s at a rate, then"
-          f" {seconds:.0f} s measured; the agent's CPU is all of its threads'")
+    shape = ("the store in a process of its own (the DaemonSet's shape), its CPU apart" if store_apart
+             else "the store embedded in the agent")
+    print(f"\n== {impl.name}, {shape}; steady state: 64 streams of 200 tokens, {STEADY_WARM_UP_S:.0f} s at a"
+          f" rate, then {seconds:.0f} s measured; the agent's CPU is all of its threads'")
     print(f"{'offered ev/s':>13}{'served ev/s':>13}{'dropped':>9}{'agent CPU ms/s':>16}{'main thread':>13}"
-          f"{'store writer':>14}{'live analysis':>15}{'other':>7}{'ms/1k ev':>10}")
+          f"{'store writer':>14}{'live analysis':>15}{'other':>7}{'ms/1k ev':>10}"
+          + (f"{'store process ms/s':>20}" if store_apart else ""))
     print("   ms/1k ev: also the share of one core (%) a rate of 10k events/s costs; the target is 2")
     port = free_port()
     with streaming_server(binary, port, tokens=200) as hose:
-        agent = AgentProcess(impl, port, tmp)
+        agent = AgentProcess(impl, port, tmp, store_apart)
         try:
             connect_clients(hose, 64, rates[0])
             for rate in rates:
@@ -483,8 +541,10 @@ def steady(impl: Implementation, binary: Path, tmp: Path, rates: list[float], se
                 time.sleep(STEADY_WARM_UP_S)
                 hose.report(STEADY_WARM_UP_S)  # the clients' count starts here
                 before, started = agent.figures(), time.monotonic()
+                store_before = agent.owner.cpu_s() if agent.owner else 0.0
                 time.sleep(seconds)
                 after, elapsed = agent.figures(), time.monotonic() - started
+                store_per_s = (agent.owner.cpu_s() - store_before) * 1000 / elapsed if agent.owner else None
                 load = hose.report(elapsed)
                 run = after.minus(before)
                 parts = [run.cpu_s, run.main_cpu_s, run.store_cpu_s, run.analysis_cpu_s]
@@ -493,7 +553,10 @@ def steady(impl: Implementation, binary: Path, tmp: Path, rates: list[float], se
                 share = run.drops / max(1.0, run.records + run.drops)
                 per_1k = parts[0] * 1e6 / max(1.0, load.events_per_s * elapsed)
                 print(f"{rate:13.0f}{load.events_per_s:13.0f}{share:9.1%}{per_s[0]:16.1f}{per_s[1]:13.1f}"
-                      f"{per_s[2]:14.1f}{per_s[3]:15.1f}{per_s[4]:7.1f}{per_1k:10.2f}")
+                      f"{per_s[2]:14.1f}{per_s[3]:15.1f}{per_s[4]:7.1f}{per_1k:10.2f}"
+                      + (f"{store_per_s:20.1f}" if store_per_s is not None else ""))
+                print(f"{'':13}(it stored {run.rows_written:.0f} request rows; live analysis passes:"
+                      f" {run.passes:.0f} completed, {run.pass_failures:.0f} failed)")
             hose.rate(0)
         finally:
             agent.stop()
@@ -532,7 +595,8 @@ def main() -> int:
                         "rounds, for this checkout alone")
     parser.add_argument("--steady", action="store_true", help="instead, the whole agent's CPU with 64 streams held"
                         " at each rate (default 10k, 100k) for --seconds (default 90) after"
-                        f" {STEADY_WARM_UP_S:.0f} s, for this checkout and the baseline (about 5 min each)")
+                        f" {STEADY_WARM_UP_S:.0f} s, for this checkout (its store apart, then embedded) and the"
+                        " baseline (about 5 min each)")
     args = parser.parse_args()
     if args.steady:
         rates, seconds = args.rates or [10_000, 100_000], args.seconds or 90.0
@@ -550,6 +614,7 @@ def main() -> int:
         if args.baseline:
             impls.append(previous_implementation(args.baseline, tmp))
         if args.steady:
+            steady(impls[0], binary, tmp, rates, seconds, store_apart=True)
             for impl in (impl for impl in impls if not impl.agent_args):
                 steady(impl, binary, tmp, rates, seconds)
             return 0
