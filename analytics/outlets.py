@@ -57,7 +57,7 @@ class MetricsOutlet:
         # A request the analysis could not split (NULL: NaN here) is left out.
         queue_ms, prefill_ms = phases.floats("queue_ms"), phases.floats("prefill_ms")
         split = np.flatnonzero(~(np.isnan(queue_ms) | np.isnan(prefill_ms)))
-        servers = phases.frame.iloc[split].groupby(["server_port", "model"], sort=False).indices
+        servers = phases.frame.iloc[split].groupby(["server_port", "model"], sort=False, dropna=False).indices
         for (port, model), positions in servers.items():  # per server and model, its split requests
             indices = split[positions]
             self.metrics.observe_splits(int(port), model, queue_s=queue_ms[indices] / 1000,

@@ -211,7 +211,8 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
     window_ns = every_s * NS_PER_S
     first_end_ns = end_ns - windows * window_ns
     clock = [first_end_ns]
-    passes = {name: live(live_store or store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
+    pass_store = store if live_store is None else live_store
+    passes = {name: live(pass_store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
               for name, live in implementations.items()}
     queries = CollectedCalls() if show_queries else None
     if queries:

@@ -194,14 +194,17 @@ class AgentProcess:
         self.log_path = tmp / f"agent-{port}.log"
         self.store_url = f"chdb://{tmp / f'store-{port}'}"
         self.owner = StoreOwner(self.store_url) if store_apart else None
-        # A free port may be taken before the agent binds it (its store's own server binds an
-        # ephemeral one first): then the agent exits, and starts again on another.
-        for _ in range(3):
-            if self._start(impl, port, tmp):
-                return
-        if self.owner is not None:
-            self.owner.stop()
-        raise self._did_not_start()
+        try:
+            # A free port may be taken before the agent binds it (its store's own server binds an
+            # ephemeral one first): then the agent exits, and starts again on another.
+            for _ in range(3):
+                if self._start(impl, port, tmp):
+                    return
+            raise self._did_not_start()
+        except BaseException:  # an agent that did not start leaves no store owner behind
+            if self.owner is not None:
+                self.owner.stop()
+            raise
 
     def _start(self, impl: Implementation, port: int, tmp: Path) -> bool:
         """True once the agent traces; False when it exited because its metrics port was taken."""
