@@ -335,7 +335,7 @@ static __always_inline void sequence(struct conn_info *ci, u8 dir, u32 moved) {
 // The agent is woken for every RING_WAKE_EVERY-th record a CPU sends, or sooner once the
 // CPU sent RING_WAKE_BYTES since its last wakeup (a share of the ring buffer: all CPUs
 // together never fill it before the agent is woken), and otherwise reads the ring buffer
-// at its own pace (every 100 ms at most, agent/capture/probes.py): a wakeup per record (the
+// at its own pace (every 250 ms at most, agent/capture/probes.py): a wakeup per record (the
 // ring buffer's default while the agent keeps up) costs the agent a poll round and the
 // writer's CPU the wakeup's work, for every few records.
 #ifndef RING_WAKE_EVERY

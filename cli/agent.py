@@ -460,7 +460,7 @@ class Agent:
         rescan = ProcessRescan(probes)
         try:
             while not self._stop:
-                probes.poll(100)
+                probes.poll()
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     break

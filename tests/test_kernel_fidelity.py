@@ -193,7 +193,7 @@ def test_a_close_the_ring_buffer_refused_is_read_from_the_kernels_kept_end(tmp_p
             second_port = second.sock.getsockname()[1]
         finally:
             os.kill(handle.proc.pid, signal.SIGCONT)
-        time.sleep(2)  # the agent reads the ring buffer at least every 100 ms: room for the next stream
+        time.sleep(2)  # the agent reads the ring buffer at least every 250 ms: room for the next stream
         whole = stream(second, 3)  # its events find the first connection gone
         for conn in (second, *idle):
             conn.close()
