@@ -114,7 +114,9 @@ def test_small_maps_count_what_they_could_not_hold():
 @pytest.mark.kernel
 def test_a_restarted_connection_speaks_again_as_one_adopted_afresh():
     """What idle eviction does to the kernel's entry: the connection's next
-    events carry no accept time and counters from zero."""
+    events carry no accept time and counters from zero. Asked for another
+    generation (a newer connection on the fd, its accept not read yet), the
+    entry is left as it is."""
     require_kernel()
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", KEEPER, str(port)])
@@ -141,7 +143,10 @@ def test_a_restarted_connection_speaks_again_as_one_adopted_afresh():
             exchange(client)
             before = exchange(client)
             assert before.conn_ns and before.events_before == (1, 1) and before.bytes_before == (4, 4)
-            probes.restart_connection(before.tgid, before.fd)
+            probes.restart_connection(before.tgid, before.fd, before.conn_ns + 1)
+            kept = exchange(client)
+            assert (kept.conn_ns, kept.events_before, kept.bytes_before) == (before.conn_ns, (2, 2), (8, 8))
+            probes.restart_connection(before.tgid, before.fd, before.conn_ns)
             after = exchange(client)
             assert (after.conn_ns, after.events_before, after.bytes_before) == (0, (0, 0), (0, 0))
             assert (after.fd, after.head) == (before.fd, b"ping")

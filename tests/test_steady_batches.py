@@ -265,7 +265,7 @@ def test_a_batch_for_a_stream_out_of_step_is_booked_unseen():
 def test_a_batch_the_kernel_still_holds_is_read_from_its_map(end):
     """No close() sends it: the process died (its sockets closed without one), the agent stops, or
     the stream stalled past the idle timeout (no next write sends it)."""
-    tracker, rows, kernel = batching_tracker(forget_connection=lambda tgid, fd: None)
+    tracker, rows, kernel = batching_tracker(forget_connection=lambda tgid, fd, generation: None)
     tracker.handle(ev(EV_ACCEPT, 500))
     kernel.send(DIR_READ, REQUEST)
     kernel.send(DIR_WRITE, HEAD)

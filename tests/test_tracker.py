@@ -234,9 +234,9 @@ class Numbered:
         self.ts = 1_000_000
         self.conn_ns = 500
 
-    def restart(self, tgid, fd):
+    def restart(self, tgid, fd, generation):
         """What Probes.restart_connection does to the kernel's entry."""
-        assert (tgid, fd) == (42, 7)
+        assert (tgid, fd, generation) == (42, 7, self.conn_ns)
         self.bytes, self.events, self.conn_ns = [0, 0], [0, 0], 0
 
     def send(self, direction, data=b"", *, total=None, tail=b"", lose=False, kind=EV_DATA):
@@ -302,7 +302,7 @@ def test_capture_gaps_in_a_response_make_the_row_gaps_but_a_sized_request_body_d
 
 def test_process_exit_ends_its_connections_and_their_inflight_count():
     forgotten = []
-    tracker, rows = make_tracker(forget_connection=lambda tgid, fd: forgotten.append((tgid, fd)))
+    tracker, rows = make_tracker(forget_connection=lambda tgid, fd, generation: forgotten.append((tgid, fd)))
     for fd in (7, 8):
         tracker.handle(ev(EV_ACCEPT, 500, fd=fd))
         tracker.handle(ev(EV_DATA, 1000, fd=fd, data=REQUEST))
@@ -437,7 +437,8 @@ def test_a_connection_found_gone_with_no_end_kept_says_its_last_events_are_unkno
 
 def test_idle_connections_are_evicted_with_their_open_request_truncated():
     restarted = []
-    tracker, rows = make_tracker(idle_timeout_s=IDLE_S, restart_connection=lambda *key: restarted.append(key))
+    tracker, rows = make_tracker(idle_timeout_s=IDLE_S,
+                                 restart_connection=lambda tgid, fd, generation: restarted.append((tgid, fd)))
     for fd in (7, 8):
         tracker.handle(ev(EV_ACCEPT, 500, fd=fd))
     tracker.handle(ev(EV_DATA, 1000, fd=7, data=REQUEST))       # in flight, then silent

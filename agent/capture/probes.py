@@ -606,10 +606,14 @@ class Probes:
         """Every map's capacity in entries, as loaded (the ring buffer's in bytes)."""
         return {name: int(self.bpf[name].max_entries) for name in KERNEL_MAPS}
 
-    def forget_connection(self, tgid: int, fd: int) -> None:
-        """Stops kernel-side tracking of a connection the agent does not want (or whose process is gone)."""
+    def forget_connection(self, tgid: int, fd: int, generation: int) -> None:
+        """Stops kernel-side tracking of a connection the agent does not want (or whose process is gone):
+        the one of ``generation`` (its accept time, 0 adopted), not a newer one on its fd."""
         conns = self.bpf["conns"]
-        if self._delete(conns, self._conn_key(conns, tgid, fd)):
+        key = self._conn_key(conns, tgid, fd)
+        if self._entry(conns, key, generation) is None:
+            return
+        if self._delete(conns, key):
             self._conns_added -= 1
             self._write_conns_fill()
         self._forget_steady(tgid, fd)
@@ -625,15 +629,14 @@ class Probes:
         key.tgid, key.fd = tgid, fd
         return key
 
-    def restart_connection(self, tgid: int, fd: int) -> None:
-        """An idle connection the agent forgot: its kernel entry is kept (should it speak
-        again) but made one adopted at start, without accept time or counters, so that the
-        agent follows it afresh under a new conn_id, and nothing before reads as lost."""
+    def restart_connection(self, tgid: int, fd: int, generation: int) -> None:
+        """An idle connection the agent forgot (the one of ``generation``): its kernel entry is kept
+        (should it speak again) but made one adopted at start, without accept time or counters, so
+        that the agent follows it afresh under a new conn_id, and nothing before reads as lost."""
         table = self.bpf["conns"]
         key = self._conn_key(table, tgid, fd)
-        try:
-            info = table[key]
-        except KeyError:  # closed meanwhile, or evicted from the LRU
+        info = self._entry(table, key, generation)
+        if info is None:
             return
         self._forget_steady(tgid, fd)  # its template is learnt again from what it says next
         info.accept_ns = 0
@@ -643,6 +646,16 @@ class Probes:
 
     def _write_conns_fill(self) -> None:
         self.bpf["conns_fill"][ctypes.c_int(1)] = ctypes.c_int64(self._conns_added)
+
+    @staticmethod
+    def _entry(conns, key, generation: int):
+        """The connection's kernel entry, or None: closed meanwhile, evicted from the LRU, or its fd
+        already reused by a newer connection (records reach the agent up to POLL_TIMEOUT_MS late)."""
+        try:
+            info = conns[key]
+        except KeyError:
+            return None
+        return info if info.accept_ns == generation else None
 
     @staticmethod
     def _has(table, key) -> bool:

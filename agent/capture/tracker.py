@@ -229,9 +229,9 @@ class ConnectionTracker:
     def __init__(self, emit_row: Callable[[dict], None], *, clock: MonotonicWallClock,
                  fingerprint_key: bytes, node: str | None = None,
                  target_ports: set[int] | None = None, target_pids: set[int] | None = None,
-                 forget_connection: Callable[[int, int], None] | None = None,
+                 forget_connection: Callable[[int, int, int], None] | None = None,
                  on_unreadable: Callable[[int, str], None] | None = None,
-                 restart_connection: Callable[[int, int], None] | None = None,
+                 restart_connection: Callable[[int, int, int], None] | None = None,
                  tenant_header: str | None = DEFAULT_TENANT_HEADER,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, steady: SteadyKernel | None = None,
                  unseen_ends: UnseenEnds | None = None) -> None:
@@ -288,7 +288,7 @@ class ConnectionTracker:
                                      and ev.tgid not in self.target_pids):
                 self.stats.dropped_connections += 1
                 if self.forget_connection:
-                    self.forget_connection(ev.tgid, ev.fd)
+                    self.forget_connection(ev.tgid, ev.fd, ev.conn_ns)
                 return
             ev.local_port, ev.peer_addr, ev.peer_port = endpoints
         self._new_connection(ev, accept_seen=True)
@@ -506,7 +506,7 @@ class ConnectionTracker:
             self._take_kernel_batch(key)  # no close() sent it
             conn = self.connections.pop(key)
             if self.forget_connection:
-                self.forget_connection(conn.tgid, conn.fd)
+                self.forget_connection(conn.tgid, conn.fd, conn.generation)
             self._close(conn, ev.ts_ns, "server_closed")
 
     def evict_idle(self, now_ns: int) -> int:
@@ -524,7 +524,7 @@ class ConnectionTracker:
                 self._close_unseen(conn, now_ns, end)
                 continue
             if self.restart_connection:
-                self.restart_connection(conn.tgid, conn.fd)
+                self.restart_connection(conn.tgid, conn.fd, conn.generation)
             self._close(conn, now_ns, "idle_timeout")
             evicted += 1
         self.stats.idle_evicted += evicted
