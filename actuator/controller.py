@@ -22,8 +22,14 @@ tenant really used as the agent saw them) and gets back the decisions to push
   level is found by feedback: cut while damaged, held while healthy at
   capacity, raised (below) once under capacity.
 - Back under capacity: budgets are raised by ``budget_recovery_factor`` each
-  window (no slamming) and left to lapse once they no longer bind. While
-  the breaker is open or probing, budgets are held as they are.
+  window (no slamming) and left to lapse once they have not bound for
+  ``release_after_windows`` windows in a row; a window in which one did not
+  bind holds it. One window is not enough: the window after a raise, or
+  after the breaker closes, still shows the tokens admitted before it (what
+  ends or streams in it), so a tenant the budget still turns away can look
+  as if it no longer needed it, and would be let in whole until the next
+  overload. While the breaker is open or probing, budgets are held as they
+  are.
 - No figures (no knee or baseline yet, no traffic): nothing new is pushed and
   whatever is in force lapses at its expiry.
 
@@ -113,6 +119,7 @@ class ControllerPolicy:
     burst_seconds: float = 2.0  # a budget's bucket holds this many seconds of its rate
     max_delay_s: float = 0.5
     budget_recovery_factor: float = 1.5
+    release_after_windows: int = 2  # under capacity, a budget that bound in none of this many windows lapses
     budget_decrease_factor: float = 0.7
     min_budget_share: float = 0.1  # of the fair level: a budget is never cut below this
     issuer: str = "tokenprobe-controller"
@@ -131,6 +138,8 @@ class ControllerPolicy:
             raise ValueError("window_s must be > 0 and decision_ttl_windows >= 2 (renewal needs a window of slack)")
         if not self.burst_seconds > 0 or self.max_delay_s < 0 or not self.budget_recovery_factor > 1:
             raise ValueError("burst_seconds must be > 0, max_delay_s >= 0, budget_recovery_factor > 1")
+        if self.release_after_windows < 1:
+            raise ValueError("release_after_windows must be >= 1")
         if not 0 < self.budget_decrease_factor < 1 or not 0 < self.min_budget_share <= 1:
             raise ValueError("budget_decrease_factor must be in (0, 1) and min_budget_share in (0, 1]")
 
@@ -211,6 +220,7 @@ class _UpstreamState:
         self.last_window_end = -math.inf
         self.breaker_decision: Decision | None = None
         self.budgets: dict[str, Decision] = {}  # tenant -> budget in force
+        self.unbound_windows: dict[str, int] = {}  # tenant -> windows in a row under capacity its budget did not bind
 
 
 class Controller:
@@ -291,6 +301,8 @@ class Controller:
     def _decide_budgets(self, state: _UpstreamState, window: WindowFigures, breaker_was_closed: bool,
                         signals: MatrixSignals) -> list[Decision]:
         pressure = _health(window).pressure(self.policy.breaker)
+        # Only windows in a row that relax count towards a release: any other verdict starts the count again.
+        unbound_windows, state.unbound_windows = state.unbound_windows, {}
         if not (breaker_was_closed and state.breaker.state == BreakerState.CLOSED) and state.budgets:
             # What the breaker turns away is not missing demand: relaxing on it would slam the
             # tenants back in the moment the breaker closes.
@@ -313,8 +325,8 @@ class Controller:
             wanted = {tenant: d.action for tenant, d in state.budgets.items()}
             reason = f"{_named(signals.hold)} lit: budgets held, not loosened"
         elif pressure == Pressure.NORMAL:
-            wanted = self._relax(state, window)
-            reason = "under capacity again: budget raised step by step"
+            wanted = self._relax(state, window, unbound_windows)
+            reason = "under capacity again: budget raised step by step where it bound, held a window where it did not"
         elif pressure == Pressure.DAMAGED:
             wanted = {tenant: d.action for tenant, d in state.budgets.items()}  # hold, do not loosen
             reason = "latency damaged under capacity: budget held"
@@ -395,14 +407,20 @@ class Controller:
             wanted[tenant] = self._budget(max(stepped, level * self.policy.min_budget_share))
         return wanted
 
-    def _relax(self, state: _UpstreamState, window: WindowFigures) -> dict[str, TokenBudgetAction]:
+    def _relax(self, state: _UpstreamState, window: WindowFigures,
+               unbound_before: dict[str, int]) -> dict[str, TokenBudgetAction]:
+        """Under capacity: each budget that bound in the window raised, one that did not held, and one that
+        has not bound for ``release_after_windows`` windows in a row (``unbound_before``: the windows before
+        this one) left out: released."""
         relaxed = {}
         for tenant, decision in state.budgets.items():
-            raised = decision.action.tokens_per_second * self.policy.budget_recovery_factor
             used = window.tenant_tokens.get(tenant, 0) / self.policy.window_s
-            if used * self.policy.budget_recovery_factor < decision.action.tokens_per_second:
-                continue  # no longer binding: release
-            relaxed[tenant] = self._budget(raised)
+            if used * self.policy.budget_recovery_factor >= decision.action.tokens_per_second:
+                relaxed[tenant] = self._budget(decision.action.tokens_per_second * self.policy.budget_recovery_factor)
+                continue
+            state.unbound_windows[tenant] = unbound_before.get(tenant, 0) + 1
+            if state.unbound_windows[tenant] < self.policy.release_after_windows:
+                relaxed[tenant] = decision.action
         return relaxed
 
     def _budget(self, tokens_per_second: float) -> TokenBudgetAction:

@@ -582,6 +582,34 @@ def test_controller_relaxes_budgets_gradually_then_releases():
     assert controller.decide(figures(T0 + 20, HEALTHY, {"heavy": 10})) == []
 
 
+def test_controller_holds_a_budget_through_one_window_it_did_not_bind():
+    # The window after a raise, or after the breaker closed, still shows the tokens admitted before it: a
+    # tenant still turned away looks as if it no longer needed its budget. Released there, it came back
+    # whole, and the server was overloaded again before the next window.
+    controller = Controller(ControllerPolicy(window_s=5.0))
+    [first] = [d for d in controller.decide(figures(T0 + 5, OVER_CAPACITY, {"light": 500, "heavy": 5500}))
+               if d.target.tenant == "heavy"]
+    level = first.action.tokens_per_second
+    [raised] = controller.decide(figures(T0 + 10, HEALTHY, {"heavy": int(level * 5)}))
+    assert controller.decide(figures(T0 + 15, HEALTHY, {"heavy": 10})) == []  # held; not yet due for renewal
+    # Bound again: raised once more from where it was, not let go.
+    [again] = controller.decide(figures(T0 + 20, HEALTHY, {"heavy": int(raised.action.tokens_per_second * 5)}))
+    assert again.target.tenant == "heavy"
+    assert again.action.tokens_per_second == pytest.approx(level * 1.5 * 1.5, rel=1e-3)
+    # Two windows in a row without binding: released. (Held, it would be renewed at T0 + 30, one window
+    # before it lapses.)
+    assert controller.decide(figures(T0 + 25, HEALTHY, {"heavy": 10})) == []
+    assert controller.decide(figures(T0 + 30, HEALTHY, {"heavy": 10})) == []
+    # Any other verdict between two such windows starts the count again.
+    controller = Controller(ControllerPolicy(window_s=5.0))
+    controller.decide(figures(T0 + 5, OVER_CAPACITY, {"light": 500, "heavy": 5500}))
+    assert controller.decide(figures(T0 + 10, HEALTHY, {"heavy": 10})) == []  # held: one window unbound
+    [held] = controller.decide(figures(T0 + 15, OVER_CAPACITY, {"light": 500, "heavy": 5500}))  # held there, renewed
+    assert controller.decide(figures(T0 + 20, HEALTHY, {"heavy": 10})) == []  # held again: the count restarted
+    [renewed] = controller.decide(figures(T0 + 25, HEALTHY, {"heavy": int(held.action.tokens_per_second * 5)}))
+    assert renewed.action.tokens_per_second == pytest.approx(held.action.tokens_per_second * 1.5, rel=1e-3)
+
+
 def test_controller_says_nothing_without_evidence_and_refuses_a_window_twice():
     controller = Controller()
     assert controller.decide(figures(T0 + 5, UpstreamWindow(50.0, None, None, None), {"a": 100})) == []
