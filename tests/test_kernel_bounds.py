@@ -3,6 +3,7 @@ overflows are counted, and a map made small at load time shows its counter."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from importlib.resources import files
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from tokenprobe.agent.capture.probes import (
     Probes,
     Targets,
 )
+from tokenprobe.agent.capture.sse import SteadyTemplate
 
 from tests.kernel_harness import (
     agent,
@@ -111,12 +114,10 @@ def test_small_maps_count_what_they_could_not_hold():
         server.wait(timeout=20)
 
 
-@pytest.mark.kernel
-def test_a_restarted_connection_speaks_again_as_one_adopted_afresh():
-    """What idle eviction does to the kernel's entry: the connection's next
-    events carry no accept time and counters from zero. Asked for another
-    generation (a newer connection on the fd, its accept not read yet), the
-    entry is left as it is."""
+@contextlib.contextmanager
+def kept_connection() -> Iterator[tuple[Probes, Callable[[], KernelEvent]]]:
+    """Probes on a server that keeps its connections open, and one connection to it: ``exchange()``
+    makes one echo on it and returns the server's read of it."""
     require_kernel()
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", KEEPER, str(port)])
@@ -125,36 +126,62 @@ def test_a_restarted_connection_speaks_again_as_one_adopted_afresh():
         wait_for_port(port)
         probes = Probes(Targets(ports=[port]))
         probes.open(events.append)
-
-        def exchange(client: socket.socket) -> KernelEvent:
-            """One echo; the server's read of it."""
-            events.clear()
-            client.sendall(b"ping")
-            assert client.recv(16) == b"ping"
-
-            def server_read() -> list[KernelEvent]:
-                probes.poll(50)
-                return [e for e in events if e.kind == EV_DATA and e.dir == DIR_READ and e.tgid == server.pid]
-
-            wait_until(server_read)
-            return server_read()[0]
-
         with socket.create_connection(("127.0.0.1", port)) as client:
-            exchange(client)
-            before = exchange(client)
-            assert before.conn_ns and before.events_before == (1, 1) and before.bytes_before == (4, 4)
-            probes.restart_connection(before.tgid, before.fd, before.conn_ns + 1)
-            kept = exchange(client)
-            assert (kept.conn_ns, kept.events_before, kept.bytes_before) == (before.conn_ns, (2, 2), (8, 8))
-            probes.restart_connection(before.tgid, before.fd, before.conn_ns)
-            after = exchange(client)
-            assert (after.conn_ns, after.events_before, after.bytes_before) == (0, (0, 0), (0, 0))
-            assert (after.fd, after.head) == (before.fd, b"ping")
+
+            def exchange() -> KernelEvent:
+                events.clear()
+                client.sendall(b"ping")
+                assert client.recv(16) == b"ping"
+
+                def server_read() -> list[KernelEvent]:
+                    probes.poll(50)
+                    return [e for e in events if e.kind == EV_DATA and e.dir == DIR_READ and e.tgid == server.pid]
+
+                wait_until(server_read)
+                return server_read()[0]
+
+            yield probes, exchange
     finally:
         if probes is not None:
             probes.close()
         server.kill()
         server.wait(timeout=20)
+
+
+@pytest.mark.kernel
+def test_a_restarted_connection_speaks_again_as_one_adopted_afresh():
+    """What idle eviction does to the kernel's entry: the connection's next
+    events carry no accept time and counters from zero. Asked for another
+    generation (a newer connection on the fd, its accept not read yet), the
+    entry is left as it is."""
+    with kept_connection() as (probes, exchange):
+        exchange()
+        before = exchange()
+        assert before.conn_ns and before.events_before == (1, 1) and before.bytes_before == (4, 4)
+        probes.restart_connection(before.tgid, before.fd, before.conn_ns + 1)
+        kept = exchange()
+        assert (kept.conn_ns, kept.events_before, kept.bytes_before) == (before.conn_ns, (2, 2), (8, 8))
+        probes.restart_connection(before.tgid, before.fd, before.conn_ns)
+        after = exchange()
+        assert (after.conn_ns, after.events_before, after.bytes_before) == (0, (0, 0), (0, 0))
+        assert (after.fd, after.head) == (before.fd, b"ping")
+
+
+@pytest.mark.kernel
+def test_forgetting_a_connection_spares_a_newer_one_and_clears_what_an_evicted_one_left():
+    """Asked for another generation, forgetting leaves the entry and its steady template; asked for a
+    connection the conns LRU evicted, it still clears the template (a plain hash keeps it otherwise)."""
+    with kept_connection() as (probes, exchange):
+        first = exchange()
+        conns, templates = probes.bpf["conns"], probes.bpf["steady_templates"]
+        key = conns.Key(first.tgid, first.fd)
+        assert probes.arm_steady(first.tgid, first.fd, SteadyTemplate(b'data: {"text":"', b'"},"index":0}\n\n'))
+        probes.forget_connection(first.tgid, first.fd, first.conn_ns + 1)
+        assert conns[key].accept_ns == first.conn_ns
+        assert templates[templates.Key(first.tgid, first.fd)].prefix_len == len(b'data: {"text":"')
+        del conns[key]  # as the LRU evicts it
+        probes.forget_connection(first.tgid, first.fd, first.conn_ns)
+        assert templates.Key(first.tgid, first.fd) not in templates
 
 
 @pytest.mark.kernel

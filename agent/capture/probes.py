@@ -611,11 +611,14 @@ class Probes:
         the one of ``generation`` (its accept time, 0 adopted), not a newer one on its fd."""
         conns = self.bpf["conns"]
         key = self._conn_key(conns, tgid, fd)
-        if self._entry(conns, key, generation) is None:
-            return
-        if self._delete(conns, key):
+        entry = self._lookup(conns, key)
+        if entry is not None and entry.accept_ns != generation:
+            return  # a newer connection's by now: records reach the agent up to POLL_TIMEOUT_MS late
+        if entry is not None and self._delete(conns, key):
             self._conns_added -= 1
             self._write_conns_fill()
+        # Also when the LRU evicted its entry: what it left in the steady maps is nobody's, and a plain hash
+        # keeps it until another connection is accepted on the fd (for a process that died: never).
         self._forget_steady(tgid, fd)
 
     def _forget_steady(self, tgid: int, fd: int) -> None:
@@ -635,10 +638,12 @@ class Probes:
         that the agent follows it afresh under a new conn_id, and nothing before reads as lost."""
         table = self.bpf["conns"]
         key = self._conn_key(table, tgid, fd)
-        info = self._entry(table, key, generation)
-        if info is None:
-            return
+        info = self._lookup(table, key)
+        if info is not None and info.accept_ns != generation:
+            return  # a newer connection's by now
         self._forget_steady(tgid, fd)  # its template is learnt again from what it says next
+        if info is None:  # closed meanwhile, or evicted from the LRU
+            return
         info.accept_ns = 0
         for direction in (0, 1):
             info.bytes[direction], info.events[direction] = 0, 0
@@ -648,22 +653,16 @@ class Probes:
         self.bpf["conns_fill"][ctypes.c_int(1)] = ctypes.c_int64(self._conns_added)
 
     @staticmethod
-    def _entry(conns, key, generation: int):
-        """The connection's kernel entry, or None: closed meanwhile, evicted from the LRU, or its fd
-        already reused by a newer connection (records reach the agent up to POLL_TIMEOUT_MS late)."""
+    def _lookup(table, key):
+        """The map's entry at ``key``, or None."""
         try:
-            info = conns[key]
+            return table[key]
         except KeyError:
             return None
-        return info if info.accept_ns == generation else None
 
     @staticmethod
     def _has(table, key) -> bool:
-        try:
-            table[key]
-            return True
-        except KeyError:
-            return False
+        return Probes._lookup(table, key) is not None
 
     def arm_steady(self, tgid: int, fd: int, template: SteadyTemplate) -> bool:
         """Names the bytes around the text of the connection's steady writes: the kernel batches
