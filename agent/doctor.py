@@ -8,9 +8,9 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from .capture.kernel_headers import choose_headers
-from .capture.probes import ProbeError, Probes, Targets, openssl_copies
-from .capture.tls_libraries import unreadable_tls
+from .capture.kernel.headers import choose_headers
+from .capture.kernel.loader import ProbeError, Probes, Targets, openssl_copies
+from .capture.kernel.tls_libraries import unreadable_tls
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 

@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenprobe.agent.capture.clock import MonotonicWallClock
-from tokenprobe.agent.capture.probes import (
+from tokenprobe.agent.capture.kernel.clock import MonotonicWallClock
+from tokenprobe.agent.capture.kernel.records import (
     DIR_READ,
     DIR_WRITE,
     EV_ACCEPT,

@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Callable
 
-from tokenprobe.agent.capture.procfs import ListenerScan, target_port_sockets
+from tokenprobe.agent.capture.kernel.procfs import ListenerScan, target_port_sockets
 
 
 def cpu_ms(work: Callable[[], object], rounds: int) -> float:

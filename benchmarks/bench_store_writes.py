@@ -98,7 +98,7 @@ def write(rows_per_s: int, warm_up_s: float, seconds: float) -> None:
 
 def sample(flush_s: float, warm_up_s: float, seconds: float) -> None:
     """One run of the samplers flushing every ``flush_s``: prints the CPU their inserts took."""
-    from tokenprobe.agent.capture.clock import MonotonicWallClock
+    from tokenprobe.agent.capture.kernel.clock import MonotonicWallClock
     from tokenprobe.agent.sampling.dcgm import DcgmScraper
     from tokenprobe.agent.sampling.engine_metrics import EngineScraper
     from tokenprobe.agent.sampling.samplers import SamplerSet

@@ -1,1 +1,1 @@
-"""BPF C sources loaded by the agent (tokenprobe.agent.capture.probes)."""
+"""BPF C sources loaded by the agent (tokenprobe.agent.capture.kernel.loader)."""

@@ -7,7 +7,7 @@
 // A connection is tracked from accept (or connect, for outbound tracking)
 // when its local port is a target port or its process is a target process.
 // Only tracked connections emit events; everything else returns after one
-// hash lookup. The agent (agent/capture/probes.py) sets the compile-time constants.
+// hash lookup. The agent (agent/capture/kernel/loader.py) sets the compile-time constants.
 
 #include <uapi/linux/ptrace.h>
 #include <linux/sched.h>
@@ -335,7 +335,7 @@ static __always_inline void sequence(struct conn_info *ci, u8 dir, u32 moved) {
 // The agent is woken for every RING_WAKE_EVERY-th record a CPU sends, or sooner once the
 // CPU sent RING_WAKE_BYTES since its last wakeup (a share of the ring buffer: all CPUs
 // together never fill it before the agent is woken), and otherwise reads the ring buffer
-// at its own pace (every 250 ms at most, agent/capture/probes.py): a wakeup per record (the
+// at its own pace (every 250 ms at most, agent/capture/kernel/loader.py): a wakeup per record (the
 // ring buffer's default while the agent keeps up) costs the agent a poll round and the
 // writer's CPU the wakeup's work, for every few records.
 #ifndef RING_WAKE_EVERY
@@ -895,7 +895,7 @@ static __always_inline int steady_event(struct conn_key *k, struct conn_info *ci
 // the task's fd table: the one source that needs no help from the caller
 // (accept4(fd, NULL, NULL) gives no peer; the new socket's state change may
 // be traced on another CPU after accept returns). The offsets come from the
-// running kernel's BTF (agent/kernel_btf.py); without BTF they are not
+// running kernel's BTF (agent/capture/kernel/btf.py); without BTF they are not
 // defined and the agent reads /proc instead.
 static __always_inline int socket_endpoints(u32 fd, struct conn_info *ci) {
 #ifdef OFF_SK_NUM

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..agent.capture.clock import MonotonicWallClock
 from ..agent.capture.inflight import inflight_snapshot
-from ..agent.capture.probes import Probes, Targets
-from ..agent.capture.procfs import target_port_sockets
-from ..agent.capture.tls_libraries import unreadable_tls
+from ..agent.capture.kernel.clock import MonotonicWallClock
+from ..agent.capture.kernel.loader import Probes, Targets
+from ..agent.capture.kernel.procfs import target_port_sockets
+from ..agent.capture.kernel.tls_libraries import unreadable_tls
 from ..agent.capture.tracker import DEFAULT_IDLE_TIMEOUT_S, ConnectionTracker
 from ..agent.export.metrics_endpoint import AgentMetrics
 from ..agent.export.otel_export import OtelExporter

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..actuator.breaker import BreakerPolicy
 from ..actuator.controller import ControllerPolicy
-from ..agent.capture.probes import ProbeError, Targets
+from ..agent.capture.kernel.loader import ProbeError, Targets
 from ..analytics.pipeline import analyze, default_range
 from ..analytics.scope import EVERYTHING
 from ..store.client import StoreUnavailable

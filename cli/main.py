@@ -125,7 +125,7 @@ def samplers_from_args(args: argparse.Namespace):
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
-    from ..agent.capture.probes import ProbeError, Targets
+    from ..agent.capture.kernel.loader import ProbeError, Targets
     from .agent import Agent, AgentConfig
 
     targets = Targets(ports=args.port, pids=args.pid, exes=args.exe, outbound=args.outbound)

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tokenprobe.agent.capture.clock import MonotonicWallClock
+from tokenprobe.agent.capture.kernel.clock import MonotonicWallClock
 from tokenprobe.agent.sampling.gpu import GpuReading, NvmlSampler
 
 GIB = 1024**3

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from tokenprobe.agent.capture.clock import MonotonicWallClock
+from tokenprobe.agent.capture.kernel.clock import MonotonicWallClock
 from tokenprobe.agent.sampling.dcgm import MIB, DcgmRead, DcgmScraper, parse_dcgm_text
 from tokenprobe.agent.sampling.gpu import GpuReading
 from tokenprobe.agent.sampling.prom_text import ScrapeError

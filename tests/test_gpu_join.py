@@ -9,7 +9,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from tokenprobe.agent.capture.clock import MonotonicWallClock
+from tokenprobe.agent.capture.kernel.clock import MonotonicWallClock
 from tokenprobe.agent.sampling.dcgm import DcgmScraper
 from tokenprobe.agent.sampling.engine_metrics import EngineReading, EngineScraper
 from tokenprobe.agent.sampling.gpu import GpuReading, ServerGpu, ServerGpuMap

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import pynvml
 import pytest
-from tokenprobe.agent.capture.clock import MonotonicWallClock
+from tokenprobe.agent.capture.kernel.clock import MonotonicWallClock
 from tokenprobe.agent.sampling.engine_metrics import EngineScraper
 from tokenprobe.agent.sampling.gpu import (
     GpuProcess,

@@ -12,7 +12,7 @@ import time
 import pytest
 from prometheus_client import generate_latest
 from tokenprobe.agent.capture.inflight import inflight_snapshot
-from tokenprobe.agent.capture.probes import DIR_WRITE, EV_ACCEPT, EV_DATA
+from tokenprobe.agent.capture.kernel.records import DIR_WRITE, EV_ACCEPT, EV_DATA
 from tokenprobe.agent.export.metrics_endpoint import AgentMetrics
 from tokenprobe.agent.sampling.prom_text import parse_exposition
 from tokenprobe.analytics.indicators import CRIT, OK

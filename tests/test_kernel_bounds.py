@@ -16,16 +16,18 @@ from importlib.resources import files
 from pathlib import Path
 
 import pytest
-from tokenprobe.agent.capture.probes import (
-    DIR_READ,
-    DIR_WRITE,
-    EV_DATA,
+from tokenprobe.agent.capture.kernel.loader import (
     KERNEL_MAPS,
     MAP_OVERFLOW_SLOTS,
-    KernelEvent,
     MapSizes,
     Probes,
     Targets,
+)
+from tokenprobe.agent.capture.kernel.records import (
+    DIR_READ,
+    DIR_WRITE,
+    EV_DATA,
+    KernelEvent,
 )
 from tokenprobe.agent.capture.sse import SteadyTemplate
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from tokenprobe.agent.capture.kernel_btf import (
+from tokenprobe.agent.capture.kernel.btf import (
     VMLINUX_BTF,
     Btf,
     BtfError,

@@ -464,7 +464,7 @@ def test_a_server_that_dies_ends_its_connections(tmp_path: Path):
 def test_listeners_map_follows_what_listens_now():
     """The kernel's listener map is pruned to the sockets that listen now:
     entries of dead processes (and stale ones) go at the next rescan."""
-    from tokenprobe.agent.capture.probes import Probes, Targets
+    from tokenprobe.agent.capture.kernel.loader import Probes, Targets
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(SHAPES_SERVER), str(port)])

@@ -10,7 +10,11 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
-from tokenprobe.agent.capture.procfs import ListenerScan, proc_net_sockets, target_port_sockets
+from tokenprobe.agent.capture.kernel.procfs import (
+    ListenerScan,
+    proc_net_sockets,
+    target_port_sockets,
+)
 
 # A process that keeps what it is given: it receives a socket over a unix socket, then waits.
 KEEPER = """

@@ -14,7 +14,7 @@ import subprocess
 import textwrap
 
 import pytest
-from tokenprobe.agent.capture.kernel_headers import choose_headers
+from tokenprobe.agent.capture.kernel.headers import choose_headers
 
 from tests.kernel_harness import REQUIRE_KERNEL, require_kernel
 from tests.test_deploy_manifests import SECCOMP_PROFILE

@@ -8,9 +8,9 @@ from __future__ import annotations
 import struct
 
 import pytest
-from tokenprobe.agent.capture.clock import MonotonicWallClock
 from tokenprobe.agent.capture.inflight import inflight_snapshot
-from tokenprobe.agent.capture.probes import (
+from tokenprobe.agent.capture.kernel.clock import MonotonicWallClock
+from tokenprobe.agent.capture.kernel.records import (
     DIR_READ,
     DIR_WRITE,
     EV_ACCEPT,

@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-from tokenprobe.agent.capture.go_tls import (
+from tokenprobe.agent.capture.kernel.go_tls import (
     GO_TLS_READ,
     GO_TLS_WRITE,
     GoTlsUnprobed,
     go_tls_binary,
 )
-from tokenprobe.agent.capture.probes import openssl_copies
-from tokenprobe.agent.capture.tls_libraries import (
+from tokenprobe.agent.capture.kernel.loader import openssl_copies
+from tokenprobe.agent.capture.kernel.tls_libraries import (
     TlsReach,
     elf_tls,
     tls_reach,

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenprobe.actuator.asgi import ActuatorMiddleware
-from tokenprobe.agent.capture.clock import MonotonicWallClock, measure_offset
-from tokenprobe.agent.capture.kernel_headers import choose_headers
-from tokenprobe.agent.capture.probes import (
+from tokenprobe.agent.capture.kernel.clock import MonotonicWallClock, measure_offset
+from tokenprobe.agent.capture.kernel.headers import choose_headers
+from tokenprobe.agent.capture.kernel.records import (
     DIR_READ,
     DIR_WRITE,
     EV_ACCEPT,

@@ -1,8 +1,8 @@
 """Capture: from kernel events to one Exchange per HTTP request.
 
-- probes.py        loads bpf/tokenprobe.c, attaches it, decodes its ring-buffer events
+- kernel/          loads bpf/tokenprobe.c, attaches it, decodes its ring-buffer records; BTF,
+                   headers, TLS library search, /proc, the clock
 - tracker.py       connections and their processes; feeds each connection's assembler
-- clock.py, procfs.py, kernel_headers.py: time mapping, /proc lookups, BCC's headers
 
 - exchange.py      the Exchange record, close reasons and outcomes
 - http1.py         HTTP/1.x message framing of one direction, and which reader gets a body

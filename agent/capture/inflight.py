@@ -7,7 +7,7 @@ tracker and its assemblers are not locked, and the snapshot only reads them.
 from __future__ import annotations
 
 from ...contract.inflight import RECEIVING, STREAMING, WAITING
-from .probes import ROLE_CLIENT
+from .kernel.records import ROLE_CLIENT
 from .tracker import ConnectionTracker
 
 

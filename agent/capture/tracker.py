@@ -70,14 +70,15 @@ from typing import Callable, Protocol
 
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
 from .assembler import Exchange, H2cUpgrade, HttpConnectionAssembler
-from .clock import MonotonicWallClock
 from .http2 import (
     H2Exchange,
     Http2ConnectionAssembler,
     resembles_http2_frames,
     starts_http2,
 )
-from .probes import (
+from .kernel.clock import MonotonicWallClock
+from .kernel.procfs import comm_of, socket_endpoints
+from .kernel.records import (
     DIR_READ,
     DIR_WRITE,
     EV_ACCEPT,
@@ -94,7 +95,6 @@ from .probes import (
     UnseenEnd,
     steady_template_fits,
 )
-from .procfs import comm_of, socket_endpoints
 from .sse import SteadyTemplate
 
 log = logging.getLogger("tokenprobe.tracker")

@@ -91,7 +91,7 @@ def server_gpus_arrow(entries: Iterable[ServerGpu], ts_ns: int, node: str) -> pa
 
 
 class WallClock(Protocol):
-    """Maps CLOCK_MONOTONIC ns to Unix-epoch ns (``capture.clock.MonotonicWallClock``)."""
+    """Maps CLOCK_MONOTONIC ns to Unix-epoch ns (``capture.kernel.clock.MonotonicWallClock``)."""
 
     def to_wall_ns(self, mono_ns: int) -> int: ...
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from tokenprobe.agent.capture.probes import (
+from tokenprobe.agent.capture.kernel.records import (
     STEADY_WORDS,
     STEADY_WRITE_MAX,
     steady_template_fits,

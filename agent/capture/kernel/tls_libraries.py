@@ -23,7 +23,7 @@ from .go_tls import GoTlsBinary, GoTlsUnprobed, go_tls_in
 __all__ = ["OPENSSL_IO", "ElfTls", "MappedElf", "TlsReach", "elf_tls", "mapped_elves", "tls_reach", "unreadable_tls"]
 
 OPENSSL_IO = frozenset({b"SSL_read", b"SSL_write"})  # what a file must export to be probed as OpenSSL
-# The OpenSSL API functions the probes attach to (agent/capture/probes.py); the rest of a file's symbols is dropped.
+# The OpenSSL API functions the probes attach to (agent/capture/kernel/loader.py); the rest of a file's symbols is dropped.
 _OPENSSL_API = frozenset({b"SSL_read", b"SSL_read_ex", b"SSL_write", b"SSL_write_ex", b"SSL_do_handshake",
                           b"SSL_set_fd", b"SSL_set_bio", b"SSL_free", b"BIO_write", b"BIO_read"})
 # Rust keeps its crates' source paths (panic locations) in .rodata, stripped or not: ".../rustls-0.23.1/src/...".
