@@ -17,7 +17,7 @@ import asyncio
 import json
 
 from ..agent.capture.dialects import OPENAI_CHAT
-from ..agent.capture.json_scan import count, json_object
+from ..agent.capture.dialects.json_scan import count, json_object
 from ..contract.routes import is_inference_request
 from ..contract.tenant import DEFAULT_TENANT_HEADER
 from .gateway import (

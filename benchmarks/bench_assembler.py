@@ -25,7 +25,7 @@ import pstats
 import time
 from pathlib import Path
 
-from tokenprobe.agent.capture.assembler import HttpConnectionAssembler
+from tokenprobe.agent.capture.wire.assembler import HttpConnectionAssembler
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "data" / "fixtures"
 KEY = b"bench-key"

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 from tokenprobe.agent.capture import dialects
-from tokenprobe.agent.capture.assembler import Exchange, HttpConnectionAssembler
 from tokenprobe.agent.capture.dialects.base import MAX_ENGINE_MS
+from tokenprobe.agent.capture.exchange import Exchange
 from tokenprobe.agent.capture.kernel.clock import MonotonicWallClock
 from tokenprobe.agent.capture.kernel.records import DIR_READ, DIR_WRITE, EV_DATA
 from tokenprobe.agent.capture.tracker import ConnectionTracker
+from tokenprobe.agent.capture.wire.assembler import HttpConnectionAssembler
 from tokenprobe.contract.requests import REQUEST_COLUMN_TYPES
 from tokenprobe.store.rows import RowSchema
 

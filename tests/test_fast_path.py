@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenprobe.agent.capture import json_scan, sse
-from tokenprobe.agent.capture.assembler import HttpConnectionAssembler
-from tokenprobe.agent.capture.dialects import openai
+from tokenprobe.agent.capture.dialects import json_scan, openai
+from tokenprobe.agent.capture.wire import sse
+from tokenprobe.agent.capture.wire.assembler import HttpConnectionAssembler
 
 from benchmarks import bench_assembler
 from tests.support.steady_kernel import KernelBatching

@@ -1,4 +1,4 @@
-"""Tests for the HTTP/2 and gRPC assembler (agent/capture/http2.py, grpc_stream.py).
+"""Tests for the HTTP/2 and gRPC assembler (agent/capture/wire/http2.py, grpc.py).
 
 Every byte stream is real HTTP/2: written by the h2 library's client and
 server state machines (tests/support/h2_wire.py), each flush one segment, as
@@ -16,13 +16,13 @@ import hyperframe.frame
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenprobe.agent.capture.grpc_stream import (
+from tokenprobe.agent.capture.wire.grpc import (
     GrpcMessages,
     grpc_message_text,
     grpc_status_code,
     is_grpc,
 )
-from tokenprobe.agent.capture.http2 import (
+from tokenprobe.agent.capture.wire.http2 import (
     PREFACE,
     UNREADABLE_REASONS,
     H2Exchange,

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 from hypercorn.asyncio import serve
-from tokenprobe.agent.capture.http2 import Http2ConnectionAssembler
+from tokenprobe.agent.capture.wire.http2 import Http2ConnectionAssembler
 from tokenprobe.refserver.h2_sse import config, sse_app
 
 from tests.servers.grpc_generator import (

@@ -25,12 +25,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenprobe.agent.capture import exchange as exchange_module
-from tokenprobe.agent.capture.assembler import (
+from tokenprobe.agent.capture.exchange import Exchange
+from tokenprobe.agent.capture.wire.assembler import (
     CLOSE_REASONS,
-    Exchange,
     HttpConnectionAssembler,
 )
-from tokenprobe.agent.capture.http1 import proven_chunk_boundary
+from tokenprobe.agent.capture.wire.http1 import proven_chunk_boundary
 from tokenprobe.contract import tenant
 
 DATA = Path(__file__).parent / "data"

@@ -29,7 +29,7 @@ from tokenprobe.agent.capture.kernel.records import (
     EV_DATA,
     KernelEvent,
 )
-from tokenprobe.agent.capture.sse import SteadyTemplate
+from tokenprobe.agent.capture.wire.sse import SteadyTemplate
 
 from tests.kernel_harness import (
     agent,

@@ -213,7 +213,7 @@ def test_a_keep_alive_connections_next_responses_keep_the_template(monkeypatch):
     """Another response id and creation time: the template's shape, and it stays named. A write the kernel
     carried in a batch came with the template named (the kernel opened the batch with a write like it): the
     tracker reads for a template only the writes sent as events of their own."""
-    from tokenprobe.agent.capture.assembler import HttpConnectionAssembler
+    from tokenprobe.agent.capture.wire.assembler import HttpConnectionAssembler
     read = []
     steady_template = HttpConnectionAssembler.steady_template
     monkeypatch.setattr(HttpConnectionAssembler, "steady_template",

@@ -1,15 +1,15 @@
-"""Capture: from kernel events to one Exchange per HTTP request.
+"""Capture: from kernel events to one Exchange per HTTP request, in rooms by stage.
 
-- kernel/          loads bpf/tokenprobe.c, attaches it, decodes its ring-buffer records; BTF,
-                   headers, TLS library search, /proc, the clock
-- tracker.py       connections and their processes; feeds each connection's assembler
+- kernel/          what the agent asks of the kernel: loads bpf/tokenprobe.c, attaches it, decodes its
+                   ring-buffer records; BTF, headers, TLS library search, /proc, the clock
+- wire/            bytes to HTTP exchanges: segments, HTTP/1.x framing and its connection assembler,
+                   HTTP/2 and gRPC, SSE/NDJSON event streams, bodies, bounded byte samples
+- dialects/        one module per API: what an event or body of that API means; the JSON scanner
+- exchange.py      the Exchange record (one HTTP request and its response), close reasons, outcomes
+- tracker.py       connections and their processes: kernel records in, each connection's assembler fed,
+                   finished exchanges out
+- inflight.py      what is in flight on each server now, from the tracker's open exchanges
 
-- exchange.py      the Exchange record, close reasons and outcomes
-- http1.py         HTTP/1.x message framing of one direction, and which reader gets a body
-- byte_samples.py  bounded head/tail samples of a byte stream, the request body fingerprint
-- json_scan.py     reading fields out of bounded JSON samples (parse, or regex fallback)
-- bodies.py        readers of a request body and of a whole JSON response
-- sse.py           event-stream framing (SSE, NDJSON) and event timestamps
-- dialects/        one module per API dialect: what an event or body of that API means
-- assembler.py     HttpConnectionAssembler: both directions of one connection, the public API
+The wire and the kernel rooms never import each other; the tracker joins them (pyproject's
+import-linter contract holds the order).
 """

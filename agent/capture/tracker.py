@@ -69,13 +69,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
-from .assembler import Exchange, H2cUpgrade, HttpConnectionAssembler
-from .http2 import (
-    H2Exchange,
-    Http2ConnectionAssembler,
-    resembles_http2_frames,
-    starts_http2,
-)
+from .exchange import Exchange
 from .kernel.clock import MonotonicWallClock
 from .kernel.procfs import comm_of, socket_endpoints
 from .kernel.records import (
@@ -95,7 +89,14 @@ from .kernel.records import (
     UnseenEnd,
     steady_template_fits,
 )
-from .sse import SteadyTemplate
+from .wire.assembler import H2cUpgrade, HttpConnectionAssembler
+from .wire.http2 import (
+    H2Exchange,
+    Http2ConnectionAssembler,
+    resembles_http2_frames,
+    starts_http2,
+)
+from .wire.sse import SteadyTemplate
 
 log = logging.getLogger("tokenprobe.tracker")
 

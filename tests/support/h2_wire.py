@@ -14,7 +14,7 @@ import struct
 import h2.config
 import h2.connection
 import h2.events
-from tokenprobe.agent.capture.http2 import H2Exchange, Http2ConnectionAssembler
+from tokenprobe.agent.capture.wire.http2 import H2Exchange, Http2ConnectionAssembler
 
 T0 = 1_000_000
 STEP_NS = 1_000

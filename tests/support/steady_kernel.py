@@ -20,7 +20,7 @@ from tokenprobe.agent.capture.kernel.records import (
     STEADY_WRITE_MAX,
     steady_template_fits,
 )
-from tokenprobe.agent.capture.sse import SteadyTemplate
+from tokenprobe.agent.capture.wire.sse import SteadyTemplate
 
 __all__ = ["KernelBatching", "classify"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tokenprobe.agent.capture.assembler import HttpConnectionAssembler
+from tokenprobe.agent.capture.wire.assembler import HttpConnectionAssembler
 
 from .steady_kernel import KernelBatching
 

@@ -4,7 +4,7 @@ runs the assembler and dialect test modules under it."""
 
 from __future__ import annotations
 
-from tokenprobe.agent.capture import assembler
+from tokenprobe.agent.capture.wire import assembler
 
 from .steady_kernel import KernelBatching
 from .twin_assembler import TwinAssembler

@@ -12,8 +12,8 @@ A non-streamed body is the message itself.
 from __future__ import annotations
 
 from ..exchange import Exchange
-from ..json_scan import count
 from .base import Dialect, set_id_model, set_usage
+from .json_scan import count
 
 __all__ = ["ANTHROPIC"]
 

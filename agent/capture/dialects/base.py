@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from ..exchange import Exchange
-from ..json_scan import (
+from .json_scan import (
     count,
     count_key,
     field_text,

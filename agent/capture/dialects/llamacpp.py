@@ -10,8 +10,8 @@ timings are then read from its tail, where the server writes them.
 from __future__ import annotations
 
 from ..exchange import Exchange
-from ..json_scan import is_text, last_number, number_key, text_value
 from .base import Dialect, set_engine_ms, set_id_model, set_usage
+from .json_scan import is_text, last_number, number_key, text_value
 
 __all__ = ["LLAMACPP", "content_text", "set_timings"]
 

@@ -11,8 +11,8 @@ durations follow it, at the tail, where the regex fallback looks.
 from __future__ import annotations
 
 from ..exchange import Exchange
-from ..json_scan import is_text, last_number, number_key, text_value
 from .base import Dialect, set_engine_ms, set_id_model, set_usage
+from .json_scan import is_text, last_number, number_key, text_value
 
 __all__ = ["OLLAMA_CHAT", "OLLAMA_GENERATE"]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import re
 
 from ..exchange import Exchange
-from ..json_scan import is_text, text_value
 from . import llamacpp, tgi
 from .base import Dialect, choice_index, set_id_model, set_usage
+from .json_scan import is_text, text_value
 
 __all__ = ["CHAT", "COMPLETIONS", "USAGE", "ChoicesDialect"]
 

@@ -10,8 +10,8 @@ There is no model name.
 from __future__ import annotations
 
 from ..exchange import Exchange
-from ..json_scan import count, is_text, text_value
 from .base import Dialect, choice_index, set_id_model, set_usage
+from .json_scan import count, is_text, text_value
 
 __all__ = ["SGLANG"]
 

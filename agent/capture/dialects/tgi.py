@@ -9,8 +9,8 @@ or model name. The event's `index` is the token's position, not a choice.
 from __future__ import annotations
 
 from ..exchange import Exchange
-from ..json_scan import is_text, text_value
 from .base import Dialect, set_usage
+from .json_scan import is_text, text_value
 
 __all__ = ["TGI", "token_text"]
 

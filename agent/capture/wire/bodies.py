@@ -1,4 +1,5 @@
-"""Readers of a request body and of a whole (non-streamed) JSON response body.
+"""Readers of a request body and of a whole (non-streamed) JSON response body, and the choice of
+a response body's reader (shared by HTTP/1 and HTTP/2).
 
 Each keeps a bounded sample of its body; nothing else of the content is kept.
 """
@@ -7,15 +8,9 @@ from __future__ import annotations
 
 import re
 
-from . import dialects
-from .byte_samples import (
-    REQUEST_BODY_HEAD,
-    REQUEST_BODY_TAIL,
-    HeadTailSample,
-    body_fingerprint,
-)
-from .exchange import Exchange
-from .json_scan import (
+from ....contract.tenant import printable
+from .. import dialects
+from ..dialects.json_scan import (
     field_text,
     first_json_string,
     json_object,
@@ -23,8 +18,16 @@ from .json_scan import (
     last_match,
     string_key,
 )
+from ..exchange import Exchange
+from .byte_samples import (
+    REQUEST_BODY_HEAD,
+    REQUEST_BODY_TAIL,
+    HeadTailSample,
+    body_fingerprint,
+)
+from .sse import NdjsonBody, SseBody
 
-__all__ = ["JsonBody", "RequestBody"]
+__all__ = ["JsonBody", "RequestBody", "path_of", "response_body_reader"]
 
 RESPONSE_BODY_HEAD = 4096
 RESPONSE_BODY_TAIL = 4096
@@ -106,3 +109,32 @@ class JsonBody(_SampledBody):
             else:
                 exchange.api = dialect.name
         dialect.body(exchange, body)
+
+
+def path_of(target: bytes) -> str:
+    return target.split(b"?", 1)[0].split(b"#", 1)[0].decode("utf-8", "replace")
+
+
+def response_body_reader(exchange: Exchange, headers: dict[str, str], *, scan: bool = True):
+    """The reader of a response body, or None when its content is not read. The
+    API dialect is chosen here, once per response: by the request path when it
+    names one, else by the readers from the first event or the body itself.
+    `scan`: event streams let the dialect read events without parsing them."""
+    dialect = dialects.for_path(exchange.path)
+    if dialect is not None:
+        exchange.api = dialect.name
+    content_type = headers.get("content-type", "").lower()
+    event_stream = content_type.startswith("text/event-stream")
+    ndjson = content_type.startswith("application/x-ndjson")  # Ollama: one JSON object a line
+    exchange.streamed = event_stream or ndjson
+    encoding = headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        exchange.error = f"response body is {printable(encoding)}-encoded; its content was not read"
+        return None
+    if event_stream:
+        return SseBody(exchange, dialect, scan=scan)
+    if ndjson:
+        return NdjsonBody(exchange, dialect, scan=scan)
+    if not content_type or "json" in content_type:
+        return JsonBody(exchange, dialect)
+    return None

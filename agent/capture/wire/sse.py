@@ -13,10 +13,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from . import dialects
+from .. import dialects
+from ..dialects.json_scan import json_object
+from ..exchange import Exchange
 from .byte_samples import HeadTailSample
-from .exchange import Exchange
-from .json_scan import json_object
 
 __all__ = ["NdjsonBody", "SseBody", "SteadyTemplate"]
 

@@ -4,7 +4,7 @@ A direction's bytes are a `MessageStream`: start line and header fields, then a
 body delimited by Content-Length, chunked coding or the connection's close.
 Requests and responses differ in what may start a message and what a header
 block means (`RequestStream`, `ResponseStream`). Body bytes go to a reader
-chosen from the header block (`response_body_reader`); framing never looks at them.
+chosen from the header block (`bodies.response_body_reader`); framing never looks at them.
 
 When framing is lost (a gap in headers, garbage, oversized headers, or a
 connection picked up mid-message) the message at hand ends as "truncated" with
@@ -21,11 +21,10 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from ...contract.tenant import FRAMING_HEADERS, printable, tenant_id
-from . import dialects
-from .bodies import JsonBody, RequestBody
-from .exchange import Exchange, Txn
-from .sse import NdjsonBody, SseBody, SteadyTemplate
+from ....contract.tenant import FRAMING_HEADERS, printable, tenant_id
+from ..exchange import Txn
+from .bodies import RequestBody, path_of, response_body_reader
+from .sse import SseBody, SteadyTemplate
 
 
 class Connection(Protocol):
@@ -44,8 +43,7 @@ class Connection(Protocol):
     def _upgrade_to_http2(self, txn: Txn) -> bool: ...
     def _handed_off(self, ts: int, head: bytes, total_len: int) -> None: ...
 
-__all__ = ["FramingError", "RequestStream", "ResponseStream", "foreign_protocol",
-           "response_body_reader"]
+__all__ = ["FramingError", "RequestStream", "ResponseStream", "foreign_protocol"]
 
 CHUNK_SIZE_LINE_MAX = 4096
 
@@ -755,32 +753,3 @@ def _body_framing(headers: dict[str, str], *, is_request: bool) -> tuple[int, in
             raise FramingError("invalid Content-Length")
         return _LENGTH, int(value)
     return (_NO_BODY, 0) if is_request else (_UNTIL_CLOSE, 0)
-
-
-def path_of(target: bytes) -> str:
-    return target.split(b"?", 1)[0].split(b"#", 1)[0].decode("utf-8", "replace")
-
-
-def response_body_reader(exchange: Exchange, headers: dict[str, str], *, scan: bool = True):
-    """The reader of a response body, or None when its content is not read. The
-    API dialect is chosen here, once per response: by the request path when it
-    names one, else by the readers from the first event or the body itself.
-    `scan`: event streams let the dialect read events without parsing them."""
-    dialect = dialects.for_path(exchange.path)
-    if dialect is not None:
-        exchange.api = dialect.name
-    content_type = headers.get("content-type", "").lower()
-    event_stream = content_type.startswith("text/event-stream")
-    ndjson = content_type.startswith("application/x-ndjson")  # Ollama: one JSON object a line
-    exchange.streamed = event_stream or ndjson
-    encoding = headers.get("content-encoding", "").strip().lower()
-    if encoding not in ("", "identity"):
-        exchange.error = f"response body is {printable(encoding)}-encoded; its content was not read"
-        return None
-    if event_stream:
-        return SseBody(exchange, dialect, scan=scan)
-    if ndjson:
-        return NdjsonBody(exchange, dialect, scan=scan)
-    if not content_type or "json" in content_type:
-        return JsonBody(exchange, dialect)
-    return None

@@ -37,12 +37,11 @@ from dataclasses import dataclass, fields
 
 import hpack
 
-from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name, tenant_id
-from .assembler import MAX_OPEN_EXCHANGES, normalise_segment
-from .bodies import RequestBody
-from .exchange import MAX_TOKEN_EVENTS, OUTCOME_BY_CLOSE_REASON, Exchange
-from .grpc_stream import GrpcMessages, grpc_message_text, grpc_status_code, is_grpc
-from .http1 import path_of, response_body_reader
+from ....contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name, tenant_id
+from ..exchange import MAX_TOKEN_EVENTS, OUTCOME_BY_CLOSE_REASON, Exchange
+from .bodies import RequestBody, path_of, response_body_reader
+from .grpc import GrpcMessages, grpc_message_text, grpc_status_code, is_grpc
+from .segments import MAX_OPEN_EXCHANGES, normalise_segment
 
 __all__ = ["PREFACE", "UNREADABLE_REASONS", "H2Exchange", "Http2ConnectionAssembler",
            "resembles_http2_frames", "starts_http2"]

@@ -27,20 +27,16 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ...contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
-from .exchange import CLOSE_REASONS, OUTCOME_BY_CLOSE_REASON, Exchange, Txn
+from ....contract.tenant import DEFAULT_TENANT_HEADER, tenant_header_name
+from ..exchange import CLOSE_REASONS, OUTCOME_BY_CLOSE_REASON, Exchange, Txn
 from .http1 import MessageStream, RequestStream, ResponseStream
+from .segments import MAX_OPEN_EXCHANGES, normalise_segment
 from .sse import SteadyTemplate
 
-__all__ = ["CLOSE_REASONS", "Exchange", "HttpConnectionAssembler", "MAX_OPEN_EXCHANGES"]
+__all__ = ["CLOSE_REASONS", "Exchange", "HttpConnectionAssembler"]
 
 log = logging.getLogger(__name__)
 
-# More requests than this without a finished response (hostile pipelining)
-# stops parsing the connection rather than growing the queue without bound.
-MAX_OPEN_EXCHANGES = 1024
-# No read()/write() is this large; bigger lengths are malformed input.
-MAX_SEGMENT_BYTES = 1 << 40
 # What a feed returns when no exchange became complete, as most do: one shared list,
 # never a new one per call. Callers only read what feeds return.
 _NOTHING: list[Exchange] = []
@@ -261,26 +257,3 @@ class HttpConnectionAssembler:
         log.warning("HTTP assembler internal error %s at %s:%s; connection no longer parsed",
                     type(exc).__name__, frame.name, frame.lineno)
         self._stop(f"internal parser error ({type(exc).__name__}); connection no longer parsed")
-
-
-
-def normalise_segment(ts_ns, head, total_len, tail) -> tuple[int, bytes, int, bytes] | None:
-    """(ts, head, gap, tail) of a segment description, or None if it is malformed."""
-    if type(head) is bytes and type(total_len) is int and total_len == len(head) and type(ts_ns) is int \
-            and tail == b"":  # the common case, whole: nothing to check further or copy
-        return ts_ns, head, 0, b""
-    if not isinstance(ts_ns, int) or not isinstance(total_len, int):
-        return None
-    if not (isinstance(head, (bytes, bytearray, memoryview))
-            and isinstance(tail, (bytes, bytearray, memoryview))):
-        return None
-    if total_len < 0 or total_len > MAX_SEGMENT_BYTES:
-        return None
-    head, tail = bytes(head), bytes(tail)
-    if total_len <= len(head):
-        return ts_ns, head[:total_len], 0, b""
-    overlap = len(head) + len(tail) - total_len
-    if overlap > 0:  # a short call whose head and tail overlap: keep each byte once
-        tail = tail[overlap:]
-    return ts_ns, head, total_len - len(head) - len(tail), tail
-
