@@ -190,7 +190,7 @@ def settle(metrics_port: int, name: str, want: float, timeout_s: float = 300.0) 
 
 def agent_churn(n: int, batch: int) -> None:
     # Here, not above: the agent's module loads the store's engine, which part 1's RSS must not carry.
-    from tokenprobe.cli.agent import RESCAN_INTERVAL_S
+    from tokenprobe.agent.runner import RESCAN_INTERVAL_S
 
     batch = raise_fd_limit(batch)
     port, metrics_port = free_port(), free_port()

@@ -33,9 +33,9 @@ from ..actuator.gateway import DEFAULT_DEADLINE_S
 from ..actuator.loop import DEFAULT_SETTLE_S, ControlLoop
 from ..actuator.publisher import DecisionPublisher
 from ..actuator.server import ActuatorServer
+from ..agent.runner import node_name
 from ..analytics.figures import default_upstream
 from ..store.embedded import open_store
-from .agent import node_name
 
 GATEWAY_START_S = 30.0
 

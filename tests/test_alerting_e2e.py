@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import yaml
 from tokenprobe.agent.export.metrics_endpoint import AgentMetrics
+from tokenprobe.agent.runner import node_name
 from tokenprobe.analytics.alerting import (
     Alert,
     AlertmanagerClient,
     AlertmanagerError,
     finding,
 )
-from tokenprobe.cli.agent import node_name
 from tokenprobe.cli.stack import stop_process
 from tokenprobe.refserver.overload import DECODE_MS, SLOTS, load_together
 
