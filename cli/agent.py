@@ -69,7 +69,7 @@ class AgentConfig:
     store_url: str
     duration_s: float | None = None
     ringbuf_pages: int = 4096
-    kernel_batching: bool = True  # the kernel batches steady SSE writes (bpf/tokenprobe.c)
+    kernel_batching: bool = True  # the kernel batches steady SSE writes (bpf/steady.c)
     status: bool = True
     on_row: Callable[[dict], None] | None = None   # e.g. the demo's live lines
     on_ready: Callable[[], None] | None = None     # called once the probes are attached

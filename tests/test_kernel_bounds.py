@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from importlib.resources import files
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from tokenprobe.agent.capture.kernel.loader import (
     MapSizes,
     Probes,
     Targets,
+    program_source,
 )
 from tokenprobe.agent.capture.kernel.records import (
     DIR_READ,
@@ -58,7 +58,7 @@ for n in range(3):
     threading.Thread(target=serve, args=(listener.accept()[0], n == 1)).start()
 """
 SHAPES_SERVER = Path(__file__).parent / "servers" / "shapes_sse.py"
-SOURCE = files("tokenprobe.bpf").joinpath("tokenprobe.c").read_text()
+SOURCE = program_source()
 # A server that keeps every connection it accepts, closing none, and echoes what each sends.
 KEEPER = """
 import selectors, socket, sys

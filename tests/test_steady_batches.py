@@ -79,7 +79,7 @@ END = sse_chunk(b"[DONE]") + b"0\r\n\r\n"
 
 
 class Kernel:
-    """What the kernel does with the templates the tracker names (bpf/tokenprobe.c, modelled by
+    """What the kernel does with the templates the tracker names (bpf/steady.c, modelled by
     tests/support/steady_kernel.py): it numbers every write, batches the plain ones (but the
     first that matches after the template was named or a write did not match it), carries in the
     open batch the writes it reads whole once one that matches opened it, sends the batch at the

@@ -3,7 +3,7 @@
 `KernelBatching` is fed as the tracker feeds an assembler, but as if the kernel batched:
 it names the templates the assembler gives after each whole response write (what the
 tracker sends the kernel), judges each later whole write against the template as
-bpf/tokenprobe.c's steady_classify does, holds the plain ones back and hands them over
+bpf/steady.c's steady_classify does, holds the plain ones back and hands them over
 with feed_steady_response_writes before any other call (as the kernel sends a batch
 ahead of any other event of the connection). As the kernel does, it keeps the template
 for the connection's later responses, and sends whole the first write that matches it
@@ -30,7 +30,7 @@ _SPECIAL = re.compile(rb'["\\\x00-\x1f]')
 
 
 def classify(write: bytes, template: SteadyTemplate) -> str:
-    """steady_classify of bpf/tokenprobe.c."""
+    """steady_classify of bpf/steady.c."""
     prefix, suffix = template.prefix, template.suffix
     if len(write) > STEADY_WRITE_MAX or len(write) < len(prefix) + len(suffix) + 4:
         return DIFFERENT

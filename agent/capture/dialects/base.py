@@ -112,7 +112,7 @@ class Dialect:
         visible text of choice 0 and nothing else, such that every event differing from it only
         in a text that is a non-empty run of bytes, none of them a quote, a backslash or a
         control byte, reads the same, once `counts_steady` holds: the kernel then counts such
-        events from their size alone (kernel batching, bpf/tokenprobe.c). None when the event
+        events from their size alone (kernel batching, bpf/steady.c). None when the event
         is not one of those, or the dialect has no such reading."""
         return None
 

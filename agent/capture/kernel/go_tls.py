@@ -6,10 +6,10 @@ serverHandshake/clientHandshake), found by name in the symbol table. The
 returns of Read and of the handshakes are probed at each RET instruction,
 found by disassembling the function (capstone): a uretprobe rewrites the
 return address on the goroutine's stack, which Go moves when it grows. Write
-is read whole at its entry (bpf/tokenprobe.c says why). "Entry" is the first
+is read whole at its entry (bpf/go_tls.c says why). "Entry" is the first
 instruction after the prologue's stack check: a goroutine whose stack must
 grow runs the prologue twice (runtime.morestack starts the function again),
-and a probe on the first instruction would see one Write twice. The kernel side (bpf/tokenprobe.c, "Go
+and a probe on the first instruction would see one Write twice. The kernel side (bpf/go_tls.c, "Go
 crypto/tls") reads the register ABI of Go >= 1.17 on x86-64; this module
 accepts Go >= 1.18, whose build information carries its version inline.
 

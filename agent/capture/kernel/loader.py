@@ -9,6 +9,7 @@ import importlib.resources
 import ipaddress
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -37,18 +38,21 @@ from .tls_libraries import ElfTls, elf_tls, mapped_elves
 
 log = logging.getLogger("tokenprobe.probes")
 
+# An include of one of bpf/'s own files: `#include "name.c"`.
+_LOCAL_INCLUDE = re.compile(r'#include "([\w.]+)"')
+
 MAX_EXE_PATHS = 8  # up to MAX_EXES executables, each as given and resolved
 MAX_EXES = 4
 EXE_PATH_LEN = 256
 MAX_TARGET_PORTS = 256  # the target_ports map's size
 # The longest the agent waits for the kernel's wakeup before reading what came meanwhile. Each wait
 # that ends costs a round's fixed work and a cold start of the next; at 10k events/s (the kernel then
-# wakes no one: bpf/tokenprobe.c) 250 ms in place of 100 took the main thread from 15.5 to 12.3 ms of
+# wakes no one: bpf/shared.c) 250 ms in place of 100 took the main thread from 15.5 to 12.3 ms of
 # CPU a second. A row comes at most this much later; its times are the kernel's.
 POLL_TIMEOUT_MS = 250
 
 CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
-# The slots of map_overflows (enum map_slot in bpf/tokenprobe.c), by map name.
+# The slots of map_overflows (enum map_slot in bpf/shared.c), by map name.
 MAP_OVERFLOW_SLOTS = ("conns", "listeners", "io_pending", "ssl_pending", "accept_pending", "connect_pending",
                       "bind_pending")
 # Every map of the program (README "Bounded state" says how each stays bounded).
@@ -75,11 +79,11 @@ SSL_PROBES = (
 )
 # In libcrypto, or in the program OpenSSL is linked into: memory BIOs are fed,
 # and records written out, with BIO_write, and libssl reads an SSL object's
-# read BIO with BIO_read (bpf/tokenprobe.c ties the two to bind the SSL object
+# read BIO with BIO_read (bpf/openssl.c ties the two to bind the SSL object
 # to its socket).
 CRYPTO_PROBES = (("BIO_write", "uprobe_bio_write", None), ("BIO_read", "uprobe_bio_read", None))
 # Go crypto/tls function → (entry handler, handler put on each of its RET instructions, or None:
-# Write is read whole at its entry, see bpf/tokenprobe.c).
+# Write is read whole at its entry, see bpf/go_tls.c).
 GO_TLS_PROBES = {
     GO_TLS_READ: ("uprobe_go_tls_read", "uprobe_go_tls_read_ret"),
     GO_TLS_WRITE: ("uprobe_go_tls_write", None),
@@ -197,6 +201,18 @@ def openssl_copies(pids: Iterable[int] | None = None) -> list[OpenSsl]:
     return list(found.values())
 
 
+def program_source() -> str:
+    """bpf/tokenprobe.c with the files it includes (one per concern, from bpf/) written in place. BCC
+    is given the one text: it rewrites TRACEPOINT_PROBE only in the file it compiles, not in includes."""
+    bpf_dir = importlib.resources.files("tokenprobe.bpf")
+
+    def inlined(line: str) -> str:
+        match = _LOCAL_INCLUDE.match(line)
+        return bpf_dir.joinpath(match[1]).read_text() if match else line
+
+    return "".join(inlined(line) for line in bpf_dir.joinpath("tokenprobe.c").read_text().splitlines(keepends=True))
+
+
 def _bcc():
     try:
         import bcc  # Debian's python3-bpfcc, linked into the venv
@@ -229,7 +245,7 @@ class Probes:
         if self.headers.kernel_source is not None:
             os.environ["BCC_KERNEL_SOURCE"] = str(self.headers.kernel_source)
         log.info("%s", self.headers.note)
-        source = importlib.resources.files("tokenprobe.bpf").joinpath("tokenprobe.c").read_text()
+        source = program_source()
         if ringbuf_pages & (ringbuf_pages - 1):
             raise ValueError("ring buffer pages must be a power of two")
         bcc = _bcc()
@@ -434,7 +450,7 @@ class Probes:
 
     def poll(self, timeout_ms: int = POLL_TIMEOUT_MS) -> None:
         """Delivers what the ring buffer holds, after waiting up to timeout_ms for a wakeup. The
-        kernel wakes the agent only every RING_WAKE_EVERY records (bpf/tokenprobe.c), so what came
+        kernel wakes the agent only every RING_WAKE_EVERY records (bpf/shared.c), so what came
         meanwhile is read after the wait, many records to the round."""
         self.bpf.ring_buffer_poll(timeout_ms)
         self.bpf.ring_buffer_consume()
@@ -514,7 +530,7 @@ class Probes:
 
     def arm_steady(self, tgid: int, fd: int, template: SteadyShape) -> bool:
         """Names the bytes around the text of the connection's steady writes: the kernel batches
-        those that match from the next but one on (bpf/tokenprobe.c, steady SSE streams). False
+        those that match from the next but one on (bpf/steady.c). False
         when the map is full (the connection's writes stay whole events)."""
         if not steady_template_fits(template):
             raise ValueError(f"a steady template's parts hold {STEADY_PART_MIN}..{STEADY_PART_CAP} bytes")

@@ -1,7 +1,7 @@
 """What /proc says about processes and their TCP sockets.
 
 The kernel side cannot always name a connection's ports (see accept_exit in
-bpf/tokenprobe.c) and never sees sockets opened before it attached; /proc
+bpf/connections.c) and never sees sockets opened before it attached; /proc
 fills those gaps. Each process's /proc/PID/net shows its own network
 namespace, so containers are covered.
 """

@@ -1,4 +1,4 @@
-"""The ring buffer's records (struct event and struct steady_batch in bpf/tokenprobe.c) and
+"""The ring buffer's records (struct event in bpf/shared.c, struct steady_batch in bpf/steady.c) and
 their decoding: the agent's hottest path, so `struct`, not ctypes. Every record is checked
 against its own length fields, so a corrupt record is counted and skipped, never trusted."""
 
@@ -9,10 +9,10 @@ import struct
 from dataclasses import dataclass
 from typing import Protocol
 
-HEAD_CAP = 65536  # a call up to this size is captured whole (see bpf/tokenprobe.c)
+HEAD_CAP = 65536  # a call up to this size is captured whole (see bpf/shared.c)
 TAIL_CAP = 4096
 
-# Must match struct event in bpf/tokenprobe.c, up to data[].
+# Must match struct event in bpf/shared.c, up to data[].
 _HEADER = struct.Struct("<QQQQIIIIBBBBiIIIHH16s16s")
 HEADER_SIZE = _HEADER.size
 
@@ -49,7 +49,7 @@ class KernelEvent:
 @dataclass(frozen=True, slots=True)
 class UnseenEnd:
     """A connection's end the agent received no close record of (struct unseen_end in
-    bpf/tokenprobe.c): its close() the ring buffer refused, or a close no probe saw, found
+    bpf/shared.c): its close() the ring buffer refused, or a close no probe saw, found
     when the fd was reused. Its counters are those a close record would have carried."""
 
     conn_ns: int   # the connection's generation; 0 for one adopted or restarted
@@ -58,7 +58,7 @@ class UnseenEnd:
     events_before: tuple[int, int]
 
 
-# struct steady_batch (bpf/tokenprobe.c): laid out as struct event up to `kind`, then the words
+# struct steady_batch (bpf/steady.c): laid out as struct event up to `kind`, then the words
 # used, the batched writes' bytes together, the writes carried whole, a field of the kernel's own,
 # where each of those starts among the words, and the words.
 STEADY_WORDS, STEADY_WHOLE_MAX = 512, 16  # words of a batch record, writes carried whole in one (the kernel's)
@@ -100,7 +100,7 @@ class SteadyBatch:
     tls: bool  # always writes (DIR_WRITE), of a server (ROLE_SERVER): the agent names templates for no others
     write_ns: list[int]  # each batched write's time
     nbytes: int  # the batched writes' bytes together
-    # The writes the kernel carried whole (bpf/tokenprobe.c, steady SSE streams), in their order among
+    # The writes the kernel carried whole (bpf/steady.c), in their order among
     # the batched ones.
     whole: tuple[WholeWrite, ...] = ()
 

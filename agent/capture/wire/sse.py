@@ -36,7 +36,7 @@ Spans = tuple[tuple[int, int], ...]
 @dataclass(frozen=True, slots=True)
 class SteadyTemplate:
     """What the kernel matches a connection's steady writes against (kernel batching,
-    bpf/tokenprobe.c): the bytes of the write before its text (after the chunk-size line) and
+    bpf/steady.c): the bytes of the write before its text (after the chunk-size line) and
     after it (to the end of the write), and the spans of `prefix` that hold values of the
     response's own (Dialect.steady_own_fields): there a write needs only digits, or plain
     string bytes."""
