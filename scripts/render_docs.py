@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -286,19 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a generated page is stale")
     args = parser.parse_args(argv)
-    stale = []
-    for path, text in rendered().items():
-        if path.exists() and path.read_text() == text:
-            continue
-        if args.check:
-            stale.append(str(path.relative_to(REPO)))
-        else:
-            path.write_text(text)
-            print(f"wrote {path.relative_to(REPO)}")
-    if stale:
-        print(f"stale: {', '.join(stale)}; run .venv/bin/python scripts/render_docs.py", file=sys.stderr)
-        return 1
-    return 0
+    # deploy/render.py writes or checks its own generated files the same way.
+    spec = importlib.util.spec_from_file_location("deploy_render", REPO / "deploy" / "render.py")
+    deploy_render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(deploy_render)
+    return deploy_render.write_or_check(rendered(), args.check, ".venv/bin/python scripts/render_docs.py")
 
 
 if __name__ == "__main__":
