@@ -258,8 +258,8 @@ def schema_page() -> str:
     for name, table in tables.items():
         meanings = COLUMN_MEANING.get(name, {})
         out += ["", f"## {name}", "", TABLE_PURPOSE[name][0].upper() + TABLE_PURPOSE[name][1:], "",
-                f"Engine `{table.engine}`, `ORDER BY ({table.order_by})`, "
-                f"`PARTITION BY toDate({table.partition_by})`.", "",
+                (f"Engine `{table.engine}`, `ORDER BY ({table.order_by})`, "
+                 f"`PARTITION BY toDate({table.partition_by})`."), "",
                 "| column | type | meaning |", "|---|---|---|"]
         for column in table.columns:
             default = f" (default `{column.default}`)" if column.default is not None else ""

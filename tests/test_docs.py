@@ -42,14 +42,14 @@ def test_schema_page_names_every_column_of_every_table():
     text = (DOCS / "schema.md").read_text()
     for table in registry.TABLES:
         section = text.split(f"\n## {table.name}\n", 1)[1].split("\n## ", 1)[0]
-        listed = re.findall(r"^\| `(\w+)` \| `([^`]+)`", section, re.M)
+        listed = re.findall(r"^\| `(\w+)` \| `([^`]+)`", section, re.MULTILINE)
         assert listed == [(column.name, column.type) for column in table.columns], table.name
 
 
 def test_the_row_schema_is_written_only_in_the_generated_page():
     from tokenprobe.contract.requests import REQUEST_COLUMNS
 
-    row = re.compile(r"^\|\s*`?(" + "|".join(REQUEST_COLUMNS) + r")`?\s*\|", re.M)
+    row = re.compile(r"^\|\s*`?(" + "|".join(REQUEST_COLUMNS) + r")`?\s*\|", re.MULTILINE)
     for page in pages():
         if page.name != "schema.md":
             assert not row.search(page.read_text()), f"{page.name} lists request columns: link docs/schema.md"
@@ -67,14 +67,14 @@ def _slug(heading: str) -> str:
 
 
 def _anchors(page: Path) -> set[str]:
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-    return {_slug(heading) for heading in re.findall(r"^#+ (.+)$", text, re.M)}
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    return {_slug(heading) for heading in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
 
 
 def test_every_link_lands():
     broken = []
     for page in pages():
-        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+://", target):
                 continue
@@ -98,7 +98,7 @@ def _commands(page: Path) -> list[tuple[str, list[str]]]:
     """The commands of a page's ``sh`` code blocks as (text, words): continuation lines and quotes that
     span lines joined, comments dropped."""
     commands = []
-    for block in re.findall(r"```sh\n(.*?)```", page.read_text(), re.S):
+    for block in re.findall(r"```sh\n(.*?)```", page.read_text(), re.DOTALL):
         pending = ""
         for line in block.replace("\\\n", " ").splitlines():
             pending = f"{pending}\n{line}" if pending else line
@@ -135,11 +135,11 @@ def test_every_tokenprobe_command_shown_parses(where, argv, capsys):
 
 def test_every_benchmark_figure_names_its_command():
     text = (DOCS / "benchmarks.md").read_text()
-    sections = re.split(r"^#{2,3} ", text, flags=re.M)[1:]
+    sections = re.split(r"^#{2,3} ", text, flags=re.MULTILINE)[1:]
     assert sections
     for section in sections:
         title = section.splitlines()[0]
-        if not re.search(r"^\|.*\d", section, re.M):
+        if not re.search(r"^\|.*\d", section, re.MULTILINE):
             continue
         modules = re.findall(r"python -m benchmarks\.(\w+)", section)
         assert modules or "make bench" in section, f"benchmarks.md, {title!r}: figures without the command"

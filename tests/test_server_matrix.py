@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.server_matrix import SHOWN_ELSEWHERE, STACKS, TABLE_BEGIN, TABLE_END, matrix_table
+from tests.server_matrix import (
+    SHOWN_ELSEWHERE,
+    STACKS,
+    TABLE_BEGIN,
+    TABLE_END,
+    matrix_table,
+)
 
 REPO = Path(__file__).parent.parent
 SERVERS_PAGE = REPO / "docs" / "servers.md"
