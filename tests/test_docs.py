@@ -145,3 +145,35 @@ def test_every_benchmark_figure_names_its_command():
         assert modules or "make bench" in section, f"benchmarks.md, {title!r}: figures without the command"
         for module in modules:
             assert (REPO / "benchmarks" / f"{module}.py").exists(), f"benchmarks.md, {title!r}: no {module}"
+
+
+def module_commands() -> list[tuple[str, Path, list[str]]]:
+    """Every ``python -m MODULE ...`` a page shows, as (where, the module's file, the flags given)."""
+    found = []
+    for page in pages():
+        text = page.read_text().replace("\\\n", " ")
+        for module, rest in re.findall(r"python -m ([\w.]+)([^`\n]*)", text):
+            parts = module.removeprefix("tokenprobe.").split(".")
+            candidates = [REPO.joinpath(*parts).with_suffix(".py"), REPO.joinpath(*parts, "__main__.py")]
+            source = next((path for path in candidates if path.exists()), candidates[0])
+            flags = re.findall(r"(?<!\S)(--[\w-]+)", rest.split(" #")[0])
+            found.append((f"{page.name}: python -m {module}{rest}", source, flags))
+    return found
+
+
+def test_every_module_command_shown_exists_and_takes_its_flags():
+    shown = module_commands()
+    assert any("benchmarks" in where for where, _, _ in shown)
+    for where, source, flags in shown:
+        assert source.exists(), f"{where}: no {source.relative_to(REPO)}"
+        text = source.read_text()
+        unknown = [flag for flag in flags if f'"{flag}"' not in text]
+        assert not unknown, f"{where}: {source.relative_to(REPO)} takes no {unknown}"
+
+
+def test_every_make_target_shown_exists():
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.MULTILINE))
+    for page in pages():
+        code = "\n".join(re.findall(r"```.*?```|`[^`\n]+`", page.read_text(), re.DOTALL))
+        for target in re.findall(r"(?<![\w-])make ([a-z][\w-]*)", code):
+            assert target in targets, f"{page.name}: make {target} is no target of the Makefile"
