@@ -14,7 +14,7 @@ from .tables import (
     Table,
 )
 
-# One row per HTTP request, exactly as docs/ROW_SCHEMA.md lists it (names,
+# One row per HTTP request (docs/schema.md is rendered from this list: names,
 # types, order). Timestamps carry an explicit UTC zone so every reader decodes
 # the same instant whatever the server's or the host's time zone.
 REQUEST_SCHEMA: tuple[Column, ...] = (
@@ -103,8 +103,8 @@ REQUESTS_DDL = REQUESTS.ddl_template
 # writer inserts each second's rows into ``requests`` alone and feeds the
 # views those of every few seconds in one insert. An insert that goes around
 # ``Store`` (raw SQL or HTTP) leaves the views without its rows; most of their
-# readers check a view against ``requests`` and compute what it lacks (README,
-# "Dashboard", says which do not). A
+# readers check a view against ``requests`` and compute what it lacks
+# (docs/operations.md, "Views in an embedded store", says which do not). A
 # ClickHouse server runs the views on its own CPU: there they read ``requests``.
 REQUESTS_FOR_VIEWS = REQUESTS.feeding("requests_for_views")
 REQUESTS_FOR_VIEWS_TABLE = REQUESTS_FOR_VIEWS.name

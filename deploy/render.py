@@ -139,23 +139,29 @@ def rendered() -> dict[Path, str]:
     return {PROMETHEUS_RULE_FILE: prometheus_rule_manifest(RULES_FILE.read_text()), CLUSTER_SQL_FILE: cluster_sql()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="only check that the files are current")
-    args = parser.parse_args(argv)
+def write_or_check(files: dict[Path, str], check: bool, command: str) -> int:
+    """Writes each file whose text differs from its rendering; with ``check``, writes nothing and names
+    the stale ones on stderr (``command`` rewrites them). 1 if a checked file was stale, else 0."""
     stale = []
-    for path, text in rendered().items():
+    for path, text in files.items():
         current = path.read_text() if path.exists() else None
         if current == text:
             continue
-        if args.check:
+        if check:
             stale.append(path)
         else:
             path.write_text(text)
             print(f"wrote {path}")
     for path in stale:
-        print(f"{path} is stale: run .venv/bin/python deploy/render.py", file=sys.stderr)
+        print(f"{path} is stale: run {command}", file=sys.stderr)
     return 1 if stale else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only check that the files are current")
+    args = parser.parse_args(argv)
+    return write_or_check(rendered(), args.check, ".venv/bin/python deploy/render.py")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """What the agent reads, per real server stack: the one list that the kernel
 matrix (tests/test_kernel_matrix.py) asserts stack by stack and that the
-README's "What is read" table is rendered from (tests/test_server_matrix.py
-checks the README against it). Changing what a stack yields means changing
-its entry here, and the README with it: `python -m tests.server_matrix`
-prints the table. The table's other lines (SHOWN_ELSEWHERE) are what other
+table of docs/servers.md is rendered from (tests/test_server_matrix.py
+checks the page against it). Changing what a stack yields means changing
+its entry here, then `.venv/bin/python scripts/render_docs.py` rewrites the
+page's table (`python -m tests.server_matrix` prints it). The table's other lines (SHOWN_ELSEWHERE) are what other
 tests show, each naming its test, which tests/test_server_matrix.py finds.
 
-Nothing here needs BPF: the README check runs everywhere.
+Nothing here needs BPF: the page check runs everywhere.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ READ, UNREADABLE, SILENT, MISREAD = "read", "counted unreadable", "not read, not
 @dataclass(frozen=True)
 class Outcome:
     kind: str           # READ, UNREADABLE (rows that say why), SILENT (no row), MISREAD (rows, wrong)
-    reason: str = ""    # in words, for the README
+    reason: str = ""    # in words, for docs/servers.md
     error: str = ""     # UNREADABLE: what every stored row's `error` contains
 
     def describe(self) -> str:
@@ -120,11 +120,11 @@ SHOWN_ELSEWHERE = (
 
 API_NAMES = {OPENAI: "OpenAI chat (SSE)", ANTHROPIC: "Anthropic Messages (SSE `event:`)",
              OLLAMA: "Ollama chat (NDJSON)"}
-README_BEGIN = "<!-- server-matrix: generated from tests/server_matrix.py, checked by tests/test_server_matrix.py -->"
-README_END = "<!-- /server-matrix -->"
+TABLE_BEGIN = "<!-- server-matrix: generated from tests/server_matrix.py by scripts/render_docs.py, checked by tests/test_server_matrix.py -->"
+TABLE_END = "<!-- /server-matrix -->"
 
 
-def readme_table() -> str:
+def matrix_table() -> str:
     lines = ["| server stack | TLS library | HTTP | API dialects | what the agent stores | shown by |",
              "|---|---|---|---|---|---|"]
     for stack in STACKS:
@@ -137,8 +137,8 @@ def readme_table() -> str:
     for shown in SHOWN_ELSEWHERE:
         lines.append(f"| {shown.server} | {shown.tls} | {shown.http} | {shown.apis} | {shown.stores} | "
                      f"`{shown.test.removeprefix('tests/')}` |")
-    return "\n".join([README_BEGIN, *lines, README_END])
+    return "\n".join([TABLE_BEGIN, *lines, TABLE_END])
 
 
 if __name__ == "__main__":
-    print(readme_table())
+    print(matrix_table())

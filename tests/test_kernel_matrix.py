@@ -1,6 +1,6 @@
 """Real server stacks traced by the real agent, every stored row held against
 what the client itself received (tests/server_matrix.py says, per stack, what
-the agent is expected to make of it; the README's table is rendered from it).
+the agent is expected to make of it; docs/servers.md's table is rendered from it).
 
 One agent traces every stack at once (its BPF compile is the slow part);
 each stack gets a short keep-alive burst over a few connections, its three

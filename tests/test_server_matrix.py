@@ -1,24 +1,30 @@
-"""The README's "What is read" table is the server matrix's own list, rendered
-(tests/server_matrix.py); the kernel matrix asserts that list stack by stack,
+"""docs/servers.md's table is the server matrix's own list, rendered
+(tests/server_matrix.py, by scripts/render_docs.py); the kernel matrix asserts that list stack by stack,
 and each other line names a test that exists."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.server_matrix import README_BEGIN, README_END, SHOWN_ELSEWHERE, STACKS, readme_table
+from tests.server_matrix import (
+    SHOWN_ELSEWHERE,
+    STACKS,
+    TABLE_BEGIN,
+    TABLE_END,
+    matrix_table,
+)
 
 REPO = Path(__file__).parent.parent
-README = REPO / "README.md"
+SERVERS_PAGE = REPO / "docs" / "servers.md"
 
 
-def test_readme_table_is_the_matrix():
-    text = README.read_text()
-    start, end = text.find(README_BEGIN), text.find(README_END)
-    assert 0 <= start < end, f"README.md lacks the section between {README_BEGIN!r} and {README_END!r}"
-    assert text[start:end + len(README_END)] == readme_table(), (
-        "README.md's server matrix differs from tests/server_matrix.py: "
-        "paste the output of `python -m tests.server_matrix` over it")
+def test_servers_page_table_is_the_matrix():
+    text = SERVERS_PAGE.read_text()
+    start, end = text.find(TABLE_BEGIN), text.find(TABLE_END)
+    assert 0 <= start < end, f"docs/servers.md lacks the section between {TABLE_BEGIN!r} and {TABLE_END!r}"
+    assert text[start:end + len(TABLE_END)] == matrix_table(), (
+        "docs/servers.md's server matrix differs from tests/server_matrix.py: "
+        "run .venv/bin/python scripts/render_docs.py")
 
 
 def test_every_stack_is_launched_by_the_kernel_matrix():

@@ -4,7 +4,7 @@ The tracker keeps one HttpConnectionAssembler per tracked connection, feeds it
 the bytes in the right direction (a server reads requests and writes
 responses; an outbound client the reverse), counts requests in flight per
 server port, and turns each finished exchange into a `tokenprobe.requests`
-row (docs/ROW_SCHEMA.md) with wall-clock timestamps.
+row (contract/requests.py; docs/schema.md) with wall-clock timestamps.
 
 Every row says how completely it was seen (`capture`). The kernel numbers
 each connection's data events and bytes per direction, whether or not the

@@ -32,7 +32,7 @@ too, computed from the row the same way.
   waiting in the disk spool, rows rejected or lost), connections forgotten
   after the idle timeout, and per kernel map (label ``map``)
   its size (``tokenprobe_agent_map_size``) and the entries it could not hold
-  (``tokenprobe_agent_map_overflows_total``; see README "Bounded state"); plus the standard
+  (``tokenprobe_agent_map_overflows_total``; see docs/operations.md, "Bounded state"); plus the standard
   ``process_*`` series (the agent's own CPU and memory).
 
 Only inference requests (``measures.is_inference``: POSTs) feed the latency

@@ -55,7 +55,7 @@ CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
 # The slots of map_overflows (enum map_slot in bpf/shared.c), by map name.
 MAP_OVERFLOW_SLOTS = ("conns", "listeners", "io_pending", "ssl_pending", "accept_pending", "connect_pending",
                       "bind_pending")
-# Every map of the program (README "Bounded state" says how each stays bounded).
+# Every map of the program (docs/operations.md, "Bounded state", says how each stays bounded).
 KERNEL_MAPS = ("events", "scratch", "drops", "map_overflows", "conns_fill", "config", "exe_paths", "conns",
                "target_ports", "target_tgids", "active_tgids", "listeners", "bind_pending", "listener_tgids",
                "io_pending", "accept_pending", "connect_pending", "ssl_pending", "ssl_fd", "bio_conn",

@@ -6,7 +6,7 @@ import hashlib
 
 __all__ = ["HeadTailSample", "REQUEST_BODY_HEAD", "REQUEST_BODY_TAIL", "body_fingerprint"]
 
-# What body_fp covers (docs/ROW_SCHEMA.md): the first 4 KiB and last 1 KiB.
+# What body_fp covers (docs/schema.md, rendered from contract/): the first 4 KiB and last 1 KiB.
 REQUEST_BODY_HEAD = 4096
 REQUEST_BODY_TAIL = 1024
 
