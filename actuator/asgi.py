@@ -18,7 +18,7 @@ import json
 
 from ..agent.capture.dialects import OPENAI_CHAT
 from ..agent.capture.dialects.json_scan import count, json_object
-from ..contract.routes import is_inference_request
+from ..contract.apis import is_inference_request
 from ..contract.tenant import DEFAULT_TENANT_HEADER
 from .gateway import (
     DEFAULT_COMPLETION_TOKENS,

@@ -7,6 +7,7 @@
 - ``measures``: the SQL definition of every figure (TTFT, TPOT, ITL, e2e, …);
   ``latency``: the latencies the heatmaps band.
 - ``decisions``: what the controller decides and the gateways enforce.
-- ``routes``: every inference route of every API dialect, one list for the agent and the gateway.
+- ``apis``: the one table of APIs (routes, dialect, GenAI operation, inference) and the one rule for
+  "inference request", for the agent, the analytics, the dashboard and the gateway.
 - ``tenant``: the tenant rule (which header names a request's tenant, and how its value is kept).
 """

@@ -10,8 +10,8 @@ exporter). Both compute in float64 from integer nanoseconds in the same
 order, so for the same row they agree to the bit; tests/test_figures.py checks
 it through every surface.
 
-- inference request = a POST (OpenAI-style, TGI and llama.cpp APIs are all
-  POST; health checks, /metrics and /v1/models are GETs)
+- inference request = a POST to a route of an inference API (contract/apis.py, the
+  one rule: health checks, /metrics, /v1/models and a server's other routes are not)
 - network in = request first byte → last byte; for a connection's first
   request also accept → TLS done (``tls_ms``) → first byte (``accept_wait_ms``)
 - server TTFT = request last byte → first generated-text event
@@ -53,8 +53,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-INFERENCE_METHOD = "POST"
-IS_INFERENCE = f"method = '{INFERENCE_METHOD}'"
+from .apis import IS_INFERENCE_SQL, is_inference_request
+
+IS_INFERENCE = IS_INFERENCE_SQL
 # Client errors (4xx) are the client's doing: no latency objective covers them.
 IS_SLO_ELIGIBLE = f"{IS_INFERENCE} AND NOT (status BETWEEN 400 AND 499)"
 # When a request's row is complete: its last response byte, or the latest
@@ -67,7 +68,7 @@ FAILED = "(status >= 500 OR status = 0 OR outcome IN ('reset', 'truncated'))"
 
 def is_inference(row: Mapping) -> bool:
     """IS_INFERENCE for one row: a call to a model, not a health check or a metrics scrape."""
-    return row.get("method") == INFERENCE_METHOD
+    return is_inference_request(row.get("method") or "", row.get("path") or "")
 
 
 def ns(timestamp: str) -> str:

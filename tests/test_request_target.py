@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from tokenprobe.actuator.target import BadTarget, canonical_path, check_framing
-from tokenprobe.contract.routes import is_inference_request
+from tokenprobe.contract.apis import is_inference_request
 
 
 @pytest.mark.parametrize("raw, canonical", [

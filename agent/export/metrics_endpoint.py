@@ -64,7 +64,11 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -106,25 +110,6 @@ MAX_MODEL_LABEL_CHARS = 128
 _REQUEST_LABELS = ("server_port", "model", "role")
 # An empty label is no label to Prometheus: node and device vanish where not given.
 _INDICATOR_LABELS = ("server_port", "model", "indicator", "node", "device")
-
-# OpenAI-compatible, TGI and llama.cpp routes -> OpenTelemetry GenAI operation names.
-_OPERATIONS = {
-    "/v1/chat/completions": "chat",
-    "/chat/completions": "chat",
-    "/v1/completions": "text_completion",
-    "/completions": "text_completion",
-    "/completion": "text_completion",  # llama.cpp native
-    "/generate": "text_completion",  # TGI
-    "/generate_stream": "text_completion",  # TGI
-    "/v1/embeddings": "embeddings",
-    "/embeddings": "embeddings",
-}
-
-
-def operation_name(path: str) -> str | None:
-    """The GenAI operation (``chat``, ``text_completion``, ``embeddings``) a route serves, if it is one."""
-    return _OPERATIONS.get(path.rstrip("/") or "/")
-
 
 def status_class(status: int) -> str:
     return f"{status // 100}xx" if 100 <= status <= 599 else "none"

@@ -55,11 +55,11 @@ from opentelemetry.trace import (
 )
 
 from ...contract import measures
+from ...contract.apis import operation_name
 from .metrics_endpoint import (
     MAX_MODEL_LABEL_CHARS,
     ModelLabelCap,
     RequestTimings,
-    operation_name,
 )
 
 DEFAULT_OTLP_ENDPOINT = "http://127.0.0.1:4317"

@@ -543,17 +543,17 @@ SELECT
     node, server_port, model,
     inflight_at_arrival + 1 AS concurrency,
     countIf(role = 'server') AS served,
-    countIf(method = 'POST' AND status BETWEEN 200 AND 299 AND req_end IS NOT NULL AND first_token IS NOT NULL) AS requests,
-    quantilesTDigestStateIf(0.5, 0.99)(toFloat64(((toUnixTimestamp64Nano(assumeNotNull(first_token)) - toUnixTimestamp64Nano(assumeNotNull(req_end))) / 1e6)), method = 'POST' AND status BETWEEN 200 AND 299 AND req_end IS NOT NULL AND first_token IS NOT NULL) AS ttft_ms
+    countIf((method = 'POST' AND (if(length(path) > 1, replaceRegexpOne(lower(path), '/+$', ''), lower(path)) IN ('/', '/api/chat', '/api/embed', '/api/embeddings', '/api/generate', '/chat/completions', '/classify', '/completion', '/completions', '/embedding', '/embeddings', '/encode', '/generate', '/generate_stream', '/infill', '/invocations', '/pooling', '/rerank', '/reranking', '/responses', '/score', '/v1/audio/transcriptions', '/v1/audio/translations', '/v1/chat/completions', '/v1/complete', '/v1/completions', '/v1/embeddings', '/v1/messages', '/v1/rerank', '/v1/reranking', '/v1/responses', '/v1/score', '/v2/rerank') OR match(if(length(path) > 1, replaceRegexpOne(lower(path), '/+$', ''), lower(path)), '^/v2/models/[^/]+(?:/versions/[^/]+)?/(?:generate|generate_stream|infer)$'))) AND status BETWEEN 200 AND 299 AND req_end IS NOT NULL AND first_token IS NOT NULL) AS requests,
+    quantilesTDigestStateIf(0.5, 0.99)(toFloat64(((toUnixTimestamp64Nano(assumeNotNull(first_token)) - toUnixTimestamp64Nano(assumeNotNull(req_end))) / 1e6)), (method = 'POST' AND (if(length(path) > 1, replaceRegexpOne(lower(path), '/+$', ''), lower(path)) IN ('/', '/api/chat', '/api/embed', '/api/embeddings', '/api/generate', '/chat/completions', '/classify', '/completion', '/completions', '/embedding', '/embeddings', '/encode', '/generate', '/generate_stream', '/infill', '/invocations', '/pooling', '/rerank', '/reranking', '/responses', '/score', '/v1/audio/transcriptions', '/v1/audio/translations', '/v1/chat/completions', '/v1/complete', '/v1/completions', '/v1/embeddings', '/v1/messages', '/v1/rerank', '/v1/reranking', '/v1/responses', '/v1/score', '/v2/rerank') OR match(if(length(path) > 1, replaceRegexpOne(lower(path), '/+$', ''), lower(path)), '^/v2/models/[^/]+(?:/versions/[^/]+)?/(?:generate|generate_stream|infer)$'))) AND status BETWEEN 200 AND 299 AND req_end IS NOT NULL AND first_token IS NOT NULL) AS ttft_ms
 FROM tokenprobe.requests_local
 GROUP BY minute, node, server_port, model, concurrency
-COMMENT 'tokenprobe definition 9562645c7dc7a732';
+COMMENT 'tokenprobe definition f0e7537bc2f399dc';
 
 CREATE MATERIALIZED VIEW IF NOT EXISTS tokenprobe.request_ends_mv ON CLUSTER '{cluster}' TO tokenprobe.request_ends_local AS
 SELECT node, assumeNotNull(coalesce(resp_end, last_token, first_token, resp_start, req_end, req_start)) AS ended_at, server_port, req_start
 FROM tokenprobe.requests_local
-WHERE method = 'POST'
-COMMENT 'tokenprobe definition 8c3e5ea460b25745';
+WHERE (method = 'POST' AND (if(length(path) > 1, replaceRegexpOne(lower(path), '/+$', ''), lower(path)) IN ('/', '/api/chat', '/api/embed', '/api/embeddings', '/api/generate', '/chat/completions', '/classify', '/completion', '/completions', '/embedding', '/embeddings', '/encode', '/generate', '/generate_stream', '/infill', '/invocations', '/pooling', '/rerank', '/reranking', '/responses', '/score', '/v1/audio/transcriptions', '/v1/audio/translations', '/v1/chat/completions', '/v1/complete', '/v1/completions', '/v1/embeddings', '/v1/messages', '/v1/rerank', '/v1/reranking', '/v1/responses', '/v1/score', '/v2/rerank') OR match(if(length(path) > 1, replaceRegexpOne(lower(path), '/+$', ''), lower(path)), '^/v2/models/[^/]+(?:/versions/[^/]+)?/(?:generate|generate_stream|infer)$')))
+COMMENT 'tokenprobe definition 00a4d052a8aa38ee';
 
 CREATE MATERIALIZED VIEW IF NOT EXISTS tokenprobe.request_figures_mv ON CLUSTER '{cluster}' TO tokenprobe.request_figures_local AS
 SELECT
@@ -600,9 +600,9 @@ SELECT
 FROM (
     SELECT *, arrayPopFront(arrayDifference(token_offsets_us)) AS gaps, arraySort(gaps) AS sorted_gaps
     FROM tokenprobe.requests_local
-    WHERE method = 'POST'
+    WHERE (method = 'POST' AND (if(length(path) > 1, replaceRegexpOne(lower(path), '/+$', ''), lower(path)) IN ('/', '/api/chat', '/api/embed', '/api/embeddings', '/api/generate', '/chat/completions', '/classify', '/completion', '/completions', '/embedding', '/embeddings', '/encode', '/generate', '/generate_stream', '/infill', '/invocations', '/pooling', '/rerank', '/reranking', '/responses', '/score', '/v1/audio/transcriptions', '/v1/audio/translations', '/v1/chat/completions', '/v1/complete', '/v1/completions', '/v1/embeddings', '/v1/messages', '/v1/rerank', '/v1/reranking', '/v1/responses', '/v1/score', '/v2/rerank') OR match(if(length(path) > 1, replaceRegexpOne(lower(path), '/+$', ''), lower(path)), '^/v2/models/[^/]+(?:/versions/[^/]+)?/(?:generate|generate_stream|infer)$')))
 )
-COMMENT 'tokenprobe definition f9162ec69ad60a00';
+COMMENT 'tokenprobe definition 512c8cf504160d45';
 
 CREATE VIEW IF NOT EXISTS tokenprobe.request_gpu_state_local ON CLUSTER '{cluster}' AS
 WITH

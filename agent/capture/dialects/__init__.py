@@ -1,12 +1,13 @@
 """API dialects: what the responses of each LLM API mean, one module each behind `Dialect`.
 
-A response's dialect is chosen once: by its request path when the path names an
-API (`for_path`), else from the first streamed event or the body (`sniff`). A
-new API is a new module here plus its entries below.
+A response's dialect is chosen once: by its request path when the table of APIs
+(contract/apis.py) names one for it (`for_path`), else from the first streamed event
+or the body (`sniff`). A new API is a new module here plus its entry in that table.
 """
 
 from __future__ import annotations
 
+from ....contract.apis import dialect_routes
 from ..exchange import Exchange
 from .anthropic import ANTHROPIC
 from .base import Dialect, set_id_model, set_usage
@@ -41,18 +42,10 @@ class _Unknown(ChoicesDialect):
 
 UNKNOWN = _Unknown("unknown", counts=USAGE)
 
-_BY_PATH = {
-    "/v1/chat/completions": OPENAI_CHAT,
-    "/v1/completions": OPENAI_COMPLETIONS,
-    "/v1/responses": RESPONSES,
-    "/v1/messages": ANTHROPIC,
-    "/api/generate": OLLAMA_GENERATE,
-    "/api/chat": OLLAMA_CHAT,
-    "/generate_stream": TGI,
-    "/completion": LLAMACPP,
-    "/completions": LLAMACPP,
-    # /generate is both TGI's and SGLang's: sniffed.
-}
+_BY_NAME = {dialect.name: dialect for dialect in (OPENAI_CHAT, OPENAI_COMPLETIONS, RESPONSES, ANTHROPIC,
+                                                  OLLAMA_GENERATE, OLLAMA_CHAT, TGI, SGLANG, LLAMACPP)}
+# The routes the table of APIs names a dialect for; a route shared by several (/generate) is sniffed.
+_BY_PATH = {route: _BY_NAME[name] for route, name in dialect_routes().items()}
 _ANTHROPIC_TYPES = frozenset({"message_start", "content_block_start", "content_block_delta",
                               "content_block_stop", "message_delta", "message_stop", "ping", "message"})
 

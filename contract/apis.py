@@ -1,0 +1,116 @@
+"""The one table of LLM APIs tokenprobe knows, and the one rule for "inference request".
+
+Each API is one entry: its name, the routes it is served on, the dialect module that
+reads its responses (agent/capture/dialects/, by the dialect's name), the
+OpenTelemetry GenAI operation it performs, and whether a call runs the model. The
+agent chooses a response's dialect from it, the exporters name operations from it,
+the analytics, the dashboard and the gateway decide from it what an inference
+request is. Adding an API is one entry here and one dialect module.
+
+An inference request is a POST to a route of an inference API. The gateway guards
+exactly these (a breaker or a budget that a route escapes is no breaker), so the
+routes err on the side of inclusion: every route that makes a server run its model
+— generation, embeddings, scoring — as each project documents it. Paths are matched
+on the canonical form of the request target (actuator/target.py), case-insensitively
+and with a trailing slash ignored, because some servers route them alike.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+INFERENCE_METHOD = "POST"
+
+
+@dataclass(frozen=True)
+class Api:
+    name: str
+    routes: tuple[str, ...]
+    operation: str            # the OpenTelemetry GenAI operation name (gen_ai.operation.name)
+    # The dialect (agent/capture/dialects/) that reads the responses of these routes, by name; None
+    # where a response is recognised by its shape instead (a route several APIs share, such as /generate).
+    dialect: str | None = None
+    inference: bool = True    # a call runs the model
+
+
+APIS: tuple[Api, ...] = (
+    # OpenAI (served by vLLM, SGLang, TGI, llama.cpp, Ollama, LiteLLM, ...), with and without the /v1 prefix
+    Api("openai.chat", ("/v1/chat/completions", "/chat/completions"), "chat", dialect="openai.chat"),
+    Api("openai.completions", ("/v1/completions",), "text_completion", dialect="openai.completions"),
+    Api("openai.responses", ("/v1/responses", "/responses"), "chat", dialect="openai.responses"),
+    Api("openai.embeddings", ("/v1/embeddings", "/embeddings"), "embeddings"),
+    Api("openai.audio", ("/v1/audio/transcriptions", "/v1/audio/translations"), "generate_content"),
+    # Anthropic Messages (also served by llama.cpp) and its legacy Text Completions
+    Api("anthropic.messages", ("/v1/messages",), "chat", dialect="anthropic.messages"),
+    Api("anthropic.complete", ("/v1/complete",), "text_completion"),
+    # Ollama native
+    Api("ollama.generate", ("/api/generate",), "text_completion", dialect="ollama.generate"),
+    Api("ollama.chat", ("/api/chat",), "chat", dialect="ollama.chat"),
+    Api("ollama.embed", ("/api/embed", "/api/embeddings"), "embeddings"),
+    # TGI native: /generate is also SGLang's (told apart by shape); `POST /` is TGI's compat route to
+    # generate; SageMaker's /invocations (TGI, vLLM)
+    Api("tgi", ("/generate_stream",), "text_completion", dialect="tgi"),
+    Api("tgi_or_sglang.generate", ("/generate", "/", "/invocations"), "text_completion"),
+    # SGLang native
+    Api("sglang", ("/encode", "/classify", "/v1/score", "/v1/rerank"), "embeddings"),
+    # vLLM pooling and scoring
+    Api("vllm.pooling", ("/pooling", "/score", "/rerank", "/v2/rerank"), "embeddings"),
+    # llama.cpp native: /completion and its alias /completions (also OpenAI's route without /v1:
+    # llama.cpp's dialect reads its native shape, an OpenAI-shaped body is read by its shape)
+    Api("llamacpp", ("/completion", "/completions"), "text_completion", dialect="llamacpp"),
+    Api("llamacpp.other", ("/infill", "/embedding", "/reranking", "/v1/reranking"), "text_completion"),
+)
+
+# KServe v2 / Triton generate extension: /v2/models/NAME[/versions/V]/(generate|generate_stream|infer)
+_KSERVE_ROUTE = re.compile(r"^/v2/models/[^/]+(?:/versions/[^/]+)?/(?:generate|generate_stream|infer)$")
+_KSERVE = Api("kserve.v2", (), "text_completion")
+
+INFERENCE_ROUTES = frozenset(route for api in APIS if api.inference for route in api.routes)
+_API_BY_ROUTE = {route: api for api in APIS for route in api.routes}
+
+
+def _canonical(path: str) -> str:
+    path = path.lower()
+    return path.rstrip("/") if len(path) > 1 else path
+
+
+def api_of(path: str) -> Api | None:
+    """The API a route (canonical, without the query) belongs to, if any."""
+    path = _canonical(path)
+    api = _API_BY_ROUTE.get(path)
+    if api is None and _KSERVE_ROUTE.match(path):
+        return _KSERVE
+    return api
+
+
+def dialect_routes() -> dict[str, str]:
+    """Route → the name of the dialect that reads its responses, for the routes that name one."""
+    return {route: api.dialect for api in APIS if api.dialect for route in api.routes}
+
+
+def operation_name(path: str) -> str | None:
+    """The GenAI operation (``chat``, ``text_completion``, ``embeddings``, …) a route serves, if it is one."""
+    api = api_of(path)
+    return api.operation if api is not None else None
+
+
+def is_inference_route(path: str) -> bool:
+    """Whether `path` (canonical, without the query) is a route that runs the model."""
+    api = api_of(path)
+    return api is not None and api.inference
+
+
+def is_inference_request(method: str, path: str) -> bool:
+    """THE rule: whether a request runs the model, a POST to an inference route."""
+    return method.upper() == INFERENCE_METHOD and is_inference_route(path)
+
+
+def _sql_list(values) -> str:
+    return ", ".join("'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'" for value in sorted(values))
+
+
+# The same rule in SQL over a `requests` row's `method` and `path` (canonical as above).
+_SQL_PATH = r"if(length(path) > 1, replaceRegexpOne(lower(path), '/+$', ''), lower(path))"
+IS_INFERENCE_SQL = (f"(method = '{INFERENCE_METHOD}' AND ({_SQL_PATH} IN ({_sql_list(INFERENCE_ROUTES)})"
+                    f" OR match({_SQL_PATH}, '{_KSERVE_ROUTE.pattern}')))")
