@@ -87,8 +87,6 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..analytics.indicators import CRIT, INDICATORS_BY_NAME, WARN
-from ..analytics.inflight import STALL
 from ..contract.decisions import (
     BreakerAction,
     BreakerState,
@@ -99,6 +97,8 @@ from ..contract.decisions import (
     TokenBudgetAction,
     WindowFigures,
 )
+from ..contract.indicators import CRIT, INDICATORS_BY_NAME, WARN
+from ..contract.indicators import INFLIGHT_STALL as STALL
 from .breaker import Breaker, BreakerPolicy, BreakerStatus, Pressure, UpstreamWindow
 
 TTFT_SIGNALS, MATRIX_SIGNALS = "ttft", "matrix"

@@ -64,11 +64,11 @@ from collections.abc import Callable
 from ..contract import measures
 from ..contract.analysis import INDICATOR_MATRIX_TABLE
 from ..contract.decisions import IndicatorReading, QueueSample, WindowFigures
+from ..contract.indicators import CRIT, WARN
 from ..contract.inflight import INFLIGHT_SAMPLES_TABLE, WAITING
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalysisSpans
-from .indicators import CRIT, WARN
 from .knee import engine_slots, latest_found_knees
 from .pipeline import server_capacities
 from .scope import EVERYTHING, Scope

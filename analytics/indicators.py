@@ -46,6 +46,14 @@ import pandas as pd
 
 from ..contract import measures
 from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
+from ..contract.indicators import (
+    ABOVE,
+    CRIT,
+    INDICATORS_BY_NAME,
+    NO_DATA,
+    OK,
+    WARN,
+)
 from ..contract.requests import REQUESTS_TABLE
 from ..contract.samples import (
     ENGINE_SAMPLES_TABLE,
@@ -58,38 +66,10 @@ from .robust import theil_sen
 from .scope import Scope
 from .timerange import NS_PER_S, TimeRange, range_condition
 
-ABOVE, BELOW = "above", "below"
-OK, WARN, CRIT, NO_DATA = "ok", "warn", "crit", "n/a"
 SUB_BUCKET_MAX_S = 10
 MAX_WINDOWS = 5000  # per analysis: beyond this the matrix stops being something to read
 # Requests this long before the first sub-bucket are read too: they may still be in flight in it.
 OCCUPANCY_LOOKBACK_S = 600.0
-
-
-@dataclass(frozen=True)
-class Indicator:
-    name: str
-    label: str  # a column heading
-    unit: str
-    comparison: str  # which side of the thresholds is bad
-    per_gpu: bool = False
-
-
-INDICATORS: tuple[Indicator, ...] = (
-    Indicator("gpu_memory_pressure", "GPU mem", "ratio", ABOVE, per_gpu=True),
-    Indicator("fragmentation", "frag", "s", ABOVE, per_gpu=True),
-    Indicator("batch_fill", "batch", "ratio", BELOW),
-    Indicator("queue_wait_p95", "queue p95", "ms", ABOVE),
-    Indicator("kv_cache_usage", "KV", "ratio", ABOVE),
-    Indicator("token_rate_decay", "decay", "ratio", BELOW),
-    Indicator("tpot_trend", "TPOT trend", "ratio", ABOVE),
-    Indicator("stall_rate", "stalls", "ratio", ABOVE),
-    Indicator("retry_storm", "retries", "ratio", ABOVE),
-    Indicator("knee_proximity", "knee", "ratio", ABOVE),
-    # From the agent's samples of requests in flight (analytics/inflight.py), not from ended requests.
-    Indicator("inflight_stall", "stalled", "s", ABOVE),
-)
-INDICATORS_BY_NAME = {indicator.name: indicator for indicator in INDICATORS}
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from ..contract.indicators import INDICATORS_BY_NAME, OK
+from ..contract.indicators import INFLIGHT_STALL as STALL
 from ..contract.inflight import INFLIGHT_SAMPLES
 from ..store.client import Store
 from .config import Thresholds
-from .indicators import INDICATORS_BY_NAME, OK, Cell, state_of
-
-STALL = "inflight_stall"
+from .indicators import Cell, state_of
 
 
 def store_samples(store: Store, samples: Sequence[dict]) -> None:

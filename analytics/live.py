@@ -50,11 +50,12 @@ import pandas as pd
 from ..contract import measures
 from ..contract.analysis import INDICATOR_MATRIX_TABLE
 from ..contract.ends import REQUEST_ENDS_TABLE
+from ..contract.indicators import NO_DATA, OK
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .calibration import IdleArrivalFloors
 from .config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
-from .indicators import NO_DATA, OK, Cell, KeptOccupancy
+from .indicators import Cell, KeptOccupancy
 from .inflight import stall_cells, store_samples
 from .pipeline import AnalysisReport, KeptFits, analyze
 from .scope import Scope, Server

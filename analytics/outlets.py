@@ -22,8 +22,9 @@ import numpy as np
 
 from ..agent.export.metrics_endpoint import AgentMetrics
 from ..agent.export.otel_export import OtelExporter, request_key
+from ..contract.indicators import CRIT, WARN
 from .alerting import Alert, AlertmanagerClient, finding
-from .indicators import CRIT, WARN, Cell
+from .indicators import Cell
 from .live import LivePass
 
 # The rule files' indicator alerts, by the state that raises them: (alertname, severity).

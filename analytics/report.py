@@ -7,8 +7,9 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
+from ..contract.indicators import CRIT, INDICATORS, NO_DATA, OK, WARN
 from .calibration import BYTES, TOKENS, Calibration
-from .indicators import CRIT, INDICATORS, NO_DATA, OK, WARN, Cell
+from .indicators import Cell
 from .pipeline import AnalysisReport
 from .slo import WINDOWS_S
 from .timerange import NS_PER_S, format_ns

@@ -28,9 +28,9 @@ import pandas as pd
 import streamlit as st
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from ..analytics.indicators import CRIT, INDICATORS, OK, WARN
 from ..contract.analysis import INDICATOR_MATRIX_TABLE
 from ..contract.decisions import DECISIONS_TABLE
+from ..contract.indicators import CRIT, INDICATORS, OK, WARN
 from ..contract.latency import METRICS, band_bounds_ms
 from ..contract.samples import GPU_SAMPLES_TABLE
 from ..store.client import Store, StoreUnavailable

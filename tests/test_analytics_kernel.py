@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 from tokenprobe.agent.sampling.prom_text import Exposition, scrape
-from tokenprobe.analytics.indicators import CRIT, OK, WARN
 from tokenprobe.analytics.pipeline import AnalysisReport, analyze
 from tokenprobe.analytics.timerange import TimeRange
+from tokenprobe.contract.indicators import CRIT, OK, WARN
 from tokenprobe.refserver.groundtruth import (
     LevelRun,
     LoadLevel,

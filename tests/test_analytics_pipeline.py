@@ -38,10 +38,11 @@ from tokenprobe.analytics.calibration import BYTES, TOKENS
 from tokenprobe.analytics.cli import add_analyze_parser
 from tokenprobe.analytics.config import AnalysisSpans, AnalyticsConfig
 from tokenprobe.analytics.figures import window_figures
-from tokenprobe.analytics.indicators import CRIT, NO_DATA, OK, WARN, Windows
+from tokenprobe.analytics.indicators import Windows
 from tokenprobe.analytics.pipeline import analyze
 from tokenprobe.analytics.scope import EVERYTHING, Scope, Server
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+from tokenprobe.contract.indicators import CRIT, NO_DATA, OK, WARN
 from tokenprobe.store.embedded import open_store
 
 from tests.support.slot_simulation import MS, LoadPhase, SlotServer, simulate

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 from tokenprobe.agent.capture import dialects
-from tokenprobe.contract.apis import APIS, IS_INFERENCE_SQL, is_inference_request, operation_name
+from tokenprobe.contract.apis import (
+    APIS,
+    IS_INFERENCE_SQL,
+    is_inference_request,
+    operation_name,
+)
 from tokenprobe.contract.measures import is_inference
 from tokenprobe.store import open_store
 

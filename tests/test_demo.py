@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from tokenprobe.analytics.indicators import NO_DATA
 from tokenprobe.cli.demo import port_in_use
+from tokenprobe.contract.indicators import NO_DATA
 from tokenprobe.store.embedded import open_store
 
 from tests.kernel_harness import require_kernel

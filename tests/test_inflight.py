@@ -15,10 +15,10 @@ from tokenprobe.agent.capture.inflight import inflight_snapshot
 from tokenprobe.agent.capture.kernel.records import DIR_WRITE, EV_ACCEPT, EV_DATA
 from tokenprobe.agent.export.metrics_endpoint import AgentMetrics
 from tokenprobe.agent.sampling.prom_text import parse_exposition
-from tokenprobe.analytics.indicators import CRIT, OK
 from tokenprobe.analytics.live import LiveAnalysis
 from tokenprobe.analytics.outlets import MetricsOutlet
 from tokenprobe.analytics.timerange import NS_PER_S
+from tokenprobe.contract.indicators import CRIT, OK
 from tokenprobe.contract.inflight import INFLIGHT_SAMPLES, RECEIVING, STREAMING, WAITING
 from tokenprobe.store.embedded import open_store
 

@@ -21,11 +21,11 @@ from tokenprobe.agent.sampling.engine_metrics import EngineScraper
 from tokenprobe.agent.sampling.prom_text import parse_exposition
 from tokenprobe.agent.sampling.samplers import SamplerSet
 from tokenprobe.analytics.config import DEFAULT_CONFIG
-from tokenprobe.analytics.indicators import CRIT, OK
 from tokenprobe.analytics.live import LiveAnalysis
 from tokenprobe.analytics.outlets import MetricsOutlet
 from tokenprobe.analytics.timerange import NS_PER_S
 from tokenprobe.cli.agent import before_each_pass
+from tokenprobe.contract.indicators import CRIT, OK
 from tokenprobe.refserver.harness import served_pages
 from tokenprobe.store.client import Store
 from tokenprobe.store.embedded import open_store

@@ -73,6 +73,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from ...contract import measures
+from ...contract.indicators import INDICATOR_STATES
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,6 @@ TPOT_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 
 DURATION_BUCKETS_S = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 QUEUE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
-# The analytics' verdicts (analytics/indicators.py) as numbers alert rules can compare.
-INDICATOR_STATES = {"n/a": -1, "ok": 0, "warn": 1, "crit": 2}
 OVERFLOW_MODEL = "(other)"
 MAX_MODEL_LABEL_CHARS = 128
 
