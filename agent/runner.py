@@ -38,6 +38,8 @@ from .capture.kernel.tls_libraries import unreadable_tls
 from .capture.tracker import DEFAULT_IDLE_TIMEOUT_S, ConnectionTracker
 from .export.metrics_endpoint import AgentMetrics
 from .export.otel_export import OtelExporter
+from .identity.resolver import IdentityResolver, PodSelection, RowNaming
+from .identity.runtime import DEFAULT_SOCKETS, connect_runtime
 from .sampling.samplers import SamplerSet
 
 log = logging.getLogger("tokenprobe.agent")
@@ -113,6 +115,22 @@ class CaptureConfig:
     on_ready: Callable[[], None] | None = None     # called once the probes are attached
     tenant_header: str | None = DEFAULT_TENANT_HEADER  # request header naming the tenant; None: off
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a connection with no I/O this long is forgotten
+    # Kubernetes: name each row's pod from the container runtime (socket: the first of
+    # identity.runtime.DEFAULT_SOCKETS found, unless given), and trace the pods selected.
+    identity: bool = True
+    runtime_socket: str | None = None
+    pod_namespace: str | None = None
+    pod_labels: dict[str, str] = field(default_factory=dict)
+
+
+def pod_selection(cfg: CaptureConfig, identities: IdentityResolver) -> PodSelection | None:
+    """The pods ``--namespace``/``--pod-selector`` name, through the runtime; a ValueError if there is none."""
+    if cfg.pod_namespace is None and not cfg.pod_labels:
+        return None
+    if identities.runtime is None:
+        raise ValueError("--namespace/--pod-selector need the container runtime's API: no socket found at "
+                         f"{', '.join(DEFAULT_SOCKETS)}; give --runtime-socket")
+    return PodSelection(identities.runtime, cfg.pod_namespace, cfg.pod_labels, identities)
 
 
 @dataclass
@@ -278,14 +296,19 @@ class ProcessRescan:
     takes up to a second, which would leave the ring buffer unread meanwhile (mmap's find lets the
     GIL go). It touches the probes only (uprobes, BPF maps), never the tracker."""
 
-    def __init__(self, probes: Probes) -> None:
+    def __init__(self, probes: Probes, pods: PodSelection | None = None) -> None:
         self._probes = probes
+        self._pods = pods
+        self._pod_pids: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenprobe-rescan", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(RESCAN_INTERVAL_S):
+        while True:
+            self.select_pods()
+            if self._stop.wait(RESCAN_INTERVAL_S):
+                return
             try:
                 for path in self._probes.attach_ssl():
                     log.info("probing OpenSSL in %s", path)
@@ -295,6 +318,17 @@ class ProcessRescan:
             except Exception as exc:  # a vanished process or file mid-read: the next rescan tries again
                 log.warning("rescan of processes failed (%s: %s); retried in %.0f s", type(exc).__name__, exc,
                             RESCAN_INTERVAL_S)
+
+    def select_pods(self) -> None:
+        """The processes of the selected pods become target processes (a pod's new ones at each rescan)."""
+        if self._pods is None:
+            return
+        found = self._pods.pids()
+        for pid in found - self._pod_pids:
+            self._probes.add_target_pid(pid)
+        if found - self._pod_pids:
+            log.info("pods selected: tracing processes %s", sorted(found - self._pod_pids))
+        self._pod_pids |= found
 
     def stop(self) -> None:
         """Waits for a rescan under way: the probes must not close under it."""
@@ -372,16 +406,25 @@ class AgentRunner:
     def _capture(self, sink: RowSink, clock: MonotonicWallClock, node: str, exporters: Exporters) -> AgentSummary:
         """Probes → tracker → sink and exporters, until stopped or the duration ends."""
         cfg = self.config
-        probes = Probes(cfg.targets, ringbuf_pages=cfg.ringbuf_pages)
+        identities = IdentityResolver(connect_runtime(cfg.runtime_socket) if cfg.identity else None)
+        try:
+            pods = pod_selection(cfg, identities)
+            probes = Probes(cfg.targets, ringbuf_pages=cfg.ringbuf_pages)
+        except BaseException:
+            identities.stop()
+            raise
 
-        def emit(row: dict) -> None:
+        def dispatch(row: dict) -> None:
             sink.put(row)
             exporters.export(row)
             if cfg.on_row:
                 cfg.on_row(row)
 
+        # Each row leaves named with its pod and container (held a moment for a container's first rows).
+        naming = RowNaming(identities, dispatch)
+
         tracker = ConnectionTracker(
-            emit, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
+            naming.put, clock=clock, fingerprint_key=load_fingerprint_key(), node=node,
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
             forget_connection=probes.forget_connection, restart_connection=probes.restart_connection,
             on_unreadable=exporters.unreadable, tenant_header=cfg.tenant_header, idle_timeout_s=cfg.idle_timeout_s,
@@ -410,10 +453,11 @@ class AgentRunner:
         next_rescan = started + RESCAN_INTERVAL_S
         memory = MemoryRelease()
         last_tick, last_events = started, 0
-        rescan = ProcessRescan(probes)
+        rescan = ProcessRescan(probes, pods)
         try:
             while not self._stop:
                 probes.poll()
+                naming.release()
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     break
@@ -437,8 +481,10 @@ class AgentRunner:
                 if tracker.stats.events == before:
                     break
             tracker.close_all(time.monotonic_ns())
+            naming.release(everything=True)
         finally:
             rescan.stop()
+            identities.stop()
             # Read before close(): the program's maps go with it.
             drops, overflows = probes.drops(), probes.map_overflows()
             probes.close()

@@ -111,7 +111,8 @@ SELECT
     'exact' AS capture, toUInt64(0) AS bytes_unseen, 'http/1.1' AS protocol, toUInt32(0) AS stream_id,
     NULL AS grpc_status, '' AS unreadable_reason, toUInt32(0) AS request_messages,
     toUInt64(0) AS request_message_bytes, toUInt64(0) AS response_message_bytes,
-    toUInt32(0) AS largest_response_message_bytes
+    toUInt32(0) AS largest_response_message_bytes,
+    '' AS namespace, '' AS pod, '' AS container, '' AS pod_uid, '' AS container_id
 FROM (
     SELECT number AS n,
         {start_ns} + toInt64(n * ({span_ns} / {requests})) AS start_ns,

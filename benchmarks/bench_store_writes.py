@@ -68,6 +68,7 @@ def request_row(number: int, now_ns: int) -> dict:
         "protocol": "http/1.1", "stream_id": 0, "grpc_status": None, "unreadable_reason": "",
         "request_messages": 0, "request_message_bytes": 0, "response_message_bytes": 0,
         "largest_response_message_bytes": 0,
+        "namespace": "", "pod": "", "container": "", "pod_uid": "", "container_id": "",
     }
 
 

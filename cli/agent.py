@@ -64,6 +64,16 @@ class SamplerConfig:
 
 
 @dataclass
+class KubernetesConfig:
+    """Pod identity and selection (agent/identity/)."""
+
+    identity: bool = True                  # name each row's pod and container
+    runtime_socket: str | None = None      # the container runtime's API; None: the usual sockets
+    namespace: str | None = None           # trace the pods of this namespace ...
+    pod_labels: dict[str, str] = field(default_factory=dict)  # ... and/or the pods with these labels
+
+
+@dataclass
 class AgentConfig:
     targets: Targets
     store_url: str
@@ -82,12 +92,15 @@ class AgentConfig:
     analysis: AnalyticsConfig = DEFAULT_CONFIG      # its thresholds, SLOs and look-backs
     alertmanager_urls: list[str] = field(default_factory=list)  # post the live analysis' findings here
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a connection with no I/O this long is forgotten
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
     def capture(self) -> CaptureConfig:
+        k8s = self.kubernetes
         return CaptureConfig(
             targets=self.targets, duration_s=self.duration_s, ringbuf_pages=self.ringbuf_pages,
             kernel_batching=self.kernel_batching, status=self.status, on_row=self.on_row, on_ready=self.on_ready,
-            tenant_header=self.tenant_header, idle_timeout_s=self.idle_timeout_s)
+            tenant_header=self.tenant_header, idle_timeout_s=self.idle_timeout_s, identity=k8s.identity,
+            runtime_socket=k8s.runtime_socket, pod_namespace=k8s.namespace, pod_labels=k8s.pod_labels)
 
 
 def before_each_pass(sink: RequestSink, samplers: SamplerSet | None) -> Callable[[], None]:

@@ -39,6 +39,11 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
                          help="a server process, and the processes it forks (repeatable)")
     targets.add_argument("--exe", action="append", default=[], metavar="PATH",
                          help="an executable: every process of it, including ones started later (repeatable)")
+    targets.add_argument("--namespace", metavar="NS",
+                         help="the pods of a Kubernetes namespace: their processes, found through the container "
+                              "runtime's API (with --pod-selector: the pods that match both)")
+    targets.add_argument("--pod-selector", metavar="KEY=VALUE[,...]",
+                         help="the pods carrying all these labels (as `kubectl -l`, equality only)")
     targets.add_argument("--outbound", action="store_true",
                          help="also track connections that --pid/--exe processes open (e.g. a proxy's upstreams)")
     p.add_argument("--store", default=DEFAULT_STORE, metavar="URL",
@@ -57,6 +62,14 @@ def _add_agent_args(p: argparse.ArgumentParser) -> None:
                         "not content; no other header is kept. The actuator's gateway hook reads the same "
                         "header by default, so its token budgets and the stored token counts name the "
                         "same tenants (default %(default)s; '' turns it off)")
+    k8s = p.add_argument_group("Kubernetes (rows, metrics and spans name their pod and container)")
+    k8s.add_argument("--runtime-socket", metavar="PATH",
+                     help="the container runtime's API: a CRI socket (containerd, CRI-O) or the Docker Engine "
+                          "API (Docker, podman); default: the first that exists of "
+                          "/run/containerd/containerd.sock, /run/crio/crio.sock, /var/run/docker.sock, "
+                          "/run/podman/podman.sock")
+    k8s.add_argument("--no-pod-identity", dest="pod_identity", action="store_false",
+                     help="do not name pods and containers (rows keep empty pod fields)")
     out = p.add_argument_group("exporters")
     out.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                      help="serve Prometheus /metrics on PORT (default 0: off; the DaemonSet uses 9464)")
@@ -126,11 +139,20 @@ def samplers_from_args(args: argparse.Namespace):
 
 def _cmd_agent(args: argparse.Namespace) -> int:
     from ..agent.capture.kernel.loader import ProbeError, Targets
-    from .agent import Agent, AgentConfig
+    from ..agent.identity.resolver import parse_pod_selector
+    from ..agent.identity.runtime import connect_runtime
+    from .agent import Agent, AgentConfig, KubernetesConfig
 
-    targets = Targets(ports=args.port, pids=args.pid, exes=args.exe, outbound=args.outbound)
+    targets = Targets(ports=args.port, pids=args.pid, exes=args.exe, outbound=args.outbound,
+                      pods=args.namespace is not None or args.pod_selector is not None)
     try:
         targets.validate()
+        kubernetes = KubernetesConfig(
+            identity=args.pod_identity, runtime_socket=args.runtime_socket, namespace=args.namespace,
+            pod_labels=parse_pod_selector(args.pod_selector) if args.pod_selector is not None else {})
+        if targets.pods and connect_runtime(args.runtime_socket) is None:
+            raise ValueError("--namespace/--pod-selector find pods through the container runtime's API, and no "
+                             "runtime socket answers here: give --runtime-socket (a CRI or Docker API socket)")
         samplers = samplers_from_args(args)
         tenant_header = tenant_header_name(args.tenant_header)
     except ValueError as exc:
@@ -172,7 +194,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                          otlp_endpoint=args.otlp_endpoint, tenant_header=tenant_header,
                          spool_max_bytes=args.spool_max_bytes, idle_timeout_s=args.idle_timeout,
                          analyze_every_s=args.analyze_every, analysis=analysis,
-                         alertmanager_urls=args.alertmanager)
+                         alertmanager_urls=args.alertmanager, kubernetes=kubernetes)
     try:
         if args.otlp_endpoint:
             from ..agent.export.otel_export import check_endpoint

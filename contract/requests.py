@@ -77,6 +77,14 @@ REQUEST_SCHEMA: tuple[Column, ...] = (
     Column("request_message_bytes", "UInt64", INTEGER_CODEC, default="0"),
     Column("response_message_bytes", "UInt64", INTEGER_CODEC, default="0"),
     Column("largest_response_message_bytes", "UInt32", INTEGER_CODEC, default="0"),
+    # Added with Kubernetes identity (agent/identity/): the pod and container of the process that served
+    # (or, for an outbound row, made) the request, from its cgroup and the container runtime's API.
+    # Empty outside containers, and the names while the runtime has not answered yet.
+    Column("namespace", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
+    Column("pod", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
+    Column("container", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
+    Column("pod_uid", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
+    Column("container_id", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
 )
 
 REQUESTS = Table(

@@ -128,7 +128,8 @@ SELECT
     toUInt32(0) AS request_messages,
     toUInt64(0) AS request_message_bytes,
     toUInt64(0) AS response_message_bytes,
-    toUInt32(0) AS largest_response_message_bytes
+    toUInt32(0) AS largest_response_message_bytes,
+    '' AS namespace, '' AS pod, '' AS container, '' AS pod_uid, '' AS container_id
 FROM (
     SELECT
         number,

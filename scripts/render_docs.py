@@ -134,6 +134,11 @@ COLUMN_MEANING = {
         "request_message_bytes": "gRPC: their payload bytes (5-byte prefixes excluded)",
         "response_message_bytes": "gRPC: payload bytes of the response messages (`token_events` counts them)",
         "largest_response_message_bytes": "gRPC: the largest response message's payload bytes",
+        "namespace": "the Kubernetes namespace of the process's pod (empty outside Kubernetes pods)",
+        "pod": "the pod's name, from the container runtime's API (the kubelet's io.kubernetes.* labels)",
+        "container": "the container's name in its pod (outside Kubernetes: the runtime's container name)",
+        "pod_uid": "the pod's UID, from the process's cgroup (the kubelet's pod cgroup)",
+        "container_id": "the container's id, from the process's cgroup (empty outside containers)",
     },
     "gpu_samples": {
         "ts": "when the sample was taken, on the probes' clock",

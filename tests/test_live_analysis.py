@@ -264,7 +264,8 @@ def test_the_agent_stores_what_its_writers_hold_before_each_pass(store, tmp_path
             samplers.start()
             sink.put(dict(rows[0], node=node, api="openai.chat", choices=1, choice_events=rows[0]["token_events"],
                           request_messages=0, request_message_bytes=0, response_message_bytes=0,
-                          largest_response_message_bytes=0))
+                          largest_response_message_bytes=0, namespace="", pod="", container="",
+                          pod_uid="", container_id=""))
             deadline = time.monotonic() + 30
             while sink.rows_written < 1 and time.monotonic() < deadline:
                 time.sleep(0.05)

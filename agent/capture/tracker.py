@@ -774,4 +774,7 @@ class ConnectionTracker:
             "request_message_bytes": h2.request_message_bytes if h2 else 0,
             "response_message_bytes": h2.response_message_bytes if h2 else 0,
             "largest_response_message_bytes": h2.largest_response_message_bytes if h2 else 0,
+            # The process's pod and container: named by the agent's runner (agent/identity/) before the row
+            # leaves, empty outside containers.
+            "namespace": "", "pod": "", "container": "", "pod_uid": "", "container_id": "",
         }

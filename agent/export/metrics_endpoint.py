@@ -106,7 +106,9 @@ QUEUE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
 OVERFLOW_MODEL = "(other)"
 MAX_MODEL_LABEL_CHARS = 128
 
-_REQUEST_LABELS = ("server_port", "model", "role")
+_REQUEST_LABELS = ("server_port", "model", "role", "namespace", "pod", "container")
+# Pods and containers a server port is seen in, each (namespace, pod, container) a set of label values.
+MAX_PODS_PER_SERVER = 64
 # An empty label is no label to Prometheus: node and device vanish where not given.
 _INDICATOR_LABELS = ("server_port", "model", "indicator", "node", "device")
 
@@ -133,30 +135,33 @@ class RequestTimings:
                    duration_s=_seconds(measures.e2e_ms(row)))
 
 
-class ModelLabelCap:
-    """Caps distinct ``model`` label values per server port: model names come from clients."""
+class LabelCap:
+    """Caps distinct values of a label per server port: model names come from clients, and pods come
+    and go for the life of the agent. Past the cap, a value is counted as OVERFLOW_MODEL, "(other)"."""
 
-    def __init__(self, max_per_server: int) -> None:
+    def __init__(self, max_per_server: int, what: str = "model names") -> None:
         self.max_per_server = max_per_server
-        self._seen: dict[int, set[str]] = {}
+        self.what = what
+        self._seen: dict[int, set] = {}
         self._overflowed: set[int] = set()
         self._lock = threading.Lock()
 
-    def label(self, server_port: int, model: str) -> str:
-        model = model[:MAX_MODEL_LABEL_CHARS]
+    def label(self, server_port: int, value):
+        if isinstance(value, str):
+            value = value[:MAX_MODEL_LABEL_CHARS]
         with self._lock:
             seen = self._seen.setdefault(server_port, set())
-            if model in seen:
-                return model
+            if value in seen:
+                return value
             if len(seen) < self.max_per_server:
-                seen.add(model)
-                return model
+                seen.add(value)
+                return value
             first_overflow = server_port not in self._overflowed
             self._overflowed.add(server_port)
         if first_overflow:
-            log.warning("port %d: more than %d model names; further ones are counted as %r",
-                        server_port, self.max_per_server, OVERFLOW_MODEL)
-        return OVERFLOW_MODEL
+            log.warning("port %d: more than %d %s; further ones are counted as %r",
+                        server_port, self.max_per_server, self.what, OVERFLOW_MODEL)
+        return OVERFLOW_MODEL if isinstance(value, str) else (OVERFLOW_MODEL,) * len(value)
 
 
 @dataclass(frozen=True)
@@ -337,7 +342,8 @@ class AgentMetrics:
         if indicator_ttl_s <= 0:
             raise ValueError("indicator_ttl_s must be positive")
         self.registry = registry or CollectorRegistry()
-        self._models = ModelLabelCap(max_models_per_server)
+        self._models = LabelCap(max_models_per_server)
+        self._pods = LabelCap(MAX_PODS_PER_SERVER, "pods")
         self._ttft = Histogram("tokenprobe_request_ttft_seconds",
                               "Server time to first token: first generated-text event − request last byte",
                               _REQUEST_LABELS, buckets=TTFT_BUCKETS_S, registry=self.registry)
@@ -378,8 +384,9 @@ class AgentMetrics:
         """Count one finished ``tokenprobe.requests`` row and observe its latencies."""
         # Each labels' series looked up once (the model label is capped, and so are they); a latency's
         # series only once a request has that latency: an empty one would still be served.
-        labels = (str(row["server_port"]), self._models.label(row["server_port"], row.get("model") or ""),
-                  row.get("role") or "server")
+        port = row["server_port"]
+        labels = (str(port), self._models.label(port, row.get("model") or ""), row.get("role") or "server",
+                  *self._pods.label(port, (row.get("namespace") or "", row.get("pod") or "", row.get("container") or "")))
         counted = (*labels, status_class(row.get("status") or 0), row.get("outcome") or "")
         requests = self._request_counts.get(counted)
         if requests is None:

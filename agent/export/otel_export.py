@@ -58,7 +58,7 @@ from ...contract import measures
 from ...contract.apis import operation_name
 from .metrics_endpoint import (
     MAX_MODEL_LABEL_CHARS,
-    ModelLabelCap,
+    LabelCap,
     RequestTimings,
 )
 
@@ -158,6 +158,12 @@ def span_attributes(row: dict) -> dict[str, str | int | bool]:
         "client.address": row.get("client_addr") or None,
         "client.port": row.get("client_port") or None,
         "error.type": error_type(row),
+        # Kubernetes, as OpenTelemetry's k8s.* and container.* resource conventions name them.
+        "k8s.namespace.name": row.get("namespace") or None,
+        "k8s.pod.name": row.get("pod") or None,
+        "k8s.pod.uid": row.get("pod_uid") or None,
+        "k8s.container.name": row.get("container") or None,
+        "container.id": row.get("container_id") or None,
     }
     attributes.update({key: value for key, value in optional.items() if value is not None})
     return attributes
@@ -205,7 +211,7 @@ class OtelExporter:
                         "response last byte",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
         # The metric model label comes from clients: cap it as the Prometheus endpoint does.
-        self._models = ModelLabelCap(max_models_per_server)
+        self._models = LabelCap(max_models_per_server)
         # request_key -> its server_ttft span, until the analysis splits it. Rows are exported on the
         # capture thread and splits on the analysis thread.
         self._awaiting_split: OrderedDict[tuple[str, int, int], SpanContext] = OrderedDict()

@@ -68,7 +68,12 @@ CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
     `request_messages` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1)),
     `request_message_bytes` UInt64 DEFAULT 0 CODEC(T64, ZSTD(1)),
     `response_message_bytes` UInt64 DEFAULT 0 CODEC(T64, ZSTD(1)),
-    `largest_response_message_bytes` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1))
+    `largest_response_message_bytes` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1)),
+    `namespace` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1)),
+    `pod` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1)),
+    `container` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1)),
+    `pod_uid` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1)),
+    `container_id` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(req_start)

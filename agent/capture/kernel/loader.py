@@ -121,10 +121,11 @@ class Targets:
     pids: list[int] = field(default_factory=list)
     exes: list[str] = field(default_factory=list)
     outbound: bool = False  # also track connect()s made by target processes
+    pods: bool = False  # processes of selected pods, added as target pids while running (agent/identity/)
 
     def validate(self) -> None:
-        if not (self.ports or self.pids or self.exes):
-            raise ValueError("no targets: give at least one --port, --pid or --exe")
+        if not (self.ports or self.pids or self.exes or self.pods):
+            raise ValueError("no targets: give at least one --port, --pid, --exe, --namespace or --pod-selector")
         if len(set(self.ports)) > MAX_TARGET_PORTS:
             raise ValueError(f"at most {MAX_TARGET_PORTS} --port targets")
         for port in self.ports:
