@@ -55,6 +55,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -767,6 +768,13 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
         except BaseException:
             self._slots.release()
             raise
+
+    def handle_error(self, request, client_address) -> None:
+        # A client gone mid-answer (a broken pipe, a reset) is the client's doing, not worth a traceback on stderr.
+        if isinstance(sys.exc_info()[1], OSError):
+            logger.debug("store server: connection from %s ended early", client_address, exc_info=True)
+            return
+        logger.exception("store server: connection from %s failed", client_address)
 
     def process_request_thread(self, request, client_address) -> None:
         try:
