@@ -113,9 +113,10 @@ MAX_CONNECTIONS = 64
 READ_TIMEOUT_S = 30.0
 # ClickHouse closes an idle keep-alive connection after 10 s (3 s in older releases); clients reconnect.
 HEAD_TIMEOUT_S = 5.0
-# Queries run at once per token; the next waits this long for a turn.
+# Queries run at once per token; the next waits this long for a turn: a reader's query waits out those
+# before it, which its time limit stops by then (ReaderLimits.max_execution_time).
 MAX_QUERIES = {"reader": 2, "writer": 4}
-QUERY_WAIT_S = 5.0
+QUERY_WAIT_S = 30.0
 # Settings a reader may send: how values are read and printed, never what a query may cost or touch.
 READER_SETTINGS = frozenset({
     "date_time_input_format", "date_time_output_format", "cast_string_to_dynamic_use_inference",
