@@ -40,6 +40,7 @@ TRANSIENT_ERROR_CODES = frozenset({
     241,  # MEMORY_LIMIT_EXCEEDED
     242,  # TABLE_IS_READ_ONLY
     252,  # TOO_MANY_PARTS
+    394,  # QUERY_WAS_CANCELLED (KILL QUERY: the insert did not land, or its retry is deduplicated)
     425,  # SYSTEM_ERROR
     516,  # AUTHENTICATION_FAILED (an embedded owner restarted with a new token on the old port)
 })

@@ -177,7 +177,8 @@ def _become_owner(target: StoreURL, directory: Path, lock_fd: int, *, serve: boo
             raise StoreUnavailable(f"chDB cannot open {directory}: {error}") from error
         if serve:
             token, reader_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
-            ownership.publish(StoreServer(str(directory), token, reader_token=reader_token), token, reader_token)
+            server = StoreServer(str(directory), token, reader_token=reader_token, database=target.database)
+            ownership.publish(server, token, reader_token)
     except BaseException:
         ownership.stop_serving()
         if client is not None:

@@ -19,22 +19,27 @@ server-side sessions (``session_id`` is ignored) and no external data.
 
 Clients authenticate with a token the owner published, sent as the password
 (basic auth, ``X-ClickHouse-Key``, the ``password`` parameter) or as a bearer
-token. The writer token has the owner's rights over the store; the reader
-token runs every statement with ``readonly = 2`` (reads and settings only:
-no INSERT, DDL, DROP or SYSTEM). Neither reaches past the store: a statement
-whose syntax tree (the engine's own parser, ``EXPLAIN AST``) calls a table
-function, table engine or dictionary source that touches files, URLs, other
-servers or programs (``file``, ``url``, ``s3``, ``remote``, ``mysql``,
-``executable``, ...), or reads or writes a file (``FROM INFILE``, ``INTO
-OUTFILE``), is refused: the owner is the agent, which runs as root.
+token. What each token may run is judged before it runs (``guard``): the
+reader one SELECT over the project's tables, the writer inserts into them and
+the schema's own DDL; neither a file, a URL, another server or a program, nor
+KILL, SET or a second statement. A reader's statement runs with ``readonly =
+1`` after the server's limits (``ReaderLimits``: memory, time, threads, result
+size) are set, so no setting of its own can lift them; it may send only a few
+harmless settings (``READER_SETTINGS``). Each token runs at most a few queries
+at once (``max_queries``); the next waits ``query_wait_s`` for a turn, then is
+answered 503 (TOO_MANY_SIMULTANEOUS_QUERIES).
 
 The owner is the agent, so nothing a client sends may cost it unbounded
 memory or threads: a request is authenticated from its head before any of
 its body is read; Content-Length and chunk sizes are plain non-negative
 numbers (else 400) within ``max_body_bytes`` (else 413), and so is a body
-once decompressed (a gzip or zstd bomb stops at the limit); at most
-``max_connections`` connections are served at once (the next is answered 503
-at once), and a connection that sends nothing for ``read_timeout_s`` is closed.
+once decompressed (a gzip or zstd bomb stops at the limit). At most
+``max_connections`` connections are held at once. A request's head must
+arrive whole within ``head_timeout_s`` of the connection's opening (or of its
+previous answer), however slowly its bytes trickle in; and when every
+connection is taken, the one that has waited longest for its head is closed
+to make room: connections that never authenticate cannot lock clients out.
+An authenticated body that stalls for ``read_timeout_s`` is cut off.
 """
 
 from __future__ import annotations
@@ -44,13 +49,16 @@ import binascii
 import email.parser
 import email.policy
 import hmac
+import io
 import json
 import logging
 import os
 import re
 import socket
+import sys
 import tempfile
 import threading
+import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
@@ -60,6 +68,9 @@ from urllib.parse import parse_qsl, urlsplit
 
 import chdb
 
+from ..contract.tables import DEFAULT_DATABASE
+from .guard import Refused, StatementGuard
+
 logger = logging.getLogger(__name__)
 
 # ClickHouse error codes used for failures this server detects itself.
@@ -67,6 +78,9 @@ _BAD_ARGUMENTS = 36
 _UNKNOWN_COMPRESSION_METHOD = 89
 _ABORTED = 236
 _TOO_LARGE = 307  # TOO_MANY_BYTES
+_READONLY = 164
+_SOCKET_TIMEOUT = 209
+_TOO_MANY_SIMULTANEOUS_QUERIES = 202
 _ACCESS_DENIED = 497
 _AUTHENTICATION_FAILED = 516
 _ERROR_NAMES = {
@@ -75,6 +89,9 @@ _ERROR_NAMES = {
     _ABORTED: "ABORTED",
     _TOO_LARGE: "TOO_MANY_BYTES",
     _ACCESS_DENIED: "ACCESS_DENIED",
+    _READONLY: "READONLY",
+    _SOCKET_TIMEOUT: "SOCKET_TIMEOUT",
+    _TOO_MANY_SIMULTANEOUS_QUERIES: "TOO_MANY_SIMULTANEOUS_QUERIES",
     _AUTHENTICATION_FAILED: "AUTHENTICATION_FAILED",
 }
 _BAD_REQUEST = HTTPStatus.BAD_REQUEST
@@ -94,7 +111,19 @@ _UNKNOWN_ERROR_CODE = 1001
 MAX_BODY_BYTES = 256 << 20
 MAX_CONNECTIONS = 64
 READ_TIMEOUT_S = 30.0
-_TOO_MANY_SIMULTANEOUS_QUERIES = 202
+# ClickHouse closes an idle keep-alive connection after 10 s (3 s in older releases); clients reconnect.
+HEAD_TIMEOUT_S = 5.0
+# Queries run at once per token; the next waits this long for a turn: a reader's query waits out those
+# before it, which its time limit stops by then (ReaderLimits.max_execution_time).
+MAX_QUERIES = {"reader": 2, "writer": 4}
+QUERY_WAIT_S = 30.0
+# Settings a reader may send: how values are read and printed, never what a query may cost or touch.
+READER_SETTINGS = frozenset({
+    "date_time_input_format", "date_time_output_format", "cast_string_to_dynamic_use_inference",
+    "cancel_http_readonly_queries_on_client_close", "send_progress_in_http_headers",
+    "http_headers_progress_interval_ms", "join_use_nulls", "session_timezone",
+    "output_format_json_quote_64bit_integers", "output_format_arrow_string_as_string",
+})
 _CONTENT_LENGTH = re.compile(rb"^[0-9]{1,19}$")
 _CHUNK_SIZE = re.compile(rb"^[0-9A-Fa-f]{1,16}$")
 
@@ -116,34 +145,22 @@ _LEADING_COMMENTS = r"(?:\s|--[^\n]*(?:\n|$)|/\*.*?\*/)*"
 _RESULT_STATEMENT = re.compile(
     _LEADING_COMMENTS + r"(?:SELECT|WITH|SHOW|DESC|DESCRIBE|EXPLAIN|EXISTS|CHECK)\b", re.IGNORECASE | re.DOTALL
 )
-# `INSERT INTO t [(cols)] [SETTINGS ...] FORMAT f` followed by data. ClickHouse
-# starts the data after the format name, its trailing blanks and at most one
-# newline. Matched on bytes: the data may be binary. Possessive quantifiers
-# keep matching linear: a client cannot make it backtrack over long blanks.
+# `INSERT INTO t [(cols)] [SETTINGS ...] FORMAT f` or `... VALUES` followed by
+# data. ClickHouse starts the data after the format name, its trailing blanks
+# and at most one newline. Matched on bytes: the data may be binary.
+# Possessive quantifiers keep matching linear: a client cannot make it
+# backtrack over long blanks. The data always goes through a file: the engine
+# runs whatever follows inline VALUES data after a `;` as a statement of its own.
 _INSERT_WITH_DATA = re.compile(
     rb"\s*+INSERT\s++INTO\s++(?:TABLE\s++)?"
     rb"(?P<table>(?:`[^`]*+`|\"[^\"]*+\"|[\w.])++)\s*+"
     rb"(?P<columns>\([^()]*+\))?\s*+"
-    rb"(?:SETTINGS\s++(?P<settings>(?:[^;\s]++|\s++(?!FORMAT\s))*+)\s++)?"
-    rb"FORMAT\s++(?P<format>\w++)[ \t\f]*+(?:\r?\n)?",
+    rb"(?:SETTINGS\s++(?P<settings>(?:[^;\s]++|\s++(?!(?:FORMAT|VALUES)\s))*+)\s++)?"
+    rb"(?:FORMAT\s++(?P<format>\w++)[ \t\f]*+(?:\r?\n)?|(?P<values>VALUES)\b)",
     re.IGNORECASE,
 )
 # The statement part of an insert is short; never scan megabytes of data for it.
 _MAX_INSERT_HEAD_BYTES = 256 * 1024
-
-# Table functions, table engines and dictionary sources that reach outside the store (lower case).
-_EXTERNAL_ACCESS = frozenset({
-    "file", "filecluster", "url", "urlcluster", "http", "s3", "s3cluster", "s3queue", "gcs", "oss", "cosn",
-    "azureblobstorage", "azureblobstoragecluster", "azurequeue", "hdfs", "hdfscluster", "remote", "remotesecure",
-    "cluster", "clusterallreplicas", "distributed", "clickhouse", "mysql", "materializedmysql", "postgresql",
-    "materializedpostgresql", "sqlite", "mongodb", "redis", "jdbc", "odbc", "executable", "executablepool",
-    "kafka", "rabbitmq", "nats", "filelog", "hive", "iceberg", "icebergs3", "icebergazure", "iceberghdfs",
-    "iceberglocal", "deltalake", "deltalakeazure", "hudi", "python", "arrowflight", "ytsaurus",
-})
-_AST_FUNCTION = re.compile(r"^\s*(?:Function|FunctionWithKeyValueArguments)\s+(\w+)", re.MULTILINE)
-# A literal right under a query's root is its INFILE / OUTFILE name (or that file's compression).
-_AST_ROOT_LITERAL = re.compile(r"^ Literal ", re.MULTILINE)
-_AST_FILE_ROOTS = ("InsertQuery", "SelectWithUnionQuery", "Show", "Explain", "Describe")
 
 _CONTENT_TYPES = (
     ("TabSeparated", "text/tab-separated-values; charset=UTF-8"),
@@ -268,22 +285,6 @@ def _utf8(sql: bytes) -> str:
         raise ClickHouseHTTPError(_BAD_ARGUMENTS, "The query is not valid UTF-8") from None
 
 
-def _refuse_external_access(connection, sql: str, bind_params: dict[str, str]) -> None:
-    """Refuse `sql` if it reaches files, URLs, other servers or programs (see the module docstring).
-
-    Judged on the engine's own parse of it, so no quoting, comment or case
-    trick reads differently here and at execution.
-    """
-    tree = connection.query("EXPLAIN AST " + sql, "TabSeparated", params=bind_params).bytes().decode()
-    reached = {name.lower() for name in _AST_FUNCTION.findall(tree)} & _EXTERNAL_ACCESS
-    if reached:
-        raise ClickHouseHTTPError(_ACCESS_DENIED, f"The embedded store does not serve {sorted(reached)[0]}(): "
-                                  "it reaches outside the store", HTTPStatus.FORBIDDEN)
-    if tree.startswith(_AST_FILE_ROOTS) and _AST_ROOT_LITERAL.search(tree):
-        raise ClickHouseHTTPError(_ACCESS_DENIED, "The embedded store does not read or write files "
-                                  "(INFILE, OUTFILE)", HTTPStatus.FORBIDDEN)
-
-
 def _form_fields(content_type: str, body: bytes) -> dict[str, str]:
     """The fields of a multipart/form-data body (clickhouse-connect moves large bind parameters there)."""
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
@@ -306,6 +307,20 @@ def _form_fields(content_type: str, body: bytes) -> dict[str, str]:
     return fields
 
 
+@dataclass(frozen=True)
+class ReaderLimits:
+    """What one reader's query may cost the owner: ClickHouse's own per-query limits, which the engine enforces
+    (a query past one fails with MEMORY_LIMIT_EXCEEDED, TIMEOUT_EXCEEDED or TOO_MANY_ROWS_OR_BYTES)."""
+
+    max_memory_usage: int = 512 << 20
+    max_execution_time: int = 30  # seconds
+    max_threads: int = 4
+    max_result_bytes: int = 256 << 20
+
+    def set_statement(self) -> str:
+        return "SET " + ", ".join(f"{name} = {int(value)}" for name, value in self.__dict__.items())
+
+
 class StoreServer:
     """Serves the ClickHouse HTTP protocol for the chDB engine this process owns.
 
@@ -315,8 +330,10 @@ class StoreServer:
     """
 
     def __init__(self, engine_path: str, token: str, *, reader_token: str | None = None, host: str = "127.0.0.1",
-                 port: int = 0, max_body_bytes: int = MAX_BODY_BYTES, max_connections: int = MAX_CONNECTIONS,
-                 read_timeout_s: float = READ_TIMEOUT_S):
+                 port: int = 0, database: str = DEFAULT_DATABASE, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_connections: int = MAX_CONNECTIONS, read_timeout_s: float = READ_TIMEOUT_S,
+                 head_timeout_s: float = HEAD_TIMEOUT_S, reader_limits: ReaderLimits = ReaderLimits(),
+                 max_queries: dict[str, int] | None = None, query_wait_s: float = QUERY_WAIT_S):
         if not token or reader_token == "" or reader_token == token:
             raise ValueError("StoreServer needs a non-empty token, and a reader token different from it")
         self._engine_path = os.path.realpath(engine_path)
@@ -324,11 +341,19 @@ class StoreServer:
         self._reader_token = reader_token.encode() if reader_token else None
         self.max_body_bytes = max_body_bytes
         self.read_timeout_s = read_timeout_s
+        self.head_timeout_s = head_timeout_s
+        self._database = database
+        self._reader_limits = reader_limits
+        self._max_queries = {**MAX_QUERIES, **(max_queries or {})}
+        self._query_turns = {credential: threading.BoundedSemaphore(count)
+                             for credential, count in self._max_queries.items()}
+        self._query_wait_s = query_wait_s
         self._display_name = socket.gethostname()
         self._closed = False
         self._inflight = 0
         self._inflight_changed = threading.Condition()
-        self._timezone, self._setting_names = self._engine_facts()
+        self._timezone, self._setting_names, table_functions = self._engine_facts()
+        self._guard = StatementGuard(database, table_functions, self._setting_names)
         self._httpd = _BoundedHTTPServer((host, port), _StoreRequestHandler, max_connections)
         self._httpd.store_server = self  # type: ignore[attr-defined]
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
@@ -359,14 +384,18 @@ class StoreServer:
 
     # -- engine ---------------------------------------------------------------
 
-    def _engine_facts(self) -> tuple[str, frozenset[str]]:
+    def _engine_facts(self) -> tuple[str, frozenset[str], frozenset[str]]:
         connection = chdb.connect(self._engine_path)
         try:
+            def names(sql: str) -> frozenset[str]:
+                return frozenset(connection.query(sql, "TabSeparated").bytes().decode().split())
+
             timezone = connection.query("SELECT timezone()", "TabSeparated").bytes().decode().strip()
-            names = connection.query("SELECT name FROM system.settings", "TabSeparated").bytes().decode().split()
+            settings = names("SELECT name FROM system.settings")
+            table_functions = names("SELECT name FROM system.table_functions")
         finally:
             connection.close()
-        return timezone, frozenset(names)
+        return timezone, settings, table_functions
 
     def check_credentials(self, password: str | None) -> bool:
         """Whether `password` is the reader's token (False: the writer's); raises when it is neither."""
@@ -384,49 +413,75 @@ class StoreServer:
             )
 
     def execute(self, statement: bytes, params: dict[str, str], *, read_only: bool = False) -> _Reply:
-        """Run one request's statement on a fresh handle and build ClickHouse's reply headers."""
+        """Run one request's statement on a fresh handle, in its token's turn, and build ClickHouse's reply headers."""
+        credential = "reader" if read_only else "writer"
+        if not self._query_turns[credential].acquire(timeout=self._query_wait_s):
+            raise ClickHouseHTTPError(
+                _TOO_MANY_SIMULTANEOUS_QUERIES, f"Too many simultaneous queries with the {credential}'s token "
+                f"(at most {self._max_queries[credential]}); retry later", HTTPStatus.SERVICE_UNAVAILABLE)
         with self._inflight_changed:
             if self._closed:
+                self._query_turns[credential].release()
                 raise ClickHouseHTTPError(_ABORTED, "The embedded store is shutting down")
             self._inflight += 1
         try:
             return self._execute(statement, params, read_only)
         finally:
+            self._query_turns[credential].release()
             with self._inflight_changed:
                 self._inflight -= 1
                 self._inflight_changed.notify_all()
+
+    def _session_settings(self, params: dict[str, str], read_only: bool) -> dict[str, str]:
+        """The settings a request asks for in its URL that its token may change (else ClickHouseHTTPError)."""
+        settings = {name: value for name, value in params.items()
+                    if name not in _TRANSPORT_PARAMETERS and name in self._setting_names}
+        for name in settings:
+            if read_only and name not in READER_SETTINGS:
+                raise ClickHouseHTTPError(_READONLY, f"Cannot modify '{name}' setting with the reader's token of the "
+                                          "embedded store", HTTPStatus.FORBIDDEN)
+            if name in self._guard.reaching_settings:
+                raise ClickHouseHTTPError(_ACCESS_DENIED, f"The setting {name} reaches a file or URL: the embedded "
+                                          "store does not take it", HTTPStatus.FORBIDDEN)
+        return settings
 
     def _execute(self, statement: bytes, params: dict[str, str], read_only: bool) -> _Reply:
         output_format = params.get("default_format") or "TabSeparated"
         if not _FORMAT_NAME.match(output_format) or output_format.lower() in _PYTHON_ONLY_FORMATS:
             raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"Unknown output format {output_format!r}")
         bind_params = {name[len("param_"):]: value for name, value in params.items() if name.startswith("param_")}
-        settings = {
-            name: value
-            for name, value in params.items()
-            if name not in _TRANSPORT_PARAMETERS and name in self._setting_names
-        }
+        settings = self._session_settings(params, read_only)
+        if params.get("database", self._database) != self._database:
+            raise ClickHouseHTTPError(_ACCESS_DENIED, f"The embedded store serves the database {self._database} only",
+                                      HTTPStatus.FORBIDDEN)
         connection = chdb.connect(self._engine_path)
         data_file = None
         try:
-            if read_only:
-                # First, so no setting the reader sends can lift it.
-                connection.query("SET readonly = 2", "TabSeparated")
             if params.get("database"):
                 connection.query(f"USE {_quote_identifier(params['database'])}", "TabSeparated")
             for name, value in settings.items():
                 connection.query(f"SET {name} = {_quote_string(value)}", "TabSeparated")
+            if read_only:
+                # Last: readonly = 1 refuses every later SET and SETTINGS clause, so nothing lifts the limits.
+                connection.query(self._reader_limits.set_statement(), "TabSeparated")
+                connection.query("SET readonly = 1", "TabSeparated")
             insert = _INSERT_WITH_DATA.match(statement[:_MAX_INSERT_HEAD_BYTES])
             # The client's own words are judged; the INFILE rewrite below is the server's.
-            client_sql = _utf8(statement[:insert.end()] if insert else statement)
+            client_sql = _utf8(statement[:insert.start("values")] + b"FORMAT Values" if insert and insert.group("values")
+                               else statement[:insert.end()] if insert else statement)
             if not client_sql.strip():
                 raise ClickHouseHTTPError(_BAD_ARGUMENTS, "Empty query")
-            _refuse_external_access(connection, client_sql, bind_params)
+            try:
+                judged = self._guard.judge(connection, client_sql, bind_params, reader=read_only,
+                                           data_apart=insert is not None)
+            except Refused as refusal:
+                raise ClickHouseHTTPError(_ACCESS_DENIED, f"The embedded store refuses this statement: {refusal}",
+                                          HTTPStatus.FORBIDDEN) from None
             if insert:
                 data_file = self._spill_insert_data(statement[insert.end():])
                 sql = self._insert_from_file_sql(insert, data_file)
             else:
-                sql = client_sql
+                sql = judged  # what was judged is what runs
             result = connection.query(sql, output_format, params=bind_params)
         except ClickHouseHTTPError:
             raise
@@ -453,8 +508,9 @@ class StoreServer:
             return value.decode("utf-8") if value else ""
 
         settings = f" SETTINGS {part('settings')}" if insert.group("settings") else ""
+        data_format = "Values" if insert.group("values") else part("format")
         return (f"INSERT INTO {part('table')} {part('columns')} FROM INFILE {_quote_string(data_file)}"
-                f"{settings} FORMAT {part('format')}")
+                f"{settings} FORMAT {data_format}")
 
     def _reply(self, sql: str, output_format: str, result, *, is_insert: bool) -> _Reply:
         body = result.bytes() or b""
@@ -485,6 +541,28 @@ class StoreServer:
         }
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A connection's socket as a raw stream whose reads end by a deadline when one is set (a head trickled in a
+    byte at a time still ends on time), else after ``timeout_s`` without a byte."""
+
+    def __init__(self, connection: socket.socket, timeout_s: float):
+        self._connection = connection
+        self._timeout_s = timeout_s
+        self.deadline: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        timeout = self._timeout_s
+        if self.deadline is not None:
+            timeout = self.deadline - time.monotonic()
+            if timeout <= 0:
+                raise TimeoutError("the request's head did not arrive in time")
+        self._connection.settimeout(timeout)
+        return self._connection.recv_into(buffer)
+
+
 class _StoreRequestHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as clickhouse-connect's connection pool expects
     # Garbage is answered with a status line too: no HTTP/0.9 bare bodies.
@@ -496,9 +574,22 @@ class _StoreRequestHandler(BaseHTTPRequestHandler):
         return self.server.store_server  # type: ignore[attr-defined]
 
     def setup(self) -> None:
-        # An idle or stalled connection must not pin one of the few workers.
-        self.timeout = self._store.read_timeout_s
         super().setup()
+        # An idle, stalled or trickling connection must not pin one of the few workers.
+        self._reader = _DeadlineReader(self.connection, self._store.read_timeout_s)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        # Until its head is in, a request must arrive by the deadline, and its connection may be closed to make room.
+        self._reader.deadline = time.monotonic() + self._store.head_timeout_s
+        self.server.awaiting_head(self.connection)  # type: ignore[attr-defined]
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # reads the headers: the head is in
+        self._reader.deadline = None
+        self.server.head_received(self.connection)  # type: ignore[attr-defined]
+        return parsed
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._handle()
@@ -526,7 +617,11 @@ class _StoreRequestHandler(BaseHTTPRequestHandler):
             if url.path != "/":
                 raise ClickHouseHTTPError(_BAD_ARGUMENTS, f"No handler for path {url.path}", HTTPStatus.NOT_FOUND)
             read_only = self._store.check_credentials(self._password(params))
-            body = self._read_body()
+            try:
+                body = self._read_body()
+            except TimeoutError:
+                raise ClickHouseHTTPError(_SOCKET_TIMEOUT, f"The request body stalled for "
+                                          f"{self._store.read_timeout_s} s", HTTPStatus.REQUEST_TIMEOUT) from None
             self.close_connection = not self._keep_alive_asked()
             statement = self._statement(params, body)
             self._send(HTTPStatus.OK, self._store.execute(statement, params, read_only=read_only), query_id)
@@ -623,14 +718,41 @@ class _StoreRequestHandler(BaseHTTPRequestHandler):
 
 
 class _BoundedHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, up to a fixed number; the next connection is answered 503 at once."""
+    """A thread per connection, up to a fixed number. When all are taken, the connection that has waited longest
+    for a request's head is closed to make room for the next; if none is waiting, the next is answered 503."""
+
+    # How long a new connection waits for the thread of the connection closed to make room to end.
+    ROOM_WAIT_S = 1.0
 
     def __init__(self, address, handler, max_connections: int):
         super().__init__(address, handler)
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._awaiting_head: dict[socket.socket, None] = {}  # oldest first
+        self._awaiting_lock = threading.Lock()
+
+    def awaiting_head(self, connection: socket.socket) -> None:
+        with self._awaiting_lock:
+            self._awaiting_head[connection] = None
+
+    def head_received(self, connection: socket.socket) -> None:
+        with self._awaiting_lock:
+            self._awaiting_head.pop(connection, None)
+
+    def _make_room(self) -> bool:
+        """Close the connection that has waited longest for its head; whether its thread then made room."""
+        with self._awaiting_lock:
+            oldest = next(iter(self._awaiting_head), None)
+            self._awaiting_head.pop(oldest, None)
+        if oldest is None:
+            return False
+        try:
+            oldest.shutdown(socket.SHUT_RDWR)  # its thread's read returns at once, and the thread ends
+        except OSError:
+            pass  # closed already
+        return self._slots.acquire(timeout=self.ROOM_WAIT_S)
 
     def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
+        if not self._slots.acquire(blocking=False) and not self._make_room():
             body = (f"Code: {_TOO_MANY_SIMULTANEOUS_QUERIES}. DB::Exception: Too many connections to the embedded "
                     "store. (TOO_MANY_SIMULTANEOUS_QUERIES)\n").encode()
             try:
@@ -648,8 +770,16 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
             self._slots.release()
             raise
 
+    def handle_error(self, request, client_address) -> None:
+        # A client gone mid-answer (a broken pipe, a reset) is the client's doing, not worth a traceback on stderr.
+        if isinstance(sys.exc_info()[1], OSError):
+            logger.debug("store server: connection from %s ended early", client_address, exc_info=True)
+            return
+        logger.exception("store server: connection from %s failed", client_address)
+
     def process_request_thread(self, request, client_address) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.head_received(request)
             self._slots.release()

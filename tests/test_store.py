@@ -33,7 +33,7 @@ from tokenprobe.contract.tables import (
 from tokenprobe.store.client import StoreUnavailable
 from tokenprobe.store.embedded import LOCK_FILE, SERVE_FILE, open_store
 from tokenprobe.store.rows import RowSchema
-from tokenprobe.store.server import StoreServer
+from tokenprobe.store.server import ReaderLimits, StoreServer
 from tokenprobe.store.sink import RequestSink
 from tokenprobe.store.url import parse_store_url
 
@@ -731,6 +731,37 @@ def test_a_batch_the_store_refuses_is_kept_aside_not_retried_forever(owner, tmp_
     assert "extra" in next(rejected.glob("*.reason.txt")).read_text()
 
 
+def test_a_killed_insert_is_retried_never_set_aside(owner, store_dir, tmp_path):
+    """A reader's KILL QUERY made the owner park 3,300-3,700 of 5,000 rows in rejected/ for good (issue 35).
+    No client of the store may KILL now; one who can (an operator on the engine itself) costs a retry."""
+    import chdb
+
+    sink = RequestSink(owner, spool_dir=tmp_path / "spool", flush_interval=0.05, batch_rows=250, retry_min_s=0.05,
+                       retry_max_s=0.2)
+    killer = chdb.connect(str(store_dir))  # the engine's own handle, as the store's owner holds it
+    stop, kills = threading.Event(), []
+
+    def kill_inserts():
+        while not stop.is_set():
+            if killer.query("KILL QUERY WHERE query ILIKE 'INSERT INTO%' SYNC", "TabSeparated").bytes():
+                kills.append(time.monotonic())
+
+    thread = threading.Thread(target=kill_inserts)
+    thread.start()
+    try:
+        for conn_id in range(5000):
+            sink.put(make_row(conn_id=conn_id))
+        wait_until(lambda: len(kills) >= 5)
+    finally:
+        stop.set()
+        thread.join()
+        killer.close()
+    wait_until(lambda: sink.stats().rows_pending == 0 and sink.stats().rows_spooled == 0)
+    stats = sink.close()
+    assert stats.rows_rejected == 0 and not list((tmp_path / "spool").glob("rejected/*.arrow")), stats.last_error
+    assert owner.query_rows("SELECT uniqExact(conn_id), count() FROM tokenprobe.requests") == [(5000, 5000)]
+
+
 # --------------------------------------------------------------------------- attacks on the embedded store's server
 
 ATTACK_TOKEN = "attack-token-0123456789"
@@ -742,7 +773,7 @@ RSS_GROWTH_LIMIT = 4 * BODY_LIMIT
 @pytest.fixture
 def guarded_server(owner, store_dir):
     server = StoreServer(str(store_dir), ATTACK_TOKEN, max_body_bytes=BODY_LIMIT, max_connections=4,
-                         read_timeout_s=2.0)
+                         read_timeout_s=2.0, head_timeout_s=2.0)
     yield server
     server.close()
 
@@ -839,18 +870,60 @@ def test_decompression_bombs_stop_at_the_limit(guarded_server, encoding):
 
 
 def test_connections_are_bounded_and_idle_ones_time_out(guarded_server):
-    idle = [socket.create_connection(("127.0.0.1", guarded_server.port), timeout=WAIT_S) for _ in range(4)]
+    # Four authenticated requests whose bodies stall hold every connection: the next is answered 503 at once.
+    stalled = [socket.create_connection(("127.0.0.1", guarded_server.port), timeout=WAIT_S) for _ in range(4)]
     try:
-        time.sleep(0.2)  # the four are being served (waiting for a request line)
+        for connection in stalled:
+            connection.sendall(head("Content-Length: 10"))
+        time.sleep(0.3)  # the four heads are in; their bodies never come
         assert send_and_answer(guarded_server.port, head("Content-Length: 0")) == 503
-        # A connection that sends nothing is closed after the read timeout, and frees its worker.
+        # A body that stalls is cut off after the read timeout, and frees its worker.
         started = time.monotonic()
-        assert idle[0].recv(1) == b""
+        assert stalled[0].recv(4096).startswith(b"HTTP/1.1 408")
         assert time.monotonic() - started < 2.0 + 1.5
     finally:
-        for connection in idle:
+        for connection in stalled:
             connection.close()
     wait_until(lambda: still_serving(guarded_server))
+
+
+def test_an_idle_connection_is_closed_after_the_head_timeout(guarded_server):
+    idle = socket.create_connection(("127.0.0.1", guarded_server.port), timeout=WAIT_S)
+    started = time.monotonic()
+    assert idle.recv(1) == b""
+    assert 2.0 - 0.1 < time.monotonic() - started < 2.0 + 1.5
+    idle.close()
+
+
+def trickle(port: int, stop: threading.Event) -> None:
+    """A client that never authenticates: a byte of a request line every 0.2 s, reconnecting when cut off."""
+    while not stop.is_set():
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as connection:
+                for byte in b"POST /?query=SELECT+1 HTTP/1.1\r\n" * 100:
+                    if stop.wait(0.2):
+                        return
+                    connection.sendall(bytes([byte]))
+        except OSError:
+            pass  # closed by the server (the head timeout, or to make room): come back
+
+
+def test_slow_sockets_that_never_authenticate_cannot_lock_clients_out(guarded_server):
+    """64 unauthenticated trickling sockets once locked every reader out for 75 s (issue 35)."""
+    stop = threading.Event()
+    tricklers = [threading.Thread(target=trickle, args=(guarded_server.port, stop)) for _ in range(16)]
+    for thread in tricklers:
+        thread.start()
+    try:
+        time.sleep(1.0)  # every connection is a trickler's by now (4 of them, 16 trying)
+        started = time.monotonic()
+        for _ in range(10):
+            assert still_serving(guarded_server)
+        assert time.monotonic() - started < 10.0
+    finally:
+        stop.set()
+        for thread in tricklers:
+            thread.join()
 
 
 # --------------------------------------------------------------------------- the reader's credential
@@ -870,17 +943,21 @@ def run_sql(server: StoreServer, sql: str, token: str, query: str = "") -> tuple
     return status, body
 
 
-def test_reader_reads_and_changes_settings_but_writes_nothing(two_token_server):
+def test_reader_reads_and_changes_harmless_settings_but_writes_nothing(two_token_server):
     assert run_sql(two_token_server, "SELECT count() FROM tokenprobe.requests", READER_TOKEN) == (200, b"0\n")
-    assert run_sql(two_token_server, "SELECT 1", READER_TOKEN, "max_threads=2")[0] == 200
+    assert run_sql(two_token_server, "SELECT 1", READER_TOKEN, "join_use_nulls=1")[0] == 200
     for sql in ("INSERT INTO tokenprobe.requests (conn_id) VALUES (1)", "DROP TABLE tokenprobe.requests",
                 "CREATE TABLE tokenprobe.mine (x UInt8) ENGINE = Memory", "SYSTEM DROP DNS CACHE",
-                "TRUNCATE TABLE tokenprobe.requests"):
+                "TRUNCATE TABLE tokenprobe.requests", "KILL QUERY WHERE 1", "SET max_memory_usage = 0",
+                "OPTIMIZE TABLE tokenprobe.requests"):
         status, body = run_sql(two_token_server, sql, READER_TOKEN)
-        assert status == 403 and b"READONLY" in body, (sql, body)
-    # A reader cannot lift readonly with a setting of its own.
-    status, body = run_sql(two_token_server, "SELECT 1", READER_TOKEN, "readonly=0")
-    assert status == 403 and b"readonly" in body
+        assert status == 403 and b"ACCESS_DENIED" in body, (sql, body)
+    # A reader cannot lift readonly or its limits with a setting of its own, in the URL or in the statement.
+    for setting in ("readonly=0", "max_memory_usage=0", "max_execution_time=0", "max_threads=64"):
+        status, body = run_sql(two_token_server, "SELECT 1", READER_TOKEN, setting)
+        assert status == 403 and b"READONLY" in body, (setting, body)
+    status, body = run_sql(two_token_server, "SELECT 1 SETTINGS max_memory_usage = 0", READER_TOKEN)
+    assert status == 403 and b"READONLY" in body
     assert run_sql(two_token_server, "SELECT count() FROM tokenprobe.requests", ATTACK_TOKEN) == (200, b"0\n")
 
 
@@ -901,11 +978,118 @@ def test_reader_reads_and_changes_settings_but_writes_nothing(two_token_server):
     "format 'TSV')) LIFETIME(0) LAYOUT(FLAT())",
     "SELECT 1 INTO OUTFILE '/tmp/tokenprobe-out.tsv'",
     "INSERT INTO tokenprobe.requests FROM INFILE '/etc/hostname' FORMAT LineAsString",
+    # Issue 35: the table function and the scalar that read /etc/shadow, and what else lists or reads files.
+    "SELECT * FROM filesystem('/etc')",
+    "SELECT length(file('/etc/hostname'))",
+    "SELECT * FROM merge('system', '^processes$')",
+    "SELECT * FROM system.processes",
+    "SELECT 1 WHERE 1 IN (SELECT 1 FROM system.query_log)",
+    "DESCRIBE TABLE file('/etc/hostname', 'LineAsString')",
+    "CREATE TABLE tokenprobe.kv (k UInt64) ENGINE = EmbeddedRocksDB PRIMARY KEY k",
+    "CREATE TABLE tokenprobe.log (x UInt8) ENGINE = Log",
+    "CREATE DATABASE etc ENGINE = Filesystem('/etc')",
+    "CREATE TABLE default.outside (x UInt8) ENGINE = MergeTree ORDER BY x",
+    "ATTACH TABLE tokenprobe.a FROM '/etc' (x UInt8) ENGINE = MergeTree ORDER BY x",
+    "BACKUP TABLE tokenprobe.requests TO File('/tmp/tokenprobe-backup')",
+    "SELECT 1 SETTINGS output_format_schema = '/tmp/tokenprobe-schema.capnp'",
+    "KILL QUERY WHERE 1",
+    "SET max_memory_usage = 0",
+    "DROP TABLE tokenprobe.requests",
 ])
 @pytest.mark.parametrize("token", [READER_TOKEN, ATTACK_TOKEN], ids=["reader", "writer"])
 def test_nothing_reaches_files_urls_or_other_servers(two_token_server, sql, token):
     status, body = run_sql(two_token_server, sql, token)
-    assert status == 403 and b"ACCESS_DENIED" in body, body
+    # READONLY: the engine itself refused a reader's setting before the server judged the statement.
+    assert status == 403 and (b"ACCESS_DENIED" in body or (token == READER_TOKEN and b"READONLY" in body)), body
+
+
+@pytest.mark.parametrize("token", [READER_TOKEN, ATTACK_TOKEN], ids=["reader", "writer"])
+def test_a_second_statement_is_never_run(two_token_server, token, tmp_path):
+    """`SELECT 1; SELECT * FROM file(...)` returned the file, and a second statement wrote one (issue 35):
+    the engine runs every statement of a text, and EXPLAIN AST explains the first and runs the rest."""
+    written = tmp_path / "written.tsv"
+    smuggled = f"INSERT INTO FUNCTION file('{written}', 'TSV', 'x UInt8') VALUES (1)"
+    for sql in ("SELECT 1; SELECT * FROM file('/etc/hostname', 'LineAsString')", f"SELECT 1; {smuggled}",
+                f"SELECT 1\n;\n{smuggled}", f"SELECT 1 -- ;\n; {smuggled}"):
+        status, body = run_sql(two_token_server, sql, token)
+        assert status == 400 and b"Multi-statements are not allowed" in body, (sql, body)
+    # Inline VALUES data that ends in `;` and a statement: the data is read as data, from a file.
+    run_sql(two_token_server, "CREATE TABLE tokenprobe.numbers_in (x UInt64) ENGINE = MergeTree ORDER BY x",
+            ATTACK_TOKEN)
+    status, body = run_sql(two_token_server, f"INSERT INTO tokenprobe.numbers_in VALUES (7); {smuggled}", token)
+    assert status in ((403,) if token == READER_TOKEN else (200, 400, 500)), body
+    assert not written.exists()
+
+
+def test_the_writer_inserts_values_and_runs_the_schemas_ddl(two_token_server):
+    for sql in ("CREATE TABLE tokenprobe.numbers_in (x UInt64) ENGINE = MergeTree ORDER BY x",
+                "INSERT INTO tokenprobe.numbers_in VALUES (7), ({eight:UInt64})",
+                "INSERT INTO tokenprobe.numbers_in SELECT number FROM numbers(3)"):
+        assert run_sql(two_token_server, sql, ATTACK_TOKEN, "param_eight=8")[0] == 200, sql
+    assert run_sql(two_token_server, "SELECT sum(x) FROM tokenprobe.numbers_in", READER_TOKEN) == (200, b"18\n")
+    for sql in ("CREATE TABLE IF NOT EXISTS tokenprobe.extra (x UInt8) ENGINE = ReplacingMergeTree ORDER BY x",
+                "ALTER TABLE tokenprobe.extra ADD COLUMN IF NOT EXISTS y UInt8",
+                "CREATE OR REPLACE VIEW tokenprobe.extra_view AS SELECT x FROM tokenprobe.extra",
+                "DROP VIEW IF EXISTS tokenprobe.extra_view"):
+        assert run_sql(two_token_server, sql, ATTACK_TOKEN)[0] == 200, sql
+    status, body = run_sql(two_token_server, "SELECT 1", ATTACK_TOKEN, "output_format_schema=/tmp/x.capnp")
+    assert status == 403 and b"ACCESS_DENIED" in body
+
+
+def test_no_engine_makes_files_outside_its_tables(two_token_server, store_dir):
+    """The writer's credential created a directory through the EmbeddedRocksDB engine (issue 35)."""
+    before = sorted(path.name for path in store_dir.rglob("*") if "rocksdb" in str(path).lower())
+    status, body = run_sql(two_token_server,
+                           "CREATE TABLE tokenprobe.kv (k UInt64) ENGINE = EmbeddedRocksDB PRIMARY KEY k", ATTACK_TOKEN)
+    assert status == 403 and b"EmbeddedRocksDB" in body
+    assert sorted(path.name for path in store_dir.rglob("*") if "rocksdb" in str(path).lower()) == before
+    assert run_sql(two_token_server, "EXISTS TABLE tokenprobe.kv", ATTACK_TOKEN) == (200, b"0\n")
+
+
+@pytest.fixture
+def limited_server(owner, store_dir):
+    server = StoreServer(str(store_dir), ATTACK_TOKEN, reader_token=READER_TOKEN,
+                         reader_limits=ReaderLimits(max_memory_usage=64 << 20, max_execution_time=1),
+                         max_queries={"reader": 1}, query_wait_s=0.5)
+    yield server
+    server.close()
+
+
+def test_a_readers_query_stops_at_its_memory_limit(limited_server):
+    """One reader query took the store's owner from 600 to 1,516 MiB (issue 35)."""
+    statuses = []
+    growth = peak_rss_growth(lambda: statuses.append(run_sql(
+        limited_server, "SELECT length(groupArray(number)) FROM numbers(60000000)", READER_TOKEN)))
+    (status, body), = statuses
+    assert status == 500 and b"MEMORY_LIMIT_EXCEEDED" in body, body
+    assert growth < 192 << 20, f"the owner grew by {growth >> 20} MiB"
+    # The writer is the owner's own: its queries are not a reader's.
+    assert run_sql(limited_server, "SELECT length(groupArray(number)) FROM numbers(10000000)",
+                   ATTACK_TOKEN) == (200, b"10000000\n")
+
+
+def test_a_readers_query_stops_at_its_time_limit(limited_server):
+    """A 3e9-row query still ran at 120 s (issue 35)."""
+    started = time.monotonic()
+    status, body = run_sql(limited_server, "SELECT count() FROM numbers(3000000000) WHERE sipHash64(number) = 0",
+                           READER_TOKEN)
+    assert status == 500 and b"TIMEOUT_EXCEEDED" in body, body
+    assert time.monotonic() - started < 1 + 3.0
+
+
+def test_a_reader_runs_a_bounded_number_of_queries_at_once(limited_server):
+    slow = threading.Thread(target=run_sql, args=(limited_server, "SELECT sleep(1.5)", READER_TOKEN))
+    slow.start()
+    try:
+        time.sleep(0.3)  # the slow query holds the reader's one turn
+        started = time.monotonic()
+        status, body = run_sql(limited_server, "SELECT 1", READER_TOKEN)
+        assert status == 503 and b"TOO_MANY_SIMULTANEOUS_QUERIES" in body, body
+        assert time.monotonic() - started < 0.5 + 1.0
+        assert run_sql(limited_server, "SELECT 1", ATTACK_TOKEN) == (200, b"1\n")  # the writer has turns of its own
+    finally:
+        slow.join()
+    assert run_sql(limited_server, "SELECT 1", READER_TOKEN) == (200, b"1\n")
 
 
 def test_store_directory_and_its_secrets_are_the_owners_alone(owner, store_dir):
@@ -921,5 +1105,5 @@ def test_tokenprobe_query_reads_with_the_reader_token(owner, store_dir):
     drops = subprocess.run([*command, "DROP TABLE tokenprobe.requests"], capture_output=True, text=True,
                            timeout=120)
     assert reads.returncode == 0 and "0" in reads.stdout, reads.stderr
-    assert drops.returncode == 1 and "readonly" in drops.stderr.lower() and "Traceback" not in drops.stderr
+    assert drops.returncode == 1 and "ACCESS_DENIED" in drops.stderr and "Traceback" not in drops.stderr
     assert owner.query_rows("EXISTS TABLE tokenprobe.requests") == [(1,)]
