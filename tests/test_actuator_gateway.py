@@ -44,7 +44,7 @@ def test_estimate_from_chat_messages_and_max_tokens():
     body = json.dumps({"model": "small", "max_tokens": 100, "n": 2,
                        "messages": [{"role": "user", "content": "x" * 400},
                                     {"role": "user", "content": [{"type": "text", "text": "y" * 40}]}]}).encode()
-    assert estimate_request(body) == (estimate_request(body).__class__("small", 110 + 200))
+    assert estimate_request(body) == (estimate_request(body).__class__("small", 110 + 200, 110))
 
 
 def test_estimate_prefers_max_completion_tokens_and_defaults():
@@ -178,6 +178,11 @@ async def call(app, body: bytes, *, path: str = "/v1/chat/completions", api_key:
     return start["status"], dict(start["headers"]), b"".join(m.get("body", b"") for m in sent[1:])
 
 
+def introduce(app, api_key: str = ACME_KEY) -> None:
+    """One request the upstream accepts with `api_key`: from then on the key is its own tenant."""
+    assert asyncio.run(call(app, b"", path="/health", api_key=api_key))[0] == 200
+
+
 def chat(max_tokens: int = 100, stream: bool = False) -> bytes:
     return json.dumps({"model": "small", "max_tokens": max_tokens, "stream": stream,
                        "messages": [{"role": "user", "content": "z" * 400}]}).encode()
@@ -216,11 +221,12 @@ def test_spent_budget_answers_429_without_reaching_the_upstream(guard, stub):
     apply(stub, budget(upstream, ACME, rate=1.0, burst=1000.0, ttl=300.0))
     upstream_app = Upstream()
     app = ActuatorMiddleware(upstream_app, guard, upstream=upstream)
+    introduce(app)
     assert asyncio.run(call(app, chat(max_tokens=500)))[0] == 200  # 600 estimated, 510 settled
     status, headers, answer = asyncio.run(call(app, chat(max_tokens=500)))
     assert status == 429 and int(headers[b"retry-after"]) >= 100  # 110 tokens short at 1 token/s
     assert json.loads(answer)["error"]["type"] == "rate_limit_exceeded"
-    assert len(upstream_app.bodies) == 1
+    assert len(upstream_app.bodies) == 2  # the introduction and the first
     assert asyncio.run(call(app, chat(max_tokens=500), api_key="sk-globex"))[0] == 200  # another tenant
 
 
@@ -238,6 +244,7 @@ def test_reservation_is_settled_with_the_servers_usage(guard, stub, stream):
     upstream = unique_upstream()
     apply(stub, budget(upstream, ACME, rate=0.001, burst=10_000.0))
     app = ActuatorMiddleware(Upstream(), guard, upstream=upstream)
+    introduce(app)
     assert asyncio.run(call(app, chat(max_tokens=1000, stream=stream)))[0] == 200
     # Estimated 100 (prompt) + 1000 (max_tokens); the server counted 10 + 1000.
     wait_until(lambda: tokens_available(stub, upstream) > 10_000 - 1100 + 1)
@@ -249,11 +256,12 @@ def test_paced_request_is_delayed_not_rejected(guard, stub):
     apply(stub, budget(upstream, ACME, rate=1000.0, burst=1000.0, max_delay_s=5.0))
     upstream_app = Upstream()
     app = ActuatorMiddleware(upstream_app, guard, upstream=upstream)
+    introduce(app)
     assert asyncio.run(call(app, chat(max_tokens=900)))[0] == 200  # 910 tokens settled: 90 left
     started = time.monotonic()
     assert asyncio.run(call(app, chat(max_tokens=400)))[0] == 200  # 500 estimated: 0.41 s of refill
     assert time.monotonic() - started >= 0.3
-    assert len(upstream_app.bodies) == 2
+    assert len(upstream_app.bodies) == 3
 
 
 def test_middleware_fails_open_when_the_actuator_is_unreachable():
