@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway: cannot read the token file: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
     guard = GatewayGuard(args.actuator, ClientAuth(bearer_token=token), deadline_s=args.deadline)
     if args.metrics_port is not None:
         # Its own port: the upstream's /metrics stays reachable through the gateway.

@@ -128,7 +128,7 @@ class ScriptedUpstream:
     def _handle(self, connection: socket.socket) -> None:
         try:
             with connection:
-                read_request(connection)
+                read_message(connection)
                 self._answer(connection)
         except OSError:
             pass
@@ -140,8 +140,9 @@ class ScriptedUpstream:
         self._listener.close()
 
 
-def read_request(connection: socket.socket) -> bytes:
-    """One HTTP/1.1 request with a Content-Length body (or none), read whole."""
+def read_message(connection: socket.socket) -> bytes:
+    """One HTTP/1.1 request or response with a Content-Length body (or none), read whole; the connection
+    stays open."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = connection.recv(65536)
