@@ -210,6 +210,21 @@ def gateway_app(upstream_url: str, guard: GatewayGuard, *, upstream: str, tenant
                               context_tokens=context_tokens)
 
 
+# Each limit's option, the field it sets, and what it bounds.
+_LIMIT_OPTIONS = (
+    ("--max-in-flight", ProxyLimits, "max_in_flight", "requests at the upstream at once; past it, 503"),
+    ("--first-byte-timeout", ProxyLimits, "first_byte_timeout_s",
+     "seconds for the upstream to start its answer; past it, 504"),
+    ("--idle-timeout", ProxyLimits, "idle_timeout_s",
+     "seconds between two chunks of the upstream's answer; past it, the response is cut"),
+    ("--client-timeout", ProxyLimits, "client_timeout_s",
+     "seconds for a client to send its body (else 408) or to take each chunk of its answer (else it is cut off)"),
+    ("--max-head-bytes", HeadLimits, "max_head_bytes", "largest request line and header fields together; past it, 431"),
+    ("--max-header-fields", HeadLimits, "max_header_fields", "most header fields in a request; past it, 431"),
+    ("--head-timeout", HeadLimits, "head_timeout_s", "seconds for a client to send its request head; past it, 408"),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m tokenprobe.actuator.proxy`: a gateway in its own process."""
     parser = argparse.ArgumentParser(
@@ -236,23 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
                         help="seconds to wait for the actuator before admitting the request (default %(default)s)")
     limits = parser.add_argument_group("limits", "what bounds each client and the upstream")
-    limits.add_argument("--max-in-flight", type=_positive_int, default=ProxyLimits.max_in_flight,
-                        help="requests at the upstream at once; past it, 503 (default %(default)s)")
-    limits.add_argument("--first-byte-timeout", type=_positive_float, default=ProxyLimits.first_byte_timeout_s,
-                        help="seconds for the upstream to start its answer; past it, 504 (default %(default)s)")
-    limits.add_argument("--idle-timeout", type=_positive_float, default=ProxyLimits.idle_timeout_s,
-                        help="seconds between two chunks of the upstream's answer; past it, the response is cut "
-                             "(default %(default)s)")
-    limits.add_argument("--client-timeout", type=_positive_float, default=ProxyLimits.client_timeout_s,
-                        help="seconds for a client to send its body (else 408) or take each chunk of its answer "
-                             "(else it is cut off) (default %(default)s)")
-    limits.add_argument("--max-head-bytes", type=_positive_int, default=HeadLimits.max_head_bytes,
-                        help="largest request line and header fields together; past it, 431 (default %(default)s)")
-    limits.add_argument("--max-header-fields", type=_positive_int, default=HeadLimits.max_header_fields,
-                        help="most header fields in a request; past it, 431 (default %(default)s)")
-    limits.add_argument("--head-timeout", type=_positive_float, default=HeadLimits.head_timeout_s,
-                        help="seconds for a client to send its request head; past it, 408 and closed "
-                             "(default %(default)s)")
+    for flag, owner, field, meaning in _LIMIT_OPTIONS:
+        default = getattr(owner, field)
+        whole = isinstance(default, int)
+        limits.add_argument(flag, dest=field, type=_positive_int if whole else _positive_float,
+                            metavar="N" if whole else "SECONDS", default=default, help=f"{meaning} (default %(default)s)")
     parser.add_argument("--metrics-port", type=int,
                         help="serve the gateway's own Prometheus /metrics on this port (on --host), e.g. "
                              "tokenprobe_gateway_fail_open_total{reason}")
@@ -268,10 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port is not None:
         # Its own port: the upstream's /metrics stays reachable through the gateway.
         prometheus_client.start_http_server(args.metrics_port, addr=args.host, registry=guard.metrics)
-    proxy_limits = ProxyLimits(max_in_flight=args.max_in_flight, first_byte_timeout_s=args.first_byte_timeout,
-                               idle_timeout_s=args.idle_timeout, client_timeout_s=args.client_timeout)
-    head_limits = HeadLimits(max_head_bytes=args.max_head_bytes, max_header_fields=args.max_header_fields,
-                             head_timeout_s=args.head_timeout)
+    proxy_limits, head_limits = (owner(**{field: getattr(args, field) for _, of, field, _ in _LIMIT_OPTIONS
+                                          if of is owner}) for owner in (ProxyLimits, HeadLimits))
     app = gateway_app(args.upstream_url, guard, upstream=args.upstream, tenant_header=args.tenant_header,
                       trust_tenant_header=args.trust_tenant_header, context_tokens=args.context_tokens,
                       limits=proxy_limits)
