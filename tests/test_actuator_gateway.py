@@ -13,12 +13,13 @@ import time
 
 import grpc
 import pytest
-from tokenprobe.actuator.asgi import ActuatorMiddleware, UsageScanner
+from tokenprobe.actuator.asgi import ActuatorMiddleware, ResponseWatch, UsageScanner
 from tokenprobe.actuator.auth import ClientAuth, ServerAuth
 from tokenprobe.actuator.engine import Enforcer, Verdict, VerdictKind
 from tokenprobe.actuator.gateway import (
     GatewayGuard,
     InvalidRequest,
+    RequestEstimate,
     estimate_request,
     rejection_response,
 )
@@ -105,6 +106,38 @@ def test_usage_scanner_reads_json_and_tolerates_absence():
         scanner.start(b"application/json")
         scanner.feed(body)
         assert scanner.total_tokens() is None
+
+
+SSE = b"text/event-stream"
+JSON = b"application/json"
+
+
+@pytest.mark.parametrize("status, content_type, body, settled", [
+    (200, JSON, b'{"usage": {"prompt_tokens": 7, "completion_tokens": 5}}', 12),  # the server's count
+    (400, JSON, b'{"usage": {"prompt_tokens": 7, "completion_tokens": 0}}', 7),  # even on an error
+    (400, JSON, b'{"error": {"message": "bad"}}', 0),  # an error without usage generated nothing
+    (503, JSON, b"", 0),
+    (None, None, None, 0),  # no answer at all: the client left, or the upstream never answered
+    (200, SSE, b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n' * 3, 100 + 3),  # prompt + events
+    (200, JSON, b"x" * 40, 100 + 10),  # prompt + body bytes / 4
+    (200, SSE, b'data: {"x": 1}\n\n' * 5000, 356),  # never more than the estimate
+])
+def test_every_outcome_settles_at_what_was_generated(status, content_type, body, settled):
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def answer():
+        watch = ResponseWatch(send)
+        watch.scan_usage()
+        if status is not None:
+            await watch.send({"type": "http.response.start", "status": status,
+                              "headers": [(b"content-type", content_type)]})
+            await watch.send({"type": "http.response.body", "body": body, "more_body": False})
+        return watch.observed_tokens(RequestEstimate("m", estimated_tokens=356, prompt_tokens=100))
+    assert asyncio.run(answer()) == settled
+    assert len(sent) == (0 if status is None else 2)  # passed on untouched
 
 
 def test_rejection_response_carries_status_and_retry_after():
@@ -262,6 +295,29 @@ def test_paced_request_is_delayed_not_rejected(guard, stub):
     assert asyncio.run(call(app, chat(max_tokens=400)))[0] == 200  # 500 estimated: 0.41 s of refill
     assert time.monotonic() - started >= 0.3
     assert len(upstream_app.bodies) == 3
+
+
+@pytest.mark.parametrize("body", [b"{" + b" " * 2000 + b"}", b'{"model": "m"'], ids=["too large", "client left"])
+def test_a_body_not_read_whole_is_never_forwarded(guard, body):
+    upstream_app = Upstream()
+    app = ActuatorMiddleware(upstream_app, guard, upstream=unique_upstream(), max_body_bytes=1000)
+
+    async def cut_off():  # the client sends part of the body, then leaves
+        messages = iter([{"type": "http.request", "body": body, "more_body": True}])
+        sent = []
+
+        async def receive():
+            return next(messages, {"type": "http.disconnect"})
+
+        async def send(message):
+            sent.append(message)
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                 "raw_path": b"/v1/chat/completions", "query_string": b"", "headers": []}
+        await app(scope, receive, send)
+        return [m["status"] for m in sent if m["type"] == "http.response.start"]
+    statuses = asyncio.run(cut_off())
+    assert statuses == ([413] if len(body) > 1000 else [])
+    assert upstream_app.bodies == []
 
 
 def test_middleware_fails_open_when_the_actuator_is_unreachable():
