@@ -58,6 +58,10 @@ from .target import BadTarget, canonical_path, canonical_scope
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                         b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
                         b"proxy-connection"})
+# Headers some frameworks route by instead of the request line: the gateway judged the method and path
+# it read, so none of them travels on to change what the upstream serves.
+ROUTING_OVERRIDES = frozenset({b"x-http-method-override", b"x-http-method", b"x-method-override",
+                               b"x-original-url", b"x-rewrite-url", b"x-original-method"})
 
 
 @dataclass(frozen=True)
@@ -125,8 +129,8 @@ class ReverseProxy:
             target += b"?" + scope["query_string"]
         # The path goes out as decided on: set raw, never re-parsed from a string.
         url = self._upstream_url.copy_with(raw_path=target)
-        request = self._client.build_request(scope["method"], url, headers=end_to_end(scope.get("headers", ())),
-                                             content=body)
+        headers = [(k, v) for k, v in end_to_end(scope.get("headers", ())) if k.lower() not in ROUTING_OVERRIDES]
+        request = self._client.build_request(scope["method"], url, headers=headers, content=body)
         try:
             async with asyncio.timeout(self.limits.first_byte_timeout_s):
                 response = await self._client.send(request, stream=True)
