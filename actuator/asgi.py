@@ -95,13 +95,8 @@ class ActuatorMiddleware:
                              "model; GET, HEAD and OPTIONS pass without a body",
                              [(b"allow", _ALLOWED_ON_INFERENCE_ROUTES.encode())])
             return
-        tenant = self._identity(headers)
-        response = ResponseWatch(send)
         if kind == "pass":
-            try:
-                await self._app(scope, receive, response.send)
-            finally:
-                self._identity.accepted(tenant, response.status)
+            await self._app(scope, receive, send)
             return
         body = await read_request_body(receive, self._max_body_bytes, self._body_timeout_s)
         if body.outcome is not BodyOutcome.COMPLETE:
@@ -112,6 +107,7 @@ class ActuatorMiddleware:
         except InvalidRequest as error:
             await send_error(send, 400, str(error))
             return
+        tenant = self._identity(headers)
         scope = self._naming_tenant(scope, tenant.tenant)
         verdict = await self._guard.check_async(self._upstream, estimate.model[:MAX_LABEL_LENGTH],
                                                 tenant.tenant, estimate.estimated_tokens)
@@ -121,10 +117,10 @@ class ActuatorMiddleware:
                         "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]})
             await send({"type": "http.response.body", "body": payload, "more_body": False})
             return
+        response = ResponseWatch(send)
         try:
             if verdict.delay_s > 0:
                 await asyncio.sleep(verdict.delay_s)
-            response.scan_usage()
             await self._app(scope, replay(body.data, receive), response.send)
         finally:
             # Every outcome settles: an upstream error, a cut stream or a client that left
@@ -213,32 +209,28 @@ def replay(body: bytes, receive):
 
 
 class ResponseWatch:
-    """Passes a response on, noting its status and, once asked to, the usage it reports."""
+    """Passes a response on, noting its status and the usage it reports."""
 
     def __init__(self, send):
         self._send = send
         self.status: int | None = None  # None until the response starts
-        self._scanner: UsageScanner | None = None
-
-    def scan_usage(self) -> None:
         self._scanner = UsageScanner()
 
     async def send(self, message) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
-            if self._scanner is not None:
-                self._scanner.start(dict(message.get("headers", ())).get(b"content-type", b""))
-        elif message["type"] == "http.response.body" and self._scanner is not None:
+            self._scanner.start(dict(message.get("headers", ())).get(b"content-type", b""))
+        elif message["type"] == "http.response.body":
             self._scanner.feed(message.get("body", b""))
         await self._send(message)
 
     def observed_tokens(self, estimate: RequestEstimate) -> int:
         """The tokens to settle at: the server's usage where it reported one; else nothing for a response
         that never started or is an error, and for a success the prompt plus the output that passed."""
-        usage = self._scanner.total_tokens() if self._scanner is not None else None
+        usage = self._scanner.total_tokens()
         if usage is not None:
             return usage
-        if self.status is None or not 200 <= self.status < 300 or self._scanner is None:
+        if self.status is None or not 200 <= self.status < 300:
             return 0
         return min(estimate.estimated_tokens, estimate.prompt_tokens + self._scanner.output_tokens_passed())
 

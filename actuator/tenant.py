@@ -10,8 +10,8 @@ header is believed only where the operator says it can be (a trusted front
 proxy sets it).
 
 A key is anyone's to make up, so a key is its own tenant only once the
-gateway has seen the upstream accept it (a 2xx answer to a request that
-carried it). Until then, and for a request with no key at all, the request
+gateway has seen the upstream accept it (a 2xx answer to an inference
+request that carried it). Until then, and for a request with no key at all, the request
 is the default tenant's: keys the gateway has not seen share one bucket,
 and a new random key escapes no budget. The gateway remembers at most
 `max_known_keys` keys (the least recently used are forgotten, and share the

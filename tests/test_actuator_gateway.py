@@ -130,7 +130,6 @@ def test_every_outcome_settles_at_what_was_generated(status, content_type, body,
 
     async def answer():
         watch = ResponseWatch(send)
-        watch.scan_usage()
         if status is not None:
             await watch.send({"type": "http.response.start", "status": status,
                               "headers": [(b"content-type", content_type)]})
@@ -212,8 +211,9 @@ async def call(app, body: bytes, *, path: str = "/v1/chat/completions", api_key:
 
 
 def introduce(app, api_key: str = ACME_KEY) -> None:
-    """One request the upstream accepts with `api_key`: from then on the key is its own tenant."""
-    assert asyncio.run(call(app, b"", path="/health", api_key=api_key))[0] == 200
+    """One request the upstream accepts with `api_key` (charged to the unknown keys): from then on the key
+    is its own tenant."""
+    assert asyncio.run(call(app, chat(max_tokens=1), api_key=api_key))[0] == 200
 
 
 def chat(max_tokens: int = 100, stream: bool = False) -> bytes:
