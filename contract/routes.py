@@ -10,7 +10,8 @@ because some servers route them alike. An OpenAI-style `/v1/...` route is
 the same route under any prefix a proxy mounts it at (`/openai/v1/...`,
 `/api/v1/...`), and Azure's and LiteLLM's per-deployment spellings
 (`/openai/deployments/NAME/chat/completions`, `/engines/NAME/completions`)
-name it too.
+name it too. The Gemini, Vertex AI and Bedrock routes a proxy such as
+LiteLLM passes through are guarded as well.
 
 Only POST runs a model. On an inference route the gateway guards POST,
 passes the safe methods (GET, HEAD, OPTIONS) when they carry no body, and
@@ -46,15 +47,24 @@ INFERENCE_ROUTES = frozenset({
     # llama.cpp native
     "/completion", "/infill", "/embedding", "/reranking", "/v1/reranking",
     # The tokenizer routes of vLLM, SGLang, TGI and llama.cpp: CPU on the server, and a probe of its prompts
-    "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize",
+    "/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize", "/chat_tokenize",
+    # What an OpenAI-compatible proxy (LiteLLM) also serves: batches run the model later, on the server's time
+    "/v1/batches", "/v1/messages/batches", "/v1/moderations", "/v1/images/generations", "/v1/images/edits",
 })
 
 _V1_ROUTES = frozenset(route for route in INFERENCE_ROUTES if route.startswith("/v1/"))
 _V1 = "/v1/"
 # Azure OpenAI and LiteLLM: the deployment (or engine) named in the path, then the route without /v1.
-_DEPLOYMENT = re.compile(r"^(?:/openai)?/(?:deployments|engines)/[^/]+(/.+)$")
-# KServe v2 / Triton generate extension: /v2/models/NAME[/versions/V]/(generate|generate_stream|infer)
-_KSERVE_ROUTE = re.compile(r"^/v2/models/[^/]+(?:/versions/[^/]+)?/(?:generate|generate_stream|infer)$")
+_DEPLOYMENT = re.compile(r"^(?:/openai|/v1)?/(?:deployments|engines)/[^/]+(/.+)$")
+_PATTERNS = (
+    # KServe v2 / Triton generate extension: /v2/models/NAME[/versions/V]/(generate|generate_stream|infer)
+    re.compile(r"^/v2/models/[^/]+(?:/versions/[^/]+)?/(?:generate|generate_stream|infer)$"),
+    # Gemini and Vertex AI (as LiteLLM passes them through): .../models/NAME:METHOD
+    re.compile(r"^/.*/models/[^/]+:(?:generatecontent|streamgeneratecontent|counttokens|embedcontent"
+               r"|batchembedcontents|predict|rawpredict|streamrawpredict)$"),
+    # Amazon Bedrock runtime: /model/ID/(invoke|invoke-with-response-stream|converse|converse-stream)
+    re.compile(r"^/model/[^/]+/(?:invoke|invoke-with-response-stream|converse|converse-stream)$"),
+)
 
 
 def is_inference_route(path: str) -> bool:
@@ -62,7 +72,7 @@ def is_inference_route(path: str) -> bool:
     path = path.lower()
     if len(path) > 1:
         path = path.rstrip("/")
-    if path in INFERENCE_ROUTES or _KSERVE_ROUTE.match(path) is not None:
+    if path in INFERENCE_ROUTES or any(pattern.match(path) for pattern in _PATTERNS):
         return True
     deployment = _DEPLOYMENT.match(path)
     if deployment is not None and "/v1" + deployment.group(1) in _V1_ROUTES:

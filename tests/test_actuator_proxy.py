@@ -100,6 +100,7 @@ BYPASSES = {
     "/generate_stream": 503, "/api/chat": 503, "/api/generate": 503, "/completion": 503, "/v1/embeddings": 503,
     "/v1/audio/speech": 503, "/tokenize": 503, "/detokenize": 503, "/openai/v1/chat/completions": 503,
     "/openai/deployments/gpt/chat/completions": 503, "/api/v1/chat/completions": 503, "/x/v1/messages": 503,
+    "/v1/engines/gpt/chat/completions": 503, "/v1/batches": 503, "/v1beta/models/g:streamGenerateContent": 503,
 }
 # Methods other than POST on an inference route: refused, unless safe and bodiless (a listing, a preflight).
 METHODS = {"PUT": 405, "PATCH": 405, "DELETE": 405, "GET": 405}

@@ -68,6 +68,11 @@ def test_framing_that_one_reading_allows_passes():
     ("POST", "/api/v1/chat/completions", True), ("POST", "/openai/deployments/gpt/chat/completions", True),
     ("POST", "/engines/davinci/completions", True), ("POST", "/proxy/v1/messages/", True),
     ("POST", "/openai/v1/models", False), ("POST", "/v1/chat/completions/x", False), ("POST", "/v1x/chat", False),
+    ("POST", "/v1/engines/davinci/chat/completions", True), ("POST", "/chat_tokenize", True),
+    ("POST", "/v1/batches", True), ("POST", "/v1beta/models/gemini-2.0-flash:streamGenerateContent", True),
+    ("POST", "/v1/projects/p/locations/l/publishers/google/models/gemini:generateContent", True),
+    ("POST", "/model/anthropic.claude-v2/invoke-with-response-stream", True),
+    ("POST", "/v1beta/models/gemini:list", False), ("POST", "/model/x/list", False),
 ])
 def test_inference_requests(method, path, inference):
     assert is_inference_request(method, path) is inference
