@@ -13,6 +13,11 @@ refuses, before any application code runs:
 
 The head is counted as it arrives, so memory stays within the limit plus one
 read of the socket, however large the client's head.
+
+It also offers the application a way to drop a connection at once, answer
+unflushed (``ABORT_EXTENSION`` in the scope's extensions): ASGI has none, and
+a response left unfinished is closed by uvicorn only once what it buffered
+reaches the client, which a client that stopped reading never lets happen.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from dataclasses import dataclass
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+ABORT_EXTENSION = "tokenprobe.abort"
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = {ABORT_EXTENSION: {"abort": self.transport.abort}}
         self._reading_head = True
         self._header_fields = 0
         if self._head_timer is None:  # a later request on a kept-alive connection

@@ -49,7 +49,7 @@ from .asgi import (
 )
 from .auth import ClientAuth
 from .gateway import DEFAULT_CONTEXT_TOKENS, DEFAULT_DEADLINE_S, GatewayGuard
-from .http_limits import HeadLimits, limited_http_protocol
+from .http_limits import ABORT_EXTENSION, HeadLimits, limited_http_protocol
 from .target import BadTarget, canonical_path, canonical_scope
 
 # Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus
@@ -158,8 +158,8 @@ class ReverseProxy:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (httpx.HTTPError, TimeoutError):
             # The upstream broke off or went quiet, or the client stopped reading: the response is
-            # left unfinished, and the server closes the client's connection.
-            pass
+            # left unfinished, and the client's connection dropped.
+            await _abort_client(scope)
         finally:
             await response.aclose()
 
@@ -190,6 +190,14 @@ async def _unless_client_leaves(receive, forwarding) -> None:
         await asyncio.gather(work, watch, return_exceptions=True)
     if work.done() and not work.cancelled() and work.exception() is not None:
         raise work.exception()
+
+
+async def _abort_client(scope) -> None:
+    """Drop the client's connection at once, what is buffered for it unsent (where the server offers it)."""
+    extension = scope.get("extensions", {}).get(ABORT_EXTENSION)
+    if extension is not None:
+        extension["abort"]()
+        await asyncio.sleep(0)  # the server sees the connection lost before the app returns
 
 
 async def _disconnected(receive) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -21,6 +22,10 @@ from tests.support import free_port, wait_for_port
 class GatewayProcess:
     port: int
     process: subprocess.Popen
+
+    def open_files(self) -> int:
+        """How many file descriptors the gateway holds (its sockets among them)."""
+        return len(os.listdir(f"/proc/{self.process.pid}/fd"))
 
     def peak_rss_kib(self) -> int:
         """The gateway's peak resident memory so far (VmHWM), in KiB."""

@@ -126,19 +126,22 @@ def test_a_client_that_leaves_or_stops_reading_stops_the_upstream(tmp_path, actu
     sent: list[int] = []
     upstream = ScriptedUpstream(lambda connection: sent.append(flood(connection)))
     try:
-        with gateway(tmp_path, f"http://127.0.0.1:{upstream.port}", unique_upstream(), address,
-                     "--client-timeout", "2") as port:
-            leaving = small_window_connection(port)
+        with gateway_process(tmp_path, f"http://127.0.0.1:{upstream.port}", unique_upstream(), address,
+                             "--client-timeout", "2") as running:
+            idle_files = running.open_files()
+            leaving = small_window_connection(running.port)
             leaving.sendall(b"GET /big HTTP/1.1\r\nHost: gw\r\n\r\n")
             received = 0
             while received < MiB:
                 received += len(leaving.recv(65536))
             leaving.close()
             wait_until(lambda: len(sent) == 1, timeout=20)
-            # A client that stays but reads nothing is cut off after --client-timeout.
-            stalled = small_window_connection(port)
+            # A client that stays but reads nothing is cut off after --client-timeout: the upstream request
+            # ends, and the gateway drops the client's connection with what it had buffered for it.
+            stalled = small_window_connection(running.port)
             stalled.sendall(b"GET /big HTTP/1.1\r\nHost: gw\r\n\r\n")
             wait_until(lambda: len(sent) == 2, timeout=30)
+            wait_until(lambda: running.open_files() <= idle_files, timeout=10)
             stalled.close()
     finally:
         upstream.close()
