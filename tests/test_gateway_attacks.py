@@ -102,6 +102,30 @@ def test_an_upstream_that_never_answers_is_a_504_after_the_first_byte_timeout(tm
     assert 1.0 <= waited < 15.0, waited
 
 
+def test_an_upstream_that_goes_quiet_mid_stream_is_cut_after_the_idle_timeout(tmp_path, actuator):
+    address, _ = actuator
+
+    def quiet_after_one_event(connection: socket.socket) -> None:
+        event = b'data: {"a":1}\n\n'
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                           b"%x\r\n%s\r\n" % (len(event), event))
+        hang(connection)
+    upstream = ScriptedUpstream(quiet_after_one_event)
+    try:
+        with gateway(tmp_path, f"http://127.0.0.1:{upstream.port}", unique_upstream(), address,
+                     "--idle-timeout", "1") as port, \
+                socket.create_connection(("127.0.0.1", port), timeout=20) as connection:
+            connection.sendall(b"GET /stream HTTP/1.1\r\nHost: gw\r\n\r\n")
+            received = b""
+            while chunk := connection.recv(65536):  # until the gateway drops the connection
+                received += chunk
+            wait_until(lambda: upstream.open == 0, timeout=10)  # and its own to the upstream
+    finally:
+        upstream.close()
+    assert received.startswith(b"HTTP/1.1 200 ") and b'data: {"a":1}' in received
+    assert not received.endswith(b"0\r\n\r\n")  # cut, not ended as if the stream were whole
+
+
 # --------------------------------------------------------------------------- clients that leave or stall
 
 
