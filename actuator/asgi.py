@@ -19,9 +19,11 @@ the output that passed for a success without usage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import math
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ..agent.capture.dialects import OPENAI_CHAT
@@ -44,6 +46,8 @@ from .tenant import TenantIdentity
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # The longest a client may take to send a request body; a slower one is answered 408 and closed.
 DEFAULT_BODY_TIMEOUT_S = 30.0
+# The request bodies a gateway holds at once, over all its requests: past it, 503.
+DEFAULT_MAX_BUFFERED_BODY_BYTES = 256 * 1024 * 1024
 # A JSON response bigger than this is passed through without reading its usage.
 MAX_JSON_RESPONSE_BYTES = 4 * 1024 * 1024
 MAX_LABEL_LENGTH = 256
@@ -64,6 +68,7 @@ class ActuatorMiddleware:
         trust_tenant_header: bool = False,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        bodies: BodyAllowance | None = None,
         default_completion_tokens: int = DEFAULT_COMPLETION_TOKENS,
         context_tokens: int = DEFAULT_CONTEXT_TOKENS,
     ):
@@ -74,6 +79,7 @@ class ActuatorMiddleware:
         self._identity = TenantIdentity(tenant_header, trust_header=trust_tenant_header)
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
+        self._bodies = bodies or BodyAllowance()
         self._default_completion_tokens = default_completion_tokens
         self._context_tokens = context_tokens
 
@@ -98,12 +104,17 @@ class ActuatorMiddleware:
         if kind == "pass":
             await self._app(scope, receive, send)
             return
-        body = await read_request_body(receive, self._max_body_bytes, self._body_timeout_s)
-        if body.outcome is not BodyOutcome.COMPLETE:
-            await refuse_body(send, body.outcome)  # a body that did not arrive whole is never forwarded
-            return
+        async with self._bodies.read(receive, self._max_body_bytes, self._body_timeout_s) as body:
+            if body.outcome is not BodyOutcome.COMPLETE:
+                await refuse_body(send, body.outcome)  # a body that did not arrive whole is never forwarded
+                return
+            await self._guarded(scope, body.data, receive, send)
+
+    async def _guarded(self, scope, body: bytes, receive, send) -> None:
+        """Estimate, ask, and answer or pass the request on; settle what it was charged."""
+        headers = scope.get("headers", ())
         try:
-            estimate = estimate_request(body.data, self._default_completion_tokens, self._context_tokens)
+            estimate = estimate_request(body, self._default_completion_tokens, self._context_tokens)
         except InvalidRequest as error:
             await send_error(send, 400, str(error))
             return
@@ -121,7 +132,7 @@ class ActuatorMiddleware:
         try:
             if verdict.delay_s > 0:
                 await asyncio.sleep(verdict.delay_s)
-            await self._app(scope, replay(body.data, receive), response.send)
+            await self._app(scope, replay(body, receive), response.send)
         finally:
             # Every outcome settles: an upstream error, a cut stream or a client that left
             # refunds what was not generated, so no reservation keeps a bucket spent.
@@ -158,6 +169,7 @@ class BodyOutcome(enum.Enum):
     COMPLETE = "complete"
     TOO_LARGE = "too large"
     TIMED_OUT = "timed out"
+    GATEWAY_FULL = "gateway full"  # the bodies held over all requests reached their limit
     CLIENT_LEFT = "client left"  # or the server cut the body as malformed: what came is not the request
 
 
@@ -167,34 +179,63 @@ class RequestBody:
     data: bytes = b""
 
 
-async def read_request_body(receive, limit: int, timeout_s: float) -> RequestBody:
-    """Read a whole request body: at most `limit` bytes, within `timeout_s` seconds."""
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return RequestBody(BodyOutcome.CLIENT_LEFT)
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    return RequestBody(BodyOutcome.TOO_LARGE)
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    return RequestBody(BodyOutcome.COMPLETE, b"".join(chunks))
-    except TimeoutError:
-        return RequestBody(BodyOutcome.TIMED_OUT)
+class BodyAllowance:
+    """The request-body bytes a gateway holds at once, over all its requests.
+
+    Each request is bounded on its own (size, time), but a thousand clients each sending most of
+    a large body, slowly, would still add up: a body that would take the total past `max_bytes`
+    is refused (503) instead. A body counts from its first byte until its request is done."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES):
+        self.max_bytes = max_bytes
+        self.held = 0
+
+    @contextlib.asynccontextmanager
+    async def read(self, receive, limit: int, timeout_s: float) -> AsyncIterator[RequestBody]:
+        """Read a whole request body (at most `limit` bytes, within `timeout_s` seconds), held until the block ends."""
+        chunks: list[bytes] = []
+        try:
+            outcome = await self._read(receive, chunks, limit, timeout_s)
+            yield RequestBody(outcome, b"".join(chunks) if outcome is BodyOutcome.COMPLETE else b"")
+        finally:
+            self.held -= sum(map(len, chunks))
+
+    async def _read(self, receive, chunks: list[bytes], limit: int, timeout_s: float) -> BodyOutcome:
+        size = 0
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return BodyOutcome.CLIENT_LEFT
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        return BodyOutcome.TOO_LARGE
+                    if self.held + len(chunk) > self.max_bytes:
+                        return BodyOutcome.GATEWAY_FULL
+                    self.held += len(chunk)
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return BodyOutcome.COMPLETE
+        except TimeoutError:
+            return BodyOutcome.TIMED_OUT
+
+
+_BODY_REFUSALS = {
+    BodyOutcome.TOO_LARGE: (413, "request body too large", ()),
+    BodyOutcome.TIMED_OUT: (408, "request body not received in time", ()),
+    BodyOutcome.GATEWAY_FULL: (503, "the gateway holds as many request bodies as it may", ((b"retry-after", b"1"),)),
+}
 
 
 async def refuse_body(send, outcome: BodyOutcome) -> None:
-    """Answer a body that was not read whole (413, 408) and close the connection; nothing to a client that left."""
+    """Answer a body that was not read whole (413, 408, 503) and close the connection; nothing to a client
+    that left."""
     if outcome is BodyOutcome.CLIENT_LEFT:
         return
-    status, message = (413, "request body too large") if outcome is BodyOutcome.TOO_LARGE else \
-        (408, "request body not received in time")
-    await send_error(send, status, message, [(b"connection", b"close")])
+    status, message, headers = _BODY_REFUSALS[outcome]
+    await send_error(send, status, message, [(b"connection", b"close"), *headers])
 
 
 def replay(body: bytes, receive):

@@ -20,6 +20,8 @@ client or the upstream does holds its resources for longer than a limit
   connection (an inference server stops generating when its client's
   connection closes), and a client that stops reading its answer for
   ``client_timeout_s`` is cut off; a body not received whole within it, 408;
+- a body over ``max_body_bytes`` is 413, and the bodies held at once, over all
+  requests, stay within ``max_buffered_body_bytes`` (503 past it);
 - the request head (size, header count, time) is bounded by the HTTP server
   (actuator/http_limits.py).
 """
@@ -41,9 +43,10 @@ from ..contract.tenant import DEFAULT_TENANT_HEADER
 from .asgi import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_BUFFERED_BODY_BYTES,
     ActuatorMiddleware,
+    BodyAllowance,
     BodyOutcome,
-    read_request_body,
     refuse_body,
     send_error,
 )
@@ -72,20 +75,22 @@ class ProxyLimits:
     connect_timeout_s: float = 5.0
     client_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # for a client to send its body, or take each chunk
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_buffered_body_bytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES  # over all requests at once
 
     def __post_init__(self) -> None:
-        if self.max_in_flight < 1 or min(self.first_byte_timeout_s, self.idle_timeout_s, self.connect_timeout_s,
-                                         self.client_timeout_s) <= 0:
+        if min(self.max_in_flight, self.max_body_bytes, self.max_buffered_body_bytes) < 1 or min(
+                self.first_byte_timeout_s, self.idle_timeout_s, self.connect_timeout_s, self.client_timeout_s) <= 0:
             raise ValueError(f"proxy limits must be positive: {self}")
 
 
 class ReverseProxy:
-    def __init__(self, upstream_url: str, limits: ProxyLimits = ProxyLimits()):
+    def __init__(self, upstream_url: str, limits: ProxyLimits = ProxyLimits(), bodies: BodyAllowance | None = None):
         self._upstream_url = httpx.URL(upstream_url)
         # The base path is canonical too, and the request's path is appended to
         # it whole: a canonical path has no `..` to climb out of it with.
         self._base_path = canonical_path(self._upstream_url.raw_path.split(b"?")[0]).rstrip("/").encode("ascii")
         self.limits = limits
+        self._bodies = bodies or BodyAllowance(limits.max_buffered_body_bytes)
         # The first byte's deadline is kept around the whole send; httpx's own read timeout only
         # guards each read, so it is left to the idle deadline around each chunk.
         self._timeout = httpx.Timeout(connect=limits.connect_timeout_s, read=None, write=limits.client_timeout_s,
@@ -107,19 +112,20 @@ class ReverseProxy:
         except BadTarget as error:
             await send_error(send, 400, str(error))
             return
-        body = await read_request_body(receive, self.limits.max_body_bytes, self.limits.client_timeout_s)
-        if body.outcome is not BodyOutcome.COMPLETE:
-            await refuse_body(send, body.outcome)  # a body cut off is not the request: never forwarded
-            return
-        if self.in_flight >= self.limits.max_in_flight:
-            await send_error(send, 503, f"the upstream has {self.in_flight} requests in flight, the gateway's "
-                             "limit", [(b"retry-after", b"1")])
-            return
-        self.in_flight += 1
-        try:
-            await _unless_client_leaves(receive, self._forward(scope, body.data, send))
-        finally:
-            self.in_flight -= 1
+        # Behind the hook, a guarded body is counted twice (its copy and this one): erring on the safe side.
+        async with self._bodies.read(receive, self.limits.max_body_bytes, self.limits.client_timeout_s) as body:
+            if body.outcome is not BodyOutcome.COMPLETE:
+                await refuse_body(send, body.outcome)  # a body cut off is not the request: never forwarded
+                return
+            if self.in_flight >= self.limits.max_in_flight:
+                await send_error(send, 503, f"the upstream has {self.in_flight} requests in flight, the gateway's "
+                                 "limit", [(b"retry-after", b"1")])
+                return
+            self.in_flight += 1
+            try:
+                await _unless_client_leaves(receive, self._forward(scope, body.data, send))
+            finally:
+                self.in_flight -= 1
 
     async def _forward(self, scope, body: bytes, send) -> None:
         if self._client is None:
@@ -216,10 +222,11 @@ def gateway_app(upstream_url: str, guard: GatewayGuard, *, upstream: str, tenant
                 trust_tenant_header: bool = False, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
                 limits: ProxyLimits = ProxyLimits()) -> ActuatorMiddleware:
     """A gateway: the reverse proxy to `upstream_url` behind the actuator hook for `upstream`."""
-    return ActuatorMiddleware(ReverseProxy(upstream_url, limits), guard, upstream=upstream,
+    bodies = BodyAllowance(limits.max_buffered_body_bytes)  # one allowance for the hook and the proxy
+    return ActuatorMiddleware(ReverseProxy(upstream_url, limits, bodies), guard, upstream=upstream,
                               tenant_header=tenant_header, trust_tenant_header=trust_tenant_header,
                               max_body_bytes=limits.max_body_bytes, body_timeout_s=limits.client_timeout_s,
-                              context_tokens=context_tokens)
+                              bodies=bodies, context_tokens=context_tokens)
 
 
 # Each limit's option, the field it sets, and what it bounds.
@@ -231,6 +238,9 @@ _LIMIT_OPTIONS = (
      "seconds between two chunks of the upstream's answer; past it, the response is cut"),
     ("--client-timeout", ProxyLimits, "client_timeout_s",
      "seconds for a client to send its body (else 408) or to take each chunk of its answer (else it is cut off)"),
+    ("--max-body-bytes", ProxyLimits, "max_body_bytes", "largest request body; past it, 413"),
+    ("--max-buffered-body-bytes", ProxyLimits, "max_buffered_body_bytes",
+     "request bodies held at once, over all requests; past it, 503"),
     ("--max-head-bytes", HeadLimits, "max_head_bytes", "largest request line and header fields together; past it, 431"),
     ("--max-header-fields", HeadLimits, "max_header_fields", "most header fields in a request; past it, 431"),
     ("--head-timeout", HeadLimits, "head_timeout_s", "seconds for a client to send its request head; past it, 408"),

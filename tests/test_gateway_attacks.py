@@ -4,6 +4,7 @@ that must not lock a tenant out nor let a new key escape. docs/reliability.md li
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -208,6 +209,38 @@ def test_slow_clients_are_answered_408_and_closed(tmp_path, actuator):
     print(f"\n200 slow heads and a slow body answered 408 and closed within {closed_in:.1f} s")
     assert head_statuses == {408} and body_status == 408
     assert upstream.requests == []
+
+
+def test_bodies_held_at_once_are_bounded_over_all_clients(tmp_path, actuator):
+    address, _ = actuator
+    upstream = RecordingUpstream()
+    try:
+        with gateway(tmp_path, f"http://127.0.0.1:{upstream.port}", unique_upstream(), address,
+                     "--max-buffered-body-bytes", str(MiB)) as port:
+            # Three clients each send 400 KiB of an 800 KiB body, and wait: 1.2 MiB would be held.
+            clients = [socket.create_connection(("127.0.0.1", port), timeout=20) for _ in range(3)]
+            for connection in clients:
+                connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                                   b"Content-Length: %d\r\n\r\n" % (800 * 1024) + b" " * (400 * 1024))
+            answered = {}
+            deadline = time.monotonic() + 10
+            while not answered and time.monotonic() < deadline:
+                for index, connection in enumerate(clients):
+                    connection.settimeout(0.1)
+                    with contextlib.suppress(TimeoutError):
+                        answered[index] = connection.recv(65536)
+            time.sleep(0.5)  # a second answer, were there one, has come by now
+            for index, connection in enumerate(clients):
+                with contextlib.suppress(TimeoutError):
+                    answered.setdefault(index, connection.recv(65536))
+                connection.close()
+            # Once they are gone, what they held is free again.
+            after = raw_request(port, "/v1/chat/completions")[0]
+    finally:
+        upstream.close()
+    assert len(answered) == 1, answered  # the one that would have passed the limit; the others wait
+    assert next(iter(answered.values())).startswith(b"HTTP/1.1 503 "), answered
+    assert after == 200 and len(upstream.requests) == 1
 
 
 # --------------------------------------------------------------------------- oversized or broken requests
