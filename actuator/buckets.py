@@ -3,8 +3,8 @@
 The level may go below zero: a request admitted on an estimate that turns out
 low (or a delayed request that reserved tokens ahead of the refill) leaves a
 debt that the refill repays before the tenant is admitted again. The debt is
-bounded (`max_debt_tokens`), so no count, however wild, shuts a tenant out
-for longer than the refill of that much. Not thread-safe: the engine
+bounded by one bucket (`burst_tokens`), so no count, however wild, shuts a
+tenant out for longer than two full refills. Not thread-safe: the engine
 serialises access.
 """
 
@@ -12,11 +12,9 @@ from __future__ import annotations
 
 
 class TokenBucket:
-    def __init__(self, tokens_per_second: float, burst_tokens: float, now: float,
-                 max_debt_tokens: float = float("inf")):
+    def __init__(self, tokens_per_second: float, burst_tokens: float, now: float):
         self.tokens_per_second = tokens_per_second
         self.burst_tokens = burst_tokens
-        self._floor = -max_debt_tokens
         self._level = burst_tokens  # a new budget starts full
         self._updated = now
 
@@ -34,14 +32,16 @@ class TokenBucket:
         shortfall = needed - self.level(now)
         return max(0.0, shortfall / self.tokens_per_second)
 
-    def take(self, tokens: float, now: float) -> None:
-        self._refill(now)
-        self._level = max(self._floor, self._level - tokens)
+    def take(self, tokens: float, now: float) -> float:
+        """Charge a request at admission: at most what the bucket holds when full; returns the charge."""
+        charge = min(tokens, self.burst_tokens)
+        self.adjust(charge, now)
+        return charge
 
     def adjust(self, tokens: float, now: float) -> None:
         """Charge (positive) or refund (negative) the difference found at settlement."""
         self._refill(now)
-        self._level = max(self._floor, min(self.burst_tokens, self._level - tokens))
+        self._level = max(-self.burst_tokens, min(self.burst_tokens, self._level - tokens))
 
     def reconfigure(self, tokens_per_second: float, burst_tokens: float, now: float) -> None:
         """New rate and size; the tokens already spent stay spent."""

@@ -16,9 +16,13 @@ an injected clock, so the rules below are tested without sockets:
   bucket cannot cover within the budget's ``max_delay`` is rejected early
   (429, retry after the refill time, plus a uniform spread over the budget's
   ``retry_jitter`` so rejected clients do not return in step); one that fits within it is delayed. The
-  tokens are reserved at admission and the reservation settled when the real
-  count arrives. A request with no tenant is the default tenant's, so
-  budgets for it apply: leaving the tenant out escapes nothing.
+  tokens are reserved at admission — at most a full bucket, whatever the
+  estimate — and the reservation settled when the real count arrives (the
+  gateway settles every outcome: an error or a cut stream refunds what was
+  not generated). A bucket owes at most one full bucket, so no request, or
+  count, locks a tenant out for longer than two refills. A request with no
+  tenant is the default tenant's, so budgets for it apply: leaving the
+  tenant out escapes nothing.
 - Retry-After never reaches past the decision's expiry: by then the request
   is admitted anyway.
 - Minimum dwell: a decision that loosens a target (admits more) sooner than
@@ -60,8 +64,8 @@ MAX_CLOCK_SKEW_S = 60.0
 # the choices at OpenAI's own limit on n.
 DEFAULT_CONTEXT_TOKENS = 131_072
 MAX_CHOICES = 128
-# The most tokens one request is charged: counts beyond it (the wire carries
-# any uint64) are clamped, and a bucket owes at most this much.
+# The most tokens one request is counted: counts beyond it (the wire carries
+# any uint64) are clamped. A bucket is charged at most its burst at admission.
 MAX_REQUEST_TOKENS = DEFAULT_CONTEXT_TOKENS * MAX_CHOICES
 
 
@@ -194,7 +198,7 @@ class _Table:
 
 @dataclass
 class _Reservation:
-    entries: tuple[_BudgetEntry, ...]
+    charges: tuple[tuple[_BudgetEntry, float], ...]  # each bucket charged, and how much
     estimated_tokens: int
     created: float
 
@@ -359,8 +363,7 @@ class Enforcer:
         action = decision.action
         if isinstance(action, BreakerAction):
             return _BreakerEntry(decision, now)
-        return _BudgetEntry(decision, now, TokenBucket(action.tokens_per_second, action.burst_tokens, now,
-                                                       max_debt_tokens=MAX_REQUEST_TOKENS))
+        return _BudgetEntry(decision, now, TokenBucket(action.tokens_per_second, action.burst_tokens, now))
 
     def _purge_expired(self, now: float) -> None:
         for table in (self._breakers, self._budgets):
@@ -418,15 +421,14 @@ class Enforcer:
                                f"token budget of {entry.decision.target.describe()} exhausted")
             if wait > longest_wait:
                 longest_wait, limiting = wait, entry
-        for entry in matched:
-            entry.bucket.take(tokens, now)
-        reservation_id = self._reserve(matched, tokens, now)
+        charges = tuple((entry, entry.bucket.take(tokens, now)) for entry in matched)
+        reservation_id = self._reserve(charges, tokens, now)
         if longest_wait > 0.0:
             return Verdict(VerdictKind.DELAY, 0, 0.0, longest_wait, reservation_id, limiting.decision.id,
                            f"token budget of {limiting.decision.target.describe()} paced")
         return Verdict(VerdictKind.ALLOW, reservation_id=reservation_id)
 
-    def _reserve(self, entries: tuple[_BudgetEntry, ...], tokens: int, now: float) -> str:
+    def _reserve(self, charges: tuple[tuple[_BudgetEntry, float], ...], tokens: int, now: float) -> str:
         reservations = self._reservations
         while reservations:
             oldest = next(iter(reservations.values()))
@@ -434,11 +436,11 @@ class Enforcer:
                 break
             reservations.popitem(last=False)  # unsettled: the estimate stands
         reservation_id = f"{self._reservation_prefix}{next(self._reservation_counter):x}"
-        reservations[reservation_id] = _Reservation(entries, tokens, now)
+        reservations[reservation_id] = _Reservation(charges, tokens, now)
         return reservation_id
 
     def settle(self, reservation_id: str, observed_tokens: int) -> int | None:
-        """Charge or refund the difference between the real and estimated tokens.
+        """Charge or refund, to each bucket, the difference between the real tokens and its charge.
 
         Returns the adjustment (observed − estimated), or None when the
         reservation is unknown: already settled, or too old.
@@ -450,12 +452,12 @@ class Enforcer:
             if reservation is None:
                 return None
             now = self._clock()
-            adjustment = min(observed_tokens, MAX_REQUEST_TOKENS) - reservation.estimated_tokens
-            for entry in reservation.entries:
+            observed_tokens = min(observed_tokens, MAX_REQUEST_TOKENS)
+            for entry, charge in reservation.charges:
                 # A bucket replaced or expired since the admission is not charged.
                 if self._budgets.get(entry.decision.target) is entry and entry.decision.expires_at > now:
-                    entry.bucket.adjust(adjustment, now)
-            return adjustment
+                    entry.bucket.adjust(observed_tokens - charge, now)
+            return observed_tokens - reservation.estimated_tokens
 
 
 def _until_expiry(entry: _Entry, retry_after_s: float, now: float) -> float:

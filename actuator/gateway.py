@@ -187,7 +187,7 @@ class GatewayGuard:
                     return
                 log.debug("decision stream ended: %s", error.code().name)
                 self._mark_failing(_reason(error))
-            except Exception:  # noqa: BLE001 - this thread must outlive any one bad stream
+            except Exception:
                 log.exception("decision stream failed; reconnecting")
             self._closed.wait(backoff)
             backoff = min(backoff * 2, _WATCH_BACKOFF_S[1])
@@ -247,7 +247,8 @@ def _log_settle_failure(call) -> None:
 @dataclass(frozen=True)
 class RequestEstimate:
     model: str
-    estimated_tokens: int
+    estimated_tokens: int  # prompt + completion, capped
+    prompt_tokens: int = 0
 
 
 class InvalidRequest(ValueError):
@@ -284,8 +285,8 @@ def estimate_request(body: bytes, default_completion_tokens: int = DEFAULT_COMPL
     except (ValueError, UnicodeDecodeError, RecursionError):  # not JSON, or nested beyond reason
         request = None
     if not isinstance(request, dict):
-        return RequestEstimate("", min(context_tokens, math.ceil(len(body) / CHARS_PER_TOKEN)
-                                       + default_completion_tokens))
+        prompt = min(context_tokens, math.ceil(len(body) / CHARS_PER_TOKEN))
+        return RequestEstimate("", min(context_tokens, prompt + default_completion_tokens), prompt)
     model = request.get("model") if isinstance(request.get("model"), str) else ""
     completion = default_completion_tokens
     for path in _COMPLETION_LIMITS:
@@ -295,8 +296,8 @@ def estimate_request(body: bytes, default_completion_tokens: int = DEFAULT_COMPL
             break
     choices = max((_count(request, path) or 1 for path in _CHOICE_COUNTS), default=1)
     choices = max(1, min(choices, MAX_CHOICES))
-    prompt = math.ceil(prompt_chars / CHARS_PER_TOKEN)
-    return RequestEstimate(model, min(prompt + completion * choices, context_tokens * choices))
+    prompt = min(math.ceil(prompt_chars / CHARS_PER_TOKEN), context_tokens)
+    return RequestEstimate(model, min(prompt + completion * choices, context_tokens * choices), prompt)
 
 
 def _count(request: dict, path: tuple[str, ...], *, allow_unbounded: bool = False) -> int | None:

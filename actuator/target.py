@@ -10,8 +10,12 @@ look up the route and to build the upstream request:
 - percent-encoded unreserved characters are decoded (once), other escapes
   keep an upper-case hex form;
 - an escape that would change how the path splits or ends — `/`, `?`, `#`,
-  `%` (double encoding), `\\`, NUL and other control bytes — is refused, as
-  are those bytes raw, bytes outside ASCII, and malformed escapes;
+  `%` (double encoding), `\\`, `;`, space, NUL and other control bytes — is
+  refused, as are those bytes raw, bytes outside ASCII, and malformed
+  escapes. Servers differ on `;` (some cut a segment's parameters off, as
+  `/v1/chat/completions;x=1` → `/v1/chat/completions`) and on spaces (some
+  trim them): no LLM API has either in a route, so a path holding one is
+  refused rather than judged in one reading and served in another;
 - empty segments (`//`) collapse and dot segments are removed (§5.2.4), so
   nothing climbs above the root, or above an upstream's base path.
 """
@@ -26,9 +30,9 @@ MAX_PATH_BYTES = 8192
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 # Escapes refused: they would split, end or re-encode the path, or are control
 # bytes. Any other escape (space, quotes, UTF-8, ...) stays escaped, upper-cased.
-_REFUSED_DECODED = frozenset(b"/?#%\\") | frozenset(range(0x20)) | {0x7F}
-# Bytes allowed unescaped in a path: unreserved, sub-delims, ':' '@', '/', '%' (escapes).
-_RAW_PATH = re.compile(rb"^/[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*$")
+_REFUSED_DECODED = frozenset(b"/?#%\\; ") | frozenset(range(0x20)) | {0x7F}
+# Bytes allowed unescaped in a path: unreserved, sub-delims but ';', ':' '@', '/', '%' (escapes).
+_RAW_PATH = re.compile(rb"^/[A-Za-z0-9\-._~!$&'()*+,=:@/%]*$")
 _ESCAPE = re.compile(rb"%(.{0,2})", re.DOTALL)
 _HEX = re.compile(rb"^[0-9A-Fa-f]{2}$")
 

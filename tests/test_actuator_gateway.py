@@ -13,12 +13,13 @@ import time
 
 import grpc
 import pytest
-from tokenprobe.actuator.asgi import ActuatorMiddleware, UsageScanner
+from tokenprobe.actuator.asgi import ActuatorMiddleware, ResponseWatch, UsageScanner
 from tokenprobe.actuator.auth import ClientAuth, ServerAuth
 from tokenprobe.actuator.engine import Enforcer, Verdict, VerdictKind
 from tokenprobe.actuator.gateway import (
     GatewayGuard,
     InvalidRequest,
+    RequestEstimate,
     estimate_request,
     rejection_response,
 )
@@ -44,7 +45,7 @@ def test_estimate_from_chat_messages_and_max_tokens():
     body = json.dumps({"model": "small", "max_tokens": 100, "n": 2,
                        "messages": [{"role": "user", "content": "x" * 400},
                                     {"role": "user", "content": [{"type": "text", "text": "y" * 40}]}]}).encode()
-    assert estimate_request(body) == (estimate_request(body).__class__("small", 110 + 200))
+    assert estimate_request(body) == (estimate_request(body).__class__("small", 110 + 200, 110))
 
 
 def test_estimate_prefers_max_completion_tokens_and_defaults():
@@ -105,6 +106,37 @@ def test_usage_scanner_reads_json_and_tolerates_absence():
         scanner.start(b"application/json")
         scanner.feed(body)
         assert scanner.total_tokens() is None
+
+
+SSE = b"text/event-stream"
+JSON = b"application/json"
+
+
+@pytest.mark.parametrize("status, content_type, body, settled", [
+    (200, JSON, b'{"usage": {"prompt_tokens": 7, "completion_tokens": 5}}', 12),  # the server's count
+    (400, JSON, b'{"usage": {"prompt_tokens": 7, "completion_tokens": 0}}', 7),  # even on an error
+    (400, JSON, b'{"error": {"message": "bad"}}', 0),  # an error without usage generated nothing
+    (503, JSON, b"", 0),
+    (None, None, None, 0),  # no answer at all: the client left, or the upstream never answered
+    (200, SSE, b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n' * 3, 100 + 3),  # prompt + events
+    (200, JSON, b"x" * 40, 100 + 10),  # prompt + body bytes / 4
+    (200, SSE, b'data: {"x": 1}\n\n' * 5000, 356),  # never more than the estimate
+])
+def test_every_outcome_settles_at_what_was_generated(status, content_type, body, settled):
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def answer():
+        watch = ResponseWatch(send)
+        if status is not None:
+            await watch.send({"type": "http.response.start", "status": status,
+                              "headers": [(b"content-type", content_type)]})
+            await watch.send({"type": "http.response.body", "body": body, "more_body": False})
+        return watch.observed_tokens(RequestEstimate("m", estimated_tokens=356, prompt_tokens=100))
+    assert asyncio.run(answer()) == settled
+    assert len(sent) == (0 if status is None else 2)  # passed on untouched
 
 
 def test_rejection_response_carries_status_and_retry_after():
@@ -178,6 +210,12 @@ async def call(app, body: bytes, *, path: str = "/v1/chat/completions", api_key:
     return start["status"], dict(start["headers"]), b"".join(m.get("body", b"") for m in sent[1:])
 
 
+def introduce(app, api_key: str = ACME_KEY) -> None:
+    """One request the upstream accepts with `api_key` (charged to the unknown keys): from then on the key
+    is its own tenant."""
+    assert asyncio.run(call(app, chat(max_tokens=1), api_key=api_key))[0] == 200
+
+
 def chat(max_tokens: int = 100, stream: bool = False) -> bytes:
     return json.dumps({"model": "small", "max_tokens": max_tokens, "stream": stream,
                        "messages": [{"role": "user", "content": "z" * 400}]}).encode()
@@ -216,11 +254,12 @@ def test_spent_budget_answers_429_without_reaching_the_upstream(guard, stub):
     apply(stub, budget(upstream, ACME, rate=1.0, burst=1000.0, ttl=300.0))
     upstream_app = Upstream()
     app = ActuatorMiddleware(upstream_app, guard, upstream=upstream)
+    introduce(app)
     assert asyncio.run(call(app, chat(max_tokens=500)))[0] == 200  # 600 estimated, 510 settled
     status, headers, answer = asyncio.run(call(app, chat(max_tokens=500)))
     assert status == 429 and int(headers[b"retry-after"]) >= 100  # 110 tokens short at 1 token/s
     assert json.loads(answer)["error"]["type"] == "rate_limit_exceeded"
-    assert len(upstream_app.bodies) == 1
+    assert len(upstream_app.bodies) == 2  # the introduction and the first
     assert asyncio.run(call(app, chat(max_tokens=500), api_key="sk-globex"))[0] == 200  # another tenant
 
 
@@ -238,6 +277,7 @@ def test_reservation_is_settled_with_the_servers_usage(guard, stub, stream):
     upstream = unique_upstream()
     apply(stub, budget(upstream, ACME, rate=0.001, burst=10_000.0))
     app = ActuatorMiddleware(Upstream(), guard, upstream=upstream)
+    introduce(app)
     assert asyncio.run(call(app, chat(max_tokens=1000, stream=stream)))[0] == 200
     # Estimated 100 (prompt) + 1000 (max_tokens); the server counted 10 + 1000.
     wait_until(lambda: tokens_available(stub, upstream) > 10_000 - 1100 + 1)
@@ -249,11 +289,35 @@ def test_paced_request_is_delayed_not_rejected(guard, stub):
     apply(stub, budget(upstream, ACME, rate=1000.0, burst=1000.0, max_delay_s=5.0))
     upstream_app = Upstream()
     app = ActuatorMiddleware(upstream_app, guard, upstream=upstream)
+    introduce(app)
     assert asyncio.run(call(app, chat(max_tokens=900)))[0] == 200  # 910 tokens settled: 90 left
     started = time.monotonic()
     assert asyncio.run(call(app, chat(max_tokens=400)))[0] == 200  # 500 estimated: 0.41 s of refill
     assert time.monotonic() - started >= 0.3
-    assert len(upstream_app.bodies) == 2
+    assert len(upstream_app.bodies) == 3
+
+
+@pytest.mark.parametrize("body", [b"{" + b" " * 2000 + b"}", b'{"model": "m"'], ids=["too large", "client left"])
+def test_a_body_not_read_whole_is_never_forwarded(guard, body):
+    upstream_app = Upstream()
+    app = ActuatorMiddleware(upstream_app, guard, upstream=unique_upstream(), max_body_bytes=1000)
+
+    async def cut_off():  # the client sends part of the body, then leaves
+        messages = iter([{"type": "http.request", "body": body, "more_body": True}])
+        sent = []
+
+        async def receive():
+            return next(messages, {"type": "http.disconnect"})
+
+        async def send(message):
+            sent.append(message)
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                 "raw_path": b"/v1/chat/completions", "query_string": b"", "headers": []}
+        await app(scope, receive, send)
+        return [m["status"] for m in sent if m["type"] == "http.response.start"]
+    statuses = asyncio.run(cut_off())
+    assert statuses == ([413] if len(body) > 1000 else [])
+    assert upstream_app.bodies == []
 
 
 def test_middleware_fails_open_when_the_actuator_is_unreachable():

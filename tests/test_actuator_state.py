@@ -29,7 +29,8 @@ from tokenprobe.actuator.controller import (
     fair_share_level,
 )
 from tokenprobe.actuator.engine import (
-    MAX_REQUEST_TOKENS,
+    DEFAULT_CONTEXT_TOKENS,
+    MAX_CHOICES,
     DwellViolation,
     Enforcer,
     SubscriptionOverflow,
@@ -212,12 +213,14 @@ def test_bucket_starts_full_refills_and_caps():
     assert bucket.level(T0 + 100.0) == 500.0  # never beyond the burst
 
 
-def test_bucket_request_larger_than_burst_waits_for_full_then_owes():
+def test_bucket_request_larger_than_burst_waits_for_full_pays_a_full_bucket_and_owes_at_most_one():
     bucket = TokenBucket(100.0, 500.0, T0)
     bucket.take(300, T0)
     assert bucket.wait_for(5000, T0) == pytest.approx(3.0)  # until full, not forever
-    bucket.take(5000, T0 + 3.0)
-    assert bucket.level(T0 + 3.0) == pytest.approx(-4500.0)
+    assert bucket.take(5000, T0 + 3.0) == 500  # charged what the bucket can hold, not the estimate
+    assert bucket.level(T0 + 3.0) == pytest.approx(0.0)
+    bucket.adjust(4500, T0 + 3.0)  # settled at the real count: the debt stops at one bucket
+    assert bucket.level(T0 + 3.0) == pytest.approx(-500.0)
 
 
 def test_bucket_reconfigure_keeps_spent_tokens_spent():
@@ -288,6 +291,21 @@ def test_requests_without_a_tenant_pay_into_the_default_tenants_budget():
     assert enforcer.check("vllm-a", "", "acme", 100).allowed
 
 
+def test_a_huge_estimate_is_charged_one_bucket_and_an_upstream_error_refunds_it_all():
+    clock = ManualClock()
+    enforcer = Enforcer(clock=clock)
+    enforcer.apply(budget_decision(T0, rate=1.0, burst=1000.0, tenant=DEFAULT_TENANT))
+    verdict = enforcer.check("vllm-a", "", "", DEFAULT_CONTEXT_TOKENS * MAX_CHOICES)  # n=128 at full context
+    assert verdict.kind == VerdictKind.ALLOW
+    [status] = enforcer.status()
+    # Charged what the bucket holds (16.8M tokens of debt would have refused the tenant for 194 days).
+    assert status.tokens_available == pytest.approx(0.0)
+    assert enforcer.check("vllm-a", "", "", 1).kind == VerdictKind.REJECT
+    enforcer.settle(verdict.reservation_id, 0)  # the upstream answered 400: nothing was generated
+    [status] = enforcer.status()
+    assert status.tokens_available == pytest.approx(1000.0)
+
+
 def test_debt_and_retry_after_are_bounded_whatever_the_counts():
     clock = ManualClock()
     enforcer = Enforcer(clock=clock)
@@ -296,7 +314,7 @@ def test_debt_and_retry_after_are_bounded_whatever_the_counts():
     assert verdict.kind == VerdictKind.ALLOW
     enforcer.settle(verdict.reservation_id, 2 ** 64 - 1)
     [status] = enforcer.status()
-    assert status.tokens_available >= 1000.0 - MAX_REQUEST_TOKENS
+    assert status.tokens_available == pytest.approx(-1000.0)  # one bucket of debt, not 2**64
     rejected = enforcer.check("vllm-a", "", "acme", 1)
     # Refilling at 0.001 token/s would take half a year; the decision lapses in a minute.
     assert (rejected.http_status, rejected.retry_after_s) == (429, pytest.approx(60.0))
@@ -452,19 +470,20 @@ def _looser(before, after) -> bool:
 @given(rate=st.floats(1, 1000), burst=st.floats(1, 5000), max_delay=st.floats(0, 2),
        requests=st.lists(st.tuples(st.floats(0, 2), st.integers(0, 3000)), min_size=1, max_size=60))
 def test_budget_never_admits_more_than_it_refills(rate, burst, max_delay, requests):
-    """Tokens admitted by time t never exceed burst + rate × (t + max_delay) + one request's overshoot."""
+    """Tokens charged by time t never exceed burst + rate × (t + max_delay).
+
+    A request larger than the bucket is charged a full bucket at admission (its real count, at
+    settlement, may add at most one bucket of debt), so it waits for a full bucket each time."""
     clock = ManualClock()
     enforcer = Enforcer(clock=clock)
     enforcer.apply(budget_decision(T0, rate, burst, max_delay_s=max_delay, ttl=600))
-    admitted_tokens, largest = 0, 0
+    charged_tokens = 0
     for gap, tokens in requests:
         clock.now += gap
         if enforcer.check("vllm-a", "", "acme", tokens).allowed:
-            admitted_tokens += tokens
-            largest = max(largest, tokens)
+            charged_tokens += min(tokens, burst)
         elapsed = clock.now - T0
-        # A request larger than the bucket may overshoot by its excess once.
-        assert admitted_tokens <= burst + rate * (elapsed + max_delay) + max(0, largest - burst) + 1e-6
+        assert charged_tokens <= burst + rate * (elapsed + max_delay) + 1e-6
 
 
 # --------------------------------------------------------------------------- controller
