@@ -26,7 +26,7 @@ from ..agent.capture.inflight import inflight_snapshot
 from ..agent.capture.kernel.clock import MonotonicWallClock
 from ..agent.capture.kernel.loader import Probes, Targets
 from ..agent.capture.kernel.procfs import target_port_sockets
-from ..agent.capture.kernel.tls_libraries import unreadable_tls
+from ..agent.capture.kernel.tls_libraries import skipped_files, unreadable_tls
 from ..agent.capture.tracker import DEFAULT_IDLE_TIMEOUT_S, ConnectionTracker
 from ..agent.export.metrics_endpoint import AgentMetrics
 from ..agent.export.otel_export import OtelExporter
@@ -184,6 +184,7 @@ class Exporters:
                 map_sizes=map_sizes, map_overflows=map_overflows,
                 batched_writes_total=stats.steady_writes, lost_events_total=stats.lost_events,
                 unknown_ends_total=stats.unknown_ends)
+            self.metrics.set_skipped_files(skipped_files())
             if self.live:
                 self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
                                                 analysed_until_s=self.live.watermark_ns / 1e9,

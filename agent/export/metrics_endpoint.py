@@ -64,7 +64,11 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -287,6 +291,12 @@ _AGENT_STATS = {
     "analysis_cpu_seconds_total": ("counter", "CPU the live analysis passes took on their own thread"),
 }
 
+# name -> (label, help): counters the runner keeps per label value.
+_LABELLED_STATS = {
+    "skipped_files": ("reason", ("Files mapped by the node's processes that the agent's TLS scans skipped, by "
+                                 "reason (unreadable, not_elf, malformed_elf, too_many_files): each once")),
+}
+
 
 class _AgentStatsCollector(Collector):
     """Mirrors the runner's own counters: the runner keeps the totals, this only reports them."""
@@ -295,7 +305,13 @@ class _AgentStatsCollector(Collector):
         self._values: dict[str, float] = {}
         self._map_sizes: dict[str, int] = {}
         self._map_overflows: dict[str, int] = {}
+        self._labelled: dict[str, dict[str, int]] = {}
         self._lock = threading.Lock()
+
+    def update_labelled(self, name: str, counts: Mapping[str, int]) -> None:
+        _LABELLED_STATS[name]
+        with self._lock:
+            self._labelled[name] = dict(counts)
 
     def update(self, values: dict[str, float], map_sizes: dict[str, int] | None = None,
                map_overflows: dict[str, int] | None = None) -> None:
@@ -307,6 +323,13 @@ class _AgentStatsCollector(Collector):
     def collect(self):
         with self._lock:
             values, sizes, overflows = dict(self._values), dict(self._map_sizes), dict(self._map_overflows)
+            labelled = dict(self._labelled)
+        for name, counts in labelled.items():
+            label, help_text = _LABELLED_STATS[name]
+            family = CounterMetricFamily(f"tokenprobe_agent_{name}", help_text, labels=(label,))
+            for value, count in sorted(counts.items()):
+                family.add_metric([value], count)
+            yield family
         if sizes:
             size = GaugeMetricFamily("tokenprobe_agent_map_size", "Entries a kernel map holds at most (the ring "
                                      "buffer: bytes)", labels=("map",))
@@ -450,6 +473,10 @@ class AgentMetrics:
         self._agent_stats.update(
             {name: _check_number(name, value) for name, value in given.items() if value is not None},
             map_sizes, map_overflows)
+
+    def set_skipped_files(self, by_reason: Mapping[str, int]) -> None:
+        """Files the TLS scans skipped since the agent started, by reason (``tls_libraries.skipped_files``)."""
+        self._agent_stats.update_labelled("skipped_files", by_reason)
 
     # -- fed by the analytics -----------------------------------------------------------------
     def set_analysis_stats(self, *, passes_total: int, failures_total: int, analysed_until_s: float,
