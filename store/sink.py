@@ -26,6 +26,10 @@ EMBEDDED_SPOOL_DIR = ".tokenprobe-spool"
 DEFAULT_SPOOL_DIR = Path("~/.cache/tokenprobe/spool")
 # Rows held in memory while the store is slow, by estimated size: past this they are spooled.
 DEFAULT_MAX_PENDING_BYTES = 64 << 20
+# Overflows put() hands to the spooling thread, the one it is writing included: past this many (the disk
+# slower than the rows come) a further overflow is dropped and counted as lost rather than held or
+# waited for, so put() never blocks on the disk and memory stays bounded.
+MAX_OVERFLOWS_WAITING = 2
 # What a request row costs in memory besides its token offsets (dict, strings, timestamps).
 _ROW_BYTES = 1200
 _OFFSET_BYTES = 32  # one token offset: an int object plus its list slot
@@ -80,7 +84,12 @@ class RequestSink:
     Batches the store cannot take now go to an on-disk spool, replayed oldest
     first once it answers again (retries back off from ``retry_min_s`` to
     ``retry_max_s``); if the store stalls and ``max_pending_rows`` rows (or
-    about ``max_pending_bytes``) pile up in memory, ``put`` spools them itself.
+    about ``max_pending_bytes``) pile up in memory, ``put`` hands them to a
+    spooling thread of their own (the writer may be stuck in an insert) and
+    returns: Arrow conversion and the disk write took the caller 670 ms at
+    5,000 rows (issue 35), the agent's capture loop stalled for it. At most
+    ``MAX_OVERFLOWS_WAITING`` overflows are held for that thread (the one it
+    writes included); one more is dropped and counted in ``rows_lost``.
     Batches the store refuses outright are kept in the spool's ``rejected/``
     folder. Every batch carries an insert deduplication token, kept in its
     spool file's name: a batch whose insert succeeded but whose answer was
@@ -162,13 +171,17 @@ class RequestSink:
         self._unfed_groups: list[tuple[list[pa.Table], str]] = []
         self._feed_asked = False
         self._feeds = 0  # done by the writer thread: feed_views() waits for the next one
+        self._overflows: list[tuple[list[dict], str]] = []  # handed to the spooling thread, not yet written
+        self._overflow_rows = 0
         self._thread = threading.Thread(target=self._run, name=f"tokenprobe-sink-{table}", daemon=True)
         self._thread.start()
+        self._spooler = threading.Thread(target=self._spool_overflows, name=f"tokenprobe-spool-{table}", daemon=True)
+        self._spooler.start()
 
     # -- the caller's side ------------------------------------------------------
 
     def put(self, row: dict) -> None:
-        """Queue one row; never waits for the store. ValueError if the row does not fit the table."""
+        """Queue one row; never waits for the store nor the disk. ValueError if the row does not fit the table."""
         self._row_schema.check(row)
         overflow = None
         with self._condition:
@@ -178,11 +191,16 @@ class RequestSink:
             self._queued_bytes += _estimated_bytes(row)
             if len(self._queued) >= self._max_pending_rows or self._queued_bytes >= self._max_pending_bytes:
                 overflow, self._queued, self._queued_bytes = self._queued, [], 0
+                if len(self._overflows) < MAX_OVERFLOWS_WAITING:
+                    self._overflows.append((overflow, new_batch_token()))
+                    self._overflow_rows += len(overflow)
+                    self._condition.notify_all()
+                    overflow = None
             elif len(self._queued) >= self._batch_rows:
                 self._condition.notify_all()  # all: one notify could wake a feed_views() caller, not the writer
         if overflow:
-            logger.warning("store is slow: spooling %d queued rows to %s", len(overflow), self._spool.directory)
-            self._spool_rows(overflow, new_batch_token())
+            self._record_failure(f"lost {len(overflow)} rows: the store is slow and the disk too, "
+                                 f"{MAX_OVERFLOWS_WAITING} overflows still wait to be spooled", lost=len(overflow))
 
     @property
     def rows_written(self) -> int:
@@ -195,7 +213,7 @@ class RequestSink:
     @property
     def rows_pending(self) -> int:
         with self._condition:
-            return len(self._queued) + len(self._in_flight)
+            return len(self._queued) + len(self._in_flight) + self._overflow_rows
 
     @property
     def last_error(self) -> str | None:
@@ -205,7 +223,7 @@ class RequestSink:
         with self._condition:
             return SinkStats(
                 rows_written=self._rows_written,
-                rows_pending=len(self._queued) + len(self._in_flight),
+                rows_pending=len(self._queued) + len(self._in_flight) + self._overflow_rows,
                 rows_spooled=self._spool.rows,
                 rows_rejected=self._rows_rejected,
                 rows_lost=self._rows_lost,
@@ -237,7 +255,9 @@ class RequestSink:
                 return self.stats()
             self._closing = True
             self._condition.notify_all()  # the writer thread and any feed_views() caller
-        self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        self._spooler.join(timeout)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             with self._condition:
                 self._abandoned = True
@@ -258,6 +278,22 @@ class RequestSink:
                                  " (rollups, ends, figures): the store did not take the last feed")
         self._spool.close()
         return self.stats()
+
+    # -- the spooling thread ----------------------------------------------------
+
+    def _spool_overflows(self) -> None:
+        """Writes what put() handed over to the spool, oldest first, until the sink closes and none is left."""
+        while True:
+            with self._condition:
+                self._condition.wait_for(lambda: self._overflows or self._closing)
+                if not self._overflows:
+                    return
+                rows, token = self._overflows[0]
+            logger.warning("store is slow: spooling %d queued rows to %s", len(rows), self._spool.directory)
+            self._spool_rows(rows, token)
+            with self._condition:
+                self._overflows.pop(0)
+                self._overflow_rows -= len(rows)
 
     # -- the writer thread ------------------------------------------------------
 

@@ -712,7 +712,8 @@ def test_put_spools_itself_when_too_many_rows_pile_up(tmp_path):
     try:
         for conn_id in range(5):
             sink.put(make_row(conn_id=conn_id))
-        assert (sink.rows_spooled, sink.rows_pending) == (5, 0)  # spooled by put itself, not dropped
+        # Spooled, not dropped, while the writer waits on its retry.
+        wait_until(lambda: (sink.rows_spooled, sink.rows_pending) == (5, 0))
     finally:
         sink.close(timeout=WAIT_S)
 
