@@ -30,6 +30,7 @@ from ..agent.capture.kernel.tls_libraries import skipped_files, unreadable_tls
 from ..agent.capture.tracker import DEFAULT_IDLE_TIMEOUT_S, ConnectionTracker
 from ..agent.export.metrics_endpoint import AgentMetrics
 from ..agent.export.otel_export import OtelExporter
+from ..agent.heartbeat import HEARTBEAT_FILE, Heartbeat
 from ..agent.sampling.dcgm import DcgmScraper
 from ..agent.sampling.engine_metrics import EngineScraper
 from ..agent.sampling.gpu import NvmlSampler, ServerGpuMap
@@ -38,12 +39,14 @@ from ..analytics.alerting import AlertmanagerClient
 from ..analytics.config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
 from ..analytics.live import LiveAnalysis
 from ..analytics.outlets import AlertmanagerOutlet, MetricsOutlet, OtelOutlet
+from ..contract.gaps import AGENT_GAPS
 from ..contract.tenant import DEFAULT_TENANT_HEADER
 from ..store.client import Store, StoreUnavailable
 from ..store.embedded import open_store
 from ..store.schema import create_request_gpu_state_view
-from ..store.sink import RequestSink
+from ..store.sink import RequestSink, default_spool_dir
 from ..store.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_MAX_BYTES
+from ..store.url import parse_store_url
 
 log = logging.getLogger("tokenprobe.agent")
 
@@ -113,6 +116,7 @@ class AgentConfig:
     analysis: AnalyticsConfig = DEFAULT_CONFIG      # its thresholds, SLOs and look-backs
     alertmanager_urls: list[str] = field(default_factory=list)  # post the live analysis' findings here
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a connection with no I/O this long is forgotten
+    heartbeat_file: Path | None = None  # where the agent notes it traces; None: beside the store's spool
 
 
 @dataclass
@@ -371,6 +375,30 @@ class StatusLine:
             self.stream.flush()
 
 
+class BlindWindows:
+    """The windows in which no agent traced this node (agent/heartbeat.py): found at start from the last
+    run's heartbeat, stored in agent_gaps through a sink of their own (spooled while the store is down)
+    and counted in the metrics."""
+
+    def __init__(self, path: Path, store: Store | str, node: str) -> None:
+        self.heartbeat, self.node = Heartbeat(path), node
+        self.sink = RequestSink(store, table=AGENT_GAPS.name, flush_interval=0.5,
+                                column_types={column.name: column.type for column in AGENT_GAPS.columns})
+        self.traced_until: float | None = None  # when the probes closed
+
+    def start(self, durable_until: float, metrics: AgentMetrics | None) -> None:
+        window = self.heartbeat.start(durable_until)
+        if window:
+            self.sink.put(window.row(self.node))
+        if metrics:
+            metrics.set_blind_windows(self.heartbeat.windows_total, self.heartbeat.blind_seconds_total)
+
+    def stop(self, durable_until: float) -> None:
+        """After the request sink closed: what it could not make durable starts the next window."""
+        self.sink.close()
+        self.heartbeat.stop(durable_until, self.traced_until)
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -404,13 +432,18 @@ class Agent:
         sink = RequestSink(store or cfg.store_url, spool_max_bytes=cfg.spool_max_bytes)
         exporters = Exporters(cfg, node)
         services = StoreServices(cfg, node, clock, exporters, sink)
+        blind = None
         try:
+            blind = BlindWindows(cfg.heartbeat_file or default_spool_dir(parse_store_url(cfg.store_url))
+                                 / HEARTBEAT_FILE, store or cfg.store_url, node)
             services.start(store)
-            summary = self._run_probes(sink, clock, node, exporters)
+            summary = self._run_probes(sink, clock, node, exporters, blind)
         finally:
             services.stop()
             exporters.close()
             sink.close()
+            if blind:
+                blind.stop(sink.durable_until)
             if store is not None:
                 store.close()
         # Counted after close(): it flushes (or spools) the last batch.
@@ -418,7 +451,7 @@ class Agent:
         return summary
 
     def _run_probes(self, sink: RequestSink, clock: MonotonicWallClock, node: str,
-                    exporters: Exporters) -> AgentSummary:
+                    exporters: Exporters, blind: BlindWindows | None = None) -> AgentSummary:
         cfg = self.config
         probes = Probes(cfg.targets, ringbuf_pages=cfg.ringbuf_pages)
 
@@ -443,6 +476,8 @@ class Agent:
         probes.open(handle)
         exporters.agent_stats(tracker, 0, 0.0, 0.0, sink, probes.map_overflows(), probes.map_sizes())
         exporters.serve_metrics()  # after the probes attach: readiness means tracing
+        if blind:  # tracing from here: the window since the last run ends now
+            blind.start(sink.durable_until, exporters.metrics)
         t = cfg.targets
         log.info("tracing ports %s pids %s exes %s; OpenSSL probed: %s; Go crypto/tls probed: %s", t.ports or "-",
                  t.pids or "-", t.exes or "-", ", ".join(probes.attached_ssl) or "none",
@@ -475,6 +510,8 @@ class Agent:
                     last_tick, last_events = now, tracker.stats.events
                     drops = probes.drops()
                     exporters.agent_stats(tracker, drops, lag.seconds(), rate, sink, probes.map_overflows())
+                    if blind:
+                        blind.heartbeat.beat(sink.durable_until)
                     offer_inflight(exporters.live, tracker)
                     if status:
                         status.show(self._status_text(tracker, drops, sink, rate, now - started))
@@ -490,6 +527,8 @@ class Agent:
             # Read before close(): the program's maps go with it.
             drops, overflows = probes.drops(), probes.map_overflows()
             probes.close()
+            if blind:
+                blind.traced_until = time.time()
             if status:
                 status.show(self._status_text(tracker, drops, sink, 0.0, time.monotonic() - started),
                             final=True)

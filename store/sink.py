@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -144,7 +145,7 @@ class RequestSink:
         self._max_pending_bytes = max_pending_bytes
         self._retry_min_s = retry_min_s
         self._retry_max_s = retry_max_s
-        self._spool = Spool(Path(spool_dir).expanduser() if spool_dir else _default_spool_dir(target) / table,
+        self._spool = Spool(Path(spool_dir).expanduser() if spool_dir else default_spool_dir(target) / table,
                             max_bytes=spool_max_bytes)
 
         # Guards the queue, the flags and the counters that both threads touch.
@@ -171,7 +172,10 @@ class RequestSink:
         self._unfed_groups: list[tuple[list[pa.Table], str]] = []
         self._feed_asked = False
         self._feeds = 0  # done by the writer thread: feed_views() waits for the next one
-        self._overflows: list[tuple[list[dict], str]] = []  # handed to the spooling thread, not yet written
+        # Every row put before this wall time is written, spooled, or counted lost or rejected.
+        self._durable_until = time.time()
+        # Handed to the spooling thread, not yet written: rows, token, wall time handed over.
+        self._overflows: list[tuple[list[dict], str, float]] = []
         self._overflow_rows = 0
         self._thread = threading.Thread(target=self._run, name=f"tokenprobe-sink-{table}", daemon=True)
         self._thread.start()
@@ -192,7 +196,7 @@ class RequestSink:
             if len(self._queued) >= self._max_pending_rows or self._queued_bytes >= self._max_pending_bytes:
                 overflow, self._queued, self._queued_bytes = self._queued, [], 0
                 if len(self._overflows) < MAX_OVERFLOWS_WAITING:
-                    self._overflows.append((overflow, new_batch_token()))
+                    self._overflows.append((overflow, new_batch_token(), time.time()))
                     self._overflow_rows += len(overflow)
                     self._condition.notify_all()
                     overflow = None
@@ -214,6 +218,14 @@ class RequestSink:
     def rows_pending(self) -> int:
         with self._condition:
             return len(self._queued) + len(self._in_flight) + self._overflow_rows
+
+    @property
+    def durable_until(self) -> float:
+        """The wall time (s) before which every row put is written or spooled (or counted lost or
+        rejected): what a crash now would not lose. The agent's heartbeat records it."""
+        with self._condition:
+            handed = self._overflows[0][2] if self._overflows else math.inf
+            return min(self._durable_until, handed)
 
     @property
     def last_error(self) -> str | None:
@@ -288,7 +300,7 @@ class RequestSink:
                 self._condition.wait_for(lambda: self._overflows or self._closing)
                 if not self._overflows:
                     return
-                rows, token = self._overflows[0]
+                rows, token, _handed = self._overflows[0]
             logger.warning("store is slow: spooling %d queued rows to %s", len(rows), self._spool.directory)
             self._spool_rows(rows, token)
             with self._condition:
@@ -311,12 +323,15 @@ class RequestSink:
                 token = self._in_flight_token
                 finished = self._closing and not self._queued
                 asked = self._feed_asked
+                emptied_at = None if self._queued else time.time()  # all put before it is in this batch
             started = time.thread_time()
             self._deliver(batch, token)
             if finished or asked or time.monotonic() >= self._views_due:
                 self._feed_views()
             with self._condition:
                 self._in_flight = []
+                if emptied_at is not None:
+                    self._durable_until = max(self._durable_until, emptied_at)
                 self._cpu_s += time.thread_time() - started
                 if asked:
                     self._feed_asked = False
@@ -451,7 +466,9 @@ class RequestSink:
         logger.error("%s", message)
 
 
-def _default_spool_dir(target: StoreURL) -> Path:
+def default_spool_dir(target: StoreURL) -> Path:
+    """Where the sinks of a store spool by default (one folder a table below): kept per store, beside an
+    embedded one; the agent's heartbeat lives there too."""
     if target.kind == "embedded":
         return Path(target.path) / EMBEDDED_SPOOL_DIR
     return DEFAULT_SPOOL_DIR.expanduser()

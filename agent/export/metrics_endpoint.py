@@ -284,6 +284,10 @@ _AGENT_STATS = {
     "sample_rows_dropped_total": ("counter", ("GPU and engine sample rows dropped: not fitting their table, or the "
                                               "oldest of a buffer the store did not take in time")),
     "sampler_write_cpu_seconds_total": ("counter", "CPU the samplers' inserts took, an embedded store's work included"),
+    # From the agent's heartbeat (agent/heartbeat.py), counted across the agent's restarts.
+    "blind_windows_total": ("counter", ("Windows in which no agent traced this node (a stop, a crash, a restart's "
+                                        "start-up), found at each start; each is a row of agent_gaps")),
+    "blind_seconds_total": ("counter", "Seconds of those windows: nothing was traced in them"),
     # From the live analysis (analytics/live.py).
     "analysis_passes_total": ("counter", "Live analysis passes that completed"),
     "analysis_failures_total": ("counter", "Live analysis passes that failed (retried at the next window)"),
@@ -473,6 +477,11 @@ class AgentMetrics:
         self._agent_stats.update(
             {name: _check_number(name, value) for name, value in given.items() if value is not None},
             map_sizes, map_overflows)
+
+    def set_blind_windows(self, windows_total: int, seconds_total: float) -> None:
+        """The windows no agent traced this node in, and their seconds, since the heartbeat file began."""
+        self._agent_stats.update({"blind_windows_total": _check_number("blind_windows_total", windows_total),
+                                  "blind_seconds_total": _check_number("blind_seconds_total", seconds_total)})
 
     def set_skipped_files(self, by_reason: Mapping[str, int]) -> None:
         """Files the TLS scans skipped since the agent started, by reason (``tls_libraries.skipped_files``)."""
