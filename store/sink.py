@@ -224,6 +224,8 @@ class RequestSink:
         """The wall time (s) before which every row put is written or spooled (or counted lost or
         rejected): what a crash now would not lose. The agent's heartbeat records it."""
         with self._condition:
+            if not (self._queued or self._in_flight or self._overflows):
+                return time.time()  # nothing put is waiting: all of it is durable now
             handed = self._overflows[0][2] if self._overflows else math.inf
             return min(self._durable_until, handed)
 

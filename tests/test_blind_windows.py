@@ -99,11 +99,12 @@ def test_the_sinks_durable_mark_follows_what_is_written_or_spooled(tmp_path: Pat
     try:
         before = time.time()
         sink.put(make_row(conn_id=1))
-        wait_until(lambda: sink.rows_spooled == 1)
-        assert sink.durable_until >= before  # the row is on disk
+        wait_until(lambda: sink.rows_spooled == 1 and sink.durable_until >= before)  # the row is on disk
         held = time.time()
         sink.put(make_row(conn_id=2))
         assert sink.durable_until < held  # queued, not yet durable
         wait_until(lambda: sink.rows_spooled == 2 and sink.durable_until > held)
+        idle = time.time()
+        assert sink.durable_until >= idle  # nothing waits: durable up to now
     finally:
         sink.close(timeout=WAIT_S)
