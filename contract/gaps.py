@@ -12,8 +12,8 @@ run's probes attached (the BPF compile of a restart lies inside).
 from __future__ import annotations
 
 from .tables import (
+    INTEGER_CODEC,
     OPAQUE_CODEC,
-    SORTED_TIMESTAMP_CODEC,
     TIMESTAMP_CODEC,
     TIMESTAMP_TYPE,
     Column,
@@ -30,12 +30,12 @@ _LABEL = "LowCardinality(String)"
 AGENT_GAPS = Table(
     AGENT_GAPS_TABLE,
     (
-        Column("gap_start", TIMESTAMP_TYPE, SORTED_TIMESTAMP_CODEC),
+        Column("gap_start", TIMESTAMP_TYPE, TIMESTAMP_CODEC),  # a few rows a day: no codec is worth more
         Column("gap_end", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
         Column("node", _LABEL, OPAQUE_CODEC),
         Column("reason", _LABEL, OPAQUE_CODEC),  # stopped | crashed
         Column("seconds", "Float64", OPAQUE_CODEC),
-        Column("last_pid", "UInt32", OPAQUE_CODEC),  # the run that went blind
+        Column("last_pid", "UInt32", INTEGER_CODEC),  # the run that went blind
     ),
     partition_by="gap_start", order_by="node, gap_start", ttl_column="gap_start",
 )

@@ -78,7 +78,8 @@ def test_a_window_is_an_agent_gaps_row(tmp_path: Path):
     store = open_store(f"chdb://{tmp_path / 'store'}", serve=False)
     try:
         store.ensure_schema()
-        row = BlindWindow(1_700_000_000.5, 1_700_000_015.25, CRASHED, 4242).row("node-a")
+        start = float(int(time.time()) - 60)  # recent: the table's TTL drops old rows
+        row = BlindWindow(start + 0.5, start + 15.25, CRASHED, 4242).row("node-a")
         store.insert_arrow(AGENT_GAPS.name, AGENT_GAPS.arrow([row]))
         stored = store.query_df("SELECT node, reason, seconds, last_pid, toUnixTimestamp64Nano(gap_start) AS s, "
                                 "toUnixTimestamp64Nano(gap_end) AS e FROM tokenprobe.agent_gaps")
@@ -88,7 +89,7 @@ def test_a_window_is_an_agent_gaps_row(tmp_path: Path):
     assert {k: got[k] for k in ("node", "reason", "seconds", "last_pid")} == {
         "node": "node-a", "reason": CRASHED, "seconds": 14.75, "last_pid": 4242}
     # Wall seconds as floats hold about a quarter of a microsecond at today's dates.
-    assert abs(got["s"] - 1_700_000_000_500_000_000) < 1000 and abs(got["e"] - 1_700_000_015_250_000_000) < 1000
+    assert abs(got["s"] - (start + 0.5) * 1e9) < 1000 and abs(got["e"] - (start + 15.25) * 1e9) < 1000
 
 
 def test_the_sinks_durable_mark_follows_what_is_written_or_spooled(tmp_path: Path):

@@ -466,12 +466,12 @@ SETTINGS non_replicated_deduplication_window = 1000;
 
 CREATE TABLE IF NOT EXISTS tokenprobe.agent_gaps_local ON CLUSTER '{cluster}'
 (
-    `gap_start` DateTime64(9, 'UTC') CODEC(DoubleDelta, ZSTD(1)),
+    `gap_start` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
     `gap_end` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
     `node` LowCardinality(String) CODEC(ZSTD(1)),
     `reason` LowCardinality(String) CODEC(ZSTD(1)),
     `seconds` Float64 CODEC(ZSTD(1)),
-    `last_pid` UInt32 CODEC(ZSTD(1))
+    `last_pid` UInt32 CODEC(T64, ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(gap_start)
