@@ -13,6 +13,7 @@ import itertools
 import os
 import struct
 import threading
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -20,7 +21,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenprobe.agent.capture.kernel import tls_libraries
-from tokenprobe.agent.capture.kernel.elf import MalformedElf, exported_names, open_elf
+from tokenprobe.agent.capture.kernel.elf import (
+    MAX_SYMBOLS,
+    MalformedElf,
+    exported_names,
+    open_elf,
+)
 from tokenprobe.agent.capture.kernel.go_tls import (
     GO_TLS_READ,
     GoTlsUnprobed,
@@ -194,6 +200,25 @@ def test_truncated_or_extended_files_are_answered_or_counted(tmp_path: Path, cut
     path = tmp_path / "cut.so"
     path.write_bytes(VALID_GO[:cut] + junk)
     _read_every_way(path)
+
+
+def test_a_huge_table_of_empty_symbols_is_refused_before_it_is_walked(tmp_path: Path):
+    """A sparse file of 100 MiB holding a .dynsym of 4M+ zeroed symbols: walking it would cost the scan
+    seconds of CPU for nothing; it is refused at once."""
+    path = tmp_path / "sparse.so"
+    path.write_bytes(VALID)
+    size = (MAX_SYMBOLS + 1) * _SYMBOL.size
+    with open(path, "r+b") as f:
+        f.truncate(len(VALID) + size)  # sparse: no disk, zero pages when read
+    at = len(VALID)
+    data = _mutated(VALID, FIELDS, [(14 + 20 + 4, at, 8), (14 + 20 + 5, size, 8)])  # .dynsym offset and size
+    with open(path, "r+b") as f:
+        f.write(data)
+    before = skipped_files().get("malformed_elf", 0)
+    started = time.perf_counter()
+    elf_tls(str(path), ("huge", 0))
+    assert time.perf_counter() - started < 0.5
+    assert skipped_files()["malformed_elf"] == before + 1
 
 
 def test_sizes_the_file_states_allocate_nothing(tmp_path: Path):

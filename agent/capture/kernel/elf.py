@@ -15,7 +15,7 @@ import stat
 import struct
 from collections.abc import Iterator
 
-__all__ = ["EM_X86_64", "MAX_NAME_BYTES", "MAX_SECTIONS", "SHT_DYNSYM", "SHT_NOBITS", "SHT_SYMTAB", "MalformedElf",
+__all__ = ["EM_X86_64", "MAX_NAME_BYTES", "MAX_SECTIONS", "MAX_SYMBOLS", "SHT_DYNSYM", "SHT_NOBITS", "SHT_SYMTAB", "MalformedElf",
            "exported_names", "file_bytes", "file_offset", "machine", "open_elf", "string_at", "symbol_entries"]
 
 _ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")
@@ -28,6 +28,9 @@ MAX_SECTIONS = 65535
 # Every name the agent looks for is under 64 bytes: a longer one is read as its first
 # MAX_NAME_BYTES, which match nothing sought, so a string table without NULs costs no more.
 MAX_NAME_BYTES = 256
+# Symbols a table may hold: the largest here (node's .symtab) holds 110k; a table past this is refused
+# before it is walked, so a file cannot buy seconds of the scan with a huge table of empty symbols.
+MAX_SYMBOLS = 1 << 22
 
 
 class MalformedElf(ValueError):
@@ -112,6 +115,8 @@ def symbol_entries(elf: mmap.mmap, sections: list[tuple], kind: int) -> Iterator
                                f"which is no string table (of {len(sections)} sections)")
         strings = _extent(elf, sections[link], "a string table")
         start, end = _extent(elf, section, "a symbol table")
+        if (end - start) // _SYMBOL.size > MAX_SYMBOLS:
+            raise MalformedElf(f"a symbol table of {(end - start) // _SYMBOL.size} symbols (at most {MAX_SYMBOLS})")
         for pos in range(start, end - _SYMBOL.size + 1, _SYMBOL.size):
             name, _info, _other, shndx, value, size = _SYMBOL.unpack_from(elf, pos)
             if name:
