@@ -34,7 +34,7 @@ from .capture.inflight import inflight_snapshot
 from .capture.kernel.clock import MonotonicWallClock
 from .capture.kernel.loader import Probes, Targets
 from .capture.kernel.procfs import target_port_sockets
-from .capture.kernel.tls_libraries import unreadable_tls
+from .capture.kernel.tls_libraries import skipped_files, unreadable_tls
 from .capture.tracker import DEFAULT_IDLE_TIMEOUT_S, ConnectionTracker
 from .export.metrics_endpoint import AgentMetrics
 from .export.otel_export import OtelExporter
@@ -76,6 +76,7 @@ class RowSink(Protocol):
 
     rows_written: int
     rows_spooled: int
+    durable_until: float  # rows taken before this Unix time are stored or spooled to disk
 
     def put(self, row: dict) -> None: ...
     def stats(self): ...
@@ -92,6 +93,16 @@ class LivePasses(Protocol):
 
     def inflight_wanted(self) -> bool: ...
     def offer_inflight(self, snapshot, wall_ns: int) -> None: ...
+
+
+class BlindWindowLog(Protocol):
+    """Where the windows the agent did not trace are noted (cli/agent.py's BlindWindows, agent/heartbeat.py)."""
+
+    traced_until: float | None
+
+    def start(self, durable_until: float, metrics: AgentMetrics | None) -> None: ...
+    def beat(self, durable_until: float) -> None: ...
+    def stop(self, durable_until: float) -> None: ...
 
 
 class Closable(Protocol):
@@ -202,6 +213,7 @@ class Exporters:
                 map_sizes=map_sizes, map_overflows=map_overflows,
                 batched_writes_total=stats.steady_writes, lost_events_total=stats.lost_events,
                 unknown_ends_total=stats.unknown_ends)
+            self.metrics.set_skipped_files(skipped_files())
             if self.live:
                 self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
                                                 analysed_until_s=self.live.watermark_ns / 1e9,
@@ -387,23 +399,26 @@ class AgentRunner:
                 signal.signal(sig, handler)
 
     def run(self, sink: RowSink, exporters: Exporters, services: StoreServices, store: Closable | None,
-            clock: MonotonicWallClock, node: str) -> AgentSummary:
+            clock: MonotonicWallClock, node: str, blind: BlindWindowLog) -> AgentSummary:
         """Traces until stopped; then stops every stage, in reverse order of their start. ``store``: the
-        store opened at start (None while it does not answer), handed to the services and closed last."""
+        store opened at start (None while it does not answer), handed to the services and closed last;
+        ``blind``: where the windows this node was not traced are noted."""
         try:
             services.start(store)
-            summary = self._capture(sink, clock, node, exporters)
+            summary = self._capture(sink, clock, node, exporters, blind)
         finally:
             services.stop()
             exporters.close()
             sink.close()
+            blind.stop(sink.durable_until)
             if store is not None:
                 store.close()
         # Counted after close(): it flushes (or spools) the last batch.
         summary.rows_written, summary.rows_spooled = sink.rows_written, sink.rows_spooled
         return summary
 
-    def _capture(self, sink: RowSink, clock: MonotonicWallClock, node: str, exporters: Exporters) -> AgentSummary:
+    def _capture(self, sink: RowSink, clock: MonotonicWallClock, node: str, exporters: Exporters,
+                 blind: BlindWindowLog) -> AgentSummary:
         """Probes → tracker → sink and exporters, until stopped or the duration ends."""
         cfg = self.config
         identities = IdentityResolver(connect_runtime(cfg.runtime_socket) if cfg.identity else None)
@@ -438,6 +453,7 @@ class AgentRunner:
         probes.open(handle)
         exporters.agent_stats(tracker, 0, 0.0, 0.0, sink, probes.map_overflows(), probes.map_sizes())
         exporters.serve_metrics()  # after the probes attach: readiness means tracing
+        blind.start(sink.durable_until, exporters.metrics)  # tracing from here: the window since the last run ends
         t = cfg.targets
         log.info("tracing ports %s pids %s exes %s; OpenSSL probed: %s; Go crypto/tls probed: %s", t.ports or "-",
                  t.pids or "-", t.exes or "-", ", ".join(probes.attached_ssl) or "none",
@@ -471,6 +487,7 @@ class AgentRunner:
                     last_tick, last_events = now, tracker.stats.events
                     drops = probes.drops()
                     exporters.agent_stats(tracker, drops, lag.seconds(), rate, sink, probes.map_overflows())
+                    blind.beat(sink.durable_until)
                     offer_inflight(exporters.live, tracker)
                     if status:
                         status.show(self._status_text(tracker, drops, sink, rate, now - started))
@@ -488,6 +505,7 @@ class AgentRunner:
             # Read before close(): the program's maps go with it.
             drops, overflows = probes.drops(), probes.map_overflows()
             probes.close()
+            blind.traced_until = time.time()
             if status:
                 status.show(self._status_text(tracker, drops, sink, 0.0, time.monotonic() - started),
                             final=True)

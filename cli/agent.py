@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from ..agent.capture.kernel.clock import MonotonicWallClock
 from ..agent.capture.kernel.loader import Targets
 from ..agent.capture.tracker import DEFAULT_IDLE_TIMEOUT_S
+from ..agent.heartbeat import HEARTBEAT_FILE, Heartbeat
 from ..agent.runner import (
     AgentRunner,
     AgentSummary,
@@ -30,12 +32,14 @@ from ..analytics.alerting import AlertmanagerClient
 from ..analytics.config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
 from ..analytics.live import LiveAnalysis
 from ..analytics.outlets import AlertmanagerOutlet, MetricsOutlet, OtelOutlet
+from ..contract.gaps import AGENT_GAPS
 from ..contract.tenant import DEFAULT_TENANT_HEADER
 from ..store.client import Store, StoreUnavailable
 from ..store.embedded import open_store
 from ..store.schema import create_request_gpu_state_view
-from ..store.sink import RequestSink
+from ..store.sink import RequestSink, default_spool_dir
 from ..store.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_MAX_BYTES
+from ..store.url import parse_store_url
 
 __all__ = ["Agent", "AgentConfig", "AgentSummary", "SamplerConfig", "before_each_pass"]
 
@@ -93,6 +97,7 @@ class AgentConfig:
     alertmanager_urls: list[str] = field(default_factory=list)  # post the live analysis' findings here
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a connection with no I/O this long is forgotten
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    heartbeat_file: Path | None = None  # where the agent notes it traces; None: beside the store's spool
 
     def capture(self) -> CaptureConfig:
         k8s = self.kubernetes
@@ -135,6 +140,33 @@ def start_live_analysis(cfg: AgentConfig, store: Store, node: str, exporters: Ex
     return live
 
 
+class BlindWindows:
+    """The windows in which no agent traced this node (agent/heartbeat.py): found at start from the last
+    run's heartbeat, stored in agent_gaps through a sink of their own (spooled while the store is down)
+    and counted in the metrics."""
+
+    def __init__(self, path: Path, store: Store | str, node: str) -> None:
+        self.heartbeat, self.node = Heartbeat(path), node
+        self.sink = RequestSink(store, table=AGENT_GAPS.name, flush_interval=0.5,
+                                column_types={column.name: column.type for column in AGENT_GAPS.columns})
+        self.traced_until: float | None = None  # when the probes closed
+
+    def start(self, durable_until: float, metrics) -> None:
+        window = self.heartbeat.start(durable_until)
+        if window:
+            self.sink.put(window.row(self.node))
+        if metrics:
+            metrics.set_blind_windows(self.heartbeat.windows_total, self.heartbeat.blind_seconds_total)
+
+    def beat(self, durable_until: float) -> None:
+        self.heartbeat.beat(durable_until)
+
+    def stop(self, durable_until: float) -> None:
+        """After the request sink closed: what it could not make durable starts the next window."""
+        self.sink.close()
+        self.heartbeat.stop(durable_until, self.traced_until)
+
+
 class Agent:
     """The agent as `tokenprobe agent` and the demo run it."""
 
@@ -170,7 +202,9 @@ class Agent:
                 return [samplers, *([live] if live else [])]
 
             services = StoreServices(self._open_store, bring_up)
-            return self._runner.run(sink, exporters, services, store, clock, node)
+            blind = BlindWindows(cfg.heartbeat_file or default_spool_dir(parse_store_url(cfg.store_url))
+                                 / HEARTBEAT_FILE, store or cfg.store_url, node)
+            return self._runner.run(sink, exporters, services, store, clock, node, blind)
 
     def _open_store(self) -> Store | None:
         """The store, or None while it does not answer (said in the log)."""

@@ -18,6 +18,7 @@ from .analysis import (
 from .decisions import DECISIONS
 from .ends import REQUEST_ENDS, REQUEST_ENDS_MV
 from .figures import REQUEST_FIGURES, REQUEST_FIGURES_MV
+from .gaps import AGENT_GAPS
 from .inflight import INFLIGHT_SAMPLES
 from .requests import REQUESTS, REQUESTS_FOR_VIEWS, REQUESTS_TABLE
 from .rollup import KNEE_ROLLUP, KNEE_ROLLUP_MV, ROLLUP, ROLLUP_MV
@@ -40,6 +41,7 @@ TABLES: tuple[Table, ...] = (
     KNEE_ROLLUP,
     REQUEST_ENDS,
     REQUEST_FIGURES,
+    AGENT_GAPS,
 )
 # Created after every table: a materialized view needs the tables it reads and writes.
 MATERIALIZED_VIEWS: tuple[View, ...] = (ROLLUP_MV, KNEE_ROLLUP_MV, REQUEST_ENDS_MV, REQUEST_FIGURES_MV)

@@ -24,6 +24,8 @@ SERVERS_PAGE = DOCS / "servers.md"
 
 # What each table is for, one line each; every table of the registry needs one.
 TABLE_PURPOSE = {
+    "agent_gaps": "the windows in which a node's agent traced nothing (stopped, or crashed: then with the rows it "
+                  "held in memory), from its heartbeat, written when the next run starts (docs/reliability.md).",
     "requests": "one row per HTTP request the agent saw: the row every figure starts from. Written by the "
                 "agent.",
     "gpu_samples": "one row per GPU device per sample, from NVML (`--nvml-hz`) or dcgm-exporter (`--dcgm`).",
@@ -177,6 +179,15 @@ COLUMN_MEANING = {
         "ttft_mean_s": "the engine's own mean TTFT, from its histogram",
         "prefill_mean_s": "the engine's own mean prefill time, where it exports one (vLLM)",
         "raw": "every other series of the page, by name",
+    },
+    "agent_gaps": {
+        "gap_start": "the last run's clean stop, or after a crash the earliest of its last heartbeat and what "
+                     "its sink had made durable",
+        "gap_end": "when this run's probes attached (a restart's BPF compile lies inside)",
+        "node": "the node",
+        "reason": "`stopped` or `crashed`",
+        "seconds": "gap_end − gap_start",
+        "last_pid": "the agent process that went blind",
     },
     "server_gpus": {
         "pid": "the process NVML saw holding memory, walked up to the one that serves HTTP; 0 for a configured "

@@ -682,8 +682,10 @@ def test_gap_hiding_the_next_request_start():
     conn.request(1, wire[:1000], len(wire), wire[-500:])  # first's end and second's start unseen
     assert conn.started[0].req_end_ns == 1 and len(conn.started) == 1
     assert "hides the start of the next request" in conn.asm.error
-    [ex] = conn.response(2, http_response(200, b"{}") + http_response(201, b"{}"))
-    assert (ex.path, ex.status, ex.outcome) == ("/a", 200, "complete")
+    ex, hidden = conn.response(2, http_response(200, b"{}") + http_response(201, b"{}"))
+    assert (ex.path, ex.status, ex.outcome, ex.request_seen) == ("/a", 200, "complete", True)
+    # The second's response answers the request the gap hid: a row of its own, its request unseen.
+    assert (hidden.path, hidden.status, hidden.request_seen) == ("", 201, False)
     assert conn.close(3, "server_closed") == []
 
 
@@ -1088,3 +1090,29 @@ def test_fuzz_random_bytes_and_lengths(segments):
         conn.response(ts, tail + head, total_len, head)
     conn.close(len(segments), "reset")
     assert_invariants(conn)
+
+
+def test_requests_pipelined_in_one_write_past_the_capture_are_rows_that_say_so():
+    """Issue 35: 1,000 requests pipelined in one write (223 KB) are captured as its first 64 KiB and last
+    4 KiB; the requests in between were never opened and their responses skipped: 706 left no row, and
+    nothing said so. Each response a request in the gap waits for is now a row, its request unseen
+    (capture "dropped", never in a latency figure)."""
+    from tokenprobe.agent.capture.kernel.records import HEAD_CAP, TAIL_CAP
+    from tokenprobe.agent.capture.tracker import ConnectionTracker, Fidelity
+
+    body = b'{"model": "m", "prompt": "' + b"x" * 100 + b'"}'
+    one = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    data = one * 1000
+    conn = Conn()
+    conn.request(1, data[:HEAD_CAP], len(data), data[-TAIL_CAP:])
+    for i in range(1000):
+        conn.response(10 + i, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    assert len(conn.finished) == 1000
+    seen = -(-HEAD_CAP // len(one))  # the last of them runs into the gap past its headers: a skipped body stretch
+    assert HEAD_CAP % len(one) > data.index(b"\r\n\r\n") + 4
+    assert all(ex.request_seen and ex.path == "/v1/completions" for ex in conn.finished[:seen])
+    hidden = conn.finished[seen:]
+    assert all(not ex.request_seen and ex.status == 200 and "capture gap" in ex.error for ex in hidden)
+    assert {ConnectionTracker._capture(ex, Fidelity()) for ex in hidden} == {"dropped"}
+    assert ConnectionTracker._capture(conn.finished[0], Fidelity()) == "exact"

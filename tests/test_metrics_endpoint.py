@@ -250,6 +250,15 @@ def test_bounded_state_figures(metrics):
     assert page.families["tokenprobe_agent_map_overflows_total"].type == "counter"
 
 
+def test_files_the_scans_skipped_are_counted_by_reason(metrics):
+    metrics.set_skipped_files({"malformed_elf": 1})
+    metrics.set_skipped_files({"malformed_elf": 2, "unreadable": 7})
+    page = read(metrics)
+    assert value(page, "tokenprobe_agent_skipped_files_total", reason="malformed_elf") == 2
+    assert value(page, "tokenprobe_agent_skipped_files_total", reason="unreadable") == 7
+    assert page.families["tokenprobe_agent_skipped_files_total"].type == "counter"
+
+
 def test_scrapes_while_rows_arrive_from_other_threads(metrics):
     def feed():
         for _ in range(500):

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenprobe.store.server import StoreServer
-from tokenprobe.store.sink import RequestSink
+from tokenprobe.store.sink import MAX_OVERFLOWS_WAITING, RequestSink
 from tokenprobe.store.spool import Spool, new_batch_token
 
 from tests.support import WAIT_S, free_port, wait_until
@@ -124,7 +124,39 @@ def test_put_spools_when_the_queue_outgrows_its_byte_bound(tmp_path):
         long_stream = list(range(0, 8_000_000, 1000))  # 8000 token offsets: ~256 KiB in memory
         for conn_id in range(4):
             sink.put(make_row(conn_id=conn_id, token_offsets_us=long_stream, token_events=len(long_stream)))
-        assert (sink.rows_spooled, sink.rows_pending) == (4, 0)
+        wait_until(lambda: (sink.rows_spooled, sink.rows_pending) == (4, 0))
+    finally:
+        sink.close(timeout=WAIT_S)
+
+
+def test_spooling_never_blocks_put_and_a_stalled_disk_drops_and_counts(tmp_path):
+    """Issue 35: while spooling, put() blocked the agent's capture loop for 670 ms (the overflow's Arrow
+    conversion and disk write ran on the caller). Now the spooling thread does both; a disk that stalls
+    (here: the spool's lock held) holds MAX_OVERFLOWS_WAITING overflows, the one in its write included,
+    and one more is lost and counted."""
+    overflow_rows = 5000
+    sink = RequestSink(f"http://127.0.0.1:{free_port()}/", spool_dir=tmp_path / "spool", flush_interval=600,
+                       batch_rows=overflow_rows, max_pending_rows=overflow_rows, retry_min_s=60)
+    rows = [make_row(conn_id=conn_id) for conn_id in range(overflow_rows)]
+    try:
+        slowest = 0.0
+        for overflows in range(1, 4):  # the put() that overflows took 150-175 ms before; 16 ms at worst now
+            for row in rows:
+                started = time.perf_counter()
+                sink.put(row)
+                slowest = max(slowest, time.perf_counter() - started)
+            wait_until(lambda: sink.rows_spooled == overflows * overflow_rows)  # noqa: B023 -- waited for here
+        assert slowest < 0.1, f"put() took {slowest * 1000:.0f} ms"
+        assert sink.stats().rows_lost == 0
+        with sink._spool._mutex:  # the disk stalls: the spooling thread waits in its write
+            for _ in range(MAX_OVERFLOWS_WAITING + 1):
+                for row in rows:
+                    sink.put(row)
+            stats = sink.stats()
+            assert stats.rows_lost == overflow_rows  # the first overflows wait (one in its write), the last is lost
+            assert stats.rows_pending == MAX_OVERFLOWS_WAITING * overflow_rows
+        wait_until(lambda: sink.rows_spooled == (3 + MAX_OVERFLOWS_WAITING) * overflow_rows)
+        assert sink.rows_pending == 0
     finally:
         sink.close(timeout=WAIT_S)
 
@@ -135,7 +167,7 @@ WRITER = """
 import sys, time
 sys.path.insert(0, sys.argv[4])
 from tests.test_store import make_row
-from tokenprobe.store.sink import RequestSink
+from tokenprobe.store.sink import MAX_OVERFLOWS_WAITING, RequestSink
 url, spool, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 sink = RequestSink(url, spool_dir=spool, flush_interval=0.2, batch_rows=500, retry_min_s=0.2, retry_max_s=0.5)
 if mode == "write":

@@ -47,6 +47,7 @@ class Exchange:
     resp_model: str | None = None
     response_id: str | None = None
     outcome: str = "complete"  # complete | client_closed | reset | truncated
+    request_seen: bool = True  # False: the request lay in a capture gap, only its response was read
     error: str | None = None
     inflight_at_arrival: int = 0  # filled by the caller from on_request_start
     tenant: str = ""  # the tenant header's value (an identifier, never content); "" if absent

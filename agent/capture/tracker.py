@@ -704,7 +704,7 @@ class ConnectionTracker:
 
     @staticmethod
     def _capture(ex: Exchange, fidelity: Fidelity) -> str:
-        if fidelity.dropped:
+        if fidelity.dropped or not ex.request_seen:
             return "dropped"
         # Unseen request bytes matter only where they broke the framing; a
         # skipped stretch of a sized body leaves every figure of the row intact.

@@ -269,11 +269,21 @@ _AGENT_STATS = {
     "sample_rows_dropped_total": ("counter", ("GPU and engine sample rows dropped: not fitting their table, or the "
                                               "oldest of a buffer the store did not take in time")),
     "sampler_write_cpu_seconds_total": ("counter", "CPU the samplers' inserts took, an embedded store's work included"),
+    # From the agent's heartbeat (agent/heartbeat.py), counted across the agent's restarts.
+    "blind_windows_total": ("counter", ("Windows in which no agent traced this node (a stop, a crash, a restart's "
+                                        "start-up), found at each start; each is a row of agent_gaps")),
+    "blind_seconds_total": ("counter", "Seconds of those windows: nothing was traced in them"),
     # From the live analysis (analytics/live.py).
     "analysis_passes_total": ("counter", "Live analysis passes that completed"),
     "analysis_failures_total": ("counter", "Live analysis passes that failed (retried at the next window)"),
     "analysed_until_seconds": ("gauge", "Unix time up to which ended requests have been analysed"),
     "analysis_cpu_seconds_total": ("counter", "CPU the live analysis passes took on their own thread"),
+}
+
+# name -> (label, help): counters the runner keeps per label value.
+_LABELLED_STATS = {
+    "skipped_files": ("reason", ("Files mapped by the node's processes that the agent's TLS scans skipped, by "
+                                 "reason (unreadable, not_elf, malformed_elf, too_many_files): each once")),
 }
 
 
@@ -284,7 +294,13 @@ class _AgentStatsCollector(Collector):
         self._values: dict[str, float] = {}
         self._map_sizes: dict[str, int] = {}
         self._map_overflows: dict[str, int] = {}
+        self._labelled: dict[str, dict[str, int]] = {}
         self._lock = threading.Lock()
+
+    def update_labelled(self, name: str, counts: Mapping[str, int]) -> None:
+        _LABELLED_STATS[name]
+        with self._lock:
+            self._labelled[name] = dict(counts)
 
     def update(self, values: dict[str, float], map_sizes: dict[str, int] | None = None,
                map_overflows: dict[str, int] | None = None) -> None:
@@ -296,6 +312,13 @@ class _AgentStatsCollector(Collector):
     def collect(self):
         with self._lock:
             values, sizes, overflows = dict(self._values), dict(self._map_sizes), dict(self._map_overflows)
+            labelled = dict(self._labelled)
+        for name, counts in labelled.items():
+            label, help_text = _LABELLED_STATS[name]
+            family = CounterMetricFamily(f"tokenprobe_agent_{name}", help_text, labels=(label,))
+            for value, count in sorted(counts.items()):
+                family.add_metric([value], count)
+            yield family
         if sizes:
             size = GaugeMetricFamily("tokenprobe_agent_map_size", "Entries a kernel map holds at most (the ring "
                                      "buffer: bytes)", labels=("map",))
@@ -441,6 +464,15 @@ class AgentMetrics:
         self._agent_stats.update(
             {name: _check_number(name, value) for name, value in given.items() if value is not None},
             map_sizes, map_overflows)
+
+    def set_blind_windows(self, windows_total: int, seconds_total: float) -> None:
+        """The windows no agent traced this node in, and their seconds, since the heartbeat file began."""
+        self._agent_stats.update({"blind_windows_total": _check_number("blind_windows_total", windows_total),
+                                  "blind_seconds_total": _check_number("blind_seconds_total", seconds_total)})
+
+    def set_skipped_files(self, by_reason: Mapping[str, int]) -> None:
+        """Files the TLS scans skipped since the agent started, by reason (``tls_libraries.skipped_files``)."""
+        self._agent_stats.update_labelled("skipped_files", by_reason)
 
     # -- fed by the analytics -----------------------------------------------------------------
     def set_analysis_stats(self, *, passes_total: int, failures_total: int, analysed_until_s: float,

@@ -469,6 +469,20 @@ ORDER BY (node, server_port, req_start, conn_id, req_seq)
 TTL toDateTime(req_start) + INTERVAL 30 DAY
 SETTINGS non_replicated_deduplication_window = 1000;
 
+CREATE TABLE IF NOT EXISTS tokenprobe.agent_gaps_local ON CLUSTER '{cluster}'
+(
+    `gap_start` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `gap_end` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
+    `node` LowCardinality(String) CODEC(ZSTD(1)),
+    `reason` LowCardinality(String) CODEC(ZSTD(1)),
+    `seconds` Float64 CODEC(ZSTD(1)),
+    `last_pid` UInt32 CODEC(T64, ZSTD(1))
+)
+ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+PARTITION BY toDate(gap_start)
+ORDER BY (node, gap_start)
+TTL toDateTime(gap_start) + INTERVAL 30 DAY;
+
 CREATE TABLE IF NOT EXISTS tokenprobe.requests ON CLUSTER '{cluster}'
 AS tokenprobe.requests_local
 ENGINE = Distributed('{cluster}', tokenprobe, requests_local, cityHash64(node));
@@ -528,6 +542,10 @@ ENGINE = Distributed('{cluster}', tokenprobe, request_ends_local, cityHash64(nod
 CREATE TABLE IF NOT EXISTS tokenprobe.request_figures ON CLUSTER '{cluster}'
 AS tokenprobe.request_figures_local
 ENGINE = Distributed('{cluster}', tokenprobe, request_figures_local, cityHash64(node));
+
+CREATE TABLE IF NOT EXISTS tokenprobe.agent_gaps ON CLUSTER '{cluster}'
+AS tokenprobe.agent_gaps_local
+ENGINE = Distributed('{cluster}', tokenprobe, agent_gaps_local, cityHash64(node));
 
 CREATE MATERIALIZED VIEW IF NOT EXISTS tokenprobe.request_latency_bands_mv ON CLUSTER '{cluster}' TO tokenprobe.request_latency_bands_local AS
 SELECT

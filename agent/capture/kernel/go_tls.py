@@ -24,7 +24,16 @@ import mmap
 import re
 from dataclasses import dataclass
 
-from .elf import EM_X86_64, SHT_SYMTAB, file_offset, machine, open_elf, symbol_entries
+from .elf import (
+    EM_X86_64,
+    SHT_SYMTAB,
+    MalformedElf,
+    file_bytes,
+    file_offset,
+    machine,
+    open_elf,
+    symbol_entries,
+)
 
 __all__ = ["GO_TLS_HANDSHAKES", "GO_TLS_READ", "GO_TLS_WRITE", "GoTlsBinary", "GoTlsUnprobed", "go_tls_binary",
            "go_tls_in"]
@@ -37,6 +46,10 @@ _TCP_CONN_ITABS = (b"go:itab.*net.TCPConn,net.Conn", b"go.itab.*net.TCPConn,net.
 _ITAB_HASH_OFFSET = 16  # itab{inter, _type *T; hash uint32}: the same offset in the kernel side
 _BUILDINFO_MAGIC = b"\xff Go buildinf:"
 _MIN_GO_MINOR = 18
+_MAX_VERSION_BYTES = 1024  # "go1.25-20250209-RC00 cl/724970549 +ff27d270c9 X:fieldtrack,boringcrypto": 71
+# The probed functions are a few KiB of code (serverHandshake, the largest, 3 KiB in Go 1.19): a symbol
+# claiming more is garbage, and its bytes would be copied and disassembled whole.
+MAX_FUNCTION_BYTES = 1 << 20
 
 
 class GoTlsUnprobed(ValueError):
@@ -58,16 +71,23 @@ def _links_go_tls(elf: mmap.mmap) -> bool:
 
 def _go_version(elf: mmap.mmap) -> str:
     at = elf.find(_BUILDINFO_MAGIC)
-    if at < 0 or not elf[at + 15] & 2:  # flag 2: the version is inline (Go >= 1.18)
+    if at < 0:
         raise GoTlsUnprobed(f"built by a Go older than 1.{_MIN_GO_MINOR}")
-    pos, length, shift = at + 32, 0, 0
-    while True:  # a uvarint length, then the version
-        byte = elf[pos]
+    header = file_bytes(elf, at, 32, "Go's build information")
+    if not header[15] & 2:  # flag 2: the version is inline (Go >= 1.18)
+        raise GoTlsUnprobed(f"built by a Go older than 1.{_MIN_GO_MINOR}")
+    length, shift = 0, 0
+    for pos in range(at + 32, at + 35):  # a uvarint length (a version's takes one byte), then the version
+        byte = file_bytes(elf, pos, 1, "Go's version length")[0]
         length |= (byte & 0x7F) << shift
-        pos, shift = pos + 1, shift + 7
+        shift += 7
         if byte < 0x80:
             break
-    version = elf[pos:pos + length].decode("ascii", "replace")
+    else:
+        raise MalformedElf("Go's version length runs past 3 bytes")
+    if length > _MAX_VERSION_BYTES:
+        raise MalformedElf(f"Go's version is said to be {length} bytes long")
+    version = file_bytes(elf, pos + 1, length, "Go's version").decode("ascii", "replace")
     found = re.match(r"go1\.(\d+)", version)
     if not found or int(found[1]) < _MIN_GO_MINOR:
         raise GoTlsUnprobed(f"built by {version}; Go >= 1.{_MIN_GO_MINOR} is read")
@@ -129,11 +149,13 @@ def go_tls_in(elf: mmap.mmap, sections: list[tuple]) -> GoTlsBinary | None:
         if start is None:
             continue
         if name in probed and size:
-            instructions = _disassemble(elf[start:start + size], value, name)
+            if size > MAX_FUNCTION_BYTES:
+                raise MalformedElf(f"{name} is said to be {size} bytes of code")
+            instructions = _disassemble(file_bytes(elf, start, size, name), value, name)
             entries[name] = _body_offset(instructions)
             returns[name] = () if name == GO_TLS_WRITE else _ret_offsets(instructions, name)
         elif raw in _TCP_CONN_ITABS:
-            itab_hash = int.from_bytes(elf[start + _ITAB_HASH_OFFSET:start + _ITAB_HASH_OFFSET + 4], "little")
+            itab_hash = int.from_bytes(file_bytes(elf, start + _ITAB_HASH_OFFSET, 4, "the *net.TCPConn itab"), "little")
     if GO_TLS_READ not in returns or GO_TLS_WRITE not in returns:
         raise GoTlsUnprobed("no symbol table (built with -ldflags=-s): crypto/tls.(*Conn).Read and "
                             "Write cannot be found")

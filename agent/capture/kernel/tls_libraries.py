@@ -9,18 +9,26 @@ SSL_read and SSL_write is probed. Go's crypto/tls and rustls are found by
 their own names inside the file (Go's function table, rustls's crate paths),
 which survive stripping; no uprobe of OpenSSL can ever see them. Go's is
 probed where the file keeps its symbol table (go_tls.py); rustls is not.
+
+The files are whatever other processes map, so any of them may be hostile: a
+file that cannot be read as ELF is skipped (no TLS found in it) and counted by
+reason (skipped_files), once per file; nothing read from it can raise past
+elf_tls.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import struct
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .elf import exported_names, open_elf
+from .elf import MalformedElf, exported_names, open_elf
 from .go_tls import GoTlsBinary, GoTlsUnprobed, go_tls_in
 
-__all__ = ["OPENSSL_IO", "ElfTls", "MappedElf", "TlsReach", "elf_tls", "mapped_elves", "tls_reach", "unreadable_tls"]
+__all__ = ["OPENSSL_IO", "ElfTls", "MappedElf", "TlsReach", "elf_tls", "mapped_elves", "skipped_files", "tls_reach", "unreadable_tls"]
 
 OPENSSL_IO = frozenset({b"SSL_read", b"SSL_write"})  # what a file must export to be probed as OpenSSL
 # The OpenSSL API functions the probes attach to (agent/capture/kernel/loader.py); the rest of a file's symbols is dropped.
@@ -45,8 +53,28 @@ class ElfTls:
         return OPENSSL_IO <= self.openssl
 
 
+log = logging.getLogger(__name__)
+
 _NO_TLS = ElfTls(frozenset(), None)
 _elf_cache: dict[tuple[str, int], ElfTls] = {}
+# Files skipped, by reason: "unreadable" (gone, no access, not a regular file), "not_elf",
+# "malformed_elf" (an ELF file whose headers contradict themselves or its size).
+_skipped: Counter[str] = Counter()
+# A process mapping more distinct files than this is read for its first ones only (the kernel's
+# vm.max_map_count, 65530 by default, is the only other bound): a server maps hundreds.
+MAX_MAPPED_FILES = 8192
+
+
+def skipped_files() -> dict[str, int]:
+    """Mapped files the scans skipped since the agent started, by reason (each file once while cached)."""
+    return dict(_skipped)
+
+
+def _skip(path: str, reason: str, why: Exception) -> ElfTls:
+    _skipped[reason] += 1
+    if _skipped[reason] <= 20:  # a process mapping thousands of bad files must not flood the log
+        log.warning("skipped %s (%s): %s", path, reason, why)
+    return _NO_TLS
 
 
 def file_id_of(path: str) -> tuple[str, int] | None:
@@ -67,24 +95,31 @@ def elf_tls(path: str, file_id: tuple[str, int] | None = None) -> ElfTls:
     if cached is not None:
         return cached
     try:
-        elf, sections = open_elf(path)
-    except (OSError, ValueError):
-        found = _NO_TLS
-    else:
-        with elf:
-            openssl = frozenset(_OPENSSL_API.intersection(exported_names(elf, sections)))
-            unprobed, go = None, None
-            if not OPENSSL_IO <= openssl:
-                try:
-                    go = go_tls_in(elf, sections)
-                except GoTlsUnprobed as why:
-                    unprobed = f"Go crypto/tls, {why}"
-                if go is None and unprobed is None and elf.find(_RUSTLS) >= 0:
-                    unprobed = "rustls"
-            found = ElfTls(openssl, unprobed, go)
+        found = _read_tls(path)
+    except OSError as why:
+        found = _skip(path, "unreadable", why)
+    except (MalformedElf, IndexError, OverflowError, struct.error) as why:  # the last three: a check missed
+        found = _skip(path, "malformed_elf", why)
+    except ValueError as why:
+        found = _skip(path, "not_elf", why)
     if file_id and len(_elf_cache) < 65536:
         _elf_cache[file_id] = found
     return found
+
+
+def _read_tls(path: str) -> ElfTls:
+    elf, sections = open_elf(path)
+    with elf:
+        openssl = frozenset(_OPENSSL_API.intersection(exported_names(elf, sections)))
+        unprobed, go = None, None
+        if not OPENSSL_IO <= openssl:
+            try:
+                go = go_tls_in(elf, sections)
+            except GoTlsUnprobed as why:
+                unprobed = f"Go crypto/tls, {why}"
+            if go is None and unprobed is None and elf.find(_RUSTLS) >= 0:
+                unprobed = "rustls"
+        return ElfTls(openssl, unprobed, go)
 
 
 @dataclass(frozen=True)
@@ -94,14 +129,18 @@ class MappedElf:
 
 
 def mapped_elves(pid: int | str) -> list[MappedElf]:
-    """The files process `pid` maps executable code from (its executable and shared objects), each once."""
+    """The files process `pid` maps executable code from (its executable and shared objects), each once,
+    at most MAX_MAPPED_FILES of them (those past it counted as skipped, reason "too_many_files")."""
     found: dict[tuple[str, int], MappedElf] = {}
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
             fields = line.split(None, 5)
             # address perms offset dev inode path: only code, so each ELF file counts once.
-            if len(fields) == 6 and "x" in fields[1] and fields[5].startswith("/"):
+            if len(fields) == 6 and "x" in fields[1] and fields[5].startswith("/") and fields[4].isdigit():
                 file_id = (fields[3], int(fields[4]))
+                if file_id not in found and len(found) == MAX_MAPPED_FILES:
+                    _skipped["too_many_files"] += 1
+                    continue
                 found.setdefault(file_id, MappedElf(fields[5].rstrip("\n"), file_id))
     return list(found.values())
 

@@ -33,6 +33,7 @@ class Connection(Protocol):
 
     _tenant_header: str | None
     _fingerprint_key: bytes
+    _requests_hidden: bool
 
     def _open_exchange(self, ts: int) -> Txn | None: ...
     def _claim_response(self, ts: int) -> Txn | None: ...
@@ -503,6 +504,8 @@ class RequestStream(MessageStream):
         # The exchange keeps its place in the response queue: the server got the
         # whole request (the gap is only in the capture) and will answer it.
         self._conn._set_error(f"{reason}; waiting for the next request line")
+        if reason.startswith("capture gap"):  # whole requests may lie in it: their responses still come
+            self._conn._requests_hidden = True
         if txn is not None:
             self._conn._abandon(txn, reason, request_side=True)
 
