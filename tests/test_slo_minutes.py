@@ -86,3 +86,17 @@ def test_kept_seconds_equal_a_recount_pass_after_pass_a_late_row_and_a_restart_i
         assert judged(statuses) == judged(evaluate_slos(store, at_ns, DEFAULT_OBJECTIVES, SCOPE)), f"pass {step}"
         assert statuses[0].requests == window_requests(store, at_ns), f"pass {step}"
         assert set(kept.seconds) == set(kept.minutes), "every kept minute has its seconds"
+
+
+def test_an_error_inside_a_200_stream_fails_every_objective(store):
+    """The same quick request twice, once ending in an error event of its 200 stream (outcome 'error'):
+    only the other meets the objectives."""
+    store, rows = store
+    node = "slo-errors-node"
+    quick = dict(rows[0], node=node)
+    store.insert_rows("requests", [quick, dict(quick, conn_id=quick["conn_id"] + 1, outcome="error",
+                                               error_type="overloaded_error")])
+    at_ns = quick["resp_end"] + NS_PER_S
+    statuses = evaluate_slos(store, at_ns, DEFAULT_OBJECTIVES, Scope((Server(8000, node),)))
+    assert [(status.objective, status.requests["5m"], status.good["5m"]) for status in statuses] == \
+        [(objective.objective, 2, 1) for objective in DEFAULT_OBJECTIVES] + [("goodput", 2, 1)]

@@ -58,7 +58,7 @@ def make_row(**overrides) -> dict:
         "choices": 1, "choice_events": 3, "engine_prompt_ms": None, "engine_decode_ms": None,
         "capture": "exact", "bytes_unseen": 0, "protocol": "http/1.1", "stream_id": 0, "unreadable_reason": "",
         "request_messages": 0, "request_message_bytes": 0, "response_message_bytes": 0,
-        "largest_response_message_bytes": 0,
+        "largest_response_message_bytes": 0, "error_type": "", "engine_queue_ms": None,
     }
     row.update(overrides)
     return row
@@ -131,7 +131,7 @@ def test_unreachable_server_is_store_unavailable_naming_the_url():
 def test_requests_columns_match_row_schema_doc(owner):
     documented = re.findall(r"^\| (\w+) \| ([A-Za-z0-9()]+(?:\([^|]*\))?) \|", ROW_SCHEMA_DOC.read_text(), re.M)
     documented = [(name, ch_type.replace("DateTime64(9)", "DateTime64(9, 'UTC')")) for name, ch_type in documented]
-    assert len(documented) == 52
+    assert len(documented) == 54
     assert schema.REQUEST_COLUMNS == [name for name, _ in documented]
     described = owner.query_rows("SELECT name, type FROM system.columns"
                                  " WHERE database = 'tokenprobe' AND table = 'requests' ORDER BY position")

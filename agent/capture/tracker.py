@@ -774,4 +774,6 @@ class ConnectionTracker:
             "request_message_bytes": h2.request_message_bytes if h2 else 0,
             "response_message_bytes": h2.response_message_bytes if h2 else 0,
             "largest_response_message_bytes": h2.largest_response_message_bytes if h2 else 0,
+            "error_type": ex.error_type,
+            "engine_queue_ms": ex.engine_queue_ms,
         }

@@ -20,7 +20,11 @@ too, computed from the row the same way.
   split through ``AgentMetrics.observe_splits``.
 - ``tokenprobe_requests_total`` — every finished request, also by
   ``status_class`` (``2xx`` … ``5xx``, ``none`` when no response was seen) and
-  ``outcome`` (``complete``, ``client_closed``, ``reset``, ``truncated``).
+  ``outcome`` (``complete``, ``error``, ``client_closed``, ``reset``, ``truncated``).
+- ``tokenprobe_request_errors_total`` — requests the server failed inside its
+  response (outcome ``error``: an error event in a 200 stream), also by
+  ``tenant`` and the API's ``error_type`` (``overloaded_error``, …); both
+  capped per server port like ``model``.
 - ``tokenprobe_indicator_value`` / ``tokenprobe_indicator_state`` — the
   analytics' indicator matrix, one series per server port, model and
   indicator (and ``node`` and GPU ``device`` where the analytics give them);
@@ -150,10 +154,12 @@ class RequestTimings:
 
 
 class ModelLabelCap:
-    """Caps distinct ``model`` label values per server port: model names come from clients."""
+    """Caps distinct values of a label per server port (``model`` by default): model names, tenants and
+    error types come from traffic."""
 
-    def __init__(self, max_per_server: int) -> None:
+    def __init__(self, max_per_server: int, what: str = "model names") -> None:
         self.max_per_server = max_per_server
+        self.what = what
         self._seen: dict[int, set[str]] = {}
         self._overflowed: set[int] = set()
         self._lock = threading.Lock()
@@ -170,8 +176,8 @@ class ModelLabelCap:
             first_overflow = server_port not in self._overflowed
             self._overflowed.add(server_port)
         if first_overflow:
-            log.warning("port %d: more than %d model names; further ones are counted as %r",
-                        server_port, self.max_per_server, OVERFLOW_MODEL)
+            log.warning("port %d: more than %d %s; further ones are counted as %r",
+                        server_port, self.max_per_server, self.what, OVERFLOW_MODEL)
         return OVERFLOW_MODEL
 
 
@@ -373,6 +379,11 @@ class AgentMetrics:
         self.registry.register(self._splits)
         self._requests = Counter("tokenprobe_requests", "Requests finished, by status class and outcome",
                                 (*_REQUEST_LABELS, "status_class", "outcome"), registry=self.registry)
+        self._errors = Counter("tokenprobe_request_errors", "Requests the server failed inside its response (an "
+                               "error event in a 200 stream), by tenant and the API's error type",
+                               (*_REQUEST_LABELS, "tenant", "error_type"), registry=self.registry)
+        self._tenants = ModelLabelCap(max_models_per_server, "tenants")
+        self._error_types = ModelLabelCap(max_models_per_server, "error types")
         # Blind spots: connections found unreadable (each later one `unsupported` row), by why.
         # The series observe_request feeds, by their labels.
         self._request_counts: dict[tuple[str, ...], Counter] = {}
@@ -401,6 +412,10 @@ class AgentMetrics:
         if requests is None:
             requests = self._request_counts[counted] = self._requests.labels(*counted)
         requests.inc()
+        if row.get("outcome") == "error":
+            port = row["server_port"]
+            self._errors.labels(*labels, self._tenants.label(port, row.get("tenant") or ""),
+                                self._error_types.label(port, row.get("error_type") or "")).inc()
         if not measures.is_inference(row):
             return
         latencies = self._request_latencies.get(labels)
