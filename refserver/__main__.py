@@ -90,13 +90,8 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="as vLLM's flag: the last usage chunk and whole bodies carry each request's own `metrics`",
     )
-    p.add_argument(
-        "--fail-streams-every",
-        type=int,
-        default=defaults.fail_streams_every,
-        metavar="N",
-        help="every Nth streamed request fails after its first token with an error event in its 200 stream",
-    )
+    p.add_argument("--fail-streams-every", type=int, default=defaults.fail_streams_every, metavar="N",
+                   help="every Nth streamed request fails after its first token with an error event in its 200 stream")
     p.add_argument("--truth-log", metavar="PATH", help="append one JSON line of ground truth per request to PATH")
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (needs --tls-key)")
     p.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")

@@ -94,3 +94,30 @@ def test_stated_split_and_errors_inside_200_streams_end_to_end(tmp_path: Path):
         assert slo.requests["5m"] == REQUESTS and slo.good["5m"] <= REQUESTS - REQUESTS // FAIL_EVERY
     finally:
         store.close()
+
+
+def test_the_agent_s_own_scrapes_of_a_traced_port_are_never_rows(tmp_path: Path):
+    """The agent scrapes the traced server's /metrics and dcgm page 4 times a second: none of it is a row, all
+    of it is counted apart; another process' GETs of the same pages are rows."""
+    metrics_port = free_port()
+    with reference_server(tmp_path, simulated_metrics=True) as (port, _log), \
+            agent(tmp_path, "--metrics-port", str(metrics_port), "--scrape-interval", "0.25",
+                  "--engine", f"http://127.0.0.1:{port}/metrics", "--dcgm", f"http://127.0.0.1:{port}/sim/dcgm",
+                  ports=[port]) as handle:
+        for _ in range(3):  # a client that is not the agent, on connections of its own
+            assert scrape(f"http://127.0.0.1:{port}/metrics", timeout_s=10).samples
+        burst(LoadConfig(port=port, requests=3, duration_s=None, max_tokens=(2, 4), seed=7), n=3, concurrency=1)
+        time.sleep(3)  # a dozen scrapes by the agent
+        page = scrape(f"http://127.0.0.1:{metrics_port}/metrics", timeout_s=10)
+        assert handle.stop() == 0
+    [own] = [s.value for s in page.samples if s.name == "tokenprobe_agent_own_connections_total"]
+    store = open_store(handle.store_url, serve=False)
+    try:
+        rows = store.query_rows("SELECT path, count() FROM tokenprobe.requests GROUP BY path ORDER BY path")
+        scrapes = store.query_rows("SELECT count() FROM tokenprobe.engine_samples")[0][0]
+    finally:
+        store.close()
+    counts = dict(rows)
+    assert counts.pop("/metrics") == 3 and "/sim/dcgm" not in counts, rows
+    assert sum(counts.values()) == 3 and all(path.startswith("/v1/") for path in counts), rows
+    assert scrapes >= 8 and own >= 2, (scrapes, own)  # the engine's and dcgm's scrapers' connections at least

@@ -266,6 +266,9 @@ _AGENT_STATS = {
                                       "never received")),
     "unknown_ends_total": ("counter", ("Connections found gone (their fd reused) with no close record and no end "
                                        "the kernel kept: their open exchanges are marked dropped")),
+    "own_connections_total": ("counter", ("Connections to a traced port whose client was the agent itself (its "
+                                          "scrapes of the engine's /metrics, store and exporter clients): not "
+                                          "recorded")),
     "lag_seconds": ("gauge", "Kernel timestamp of the latest handled event to its handling, in seconds"),
     "events_per_second": ("gauge", "Kernel events handled per second, over the last status interval"),
     "open_connections": ("gauge", "Connections the agent is following"),
@@ -440,7 +443,7 @@ class AgentMetrics:
                         map_sizes: dict[str, int] | None = None,
                         map_overflows: dict[str, int] | None = None,
                         batched_writes_total: int | None = None, lost_events_total: int | None = None,
-                        unknown_ends_total: int | None = None) -> None:
+                        unknown_ends_total: int | None = None, own_connections_total: int | None = None) -> None:
         """Publish the runner's figures; totals are cumulative since the agent started.
 
         ``lag_s``: for the latest event handled, the time it was handled minus
@@ -455,7 +458,7 @@ class AgentMetrics:
             "open_connections": open_connections, "inflight_requests": inflight_requests,
             "idle_evicted_connections_total": idle_evicted_total,
             "batched_writes_total": batched_writes_total, "lost_events_total": lost_events_total,
-            "unknown_ends_total": unknown_ends_total,
+            "unknown_ends_total": unknown_ends_total, "own_connections_total": own_connections_total,
         }  # fmt: skip
         if sink is not None:
             given.update(rows_written_total=sink.rows_written, rows_rejected_total=sink.rows_rejected,
