@@ -68,7 +68,9 @@ CREATE TABLE IF NOT EXISTS tokenprobe.requests_local ON CLUSTER '{cluster}'
     `request_messages` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1)),
     `request_message_bytes` UInt64 DEFAULT 0 CODEC(T64, ZSTD(1)),
     `response_message_bytes` UInt64 DEFAULT 0 CODEC(T64, ZSTD(1)),
-    `largest_response_message_bytes` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1))
+    `largest_response_message_bytes` UInt32 DEFAULT 0 CODEC(T64, ZSTD(1)),
+    `error_type` LowCardinality(String) DEFAULT '' CODEC(ZSTD(1)),
+    `engine_queue_ms` Nullable(Float32) CODEC(ZSTD(1))
 )
 ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
 PARTITION BY toDate(req_start)
@@ -438,6 +440,8 @@ CREATE TABLE IF NOT EXISTS tokenprobe.request_figures_local ON CLUSTER '{cluster
     `resp_start` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
     `prompt_tokens` Nullable(UInt32) CODEC(T64, ZSTD(1)),
     `bytes_in` UInt64 CODEC(T64, ZSTD(1)),
+    `engine_queue_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `engine_prompt_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `network_in_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `accept_wait_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `tls_ms` Nullable(Float32) CODEC(ZSTD(1)),
@@ -578,6 +582,8 @@ SELECT
     resp_start,
     prompt_tokens,
     bytes_in,
+    engine_queue_ms,
+    engine_prompt_ms,
     (((toUnixTimestamp64Nano(req_end) - toUnixTimestamp64Nano(req_start)) / 1e6) + if((req_seq = 0 AND accept_ts IS NOT NULL), ((toUnixTimestamp64Nano(req_start) - toUnixTimestamp64Nano(accept_ts)) / 1e6), 0)) AS network_in_ms,
     if((req_seq = 0 AND accept_ts IS NOT NULL), ((toUnixTimestamp64Nano(req_start) - toUnixTimestamp64Nano(coalesce(tls_done_ts, accept_ts))) / 1e6), NULL) AS accept_wait_ms,
     if((req_seq = 0 AND accept_ts IS NOT NULL) AND tls_done_ts IS NOT NULL, ((toUnixTimestamp64Nano(tls_done_ts) - toUnixTimestamp64Nano(accept_ts)) / 1e6), NULL) AS tls_ms,
@@ -596,13 +602,13 @@ SELECT
     if(length(token_offsets_us) >= 16 AND (token_offsets_us[length(token_offsets_us)] - token_offsets_us[length(token_offsets_us) - intDiv(length(token_offsets_us) - 1, 4)]) > 0, toFloat64((token_offsets_us[1 + intDiv(length(token_offsets_us) - 1, 4)] - token_offsets_us[1])) / (token_offsets_us[length(token_offsets_us)] - token_offsets_us[length(token_offsets_us) - intDiv(length(token_offsets_us) - 1, 4)]), NULL) AS decode_rate_ratio,
     coalesce(completion_tokens, token_events) AS output_tokens,
     if(completion_tokens IS NULL, 'events', 'usage') AS output_tokens_source,
-    '070b3bf730a1cab9' AS definition
+    '76215ef9c0ced6db' AS definition
 FROM (
     SELECT *, arrayPopFront(arrayDifference(token_offsets_us)) AS gaps, arraySort(gaps) AS sorted_gaps
     FROM tokenprobe.requests_local
     WHERE method = 'POST'
 )
-COMMENT 'tokenprobe definition f9162ec69ad60a00';
+COMMENT 'tokenprobe definition 3309618a64acfe90';
 
 CREATE VIEW IF NOT EXISTS tokenprobe.request_gpu_state_local ON CLUSTER '{cluster}' AS
 WITH
