@@ -212,7 +212,7 @@ class Exporters:
                 idle_evicted_total=stats.idle_evicted,
                 map_sizes=map_sizes, map_overflows=map_overflows,
                 batched_writes_total=stats.steady_writes, lost_events_total=stats.lost_events,
-                unknown_ends_total=stats.unknown_ends)
+                unknown_ends_total=stats.unknown_ends, own_connections_total=stats.own_connections)
             self.metrics.set_skipped_files(skipped_files())
             if self.live:
                 self.metrics.set_analysis_stats(passes_total=self.live.passes, failures_total=self.live.failures,
@@ -443,7 +443,7 @@ class AgentRunner:
             target_ports=set(cfg.targets.ports), target_pids=set(cfg.targets.pids),
             forget_connection=probes.forget_connection, restart_connection=probes.restart_connection,
             on_unreadable=exporters.unreadable, tenant_header=cfg.tenant_header, idle_timeout_s=cfg.idle_timeout_s,
-            steady=probes if cfg.kernel_batching else None, unseen_ends=probes)
+            steady=probes if cfg.kernel_batching else None, unseen_ends=probes, own_connection=probes.own_connection)
         lag = LagMeter()
 
         def handle(event) -> None:

@@ -21,7 +21,9 @@ Indicators (thresholds in ``config.Thresholds``):
   slope through the windows' TPOT p50, × the span, / the median).
 - ``stall_rate``: share of inter-token gaps over 5× their stream's median.
 - ``retry_storm``: share of requests whose fingerprint (method, path, keyed
-  hash of the body and its size) repeats one of the same client's within 60 s.
+  hash of the body and its size) repeats one of the same client's within 60 s;
+  its explanation says how many repeated a failed request (``measures.FAILED``:
+  5xx, an error inside a 200 stream, cut off).
 - ``knee_proximity``: mean requests in flight / knee concurrency.
 - ``inflight_stall``: the longest a request still in flight has gone without
   progress (no text event, no request byte), from the agent's in-flight
@@ -500,7 +502,8 @@ _FINGERPRINT = "cityHash64(node, server_port, client_addr, method, path, body_fp
 
 
 def _retries(store: Store, windows: Windows, scope: Scope, retry_window_s: float) -> pd.DataFrame:
-    """Per server and window: fingerprinted requests, and those repeating one of their client's recent ones.
+    """Per server and window: fingerprinted requests, those repeating one of their client's recent ones, and
+    of those the ones whose earlier request failed (``after_failure``).
 
     The fingerprinted requests are counted as they are; only the fingerprints that repeat in the range have
     their requests put in time order (an array per fingerprint), each paired with the one before it: an
@@ -516,25 +519,31 @@ def _retries(store: Store, windows: Windows, scope: Scope, retry_window_s: float
         return f"intDiv({start_ns} - {{origin_ns:Int64}}, {{window_ns:Int64}})"
 
     return store.query_df(
-        f"""SELECT node, server_port, window, sum(fingerprinted) AS fingerprinted, sum(retries) AS retries
+        f"""SELECT node, server_port, window, sum(fingerprinted) AS fingerprinted, sum(retries) AS retries,
+                   sum(after_failure) AS after_failure
             FROM (
                 SELECT node, server_port, {window("toUnixTimestamp64Nano(req_start)")} AS window,
-                       count() AS fingerprinted, 0 AS retries
+                       count() AS fingerprinted, 0 AS retries, 0 AS after_failure
                 FROM {requests} AND req_start >= fromUnixTimestamp64Nano({{origin_ns:Int64}}, 'UTC')
                 GROUP BY node, server_port, window
                 UNION ALL
                 SELECT request.2 AS node, request.3 AS server_port, {window("request.1")} AS window,
                        0 AS fingerprinted,
-                       countIf(previous_ns > 0 AND request.1 - previous_ns <= {{retry_ns:Int64}}) AS retries
+                       countIf(previous_ns > 0 AND request.1 - previous_ns <= {{retry_ns:Int64}}) AS retries,
+                       countIf(previous_ns > 0 AND request.1 - previous_ns <= {{retry_ns:Int64}}
+                               AND previous_failed) AS after_failure
                 FROM (
-                    SELECT arraySort(groupArray((toUnixTimestamp64Nano(req_start), node, server_port))) AS requests,
-                           arrayPushFront(arrayPopBack(arrayMap(earlier -> earlier.1, requests)), 0) AS previous
+                    SELECT arraySort(groupArray((toUnixTimestamp64Nano(req_start), node, server_port,
+                                                 {measures.FAILED}))) AS requests,
+                           arrayPushFront(arrayPopBack(arrayMap(earlier -> earlier.1, requests)), 0) AS previous,
+                           arrayPushFront(arrayPopBack(arrayMap(earlier -> earlier.4, requests)), 0)
+                               AS previous_failures
                     FROM {requests}
                       AND {_FINGERPRINT} IN (SELECT {_FINGERPRINT} FROM {requests}
                                              GROUP BY {_FINGERPRINT} HAVING count() > 1)
                     GROUP BY {_FINGERPRINT}
                 )
-                ARRAY JOIN requests AS request, previous AS previous_ns
+                ARRAY JOIN requests AS request, previous AS previous_ns, previous_failures AS previous_failed
                 WHERE request.1 >= {{origin_ns:Int64}}
                 GROUP BY node, server_port, window
             )
@@ -837,6 +846,8 @@ class _ServerJudge:
         share = float(retries["retries"]) / float(retries["fingerprinted"])
         explanation = (f"{share:.1%} of requests repeat one from the same client within "
                        f"{t.retry_window_s:.0f} s")
+        if retries.get("after_failure"):
+            explanation += f" ({int(retries['after_failure'])} of them after that request failed)"
         if share > t.retry_rate_warn:
             explanation += ": clients are retrying (timeouts?), adding load; make them back off or fix the cause"
         return cell("retry_storm", share, t.retry_rate_warn, t.retry_rate_crit, explanation)

@@ -10,7 +10,12 @@ Queue and prefill split the server TTFT: prefill is what the request's
 calibration (``calibration``) predicts for its prompt size, at most the TTFT;
 where the engine exports its own TTFT, the server's mean TTFT beyond it is
 time spent outside the engine (``overhead_ms``, at most what prefill leaves);
-queue is the rest. ``split_method`` says which of these a row had. Requests of a server and model with no calibration keep
+queue is the rest. Where the engine stated the request's own figures, they are
+used as stated: its queue and prefill (vLLM ``--enable-per-request-metrics``,
+``split_method`` ``engine``: what the TTFT holds beyond them is overhead), or
+its prefill alone (llama.cpp ``timings``, Ollama durations, ``engine_prefill``:
+the calibration's overhead and the queue split the rest). ``split_method`` says
+which of these a row had. Requests of a server and model with neither keep
 their TTFT with queue and prefill NULL. The whole computation stays in the
 store: nothing per request travels to Python.
 
@@ -53,21 +58,34 @@ _PREDICTED_PREFILL_MS = (
 _USES_USAGE = "prompt_tokens IS NOT NULL AND (c_calibration_id IS NULL OR c_has_tokens)"
 
 
+# The engine's own figures for the request (Float32 in the row), where it stated them.
+_ENGINE_QUEUE_MS = "toFloat64(engine_queue_ms)"
+_ENGINE_PREFILL_MS = "toFloat64(engine_prompt_ms)"
+_ENGINE_STATES_SPLIT = "(engine_queue_ms IS NOT NULL AND engine_prompt_ms IS NOT NULL)"
+
+
 def _split_expressions() -> dict[str, str]:
     # The TTFT in float64 from its timestamps, not the figures row's Float32: the split stays what it was.
     ttft = measures.TTFT_SERVER_MS
-    splittable = f"c_calibration_id IS NOT NULL AND {ttft} >= 0"
-    prefill = f"least({_PREDICTED_PREFILL_MS}, {ttft})"
-    overhead = f"if(c_overhead IS NULL, 0, least(c_overhead, {ttft} - {prefill}))"
+    splittable = f"(c_calibration_id IS NOT NULL OR engine_prompt_ms IS NOT NULL) AND {ttft} >= 0"
+    modelled_prefill = f"least(if(engine_prompt_ms IS NOT NULL, {_ENGINE_PREFILL_MS}, {_PREDICTED_PREFILL_MS}), {ttft})"
+    prefill = f"if({_ENGINE_STATES_SPLIT}, {_ENGINE_PREFILL_MS}, {modelled_prefill})"
+    # Stated queue and prefill: the rest of the TTFT is the server's time outside its engine (none where
+    # the engine states more than the wire shows: its clock and the probes' differ by a few ms).
+    overhead = (f"if({_ENGINE_STATES_SPLIT}, greatest(0, {ttft} - {_ENGINE_QUEUE_MS} - {_ENGINE_PREFILL_MS}),"
+                f" if(c_overhead IS NULL, 0, least(c_overhead, {ttft} - {prefill})))")
+    has_overhead = f"({_ENGINE_STATES_SPLIT} OR c_overhead IS NOT NULL)"
     return {
         "prefill_ms": f"if({splittable}, {prefill}, NULL)",
-        "overhead_ms": f"if({splittable} AND c_overhead IS NOT NULL, {overhead}, NULL)",
-        "queue_ms": f"if({splittable}, {ttft} - {prefill} - {overhead}, NULL)",
+        "overhead_ms": f"if({splittable} AND {has_overhead}, {overhead}, NULL)",
+        "queue_ms": f"if({splittable}, if({_ENGINE_STATES_SPLIT}, {_ENGINE_QUEUE_MS}, {ttft} - {prefill} - {overhead}), NULL)",
         "prompt_size": f"if({_USES_USAGE}, toUInt64(prompt_tokens), bytes_in)",
         "prompt_size_source": f"if({_USES_USAGE}, 'usage', 'bytes')",
         "calibration_id": "ifNull(c_calibration_id, '')",
-        "split_method": "multiIf(c_calibration_id IS NULL, '', c_overhead IS NOT NULL, 'calibration+engine+overhead', "
-                        "c_engine_used, 'calibration+engine', 'calibration')",
+        "split_method": f"multiIf(NOT ifNull({splittable}, 0), '', {_ENGINE_STATES_SPLIT}, 'engine',"
+                        " engine_prompt_ms IS NOT NULL, 'engine_prefill',"
+                        " c_overhead IS NOT NULL, 'calibration+engine+overhead',"
+                        " c_engine_used, 'calibration+engine', 'calibration')",
         "computed_at": "fromUnixTimestamp64Nano({computed_at:Int64}, 'UTC')",
     }
 
@@ -202,7 +220,7 @@ def phase_summary(store: Store, analysed: TimeRange, scope: Scope) -> pd.DataFra
            sum(stalls) AS total_stalls, sum(itl_gaps) AS total_itl_gaps,
            countIf(prompt_size_source = 'usage') AS prompt_size_from_usage,
            countIf(prompt_size_source = 'bytes') AS prompt_size_from_bytes,
-           countIf(calibration_id = '') AS unsplit,
+           countIf(prefill_ms IS NULL) AS unsplit,
            any(split_method) AS split_method
     FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
     WHERE {in_range} AND {in_scope}

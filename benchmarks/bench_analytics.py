@@ -112,6 +112,7 @@ SELECT
     NULL AS grpc_status, '' AS unreadable_reason, toUInt32(0) AS request_messages,
     toUInt64(0) AS request_message_bytes, toUInt64(0) AS response_message_bytes,
     toUInt32(0) AS largest_response_message_bytes,
+    '' AS error_type, NULL AS engine_queue_ms,
     '' AS namespace, '' AS pod, '' AS container, '' AS pod_uid, '' AS container_id
 FROM (
     SELECT number AS n,

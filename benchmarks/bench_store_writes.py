@@ -67,7 +67,7 @@ def request_row(number: int, now_ns: int) -> dict:
         "engine_prompt_ms": None, "engine_decode_ms": None, "capture": "exact", "bytes_unseen": 0,
         "protocol": "http/1.1", "stream_id": 0, "grpc_status": None, "unreadable_reason": "",
         "request_messages": 0, "request_message_bytes": 0, "response_message_bytes": 0,
-        "largest_response_message_bytes": 0,
+        "largest_response_message_bytes": 0, "error_type": "", "engine_queue_ms": None,
         "namespace": "", "pod": "", "container": "", "pod_uid": "", "container_id": "",
     }
 

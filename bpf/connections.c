@@ -47,6 +47,33 @@ static __always_inline int socket_endpoints(u32 fd, struct conn_info *ci) {
 #endif
 }
 
+static __always_inline int is_agent(u32 tgid) {
+    int self_slot = CFG_SELF_TGID;
+    u32 *self_tgid = config.lookup(&self_slot);
+    return self_tgid && *self_tgid == tgid;
+}
+
+// The agent connected fd: its ports are noted (own_conns), for the agent to know its own traffic.
+static __always_inline void note_own_connect(u32 fd) {
+    struct conn_info ci = {};
+    if (!socket_endpoints(fd, &ci)) // no socket offsets (no BTF): the agent cannot tell its own connections
+        return;
+    struct own_key key = {.local_port = ci.local_port, .remote_port = ci.peer_port};
+    struct own_conn conn = {.open_ns = bpf_ktime_get_ns()};
+    own_conns.update(&key, &conn);
+    own_fds.update(&fd, &key);
+}
+
+static __always_inline void note_own_close(u32 fd) {
+    struct own_key *key = own_fds.lookup(&fd);
+    if (!key)
+        return;
+    struct own_conn *conn = own_conns.lookup(key);
+    if (conn)
+        conn->close_ns = bpf_ktime_get_ns();
+    own_fds.delete(&fd);
+}
+
 static __always_inline int accept_enter(int fd, struct sockaddr *addr) {
     u64 id = bpf_get_current_pid_tgid();
     struct accept_args a = {.addr = addr, .listen_fd = fd};
@@ -67,9 +94,7 @@ static __always_inline int accept_exit(long ret) {
         return 0;
     u32 tgid = id >> 32;
     // The agent never traces itself (its store serves readers over HTTP).
-    int self_slot = CFG_SELF_TGID;
-    u32 *self_tgid = config.lookup(&self_slot);
-    if (self_tgid && *self_tgid == tgid)
+    if (is_agent(tgid))
         return 0;
     struct conn_info ci = {};
     ci.accept_ns = bpf_ktime_get_ns();
@@ -147,14 +172,14 @@ TRACEPOINT_PROBE(syscalls, sys_exit_bind) {
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_connect) {
-    int zero = CFG_TRACK_OUTBOUND;
-    u32 *outbound = config.lookup(&zero);
-    if (!outbound || !*outbound)
-        return 0;
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
-    if (!target_tgids.lookup(&tgid))
-        return 0;
+    if (!is_agent(tgid)) {
+        int zero = CFG_TRACK_OUTBOUND;
+        u32 *outbound = config.lookup(&zero);
+        if (!outbound || !*outbound || !target_tgids.lookup(&tgid))
+            return 0;
+    }
     struct sockaddr_args a = {.addr = (struct sockaddr *)args->uservaddr, .fd = args->fd};
     if (connect_pending.update(&id, &a) != 0)
         count_overflow(MAP_CONNECT_PENDING);
@@ -171,12 +196,16 @@ TRACEPOINT_PROBE(syscalls, sys_exit_connect) {
     // Non-blocking sockets report EINPROGRESS and complete later.
     if (args->ret != 0 && args->ret != -115)
         return 0;
+    u32 tgid = id >> 32;
+    if (is_agent(tgid)) { // its local port is bound by now
+        note_own_connect(saved.fd);
+        return 0;
+    }
     struct conn_info ci = {};
     ci.accept_ns = bpf_ktime_get_ns();
     ci.role = ROLE_CLIENT;
     if (!read_sockaddr(saved.addr, ci.peer_addr, &ci.peer_port))
         return 0; // not TCP/IP (e.g. a unix socket)
-    u32 tgid = id >> 32;
     struct conn_key k = {.tgid = tgid, .fd = saved.fd};
     track_connection(&k, &ci);
     u8 one = 1;
@@ -193,8 +222,11 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     u64 id = bpf_get_current_pid_tgid();
     struct conn_key k = {.tgid = id >> 32, .fd = args->fd};
     struct conn_info *ci = conns.lookup(&k);
-    if (!ci)
+    if (!ci) {
+        if (is_agent(k.tgid))
+            note_own_close(args->fd);
         return 0;
+    }
     steady_end(&k);
     struct event *e = new_event(EV_CLOSE, k.tgid, k.fd, ci, bpf_ktime_get_ns());
     untrack_connection(&k);

@@ -182,6 +182,20 @@ BPF_TABLE("lru_hash", u32, u8, listener_tgids, MAX_TGIDS);
 BPF_HASH(io_pending, u64, struct io_args, MAX_PENDING);
 BPF_HASH(accept_pending, u64, struct accept_args, MAX_PENDING);
 BPF_HASH(connect_pending, u64, struct sockaddr_args, MAX_PENDING);
+// The agent's own TCP connections (its scrapes of an engine's /metrics, store and exporter clients), by
+// their ports: a traced server accepting one sees the agent as its client. The agent matches each
+// accepted connection's (peer port, local port) and accept time against them and records none of it.
+struct own_key {
+    u16 local_port;
+    u16 remote_port;
+};
+struct own_conn {
+    u64 open_ns;  // the agent's connect returned
+    u64 close_ns; // the agent closed it; 0 while open
+};
+#define MAX_OWN_CONNS 4096
+BPF_TABLE("lru_hash", struct own_key, struct own_conn, own_conns, MAX_OWN_CONNS);
+BPF_HASH(own_fds, u32, struct own_key, MAX_OWN_CONNS); // the agent's fd → its entry, until it closes
 BPF_HASH(ssl_pending, u64, struct ssl_args, MAX_PENDING);
 // SSL* → fd, only ever from what names the fd itself: SSL_set_fd, a socket
 // syscall made inside a libssl call (socket BIOs: nginx, CPython's ssl), or,
@@ -503,4 +517,3 @@ static __always_inline int read_sockaddr(struct sockaddr *uaddr, u8 *addr, u16 *
     }
     return 0;
 }
-

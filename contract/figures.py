@@ -39,6 +39,7 @@ COPIED_COLUMNS = (
     "node", "server_port", "model", "conn_id", "req_seq", "req_start", "req_end", "first_token",
     "last_token", "resp_end", "response_id", "client_addr", "path", "status", "outcome",
     "inflight_at_arrival", "token_events", "method", "resp_start", "prompt_tokens", "bytes_in",
+    "engine_queue_ms", "engine_prompt_ms",
 )  # fmt: skip
 
 

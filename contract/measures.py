@@ -62,8 +62,9 @@ IS_SLO_ELIGIBLE = f"{IS_INFERENCE} AND NOT (status BETWEEN 400 AND 499)"
 # moment it reached when it was cut off. Windows of ended requests (the
 # controller's, the live analysis' watermark) are chosen by it.
 ENDED_AT = "coalesce(resp_end, last_token, first_token, resp_start, req_end, req_start)"
-# The request reached no successful end: server error, no response, cut off.
-FAILED = "(status >= 500 OR status = 0 OR outcome IN ('reset', 'truncated'))"
+# The request reached no successful end: server error, no response, an error inside the response (an
+# error event in a 200 stream), cut off.
+FAILED = "(status >= 500 OR status = 0 OR outcome IN ('error', 'reset', 'truncated'))"
 
 
 def is_inference(row: Mapping) -> bool:

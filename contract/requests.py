@@ -77,6 +77,11 @@ REQUEST_SCHEMA: tuple[Column, ...] = (
     Column("request_message_bytes", "UInt64", INTEGER_CODEC, default="0"),
     Column("response_message_bytes", "UInt64", INTEGER_CODEC, default="0"),
     Column("largest_response_message_bytes", "UInt32", INTEGER_CODEC, default="0"),
+    # Added with errors inside streams and the engine's stated queue: the API's label for an error the
+    # server sent inside its response (outcome 'error'; a bounded label, never the message), and the
+    # engine's own queue time where it states one (vLLM --enable-per-request-metrics).
+    Column("error_type", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
+    Column("engine_queue_ms", "Nullable(Float32)", OPAQUE_CODEC),
     # Added with Kubernetes identity (agent/identity/): the pod and container of the process that served
     # (or, for an outbound row, made) the request, from its cgroup and the container runtime's API.
     # Empty outside containers, and the names while the runtime has not answered yet.

@@ -85,6 +85,13 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="BYTES",
         help="SO_SNDBUF of each accepted socket (default: the kernel's autotuning); small, a slow client pushes back",
     )
+    p.add_argument(
+        "--enable-per-request-metrics",
+        action="store_true",
+        help="as vLLM's flag: the last usage chunk and whole bodies carry each request's own `metrics`",
+    )
+    p.add_argument("--fail-streams-every", type=int, default=defaults.fail_streams_every, metavar="N",
+                   help="every Nth streamed request fails after its first token with an error event in its 200 stream")
     p.add_argument("--truth-log", metavar="PATH", help="append one JSON line of ground truth per request to PATH")
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (needs --tls-key)")
     p.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
@@ -176,6 +183,8 @@ def _serve(args: argparse.Namespace) -> int:
                 tls_key=key,
                 simulated_metrics=args.simulated_metrics,
                 kv_cache_blocks=args.kv_cache_blocks,
+                per_request_metrics=args.enable_per_request_metrics,
+                fail_streams_every=args.fail_streams_every,
             )
         except ValueError as exc:
             raise SystemExit(f"invalid setting: {exc}") from None

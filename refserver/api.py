@@ -135,6 +135,27 @@ def error_body(status: int, reason: str, message: str) -> bytes:
     return _dumps(body)
 
 
+def stream_error_event(error_type: str, message: str, code: int) -> bytes:
+    """The event vLLM (and SGLang) send when a request fails after its 200 and stream began."""
+    return b"data: " + _dumps({"error": {"message": message, "type": error_type, "param": None, "code": code}}) + b"\n\n"
+
+
+def per_request_metrics(queued_ns: int, scheduled_ns: int, first_token_ns: int, last_token_ns: int,
+                        tokens: int) -> dict[str, float | None]:
+    """vLLM's per-request `metrics` object (--enable-per-request-metrics), from the engine's timestamps:
+    the queue (scheduled - queued), the time to first token counted from scheduling, the generation
+    (last token - first token), the mean inter-token latency and tokens per second since scheduling."""
+    generation_ms = (last_token_ns - first_token_ns) / 1e6
+    running_s = (last_token_ns - scheduled_ns) / 1e9
+    return {
+        "time_to_first_token_ms": (first_token_ns - scheduled_ns) / 1e6,
+        "generation_time_ms": generation_ms,
+        "queue_time_ms": (scheduled_ns - queued_ns) / 1e6,
+        "mean_itl_ms": generation_ms / (tokens - 1) if tokens > 1 else None,
+        "tokens_per_second": tokens / running_s if running_s > 0 else None,
+    }
+
+
 def models_body(model: str) -> bytes:
     entry = {"id": model, "object": "model", "created": int(time.time()), "owned_by": "tokenprobe", "root": model}
     return _dumps({"object": "list", "data": [entry]})
@@ -178,12 +199,16 @@ class ResponseFormatter:
             }
         return self._event({**self._head, "choices": [choice]})
 
-    def usage_event(self, completion_tokens: int) -> bytes:
-        usage = self._usage(completion_tokens)
-        return self._event({**self._head, "choices": [], "usage": usage, "system_fingerprint": SYSTEM_FINGERPRINT})
+    def usage_event(self, completion_tokens: int, metrics: dict[str, float | None] | None = None) -> bytes:
+        """The last chunk's usage, and vLLM's `metrics` when given (a stream drops its None fields, as vLLM's)."""
+        event = {**self._head, "choices": [], "usage": self._usage(completion_tokens)}
+        if metrics is not None:
+            event["metrics"] = {name: value for name, value in metrics.items() if value is not None}
+        return self._event({**event, "system_fingerprint": SYSTEM_FINGERPRINT})
 
-    def full_body(self, text: str, completion_tokens: int) -> bytes:
-        """The stream=false response: the whole completion and its usage in one JSON body."""
+    def full_body(self, text: str, completion_tokens: int, metrics: dict[str, float | None] | None = None) -> bytes:
+        """The stream=false response: the whole completion and its usage in one JSON body (and vLLM's
+        `metrics` when given)."""
         finish = {"logprobs": None, "finish_reason": "length", "stop_reason": None}
         if self._chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, **finish}
@@ -198,6 +223,8 @@ class ResponseFormatter:
             "usage": self._usage(completion_tokens),
             "system_fingerprint": SYSTEM_FINGERPRINT,
         }
+        if metrics is not None:
+            body["metrics"] = metrics
         return _dumps(body)
 
     def _usage(self, completion_tokens: int) -> dict[str, int]:

@@ -129,6 +129,7 @@ SELECT
     toUInt64(0) AS request_message_bytes,
     toUInt64(0) AS response_message_bytes,
     toUInt32(0) AS largest_response_message_bytes,
+    '' AS error_type, NULL AS engine_queue_ms,
     '' AS namespace, '' AS pod, '' AS container, '' AS pod_uid, '' AS container_id
 FROM (
     SELECT

@@ -101,7 +101,8 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
                      simulated_metrics: bool = False,
                      send_buffer: int | None = None,
                      kv_cache_blocks: int | None = None,
-                     engine_kv_blocks: int | None = None) -> Iterator[tuple[int, Path]]:
+                     engine_kv_blocks: int | None = None, per_request_metrics: bool = False,
+                     fail_streams_every: int = 0) -> Iterator[tuple[int, Path]]:
     """The reference server in a child process; yields (port, truth log).
 
     ``simulated_metrics``: it also serves simulated vLLM /metrics (the slot
@@ -109,7 +110,8 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
     of ``kv_cache_blocks`` (the server's default when None). ``engine_kv_blocks``:
     the engine is bounded by a KV cache of that many blocks, admitting and
     preempting as vLLM's (see ``refserver.engine``). ``send_buffer``: the
-    accepted sockets' SO_SNDBUF (small: a slow client pushes back on its writes)."""
+    accepted sockets' SO_SNDBUF (small: a slow client pushes back on its writes). ``per_request_metrics``
+    and ``fail_streams_every``: see ``ServerConfig``."""
     port = port or free_port()
     truth = tmp / f"truth-{port}.jsonl"
     cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(port),
@@ -128,6 +130,10 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
         cmd += ["--kv-cache-blocks", str(kv_cache_blocks)]
     if engine_kv_blocks is not None:
         cmd += ["--engine-kv-blocks", str(engine_kv_blocks)]
+    if per_request_metrics:
+        cmd.append("--enable-per-request-metrics")
+    if fail_streams_every:
+        cmd += ["--fail-streams-every", str(fail_streams_every)]
     # The ground truth is stamped in Python just after a read and just before a write: at a raised
     # priority, the load generator's threads on the same few cores cannot delay those stamps.
     with listening_process(cmd, port, cwd=tmp, preexec_fn=_raise_priority):

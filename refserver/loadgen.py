@@ -312,6 +312,9 @@ class _Client:
             event = json.loads(payload)
             if not isinstance(event, dict):
                 raise ValueError(f"SSE data is not a JSON object: {payload[:80]!r}")
+            error = event.get("error")
+            if isinstance(error, dict):  # the server failed the request inside its 200 stream
+                record.error = f"error event in the stream: {error.get('type')}"
             record.response_id = record.response_id or event.get("id", "")
             if _carries_text(event):
                 now = time.monotonic_ns()

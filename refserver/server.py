@@ -10,12 +10,13 @@ so an observer's measurements can be checked against it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from .api import (
     models_body,
     new_response_id,
     parse_completion_request,
+    per_request_metrics,
+    stream_error_event,
 )
 from .engine import Engine, EngineSnapshot, EngineStopped, EngineTiming
 from .sim_metrics import (
@@ -87,6 +90,13 @@ class ServerConfig:
     # queue long enough to move TTFT. With the engine's KV cache bounded (EngineTiming.kv_cache_blocks),
     # the gauge reports that cache's real use instead, and this must be left None.
     kv_cache_blocks: int | None = None
+    # As vLLM's --enable-per-request-metrics: the last usage chunk of a stream and a whole body carry the
+    # request's own `metrics` (queue, time to first token from scheduling, generation).
+    per_request_metrics: bool = False
+    # Every Nth streamed request fails after its first token, inside its 200 stream: an error event as
+    # vLLM sends one (`stream_error_type`, code 500), then `data: [DONE]`. 0: none fails.
+    fail_streams_every: int = 0
+    stream_error_type: str = "InternalServerError"
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -97,6 +107,8 @@ class ServerConfig:
             raise ValueError("default_max_tokens must be between 1 and max_tokens_limit")
         if self.idle_timeout_s <= 0:
             raise ValueError("idle_timeout_s must be positive")
+        if self.fail_streams_every < 0:
+            raise ValueError(f"fail_streams_every must be 0 (none) or more, got {self.fail_streams_every}")
         if self.send_buffer is not None and self.send_buffer < 1:
             raise ValueError(f"send_buffer must be a positive number of bytes, got {self.send_buffer}")
         if self.kv_cache_blocks is not None:
@@ -124,6 +136,11 @@ class _ServingContext:
     stopping: threading.Event
     wall_offset_ns: int
     simulated: SimulatedMetrics | None
+    stream_numbers: Iterator[int]  # numbers the streamed requests, 1 up, across connections
+
+
+class _StreamFailed(Exception):
+    """The engine failed a request mid-stream (ServerConfig.fail_streams_every)."""
 
 
 
@@ -150,7 +167,7 @@ class RequestTrace:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     status: int = 0
-    outcome: str = "complete"  # complete | client_gone | server_stopped | server_error
+    outcome: str = "complete"  # complete | stream_error (failed inside its 200 stream) | client_gone | server_stopped | server_error
     error: str = ""
     request_start_ns: int | None = None  # first byte of the request received
     arrival_ns: int | None = None  # request fully read (after its last body byte)
@@ -195,7 +212,7 @@ class ReferenceServer:
                                       kv_cache=self.config.simulated_kv_cache)
                      if self.config.simulated_metrics else None)
         self._context = _ServingContext(
-            self.config, self._engine, self._truth_log, self._stopping, wall_offset_ns, simulated)
+            self.config, self._engine, self._truth_log, self._stopping, wall_offset_ns, simulated, itertools.count(1))
         self._accept_thread = threading.Thread(target=self._accept_forever, name="refserver-accept", daemon=True)
         self._accept_thread.start()
         log.info("reference server listening on %s", self.url)
@@ -344,6 +361,7 @@ class _Connection:
         self._truth_log = context.truth_log
         self._stopping = context.stopping
         self._simulated = context.simulated
+        self._stream_numbers = context.stream_numbers
         self._sock = sock
         self._reader = RequestReader(sock)
         self._trace_base = {
@@ -483,16 +501,25 @@ class _Connection:
         trace.status = 200
         trace.headers_ns = time.monotonic_ns()
         self._send(response_head(200, headers))
+        every = self._config.fail_streams_every
+        fails = every > 0 and next(self._stream_numbers) % every == 0
 
         def emit(index: int, text: str, last: bool) -> None:
             if index == 0 and completion.chat:
                 self._send(chunk(formatter.role_event()))
+            if fails and index == 1:
+                raise _StreamFailed
             trace.token_ns.append(time.monotonic_ns())
             self._send(chunk(formatter.token_event(text, last)))
 
-        self._generate(completion, trace, emit)
-        if completion.include_usage:
-            self._send(chunk(formatter.usage_event(trace.completion_tokens)))
+        try:
+            self._generate(completion, trace, emit)
+        except _StreamFailed:
+            trace.outcome, trace.error = "stream_error", self._config.stream_error_type
+            self._send(chunk(stream_error_event(trace.error, "the engine failed while generating", 500)))
+        else:
+            if completion.include_usage:
+                self._send(chunk(formatter.usage_event(trace.completion_tokens, self._metrics(trace))))
         self._send(chunk(DONE_EVENT))
         self._send(LAST_CHUNK)
         trace.done_ns = time.monotonic_ns()
@@ -507,7 +534,15 @@ class _Connection:
             pieces.append(text)
 
         self._generate(completion, trace, emit)
-        self._send_json(trace, 200, formatter.full_body("".join(pieces), trace.completion_tokens), close)
+        body = formatter.full_body("".join(pieces), trace.completion_tokens, self._metrics(trace))
+        self._send_json(trace, 200, body, close)
+
+    def _metrics(self, trace: RequestTrace) -> dict[str, float | None] | None:
+        """vLLM's per-request `metrics` for a finished request, when the server states them."""
+        if not self._config.per_request_metrics or not trace.token_ns:
+            return None
+        return per_request_metrics(trace.arrival_ns, trace.slot_ns, trace.token_ns[0], trace.token_ns[-1],
+                                   trace.completion_tokens)
 
     def _generate(
         self, completion: CompletionRequest, trace: RequestTrace, emit: Callable[[int, str, bool], None]

@@ -136,6 +136,10 @@ COLUMN_MEANING = {
         "request_message_bytes": "gRPC: their payload bytes (5-byte prefixes excluded)",
         "response_message_bytes": "gRPC: payload bytes of the response messages (`token_events` counts them)",
         "largest_response_message_bytes": "gRPC: the largest response message's payload bytes",
+        "error_type": "the API's label for an error the server sent inside its response (`overloaded_error`, …; "
+                      "outcome `error`): a bounded label, never the message",
+        "engine_queue_ms": "the engine's own queue time for the request, where it states one (vLLM "
+                           "`--enable-per-request-metrics`)",
         "namespace": "the Kubernetes namespace of the process's pod (empty outside Kubernetes pods)",
         "pod": "the pod's name, from the container runtime's API (the kubelet's io.kubernetes.* labels)",
         "container": "the container's name in its pod (outside Kubernetes: the runtime's container name)",

@@ -48,7 +48,7 @@ def chunk(data: bytes) -> bytes:
 
 
 def run(path: str, events: list[bytes], content_type: str = "text/event-stream",
-        byte_by_byte: bool = False) -> Exchange:
+        byte_by_byte: bool = False, outcome: str = "complete") -> Exchange:
     """One exchange: each event one chunk (and one segment), then the last chunk."""
     asm = HttpConnectionAssembler(fingerprint_key=KEY)
     wire = request(path)
@@ -62,13 +62,14 @@ def run(path: str, events: list[bytes], content_type: str = "text/event-stream",
         for piece in pieces:
             done += asm.feed_response_bytes(ts, piece, len(piece))
     [exchange] = done
-    assert exchange.outcome == "complete"
+    assert exchange.outcome == outcome
     return exchange
 
 
-def run_both(path: str, events: list[bytes], content_type: str = "text/event-stream") -> Exchange:
-    exchange = run(path, events, content_type)
-    assert run(path, events, content_type, byte_by_byte=True) == exchange
+def run_both(path: str, events: list[bytes], content_type: str = "text/event-stream",
+             outcome: str = "complete") -> Exchange:
+    exchange = run(path, events, content_type, outcome=outcome)
+    assert run(path, events, content_type, byte_by_byte=True, outcome=outcome) == exchange
     return exchange
 
 
@@ -172,6 +173,48 @@ def test_llamacpp_timings_on_its_openai_route():
     ex = run_both("/v1/chat/completions", events)
     assert (ex.prompt_tokens, ex.completion_tokens) == (14, 11)
     assert (ex.engine_prompt_ms, ex.engine_decode_ms) == (53.734, 120.5)
+
+
+# vLLM --enable-per-request-metrics: `metrics` as its PerRequestTimingMetrics serialises it (fields in
+# declaration order; a streamed chunk drops None fields), figures from queued 1.0 s, scheduled 1.5 s,
+# first token 2.0 s, last token 3.0 s, 10 tokens generated.
+VLLM_METRICS = {"time_to_first_token_ms": 500.0, "generation_time_ms": 1000.0, "queue_time_ms": 500.0,
+                "mean_itl_ms": 111.11111111111111, "tokens_per_second": 6.666666666666667}
+
+
+def with_vllm_metrics(events: list[bytes], metrics: dict) -> list[bytes]:
+    """A real vLLM capture with `metrics` added to its usage chunk, where vLLM puts it."""
+    return [event.replace(b',"system_fingerprint"', b',"metrics":' + json.dumps(metrics, separators=(",", ":")).encode()
+                          + b',"system_fingerprint"') if b'"usage":{' in event else event for event in events]
+
+
+@pytest.mark.parametrize("name, path", [("chat", "/v1/chat/completions"), ("completions", "/v1/completions")])
+def test_vllm_per_request_metrics_streamed(name, path):
+    events = with_vllm_metrics(vllm_events(name), VLLM_METRICS)
+    assert sum(b'"metrics":{' in event for event in events) == 1
+    ex = run_both(path, events)
+    assert (ex.engine_queue_ms, ex.engine_prompt_ms, ex.engine_decode_ms) == (500.0, 500.0, 1000.0)
+    assert ex.completion_tokens == 12
+    # Without the flag (the capture as it is) nothing is stated; an all-None object (the flag on, no
+    # figures) streams as `{}` and states nothing either.
+    for events in (vllm_events(name), with_vllm_metrics(vllm_events(name), {})):
+        ex = run(path, events)
+        assert (ex.engine_queue_ms, ex.engine_prompt_ms, ex.engine_decode_ms) == (None, None, None)
+
+
+def test_vllm_per_request_metrics_in_a_body():
+    body = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "small",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "total_tokens": 2, "completion_tokens": 1}, "metrics": VLLM_METRICS}
+    for size in (0, 20_000):  # parsed whole; too large to keep whole (its figures read from the tail)
+        body["choices"][0]["message"]["content"] = "x" * size + ' "queue_time_ms": 7'
+        data = json.dumps(body).encode()
+        asm = HttpConnectionAssembler(fingerprint_key=KEY)
+        wire = request("/v1/chat/completions", b'{"model": "small"}')
+        asm.feed_request_bytes(1, wire, len(wire))
+        reply = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
+        [ex] = asm.feed_response_bytes(2, reply + data, len(reply + data))
+        assert (ex.engine_queue_ms, ex.engine_prompt_ms, ex.engine_decode_ms) == (500.0, 500.0, 1000.0), size
 
 
 # -- OpenAI Responses --------------------------------------------------------------------
@@ -464,6 +507,83 @@ def test_rows_carry_the_dialect_columns():
         schema.check(row)
 
 
+# -- errors inside a 200 stream ------------------------------------------------------------
+
+def anthropic_error(kind: str) -> bytes:
+    return sse({"type": "error", "error": {"type": kind, "message": "Overloaded"}}, event="error")
+
+
+OPENAI_ERROR = sse({"error": {"message": "The engine is dead; please restart.", "type": "InternalServerError",
+                              "param": None, "code": 500}})
+
+
+@pytest.mark.parametrize("path, events, content_type, api, error_type", [
+    # Anthropic: an error event after the stream began (docs "Streaming Messages", Error events).
+    ("/v1/messages", [sse({"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant",
+                                                                "model": "claude-sonnet-4-5", "content": [],
+                                                                "usage": {"input_tokens": 5, "output_tokens": 1}}},
+                          event="message_start"),
+                      sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}},
+                          event="content_block_delta"),
+                      anthropic_error("overloaded_error")],
+     "text/event-stream", "anthropic.messages", "overloaded_error"),
+    # vLLM (ErrorResponse(error=ErrorInfo)) after output, then its [DONE].
+    ("/v1/chat/completions", [chat_chunk({"index": 0, "delta": {"content": "A"}, "finish_reason": None}),
+                              OPENAI_ERROR, b"data: [DONE]\n\n"],
+     "text/event-stream", "openai.chat", "InternalServerError"),
+    # Older vLLM and SGLang: the error object flat, `object: error`.
+    ("/v1/completions", [sse({"object": "error", "message": "boom", "type": "BadRequestError", "param": None,
+                              "code": 400})], "text/event-stream", "openai.completions", "BadRequestError"),
+    # LiteLLM: a string code and no usable type.
+    ("/v1/chat/completions", [sse({"error": {"message": "Rate limit reached", "type": None, "param": None,
+                                             "code": "429"}})], "text/event-stream", "openai.chat", "error"),
+    # Responses: response.failed carries the response with its error.
+    ("/v1/responses", [typed(0, "response.created", response=response_object("in_progress")),
+                       typed(1, "response.failed", response={**response_object("failed"), "error": {
+                           "code": "server_error", "message": "The model failed to generate a response."}})],
+     "text/event-stream", "openai.responses", "server_error"),
+    # Responses: an error event outside a response.
+    ("/v1/responses", [typed(0, "error", code="rate_limit_exceeded", message="Slow down", param=None)],
+     "text/event-stream", "openai.responses", "rate_limit_exceeded"),
+    # Ollama: a last line with the message only.
+    ("/api/generate", [ndjson({"model": "m", "created_at": "2025-10-26T17:15:24Z", "response": "x", "done": False}),
+                       ndjson({"error": "an error was encountered while running the model: unexpected EOF"})],
+     "application/x-ndjson", "ollama.generate", "error"),
+    # TGI: the message and its error_type.
+    ("/generate_stream", [tgi_token(1, "x"), sse({"error": "Request failed during generation: Server error: OOM",
+                                                  "error_type": "generation"})],
+     "text/event-stream", "tgi", "generation"),
+    # SGLang native: the message only.
+    ("/generate", [sse({"error": {"message": "Aborted by the scheduler"}})], "text/event-stream", "unknown", "error"),
+    # llama.cpp native.
+    ("/completion", [sse({"content": "x", "stop": False}),
+                     sse({"error": {"code": 500, "message": "slot unavailable", "type": "server_error"}})],
+     "text/event-stream", "llamacpp", "server_error"),
+    # An Anthropic error as the first event on a path no dialect names.
+    ("/proxy/messages", [anthropic_error("api_error")], "text/event-stream", "anthropic.messages", "api_error"),
+])
+def test_an_error_inside_a_200_stream_is_an_error(path, events, content_type, api, error_type):
+    ex = run_both(path, events, content_type, outcome="error")
+    assert (ex.status, ex.api, ex.error_type) == (200, api, error_type)
+    # The message is user-influenced text: it is never kept.
+    assert all(word not in repr(ex) for word in ("Overloaded", "dead", "boom", "Rate limit", "EOF", "OOM", "Slow"))
+
+
+def test_error_labels_are_bounded():
+    record = dialects.base.record_error
+    for labels, expected in ((("overloaded_error",), "overloaded_error"), ((503,), "503"),
+                             (("not a label", "api_error"), "api_error"), (("x" * 49,), "error"),
+                             ((True, 5, 1e3, None, {}, "é"), "error")):
+        ex = Exchange(seq=0)
+        record(ex, *labels)
+        assert (ex.outcome, ex.error_type) == ("error", expected), labels
+
+
+def test_an_error_free_stream_names_no_error():
+    ex = run_both("/v1/messages", ANTHROPIC_STREAM)
+    assert (ex.outcome, ex.error_type) == ("complete", "")
+
+
 # -- hostile input ------------------------------------------------------------------------
 
 def payloads(events: list[bytes]) -> list[dict]:
@@ -526,4 +646,6 @@ def test_any_value_anywhere_never_breaks_a_dialect(path):
                     assert ex.first_content_index is None or ex.first_content_index < len(ex.token_event_ns)
                     assert ex.api and ex.choices <= 0xFFFF
                     assert all(v is None or 0 <= v <= 0xFFFFFFFF for v in (ex.prompt_tokens, ex.completion_tokens))
-                    assert all(v is None or 0 <= v <= MAX_ENGINE_MS for v in (ex.engine_prompt_ms, ex.engine_decode_ms))
+                    assert all(v is None or 0 <= v <= MAX_ENGINE_MS
+                               for v in (ex.engine_queue_ms, ex.engine_prompt_ms, ex.engine_decode_ms))
+                    assert ex.error_type == "" or (len(ex.error_type) <= 48 and ex.error_type.isascii())

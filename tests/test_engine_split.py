@@ -6,6 +6,10 @@ indistinguishable from queueing; the engine's /metrics (vLLM's mean prefill
 and mean TTFT, as the agent scrapes them into engine_samples) tell the two
 apart. Without them the overhead lands in queue; with them it is booked as
 ``overhead_ms`` and each row says so in ``split_method``.
+
+Where the engine states each request's own queue and prefill (vLLM with
+``--enable-per-request-metrics``), the split is those figures, exactly; where it
+states the prefill alone (llama.cpp ``timings``, Ollama), the prefill is.
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ MINUTE = 60 * NS_PER_S
 START_NS = (time.time_ns() // (10 * MINUTE) - 2) * 10 * MINUTE
 SERVER = SlotServer()  # 4 slots, about 17 requests/s
 WITH_ENGINE, WITHOUT_ENGINE = 8300, 8301
+STATED, PREFILL_STATED = 8302, 8303  # the engine states each request's queue and prefill; its prefill alone
+
+
+def stated(rows: list[dict], requests, queue: bool) -> list[dict]:
+    """The rows as the agent reads them from an engine that states each request's prefill (and queue)."""
+    return [{**row, "engine_prompt_ms": request.prefill_ms, "engine_queue_ms": request.queue_ms if queue else None}
+            for row, request in zip(rows, requests)]
 
 
 def outside_the_engine(requests) -> list[dict]:
@@ -42,9 +53,12 @@ def split(tmp_path_factory):
     store.ensure_schema()
     load = [LoadPhase(120, 2.0), LoadPhase(120, 14.0)]  # idle arrivals to calibrate, then queueing
     truth = {}
-    for port in (WITH_ENGINE, WITHOUT_ENGINE):
+    for port in (WITH_ENGINE, WITHOUT_ENGINE, STATED, PREFILL_STATED):
         requests = simulate(SERVER, load, start_ns=START_NS, port=port, seed=port)
-        store.insert_rows("requests", outside_the_engine(requests))
+        rows = outside_the_engine(requests)
+        if port in (STATED, PREFILL_STATED):
+            rows = stated(rows, requests, queue=port == STATED)
+        store.insert_rows("requests", rows)
         truth[port] = {request.row["response_id"]: request for request in requests}
     engine = truth[WITH_ENGINE].values()
     prefill_s = np.mean([request.prefill_ms for request in engine]) / 1000
@@ -81,3 +95,25 @@ def test_without_the_engine_the_overhead_reads_as_queue_and_the_row_says_how_it_
     # Idle arrivals put the overhead in the prefill fit's intercept: prefill reads 40 ms long instead.
     true_prefill = np.mean([truth[WITHOUT_ENGINE][i].prefill_ms for i in rows["response_id"]])
     assert rows["prefill_ms"].mean() == pytest.approx(true_prefill + OVERHEAD_MS, rel=0.1)
+
+
+def test_an_engine_that_states_each_request_s_split_is_taken_at_its_word(split):
+    frame, truth = split
+    rows = frame[frame["server_port"] == STATED]
+    assert set(rows["split_method"]) == {"engine"} and len(rows) == len(truth[STATED])
+    for row in rows.itertuples():
+        request = truth[STATED][row.response_id]
+        # Exactly the stated figures (stored as Float32), and what the TTFT holds beyond them is overhead.
+        assert row.queue_ms == pytest.approx(request.queue_ms, rel=1e-6, abs=1e-4)
+        assert row.prefill_ms == pytest.approx(request.prefill_ms, rel=1e-6, abs=1e-4)
+        assert row.overhead_ms == pytest.approx(OVERHEAD_MS, abs=0.01)
+
+
+def test_a_stated_prefill_alone_is_exact_and_the_queue_is_the_rest(split):
+    frame, truth = split
+    rows = frame[frame["server_port"] == PREFILL_STATED]
+    assert set(rows["split_method"]) == {"engine_prefill"}
+    for row in rows.itertuples():
+        assert row.prefill_ms == pytest.approx(truth[PREFILL_STATED][row.response_id].prefill_ms, rel=1e-6, abs=1e-4)
+    assert np.allclose(rows["queue_ms"] + rows["prefill_ms"] + rows["overhead_ms"].fillna(0), rows["ttft_server_ms"],
+                       atol=0.01)

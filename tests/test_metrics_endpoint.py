@@ -117,6 +117,21 @@ def test_connections_that_could_not_be_read_are_counted_by_port_and_reason(metri
     assert series(page, "tokenprobe_request_duration_seconds_count")[0].value == 1  # blind spots are not timed
 
 
+def test_errors_inside_200_streams_are_counted_by_server_model_tenant_and_type(metrics):
+    for tenant, error_type in (("acme", "overloaded_error"), ("acme", "overloaded_error"), ("", "api_error")):
+        metrics.observe_request(row(outcome="error", tenant=tenant, error_type=error_type))
+    metrics.observe_request(row(tenant="acme"))  # a success: no error series
+    for error_type in ("e1", "e2", "e3", "e4"):  # error types beyond the cap (3 here) share one series
+        metrics.observe_request(row(outcome="error", tenant="beta", error_type=error_type))
+    page = read(metrics)
+    llama = {"server_port": "8000", "model": "llama-3-8b", "role": "server"}
+    assert value(page, "tokenprobe_requests_total", status_class="2xx", outcome="error", **llama) == 7
+    assert value(page, "tokenprobe_request_errors_total", tenant="acme", error_type="overloaded_error", **llama) == 2
+    assert value(page, "tokenprobe_request_errors_total", tenant="", error_type="api_error", **llama) == 1
+    assert value(page, "tokenprobe_request_errors_total", tenant="beta", error_type=OVERFLOW_MODEL, **llama) == 3
+    assert sum(s.value for s in series(page, "tokenprobe_request_errors_total")) == 7
+
+
 def test_model_names_from_clients_are_capped_per_port(metrics):
     for model in ("a", "b", "c", "d", "e"):
         metrics.observe_request(row(model=model))

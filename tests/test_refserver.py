@@ -302,6 +302,36 @@ def test_stream_has_the_vllm_wire_shape(tmp_path: Path, fixture: str, path: str,
     assert prompt_word not in json.dumps(events) and prompt_word not in json.dumps(truth)
 
 
+def test_per_request_metrics_and_a_stream_that_fails_inside_its_200(tmp_path: Path) -> None:
+    """As vLLM with --enable-per-request-metrics: each request's own figures from the engine's timestamps,
+    on the last usage chunk and in a whole body; every 2nd stream fails after its first token with vLLM's
+    error event, then [DONE]."""
+    config = ServerConfig(engine=EngineTiming(slots=1, prefill_base_ms=5.0, prefill_ms_per_token=0.0, decode_ms=5.0),
+                          truth_log=tmp_path / "truth.jsonl", per_request_metrics=True, fail_streams_every=2)
+    with ReferenceServer(config) as server:
+        replies = [exchange(server.port, post_raw("/v1/chat/completions", body))
+                   for body in (chat_body(4, usage=True), chat_body(4, usage=True), chat_body(4, stream=False))]
+        truth = read_truth(server, 3)
+    (_, _, complete), (status, _, failed) = (split_response(reply) for reply in replies[:2])
+    whole = replies[2].partition(b"\r\n\r\n")[2]
+    record = truth[0]
+    expected = {"time_to_first_token_ms": (record["token_ns"][0] - record["slot_ns"]) / 1e6,
+                "generation_time_ms": (record["token_ns"][-1] - record["token_ns"][0]) / 1e6,
+                "queue_time_ms": (record["slot_ns"] - record["arrival_ns"]) / 1e6}
+    metrics = sse_events(complete)[-2]["metrics"]
+    assert {name: metrics[name] for name in expected} == pytest.approx(expected)
+    assert metrics["time_to_first_token_ms"] >= 5.0 and metrics["generation_time_ms"] > 10.0  # prefill; 3 decode steps
+    assert set(metrics) == {*expected, "mean_itl_ms", "tokens_per_second"}
+    # The failed stream: a 200, its role chunk and first token, the error event, [DONE]; no usage.
+    events = sse_events(failed)
+    assert status == 200 and len(events) == 4 and events[-1] == "[DONE]"
+    assert events[2] == {"error": {"message": "the engine failed while generating", "type": "InternalServerError",
+                                   "param": None, "code": 500}}
+    assert (truth[1]["outcome"], truth[1]["error"], truth[1]["completion_tokens"]) == (
+        "stream_error", "InternalServerError", 1)
+    assert set(json.loads(whole)["metrics"]) == set(metrics)  # a whole body's, all fields, none dropped
+
+
 def test_tls_stream_and_truth(tmp_path: Path, tls_files: tuple[Path, Path]) -> None:
     with make_server(tmp_path, tls_files) as server:
         assert server.url.startswith("https://")

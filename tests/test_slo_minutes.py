@@ -3,7 +3,8 @@
 The live analysis reuses the minutes an earlier pass counted; each window's
 counts must still be those of its raw requests, to the nanosecond at both
 ends, and a request stored late into a kept minute (a spool replay) must be
-counted.
+counted. A request that failed inside its 200 stream is a failure for the SLOs
+and for the retry-storm indicator.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from tokenprobe.analytics import indicators
 from tokenprobe.analytics.config import DEFAULT_OBJECTIVES
 from tokenprobe.analytics.scope import Scope, Server
 from tokenprobe.analytics.slo import WINDOWS_S, SloMinutes, evaluate_slos
-from tokenprobe.analytics.timerange import NS_PER_S
+from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
 from tokenprobe.contract import measures
 from tokenprobe.store.embedded import open_store
 
@@ -86,3 +88,33 @@ def test_kept_seconds_equal_a_recount_pass_after_pass_a_late_row_and_a_restart_i
         assert judged(statuses) == judged(evaluate_slos(store, at_ns, DEFAULT_OBJECTIVES, SCOPE)), f"pass {step}"
         assert statuses[0].requests == window_requests(store, at_ns), f"pass {step}"
         assert set(kept.seconds) == set(kept.minutes), "every kept minute has its seconds"
+
+
+def test_an_error_inside_a_200_stream_fails_every_objective(store):
+    """The same quick request twice, once ending in an error event of its 200 stream (outcome 'error'):
+    only the other meets the objectives."""
+    store, rows = store
+    node = "slo-errors-node"
+    quick = dict(rows[0], node=node)
+    store.insert_rows("requests", [quick, dict(quick, conn_id=quick["conn_id"] + 1, outcome="error",
+                                               error_type="overloaded_error")])
+    at_ns = quick["resp_end"] + NS_PER_S
+    statuses = evaluate_slos(store, at_ns, DEFAULT_OBJECTIVES, Scope((Server(8000, node),)))
+    assert [(status.objective, status.requests["5m"], status.good["5m"]) for status in statuses] == \
+        [(objective.objective, 2, 1) for objective in DEFAULT_OBJECTIVES] + [("goodput", 2, 1)]
+
+
+def test_a_retry_of_a_request_that_failed_inside_its_200_stream_counts_as_after_a_failure(store):
+    """Two clients each send a request twice, 2 s apart: one's first attempt failed inside its 200 stream."""
+    store, rows = store
+    node, port = "retry-errors-node", 8090
+    first = dict(rows[0], node=node, server_port=port, body_fp=11)
+    at = first["req_start"]
+    sent = [dict(first, client_addr="10.0.0.1", outcome="error", error_type="overloaded_error"),
+            dict(first, client_addr="10.0.0.1", req_start=at + 2 * NS_PER_S, conn_id=first["conn_id"] + 1),
+            dict(first, client_addr="10.0.0.2", conn_id=first["conn_id"] + 2),
+            dict(first, client_addr="10.0.0.2", req_start=at + 2 * NS_PER_S, conn_id=first["conn_id"] + 3)]
+    store.insert_rows("requests", sent)
+    windows = indicators.Windows(TimeRange(at - at % (60 * NS_PER_S), at + 60 * NS_PER_S), 60, 0)
+    counted = indicators._retries(store, windows, Scope((Server(port, node),)), retry_window_s=60)
+    assert counted[["fingerprinted", "retries", "after_failure"]].values.tolist() == [[4, 2, 1]]

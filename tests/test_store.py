@@ -57,7 +57,7 @@ def make_row(**overrides) -> dict:
         "choices": 1, "choice_events": 3, "engine_prompt_ms": None, "engine_decode_ms": None,
         "capture": "exact", "bytes_unseen": 0, "protocol": "http/1.1", "stream_id": 0, "unreadable_reason": "",
         "request_messages": 0, "request_message_bytes": 0, "response_message_bytes": 0,
-        "largest_response_message_bytes": 0,
+        "largest_response_message_bytes": 0, "error_type": "", "engine_queue_ms": None,
         "namespace": "", "pod": "", "container": "", "pod_uid": "", "container_id": "",
     }
     row.update(overrides)
@@ -130,7 +130,7 @@ def test_unreachable_server_is_store_unavailable_naming_the_url():
 
 def test_every_registered_table_is_stored_with_its_declared_columns(owner):
     # docs/schema.md is rendered from the registry (scripts/render_docs.py): what it lists is what a store holds.
-    assert len(schema.REQUEST_COLUMNS) == 57
+    assert len(schema.REQUEST_COLUMNS) == 59
     for table in registry.TABLES:
         described = owner.query_rows("SELECT name, type FROM system.columns WHERE database = 'tokenprobe'"
                                      f" AND table = '{table.name}' ORDER BY position")

@@ -29,7 +29,7 @@ from tokenprobe.agent.capture.kernel.records import (
     UnseenEnd,
     decode_event,
 )
-from tokenprobe.agent.capture.tracker import ConnectionTracker
+from tokenprobe.agent.capture.tracker import ConnectionTracker, connection_id
 from tokenprobe.contract.requests import REQUEST_COLUMNS
 from tokenprobe.contract.tenant import DEFAULT_TENANT_HEADER
 
@@ -184,6 +184,22 @@ def test_inflight_counts_other_requests_on_the_same_port():
         tracker.handle(ev(EV_DATA, 1000 + fd, fd=fd, data=REQUEST))
     serve_one(tracker, fd=10, t0=2000)
     assert rows.rows[0]["inflight_at_arrival"] == 3
+
+
+def test_the_agent_s_own_connections_are_counted_apart_and_never_rows():
+    asked = []
+
+    def own_connection(peer_port: int, local_port: int, accept_ns: int) -> bool:
+        asked.append((peer_port, local_port, accept_ns))
+        return accept_ns == 500  # the agent's socket with these ports was open when conn_ns 500 was accepted
+
+    tracker, rows = make_tracker(own_connection=own_connection)
+    serve_one(tracker, fd=7, conn_ns=500)  # the agent's scrape
+    serve_one(tracker, fd=8, conn_ns=900, t0=5_000_000)  # a client reusing the ports later
+    tracker.close_all(200_000_000)
+    assert [row["conn_id"] for row in rows.rows] == [connection_id(42, 8, 900)]
+    assert asked == [(50000, 8000, 500), (50000, 8000, 900)]  # once per connection, at its first data
+    assert (tracker.stats.own_connections, tracker.stats.requests, sum(tracker.stats.inflight.values())) == (1, 1, 0)
 
 
 def test_fd_reuse_without_a_seen_close_ends_the_old_connection():

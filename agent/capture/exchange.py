@@ -46,9 +46,12 @@ class Exchange:
     completion_tokens: int | None = None
     resp_model: str | None = None
     response_id: str | None = None
-    outcome: str = "complete"  # complete | client_closed | reset | truncated
+    outcome: str = "complete"  # complete | error | client_closed | reset | truncated
     request_seen: bool = True  # False: the request lay in a capture gap, only its response was read
     error: str | None = None
+    # The API's label for an error the server sent inside its response (`overloaded_error`): a bounded
+    # label (dialects/base.py, error_label), never the error's message. "" when it sent none.
+    error_type: str = ""
     inflight_at_arrival: int = 0  # filled by the caller from on_request_start
     tenant: str = ""  # the tenant header's value (an identifier, never content); "" if absent
     api: str = ""  # the dialect that read the response (dialects/); "" if not an LLM API
@@ -57,6 +60,7 @@ class Exchange:
     first_content_index: int | None = None
     choices: int = 0  # choices that carried output (n > 1 streams several)
     choice_events: int = 0  # events with output, summed over all choices
+    engine_queue_ms: float | None = None  # the engine's own time in its queue (scheduled - arrived), if reported
     engine_prompt_ms: float | None = None  # the engine's own prompt (prefill) time, if reported
     engine_decode_ms: float | None = None  # the engine's own generation time, if reported
 

@@ -206,6 +206,9 @@ class Connection:
     # none (adopted at start, restarted after idling). A field, not a property: every data event
     # compares it.
     generation: int = 0
+    # The agent's own connection (its client is the agent: a scrape of the server's /metrics), found at
+    # the first data event; None until then. Nothing of it is read or recorded.
+    own: bool | None = None
 
 
 @dataclass
@@ -223,6 +226,7 @@ class TrackerStats:
     steady_writes: int = 0         # writes that came in the kernel's batches, not as events of their own
     steady_templates: int = 0      # templates named to the kernel
     unknown_ends: int = 0          # connections found gone (fd reused) with neither a close record nor a kept end
+    own_connections: int = 0       # connections whose client was the agent itself, never recorded
     inflight: dict[int, int] = field(default_factory=dict)
 
 
@@ -235,8 +239,11 @@ class ConnectionTracker:
                  restart_connection: Callable[[int, int, int], None] | None = None,
                  tenant_header: str | None = DEFAULT_TENANT_HEADER,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, steady: SteadyKernel | None = None,
-                 unseen_ends: UnseenEnds | None = None) -> None:
-        """`on_unreadable(server_port, reason)`: a connection was found unreadable, once per connection."""
+                 unseen_ends: UnseenEnds | None = None,
+                 own_connection: Callable[[int, int, int], bool] | None = None) -> None:
+        """`on_unreadable(server_port, reason)`: a connection was found unreadable, once per connection.
+        `own_connection(peer_port, local_port, accept_ns)`: whether an accepted connection's client is the
+        agent itself (kernel/loader.py); None: the agent's own traffic is not told apart."""
         if idle_timeout_s <= 0:
             raise ValueError("the idle timeout must be positive")
         self.emit_row = emit_row
@@ -252,6 +259,7 @@ class ConnectionTracker:
         self.restart_connection = restart_connection  # the kernel's side of an idle eviction
         self.steady = steady  # None: kernel batching off (every write comes as its own event)
         self.unseen_ends = unseen_ends  # None: a close the agent did not see is known only from its fd's reuse
+        self.own_connection = own_connection
         self.connections: dict[tuple[int, int], Connection] = {}
         self.idle_timeout_ns = int(idle_timeout_s * 1e9)
         self.stats = TrackerStats()
@@ -305,6 +313,16 @@ class ConnectionTracker:
             conn = self._new_connection(ev, accept_seen=bool(ev.conn_ns))
         return conn
 
+    def _is_own(self, conn: Connection) -> bool:
+        """Whether the agent itself is the connection's client. Asked at its first data event: the client
+        had connected before it could send (the kernel noted the agent's connect by then), and the
+        server reads before it writes."""
+        own = (self.own_connection is not None and conn.role != ROLE_CLIENT and conn.generation != 0
+               and self.own_connection(conn.peer_port, conn.local_port, conn.generation))
+        if own:
+            self.stats.own_connections += 1
+        return own
+
     def _is_request(self, conn: Connection, direction: int) -> bool:
         return (direction == DIR_READ) != (conn.role == ROLE_CLIENT)
 
@@ -343,6 +361,10 @@ class ConnectionTracker:
     def _on_data(self, ev: KernelEvent) -> None:
         conn = self._connection_for(ev)
         conn.last_ns = ev.ts_ns
+        if conn.own is None:
+            conn.own = self._is_own(conn)
+        if conn.own:
+            return
         if ev.events_before[0] > conn.next_event[0] or ev.events_before[1] > conn.next_event[1]:
             self._check_sequence(conn, ev)  # only then was anything lost
         direction = ev.dir & 1
@@ -774,6 +796,8 @@ class ConnectionTracker:
             "request_message_bytes": h2.request_message_bytes if h2 else 0,
             "response_message_bytes": h2.response_message_bytes if h2 else 0,
             "largest_response_message_bytes": h2.largest_response_message_bytes if h2 else 0,
+            "error_type": ex.error_type,
+            "engine_queue_ms": ex.engine_queue_ms,
             # The process's pod and container: named by the agent's runner (agent/identity/) before the row
             # leaves, empty outside containers.
             "namespace": "", "pod": "", "container": "", "pod_uid": "", "container_id": "",

@@ -20,7 +20,11 @@ too, computed from the row the same way.
   split through ``AgentMetrics.observe_splits``.
 - ``tokenprobe_requests_total`` — every finished request, also by
   ``status_class`` (``2xx`` … ``5xx``, ``none`` when no response was seen) and
-  ``outcome`` (``complete``, ``client_closed``, ``reset``, ``truncated``).
+  ``outcome`` (``complete``, ``error``, ``client_closed``, ``reset``, ``truncated``).
+- ``tokenprobe_request_errors_total`` — requests the server failed inside its
+  response (outcome ``error``: an error event in a 200 stream), also by
+  ``tenant`` and the API's ``error_type`` (``overloaded_error``, …); both
+  capped per server port like ``model``.
 - ``tokenprobe_indicator_value`` / ``tokenprobe_indicator_state`` — the
   analytics' indicator matrix, one series per server port, model and
   indicator (and ``node`` and GPU ``device`` where the analytics give them);
@@ -136,8 +140,9 @@ class RequestTimings:
 
 
 class LabelCap:
-    """Caps distinct values of a label per server port: model names come from clients, and pods come
-    and go for the life of the agent. Past the cap, a value is counted as OVERFLOW_MODEL, "(other)"."""
+    """Caps distinct values of a label per server port: model names, tenants and error types come from
+    traffic, and pods come and go for the life of the agent. Past the cap, a value is counted as
+    OVERFLOW_MODEL, "(other)" (each part of a tuple of values)."""
 
     def __init__(self, max_per_server: int, what: str = "model names") -> None:
         self.max_per_server = max_per_server
@@ -249,6 +254,9 @@ _AGENT_STATS = {
                                       "never received")),
     "unknown_ends_total": ("counter", ("Connections found gone (their fd reused) with no close record and no end "
                                        "the kernel kept: their open exchanges are marked dropped")),
+    "own_connections_total": ("counter", ("Connections to a traced port whose client was the agent itself (its "
+                                          "scrapes of the engine's /metrics, store and exporter clients): not "
+                                          "recorded")),
     "lag_seconds": ("gauge", "Kernel timestamp of the latest handled event to its handling, in seconds"),
     "events_per_second": ("gauge", "Kernel events handled per second, over the last status interval"),
     "open_connections": ("gauge", "Connections the agent is following"),
@@ -386,6 +394,11 @@ class AgentMetrics:
         self.registry.register(self._splits)
         self._requests = Counter("tokenprobe_requests", "Requests finished, by status class and outcome",
                                 (*_REQUEST_LABELS, "status_class", "outcome"), registry=self.registry)
+        self._errors = Counter("tokenprobe_request_errors", "Requests the server failed inside its response (an "
+                               "error event in a 200 stream), by tenant and the API's error type",
+                               (*_REQUEST_LABELS, "tenant", "error_type"), registry=self.registry)
+        self._tenants = LabelCap(max_models_per_server, "tenants")
+        self._error_types = LabelCap(max_models_per_server, "error types")
         # Blind spots: connections found unreadable (each later one `unsupported` row), by why.
         # The series observe_request feeds, by their labels.
         self._request_counts: dict[tuple[str, ...], Counter] = {}
@@ -415,6 +428,10 @@ class AgentMetrics:
         if requests is None:
             requests = self._request_counts[counted] = self._requests.labels(*counted)
         requests.inc()
+        if row.get("outcome") == "error":
+            port = row["server_port"]
+            self._errors.labels(*labels, self._tenants.label(port, row.get("tenant") or ""),
+                                self._error_types.label(port, row.get("error_type") or "")).inc()
         if not measures.is_inference(row):
             return
         latencies = self._request_latencies.get(labels)
@@ -439,7 +456,7 @@ class AgentMetrics:
                         map_sizes: dict[str, int] | None = None,
                         map_overflows: dict[str, int] | None = None,
                         batched_writes_total: int | None = None, lost_events_total: int | None = None,
-                        unknown_ends_total: int | None = None) -> None:
+                        unknown_ends_total: int | None = None, own_connections_total: int | None = None) -> None:
         """Publish the runner's figures; totals are cumulative since the agent started.
 
         ``lag_s``: for the latest event handled, the time it was handled minus
@@ -454,7 +471,7 @@ class AgentMetrics:
             "open_connections": open_connections, "inflight_requests": inflight_requests,
             "idle_evicted_connections_total": idle_evicted_total,
             "batched_writes_total": batched_writes_total, "lost_events_total": lost_events_total,
-            "unknown_ends_total": unknown_ends_total,
+            "unknown_ends_total": unknown_ends_total, "own_connections_total": own_connections_total,
         }  # fmt: skip
         if sink is not None:
             given.update(rows_written_total=sink.rows_written, rows_rejected_total=sink.rows_rejected,

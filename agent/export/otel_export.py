@@ -77,10 +77,13 @@ _FAILED_OUTCOMES = ("reset", "truncated")
 
 
 def error_type(row: dict) -> str | None:
-    """``error.type`` for a failed request (the HTTP status, or how the stream ended), else None."""
+    """``error.type`` for a failed request (the HTTP status, the error the server sent inside its
+    response, or how the stream ended), else None."""
     status = row.get("status") or 0
     if status >= 500:
         return str(status)
+    if row.get("outcome") == "error":
+        return row.get("error_type") or "error"
     if row.get("outcome") in _FAILED_OUTCOMES:
         return row["outcome"]
     return None

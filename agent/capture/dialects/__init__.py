@@ -10,7 +10,7 @@ from __future__ import annotations
 from ....contract.apis import dialect_routes
 from ..exchange import Exchange
 from .anthropic import ANTHROPIC
-from .base import Dialect, set_id_model, set_usage
+from .base import Dialect, reported_error, set_id_model, set_usage
 from .llamacpp import LLAMACPP
 from .ollama import OLLAMA_CHAT, OLLAMA_GENERATE
 from .openai import CHAT as OPENAI_CHAT
@@ -30,6 +30,8 @@ class _Unknown(ChoicesDialect):
     __slots__ = ()
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
+        if reported_error(exchange, obj):  # a stream that failed before any event named its API
+            return
         set_id_model(exchange, obj.get("id"), obj.get("model"))
         set_usage(exchange, *self.usage(obj))
 
@@ -70,6 +72,8 @@ def sniff(obj: dict) -> Dialect | None:
             return RESPONSES
         if kind in _ANTHROPIC_TYPES:
             return ANTHROPIC
+        if kind == "error":  # a stream that failed first thing: Anthropic nests the error, Responses does not
+            return ANTHROPIC if isinstance(obj.get("error"), dict) else RESPONSES
     if obj.get("object") == "response":
         return RESPONSES
     if isinstance(obj.get("meta_info"), dict):

@@ -6,13 +6,15 @@ carry output: `text_delta` (visible), `thinking_delta` and `input_json_delta`
 (tool input), hidden. `message_delta` carries the cumulative `usage.output_tokens`.
 The prompt's size is `input_tokens` plus the cache counts: Anthropic's
 `input_tokens` excludes tokens read from or written to the prompt cache.
-A non-streamed body is the message itself.
+A non-streamed body is the message itself. A stream that fails after its 200
+sends `event: error` with `{"type": "error", "error": {"type": "overloaded_error",
+"message": ...}}` (also `api_error`, `rate_limit_error`, ...).
 """
 
 from __future__ import annotations
 
 from ..exchange import Exchange
-from .base import Dialect, set_id_model, set_usage
+from .base import Dialect, record_error, set_id_model, set_usage
 from .json_scan import count
 
 __all__ = ["ANTHROPIC"]
@@ -61,6 +63,9 @@ class _Anthropic(Dialect):
             set_usage(exchange, *self.usage(obj))
         elif kind == "message_delta":
             set_usage(exchange, *self.usage(obj))
+        elif kind == "error":
+            error = obj.get("error")
+            record_error(exchange, error.get("type") if isinstance(error, dict) else None)
 
 
 ANTHROPIC = _Anthropic("anthropic.messages", counts=("usage", "input_tokens", "output_tokens"),

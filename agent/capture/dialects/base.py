@@ -19,7 +19,8 @@ from .json_scan import (
     string_key,
 )
 
-__all__ = ["Dialect", "MAX_ENGINE_MS", "choice_index", "set_engine_ms", "set_id_model", "set_usage"]
+__all__ = ["Dialect", "GENERIC_ERROR", "MAX_ENGINE_MS", "choice_index", "error_label", "record_error",
+           "reported_error", "set_engine_ms", "set_id_model", "set_usage"]
 
 # Choice indexes are read up to this (the row's `choices` is UInt16; OpenAI allows n <= 128).
 _MAX_CHOICE = 0xFFFE
@@ -61,15 +62,61 @@ def _duration_ms(value, scale: float) -> float | None:
     return None
 
 
-def set_engine_ms(exchange: Exchange, prompt, decode, scale: float = 1.0) -> None:
-    """The engine's own prompt (prefill) and generation times, as it reported them
-    (JSON numbers; `scale` turns their unit into ms)."""
+def set_engine_ms(exchange: Exchange, prompt, decode, scale: float = 1.0, queue=None) -> None:
+    """The engine's own prompt (prefill), generation and (where it states one) queue times, as it
+    reported them (JSON numbers; `scale` turns their unit into ms)."""
+    queue_ms = _duration_ms(queue, scale)
+    if queue_ms is not None:
+        exchange.engine_queue_ms = queue_ms
     prompt_ms = _duration_ms(prompt, scale)
     if prompt_ms is not None:
         exchange.engine_prompt_ms = prompt_ms
     decode_ms = _duration_ms(decode, scale)
     if decode_ms is not None:
         exchange.engine_decode_ms = decode_ms
+
+
+# An error's label as an API names it (`overloaded_error`, `BadRequestError`, `server_error`, `503`): a
+# short identifier. Anything else (a message, free text: user-influenced) is never stored.
+_ERROR_LABEL = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,47}")
+GENERIC_ERROR = "error"  # the label of an error that names no type of its own
+
+
+def error_label(value) -> str | None:
+    """`value` as an error label: an identifier-like string, or an HTTP-like integer code; else None."""
+    if isinstance(value, str):
+        return value if _ERROR_LABEL.fullmatch(value) else None
+    if type(value) is int and 100 <= value <= 999:
+        return str(value)
+    return None
+
+
+def record_error(exchange: Exchange, *labels) -> None:
+    """The server said, inside its response, that the request failed (an error event in a 200 stream):
+    the row's outcome is `error`, labelled by the first of `labels` that is one (error_label)."""
+    exchange.outcome = "error"
+    for label in labels:
+        label = error_label(label)
+        if label is not None:
+            exchange.error_type = label
+            return
+    exchange.error_type = GENERIC_ERROR
+
+
+def reported_error(exchange: Exchange, obj: dict) -> bool:
+    """An error event in the shape OpenAI-compatible servers send inside a stream, recorded: vLLM, SGLang,
+    LiteLLM, llama.cpp `{"error": {"type", "code", "message"}}`, older vLLM `{"object": "error", "type"}`,
+    TGI `{"error": "<message>", "error_type"}`. True if `obj` was one."""
+    error = obj.get("error")
+    if isinstance(error, dict):
+        record_error(exchange, error.get("type"), error.get("code"))
+    elif isinstance(error, str):
+        record_error(exchange, obj.get("error_type"))  # the string is a message: never a label
+    elif obj.get("object") == "error":
+        record_error(exchange, obj.get("type"), obj.get("code"))
+    else:
+        return False
+    return True
 
 
 class Dialect:

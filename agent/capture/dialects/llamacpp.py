@@ -4,13 +4,14 @@ Each streamed event carries generated `content`; the last (`"stop": true`) adds
 `model`, `tokens_evaluated` (prompt), `tokens_predicted` (generated) and
 `timings` with the server's own `prompt_ms` and `predicted_ms`. It also echoes
 the prompt and the settings, so it can be too large to parse: the counts and
-timings are then read from its tail, where the server writes them.
+timings are then read from its tail, where the server writes them. A stream
+that fails after its 200 sends `{"error": {"code", "message", "type"}}`.
 """
 
 from __future__ import annotations
 
 from ..exchange import Exchange
-from .base import Dialect, set_engine_ms, set_id_model, set_usage
+from .base import Dialect, reported_error, set_engine_ms, set_id_model, set_usage
 from .json_scan import is_text, last_number, number_key, text_value
 
 __all__ = ["LLAMACPP", "content_text", "set_timings"]
@@ -36,6 +37,8 @@ class _LlamaCpp(Dialect):
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
         if content_text(obj):
             exchange.record_output(ts)
+        elif reported_error(exchange, obj):
+            return
         if obj.get("stop") is True:
             self.body(exchange, obj)
 

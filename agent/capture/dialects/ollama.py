@@ -5,13 +5,14 @@ lines in `message.content` (and `message.thinking`, `message.tool_calls`). The l
 line (`"done": true`) carries `prompt_eval_count`, `eval_count` and the server's
 own `prompt_eval_duration` and `eval_duration` in ns. There is no response id.
 /api/generate's last line may also hold a long `context` array: its counts and
-durations follow it, at the tail, where the regex fallback looks.
+durations follow it, at the tail, where the regex fallback looks. A stream that
+fails after its 200 ends in a line `{"error": "<message>"}`: it names no type.
 """
 
 from __future__ import annotations
 
 from ..exchange import Exchange
-from .base import Dialect, set_engine_ms, set_id_model, set_usage
+from .base import Dialect, reported_error, set_engine_ms, set_id_model, set_usage
 from .json_scan import is_text, last_number, number_key, text_value
 
 __all__ = ["OLLAMA_CHAT", "OLLAMA_GENERATE"]
@@ -30,6 +31,8 @@ class _Ollama(Dialect):
         raise NotImplementedError
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
+        if reported_error(exchange, obj):
+            return
         output = self._output(obj)
         if output:
             exchange.record_output(ts, 0, output == 2)

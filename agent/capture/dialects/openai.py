@@ -5,7 +5,10 @@ each with an `index`: a chat choice's `delta` holds `content` (visible text),
 `reasoning_content` / `reasoning` (vLLM, SGLang, DeepSeek) or `tool_calls`; a
 completions choice holds `text`. `usage` comes in a final chunk with
 `"choices": []` when the client asked for it. llama.cpp adds `timings`
-(its own prompt and generation times) to that chunk.
+(its own prompt and generation times) to that chunk; vLLM started with
+`--enable-per-request-metrics` adds `metrics` (its own queue, prefill and
+generation times) to it, and to a non-streamed body. A stream that fails after
+its 200 ends in an error event (`{"error": {...}}`, base.reported_error).
 """
 
 from __future__ import annotations
@@ -14,12 +17,34 @@ import re
 
 from ..exchange import Exchange
 from . import llamacpp, tgi
-from .base import Dialect, choice_index, set_id_model, set_usage
-from .json_scan import is_text, text_value
+from .base import (
+    Dialect,
+    choice_index,
+    reported_error,
+    set_engine_ms,
+    set_id_model,
+    set_usage,
+)
+from .json_scan import is_text, last_number, number_key, text_value
 
 __all__ = ["CHAT", "COMPLETIONS", "USAGE", "ChoicesDialect"]
 
 _NONE, _HIDDEN, _VISIBLE = 0, 1, 2
+
+
+# vLLM's per-request `metrics` (--enable-per-request-metrics), from the engine's own timestamps:
+# queue_time_ms = scheduled - queued, time_to_first_token_ms = first token - scheduled (the prefill,
+# counted from scheduling), generation_time_ms = last token - first token (the decode).
+_VLLM_QUEUE_MS = number_key(b"queue_time_ms")
+_VLLM_PREFILL_MS = number_key(b"time_to_first_token_ms")
+_VLLM_DECODE_MS = number_key(b"generation_time_ms")
+
+
+def set_vllm_metrics(exchange: Exchange, metrics) -> None:
+    """vLLM's `metrics` object, where the response carries one."""
+    if isinstance(metrics, dict):
+        set_engine_ms(exchange, metrics.get("time_to_first_token_ms"), metrics.get("generation_time_ms"),
+                      queue=metrics.get("queue_time_ms"))
 
 
 def _choice_output(choice: dict) -> int:
@@ -137,6 +162,9 @@ class ChoicesDialect(Dialect):
         if isinstance(obj.get("usage"), dict):  # the last chunk or two: the rest of the time, one lookup
             set_usage(exchange, *self.usage(obj))
             llamacpp.set_timings(exchange, obj.get("timings"))
+            set_vllm_metrics(exchange, obj.get("metrics"))
+        elif reported_error(exchange, obj):
+            return
         choices = obj.get("choices")
         recorded = isinstance(choices, list) and _record_choices(
             exchange, ts, ((_choice_output(choice), choice.get("index"))
@@ -145,6 +173,17 @@ class ChoicesDialect(Dialect):
             # Native chunks on an OpenAI route (relayed by a proxy, or mixed in by a
             # server): their text is still generated output, as before dialects.
             exchange.record_output(ts)
+
+    def body(self, exchange: Exchange, obj: dict) -> None:
+        super().body(exchange, obj)
+        llamacpp.set_timings(exchange, obj.get("timings"))
+        set_vllm_metrics(exchange, obj.get("metrics"))
+
+    def partial(self, exchange: Exchange, head: bytes, tail: bytes, ts: int | None) -> None:
+        super().partial(exchange, head, tail, ts)
+        if ts is None:  # a body too large to parse: the engine's figures follow the choices, in its tail
+            set_engine_ms(exchange, last_number(_VLLM_PREFILL_MS, tail), last_number(_VLLM_DECODE_MS, tail),
+                          queue=last_number(_VLLM_QUEUE_MS, tail))
 
     def scan(self, exchange: Exchange, payload: bytes, ts: int) -> bool:
         # Once id and model are known, a chunk of the common shape only counts output.

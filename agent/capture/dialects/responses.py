@@ -6,13 +6,16 @@ arrives in `*.delta` events: `response.output_text.delta` and
 `reasoning_summary_text`, `function_call_arguments`, ...) hidden output. The
 stream ends with `response.completed` (or `.incomplete`, `.failed`), whose
 response object holds `usage` with `input_tokens` and `output_tokens`. A
-non-streamed body is that response object itself.
+non-streamed body is that response object itself. A response that fails ends
+in `response.failed`, its response's `error` naming a `code` (`server_error`,
+`rate_limit_exceeded`, ...); a stream that fails outside a response sends an
+`error` event with its own `code`.
 """
 
 from __future__ import annotations
 
 from ..exchange import Exchange
-from .base import Dialect
+from .base import Dialect, record_error
 
 __all__ = ["RESPONSES"]
 
@@ -37,6 +40,13 @@ class _Responses(Dialect):
             response = obj.get("response")
             if isinstance(response, dict):
                 self.body(exchange, response)
+                if kind == "response.failed":
+                    error = response.get("error")
+                    record_error(exchange, *((error.get("code"), error.get("type")) if isinstance(error, dict) else ()))
+        elif kind == "error":
+            error = obj.get("error")  # some servers nest it: {"type": "error", "error": {"type", "code"}}
+            nested = (error.get("code"), error.get("type")) if isinstance(error, dict) else ()
+            record_error(exchange, obj.get("code"), *nested)
 
 
 RESPONSES = _Responses(

@@ -3,13 +3,15 @@
 Each event carries one generated `token` (`text`, `special` for tokens such as
 EOS that are not text a user reads); the last adds `generated_text` and
 `details` with `generated_tokens` and `input_length`. There is no response id
-or model name. The event's `index` is the token's position, not a choice.
+or model name. The event's `index` is the token's position, not a choice. A
+stream that fails after its 200 sends `{"error": "<message>", "error_type":
+"generation"}` (also `overloaded`, `validation`, `incomplete_generation`).
 """
 
 from __future__ import annotations
 
 from ..exchange import Exchange
-from .base import Dialect, set_usage
+from .base import Dialect, reported_error, set_usage
 from .json_scan import is_text, text_value
 
 __all__ = ["TGI", "token_text"]
@@ -25,6 +27,8 @@ class _Tgi(Dialect):
     __slots__ = ()
 
     def event(self, exchange: Exchange, obj: dict, ts: int) -> None:
+        if reported_error(exchange, obj):
+            return
         if token_text(obj):
             exchange.record_output(ts, 0, obj["token"].get("special") is not True)
         if obj.get("details") is not None:  # the last event

@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -17,7 +18,7 @@ from typing import Callable, Iterable
 from .btf import BtfError, socket_offset_flags
 from .go_tls import GO_TLS_HANDSHAKES, GO_TLS_READ, GO_TLS_WRITE
 from .headers import HeaderChoice, choose_headers
-from .procfs import ListenerScan, target_port_sockets
+from .procfs import ListenerScan, own_tcp_ports, target_port_sockets
 from .records import (
     _STEADY_HEADER,
     HEAD_CAP,
@@ -60,7 +61,10 @@ KERNEL_MAPS = ("events", "scratch", "drops", "map_overflows", "conns_fill", "con
                "target_ports", "target_tgids", "active_tgids", "listeners", "bind_pending", "listener_tgids",
                "io_pending", "accept_pending", "connect_pending", "ssl_pending", "ssl_fd", "bio_conn",
                "cipher_read", "written_record_ssl", "go_tls_pending", "go_tcp_conn_itab_hashes", "steady_templates",
-               "steady_batches", "steady_empty", "iov_walks", "iov_more", "ring_sent", "unseen_ends")
+               "steady_batches", "steady_empty", "iov_walks", "iov_more", "ring_sent", "unseen_ends", "own_conns",
+               "own_fds")
+# The agent's connect returns around the moment the server's accept does, on either side of it.
+OWN_CONNECT_SLACK_NS = 1_000_000_000
 
 # (symbol, entry handler, return handler or None). Both OpenSSL call
 # families: CPython calls the _ex forms, nginx and most C servers the classic
@@ -240,6 +244,7 @@ class Probes:
         # Map entries the agent itself could not store (listeners learnt from /proc).
         self._refused: dict[str, int] = {}
         self._conns_added = 0  # the agent's own inserts less its deletes (conns_fill[1])
+        self._configured_ns = 0  # when the kernel knew the agent's tgid (own_conns noted from then on)
         self._listeners = ListenerScan(set(targets.ports))
         self._ssl_scanned = False  # whether attach_ssl read every process's map once
         ensure_tracefs()
@@ -287,6 +292,7 @@ class Probes:
             ctypes.memmove(ctypes.addressof(leaf), raw, len(raw))
             exe_table[ctypes.c_int(i)] = leaf
         config[ctypes.c_int(CFG_EXE_PATHS)] = ctypes.c_uint32(len(paths))
+        self._configured_ns = time.monotonic_ns()
         self.rescan_processes()
         self.adopt_established()
 
@@ -341,11 +347,13 @@ class Probes:
     def adopt_established(self) -> int:
         """Tracks connections on target ports that were open before the
         probes attached (keep-alive pools live long); their first bytes may
-        be mid-request, which the assembler resynchronises on."""
+        be mid-request, which the assembler resynchronises on. Not the agent's own: its samplers start
+        while the probes load, and a scrape then in progress has no own_conns entry."""
         _, established = target_port_sockets(set(self.targets.ports))
+        own = own_tcp_ports() if established else set()
         conns = self.bpf["conns"]
         for sock in established:
-            if sock.pid == os.getpid():
+            if sock.pid == os.getpid() or (sock.peer_port, sock.local_port) in own:
                 continue
             key, info = conns.Key(), conns.Leaf()
             key.tgid, key.fd = sock.pid, sock.fd
@@ -485,6 +493,21 @@ class Probes:
         # Also when the LRU evicted its entry: what it left in the steady maps is nobody's, and a plain hash
         # keeps it until another connection is accepted on the fd (for a process that died: never).
         self._forget_steady(tgid, fd)
+
+    def own_connection(self, peer_port: int, local_port: int, accept_ns: int) -> bool:
+        """Whether the connection a server accepted at ``accept_ns`` (kernel time) from ``peer_port`` on its
+        ``local_port`` is one the agent itself opened (own_conns, bpf/tokenprobe.c): the agent's socket with
+        those ports was open then. A later connection reusing the ports is not it: that socket had closed."""
+        table = self.bpf["own_conns"]
+        key = table.Key()
+        key.local_port, key.remote_port = peer_port, local_port
+        own = self._lookup(table, key)
+        if own is None:
+            # Accepted before the kernel knew the agent (its samplers start while the probes load): the
+            # agent's open sockets are read instead, for these few connections only.
+            return (accept_ns <= self._configured_ns + OWN_CONNECT_SLACK_NS
+                    and (peer_port, local_port) in own_tcp_ports())
+        return own.open_ns <= accept_ns + OWN_CONNECT_SLACK_NS and (own.close_ns == 0 or own.close_ns >= accept_ns)
 
     def _forget_steady(self, tgid: int, fd: int) -> None:
         for name in ("steady_templates", "steady_batches"):

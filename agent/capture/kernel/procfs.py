@@ -176,6 +176,16 @@ def target_port_sockets(ports: set[int]) -> tuple[list[SocketOwner], list[Socket
     return listening, established
 
 
+def own_tcp_ports() -> set[tuple[int, int]]:
+    """(local port, remote port) of this process's own TCP connections (in its network namespace)."""
+    links = {link for _, link in _socket_fds("self")}
+    ports = set()
+    for _, local, remote, inode in proc_net_sockets("self"):
+        if f"socket:[{inode}]" in links:
+            ports.add((proc_net_address(local)[1], proc_net_address(remote)[1]))
+    return ports
+
+
 def comm_of(tgid: int) -> str:
     try:
         with open(f"/proc/{tgid}/comm") as f:
