@@ -368,6 +368,9 @@ class Probes:
         self.targets = targets
         self.headers = headers or choose_headers()
         self.attached_ssl: list[str] = []
+        # (device, inode) of each attached copy: in a container, /proc/PID/root/usr/lib/... of a host process
+        # resolves (realpath) to the container's own /usr/lib/..., another file that has the same name.
+        self._ssl_files: set[tuple[int, int]] = set()
         self.attached_go_tls: list[str] = []
         self._go_files: set[tuple[str, int]] = set()  # (device, inode) of each mapped file looked at
         self.decode_errors = 0
@@ -506,8 +509,11 @@ class Probes:
         self._ssl_scanned = True
         new = []
         for copy in openssl_copies(pids):
-            real = os.path.realpath(copy.path)
-            if real in self.attached_ssl:
+            try:
+                st = os.stat(copy.path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in self._ssl_files:
                 continue
             try:
                 self._attach(copy.path, [probe for probe in SSL_PROBES if probe[0].encode() in copy.api])
@@ -521,7 +527,8 @@ class Probes:
             except Exception as exc:
                 log.warning("BIO_write and BIO_read of %s not probed (%s): TLS through memory BIOs (asyncio, "
                             "Node.js) is not followed", copy.path, exc)
-            self.attached_ssl.append(real)
+            self._ssl_files.add((st.st_dev, st.st_ino))
+            self.attached_ssl.append(copy.path)
             new.append(copy.path)
         return new
 
