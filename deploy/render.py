@@ -8,6 +8,8 @@
   over them, with the same columns, codecs, keys and TTLs.
 - ``kubernetes/seccomp-configmap.yaml``: ``seccomp/tokenprobe-agent.json`` in the ConfigMap the DaemonSet's
   init container copies to the kubelet's seccomp folder.
+- ``helm/tokenprobe/files/``: the rules file and the seccomp profile, copied into the chart (a chart reads
+  no file outside its folder).
 
     .venv/bin/python deploy/render.py          # rewrite both files
     .venv/bin/python deploy/render.py --check  # exit 1 if either is stale (CI does this)
@@ -26,6 +28,7 @@ PROMETHEUS_RULE_FILE = DEPLOY / "kubernetes" / "prometheusrule.yaml"
 CLUSTER_SQL_FILE = DEPLOY / "clickhouse" / "cluster.sql"
 SECCOMP_PROFILE_FILE = DEPLOY / "seccomp" / "tokenprobe-agent.json"
 SECCOMP_CONFIGMAP_FILE = DEPLOY / "kubernetes" / "seccomp-configmap.yaml"
+CHART_FILES = DEPLOY / "helm" / "tokenprobe" / "files"
 
 LOCAL_SUFFIX = "_local"
 # ClickHouse server macros (config.xml <macros>), expanded by each server.
@@ -160,7 +163,8 @@ def cluster_sql() -> str:
 
 def rendered() -> dict[Path, str]:
     return {PROMETHEUS_RULE_FILE: prometheus_rule_manifest(RULES_FILE.read_text()), CLUSTER_SQL_FILE: cluster_sql(),
-            SECCOMP_CONFIGMAP_FILE: seccomp_configmap(SECCOMP_PROFILE_FILE.read_text())}
+            SECCOMP_CONFIGMAP_FILE: seccomp_configmap(SECCOMP_PROFILE_FILE.read_text()),
+            **{CHART_FILES / source.name: source.read_text() for source in (RULES_FILE, SECCOMP_PROFILE_FILE)}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -235,3 +235,50 @@ def test_the_daemonset_as_shipped_reads_tls_from_cpython_and_nginx(podman_env, a
     for server_name, port in (("cpython", cpython_port), ("nginx", nginx_port)):
         seen = {row["response_id"] for row in rows if row["server_port"] == port and row["tls"]}
         assert sent[server_name] <= seen, (server_name, sent[server_name] - seen, log[-4000:])
+
+
+# Runs in the agent's container: process_vm_writev() and ptrace(PTRACE_ATTACH) on a host process, as a
+# compromised agent holding CAP_SYS_PTRACE would try; prints each call's errno (0: it worked).
+INTO_ANOTHER_PROCESS = r"""
+import ctypes, json, sys
+libc = ctypes.CDLL(None, use_errno=True)
+pid = int(sys.argv[1])
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+byte = ctypes.create_string_buffer(1)
+local = iovec(ctypes.cast(byte, ctypes.c_void_p), 1)
+remote = iovec(0x10000, 1)  # an address the call never reaches when the filter refuses it
+seen = {}
+seen["process_vm_writev"] = 0 if libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) >= 0 \
+    else ctypes.get_errno()
+PTRACE_ATTACH = 16
+seen["ptrace"] = 0 if libc.ptrace(PTRACE_ATTACH, pid, 0, 0) == 0 else ctypes.get_errno()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("shipped_profile", [True, False], ids=["shipped-profile", "without-it"])
+def test_the_shipped_profile_keeps_the_agent_out_of_other_processes(podman_env, agent_image, tmp_path,
+                                                                    shipped_profile):
+    """With the manifest's CAP_SYS_PTRACE and host PID namespace, only the seccomp profile stands between the
+    agent and every process of the node; without it (unconfined) the same calls go through."""
+    pod, container = agent_pod()
+    work = tmp_path / "pod"
+    work.mkdir()
+    args = podman_run_args(pod, container, work, {})
+    if not shipped_profile:
+        args[args.index(seccomp_option(container["securityContext"]["seccompProfile"]))] = "seccomp=unconfined"
+    victim = subprocess.Popen(["sleep", "300"])
+    try:
+        result = subprocess.run(["podman", "run", "--rm", *args, "--entrypoint", "python3", agent_image, "-c",
+                                 INTO_ANOTHER_PROCESS, str(victim.pid)],
+                                env=podman_env, capture_output=True, text=True, timeout=120)
+    finally:
+        victim.kill()
+        victim.wait()
+    seen = json.loads(result.stdout)
+    EPERM, EFAULT = 1, 14
+    if shipped_profile:
+        assert seen == {"process_vm_writev": EPERM, "ptrace": EPERM}
+    else:  # the kernel let the call in: it wrote nowhere only because the address is unmapped
+        assert seen == {"process_vm_writev": EFAULT, "ptrace": 0}
