@@ -12,16 +12,16 @@ cd "$(dirname "$0")/.."
 
 log() { printf '[install] %s\n' "$*"; }
 # BCC for the probes (python3-bpfcc: libbcc and its Python module).
-APT_PACKAGES="python3-bpfcc curl"
+APT_PACKAGES="python3-bpfcc"
 EXTRAS="demo"
 if [ "${1:-}" = "--test" ]; then
   # nginx, Prometheus, Alertmanager and chromium (driven by Playwright against the
   # dashboard) for the tests; Go (net/http, crypto/tls) for the server matrix's Go
   # server, built by the tests; python3-seccomp for the seccomp profile's test;
-  # binutils (objdump) to check the Go RET offsets against; linux-libc-dev for the
-  # system call tables; podman, runc, slirp4netns and debootstrap to build and run
-  # the agent image (tests/test_image.py).
-  APT_PACKAGES="$APT_PACKAGES bpfcc-tools python3-seccomp nginx-light prometheus prometheus-alertmanager chromium"
+  # binutils (objdump) to check the Go RET offsets against; curl for the h2c upgrade
+  # test; linux-libc-dev for the system call tables; podman, runc, slirp4netns and
+  # debootstrap to build and run the agent image (tests/test_image.py).
+  APT_PACKAGES="$APT_PACKAGES python3-seccomp nginx-light prometheus prometheus-alertmanager chromium curl"
   APT_PACKAGES="$APT_PACKAGES golang-go binutils linux-libc-dev podman runc slirp4netns debootstrap"
   EXTRAS="test"
   # helm for the chart's tests (tests/test_helm.py), extracted below.

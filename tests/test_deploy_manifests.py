@@ -114,8 +114,8 @@ def test_daemonset_holds_the_fewest_capabilities_and_is_not_privileged():
     assert security["readOnlyRootFilesystem"] is True
     assert security["capabilities"]["drop"] == ["ALL"]
     assert set(security["capabilities"]["add"]) == AGENT_CAPABILITIES
-    # Every capability granted, and the ones left out on purpose, are explained in the README.
-    readme = (DEPLOY / "README.md").read_text()
+    # Every capability granted, and the ones left out on purpose, are explained in docs/deploy.md.
+    readme = (ROOT / "docs" / "deploy.md").read_text()
     for capability in AGENT_CAPABILITIES | {"SYS_ADMIN", "DAC_READ_SEARCH", "DAC_OVERRIDE"}:
         assert f"`CAP_{capability}`" in readme, capability
 
@@ -225,7 +225,7 @@ def test_store_url_comes_from_a_secret_the_operator_creates_not_the_command_line
     # No Secret is shipped (a placeholder password would be applied as is); the README says how to create it.
     assert "Secret" not in {document["kind"] for _, document in manifests()}
     assert not [path.name for path in DEPLOY.rglob("*") if path.is_file() and "CHANGE_ME" in path.read_text()]
-    readme = (DEPLOY / "README.md").read_text()
+    readme = (ROOT / "docs" / "deploy.md").read_text()
     assert re.search(r"kubectl -n tokenprobe create secret generic tokenprobe-store-url \\\n\s+"
                      r"--from-literal=url='https://", readme)
 
