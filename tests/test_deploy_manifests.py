@@ -136,7 +136,7 @@ def test_daemonset_runs_the_agent_under_the_shipped_seccomp_profile_which_its_in
     (target,) = [name for name in mounts if "hostPath" in volumes[name]]
     assert volumes[source]["configMap"]["name"] == resource("ConfigMap", "tokenprobe-seccomp")["metadata"]["name"]
     assert volumes[target]["hostPath"]["path"] == "/var/lib/kubelet/seccomp/profiles"
-    assert init["command"] == ["cp", f"{mounts[source]}/tokenprobe-agent.json", f"{mounts[target]}/tokenprobe-agent.json"]
+    assert init["command"] == ["cp", *(f"{mounts[name]}/tokenprobe-agent.json" for name in (source, target))]
     profile = resource("ConfigMap", "tokenprobe-seccomp")["data"]["tokenprobe-agent.json"]
     assert profile == SECCOMP_PROFILE.read_text()
 

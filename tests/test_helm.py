@@ -75,7 +75,8 @@ def test_values_reach_the_manifests(helm):
                       "resources.limits.memory=2Gi", "kubeletRootDir=/var/lib/k0s/kubelet",
                       "networkPolicy.prometheus.namespaceSelector.team=observability")
     pod = rendered["DaemonSet", "tokenprobe-agent"]["spec"]["template"]["spec"]
-    assert agent(rendered)["image"] == pod["initContainers"][0]["image"] == "registry.example.com/tokenprobe/agent:0.2.0"
+    image = "registry.example.com/tokenprobe/agent:0.2.0"
+    assert agent(rendered)["image"] == pod["initContainers"][0]["image"] == image
     (store,) = [variable for variable in agent(rendered)["env"] if variable["name"] == "TOKENPROBE_STORE"]
     assert store["valueFrom"]["secretKeyRef"] == {"name": "my-store", "key": "dsn"}
     assert rendered["ConfigMap", "tokenprobe-agent"]["data"]["agent.args"].splitlines() == [

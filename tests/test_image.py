@@ -221,6 +221,7 @@ def test_the_daemonset_as_shipped_reads_tls_from_cpython_and_nginx(podman_env, a
                 assert time.monotonic() < deadline, log_path.read_text(errors="replace")
                 time.sleep(0.5)
             sent = {"cpython": drive(cpython_port), "nginx": drive(nginx_port)}
+            memory = agent_memory(podman_env, name)
             subprocess.run(["podman", "stop", "--time", "60", name], env=podman_env, check=True,
                            capture_output=True)
             assert agent.wait(timeout=120) == 0, log_path.read_text(errors="replace")
@@ -235,6 +236,26 @@ def test_the_daemonset_as_shipped_reads_tls_from_cpython_and_nginx(podman_env, a
     for server_name, port in (("cpython", cpython_port), ("nginx", nginx_port)):
         seen = {row["response_id"] for row in rows if row["server_port"] == port and row["tls"]}
         assert sent[server_name] <= seen, (server_name, sent[server_name] - seen, log[-4000:])
+    # The manifest's memory limit holds the agent's peak (the BPF compile) and its request the steady state.
+    resources = container["resources"]
+    print(f"agent memory in the image: peak {memory['VmHWM'] >> 20} MiB, now {memory['VmRSS'] >> 20} MiB")
+    assert memory["VmHWM"] < quantity(resources["limits"]["memory"]), memory
+    assert memory["VmRSS"] < quantity(resources["requests"]["memory"]), memory
+
+
+def agent_memory(env: dict[str, str], name: str) -> dict[str, int]:
+    """Peak and current resident memory of the container's agent, in bytes, from the host's /proc."""
+    pid = subprocess.run(["podman", "inspect", "--format", "{{.State.Pid}}", name], env=env, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    status = Path(f"/proc/{pid}/status").read_text()
+    return {key: int(re.search(rf"^{key}:\s+(\d+) kB", status, re.MULTILINE)[1]) << 10
+            for key in ("VmHWM", "VmRSS")}
+
+
+def quantity(text: str) -> int:
+    """A Kubernetes memory quantity (binary suffixes, as the manifests write them) in bytes."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return int(text[:-2]) * units[text[-2:]] if text[-2:] in units else int(text)
 
 
 # Runs in the agent's container: process_vm_writev() and ptrace(PTRACE_ATTACH) on a host process, as a
