@@ -87,6 +87,13 @@ def test_the_image_holds_the_agent_only(podman_env, agent_image):
     found = json.loads(run_in_image(podman_env, agent_image, "python3", "-c", probe, "bcc", "tokenprobe.agent",
                                     *NOT_IN_IMAGE).stdout)
     assert found == {"bcc": True, "tokenprobe.agent": True, **{name: False for name in NOT_IN_IMAGE}}
+    # The BPF sources the agent compiles at start, every one of them.
+    listing = ("import importlib.resources\n"
+               "print(sorted(p.name for p in importlib.resources.files('tokenprobe.bpf').iterdir()"
+               " if p.suffix in ('.c', '.h')))")
+    shipped = run_in_image(podman_env, agent_image, "python3", "-c", listing).stdout
+    sources = sorted(path.name for pattern in ("*.c", "*.h") for path in (ROOT / "bpf").glob(pattern))
+    assert shipped.strip() == str(sources)
     # The agent's command loads; with a store elsewhere it imports nothing of the embedded engine.
     help_run = run_in_image(podman_env, agent_image, "python3", "-X", "importtime", "-m", "tokenprobe", "agent",
                             "--help")
