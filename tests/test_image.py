@@ -33,8 +33,8 @@ from tests.support import free_port
 pytestmark = pytest.mark.container
 
 ROOT = Path(__file__).resolve().parent.parent
-DAEMONSET = ROOT / "deploy" / "kubernetes" / "daemonset.yaml"
-CONFIGMAP = ROOT / "deploy" / "kubernetes" / "configmap.yaml"
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+DAEMONSET = KUBERNETES / "daemonset.yaml"
 SECCOMP_PROFILES = ROOT / "deploy" / "seccomp"
 IMAGE_TAG = "localhost/tokenprobe/agent:test"
 MAX_IMAGE_BYTES = 600_000_000
@@ -105,20 +105,21 @@ def test_the_image_holds_the_agent_only(podman_env, agent_image):
 # --------------------------------------------------------------------------- the DaemonSet, as shipped
 
 
-def agent_pod() -> tuple[dict, dict]:
-    """The DaemonSet's pod spec and its agent container."""
+def agent_pod(name: str = "agent") -> tuple[dict, dict]:
+    """The DaemonSet's pod spec and its container (or init container) ``name``."""
     pod = yaml.safe_load(DAEMONSET.read_text())["spec"]["template"]["spec"]
-    (container,) = [container for container in pod["containers"] if container["name"] == "agent"]
+    (container,) = [container for container in pod["containers"] + pod["initContainers"] if container["name"] == name]
     return pod, container
 
 
-def seccomp_option(profile: dict) -> str:
-    """podman's --security-opt for a container's seccompProfile. A Localhost profile is the file the
-    manifests ship, as the kubelet would find it under its seccomp folder."""
+def seccomp_options(profile: dict) -> list[str]:
+    """podman's options for a container's seccompProfile. A Localhost profile is the file the manifests
+    ship, as the kubelet would find it under its seccomp folder; RuntimeDefault is podman's own default
+    (like the older runtimes' defaults, it refuses bpf() without CAP_SYS_ADMIN: DESIGN.md)."""
     if profile["type"] == "Localhost":
-        return f"seccomp={SECCOMP_PROFILES / Path(profile['localhostProfile']).name}"
-    # podman's own default refuses bpf() (DESIGN.md): a RuntimeDefault manifest cannot be run faithfully here.
-    raise AssertionError(f"seccompProfile {profile} has no podman equivalent here; ship a Localhost profile")
+        return ["--security-opt", f"seccomp={SECCOMP_PROFILES / Path(profile['localhostProfile']).name}"]
+    assert profile["type"] == "RuntimeDefault", profile
+    return []
 
 
 def podman_run_args(pod: dict, container: dict, work: Path, env: dict[str, str]) -> list[str]:
@@ -126,8 +127,9 @@ def podman_run_args(pod: dict, container: dict, work: Path, env: dict[str, str])
     security = container["securityContext"]
     assert not security.get("privileged") and not pod.get("hostNetwork")
     args = ["--user", str(security["runAsUser"]), "--cap-drop", "ALL"]
-    args += [arg for capability in security["capabilities"]["add"] for arg in ("--cap-add", f"CAP_{capability}")]
-    args += ["--security-opt", seccomp_option(security["seccompProfile"])]
+    added = security["capabilities"].get("add", [])
+    args += [arg for capability in added for arg in ("--cap-add", f"CAP_{capability}")]
+    args += seccomp_options(security["seccompProfile"])
     if not security["allowPrivilegeEscalation"]:
         args += ["--security-opt", "no-new-privileges"]
     if security["readOnlyRootFilesystem"]:
@@ -145,7 +147,7 @@ def podman_run_args(pod: dict, container: dict, work: Path, env: dict[str, str])
             # The agent's own state (a host folder it may create) or scratch: a folder of the test stands in.
             folder = work / mount["name"]
             folder.mkdir()
-            args += ["-v", f"{folder}:{target}"]
+            args += ["-v", f"{folder}:{target}{read_only}"]
         elif "configMap" in volume:
             folder = work / mount["name"]
             folder.mkdir()
@@ -160,10 +162,11 @@ def podman_run_args(pod: dict, container: dict, work: Path, env: dict[str, str])
 
 
 def config_map(name: str) -> dict[str, str]:
-    for document in yaml.safe_load_all(CONFIGMAP.read_text()):
-        if document["kind"] == "ConfigMap" and document["metadata"]["name"] == name:
-            return document["data"]
-    raise AssertionError(f"no ConfigMap {name} in {CONFIGMAP}")
+    for path in sorted(KUBERNETES.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document["kind"] == "ConfigMap" and document["metadata"]["name"] == name:
+                return document["data"]
+    raise AssertionError(f"no ConfigMap {name} in {KUBERNETES}")
 
 
 def container_environment(container: dict, store_url: str) -> dict[str, str]:
@@ -295,7 +298,8 @@ def test_the_shipped_profile_keeps_the_agent_out_of_other_processes(podman_env, 
     work.mkdir()
     args = podman_run_args(pod, container, work, {})
     if not shipped_profile:
-        args[args.index(seccomp_option(container["securityContext"]["seccompProfile"]))] = "seccomp=unconfined"
+        shipped = seccomp_options(container["securityContext"]["seccompProfile"])[-1]
+        args[args.index(shipped)] = "seccomp=unconfined"
     victim = subprocess.Popen(["sleep", "300"])
     try:
         result = subprocess.run(["podman", "run", "--rm", *args, "--entrypoint", "python3", agent_image, "-c",
@@ -310,3 +314,19 @@ def test_the_shipped_profile_keeps_the_agent_out_of_other_processes(podman_env, 
         assert seen == {"process_vm_writev": EPERM, "ptrace": EPERM}
     else:  # the kernel let the call in: it wrote nowhere only because the address is unmapped
         assert seen == {"process_vm_writev": EFAULT, "ptrace": 0}
+
+
+def test_the_init_container_installs_the_profile_where_the_kubelet_reads_it(podman_env, agent_image, tmp_path):
+    """The init container, run as the manifest says (no capability, the runtime's default profile, read-only
+    root), copies the profile from its ConfigMap into the kubelet's folder: root-owned, as on a node."""
+    pod, init = agent_pod("seccomp-profile")
+    work = tmp_path / "pod"
+    work.mkdir()
+    args = podman_run_args(pod, init, work, {})
+    (kubelet_folder,) = [folder for folder in work.iterdir() if folder.name == "kubelet-seccomp"]
+    kubelet_folder.chmod(0o755)
+    result = subprocess.run(["podman", "run", "--rm", *args, "--entrypoint", init["command"][0], agent_image,
+                             *init["command"][1:]], env=podman_env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    installed = kubelet_folder / "tokenprobe-agent.json"
+    assert installed.read_text() == (SECCOMP_PROFILES / "tokenprobe-agent.json").read_text()
