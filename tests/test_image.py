@@ -134,6 +134,11 @@ def podman_run_args(pod: dict, container: dict, work: Path, env: dict[str, str])
         args += ["--security-opt", "no-new-privileges"]
     if security["readOnlyRootFilesystem"]:
         args += ["--read-only", "--read-only-tmpfs=false"]
+    limits = container.get("resources", {}).get("limits", {})
+    if "memory" in limits:  # the kernel holds the container to it, as the kubelet's cgroup would
+        args += ["--memory", str(quantity(limits["memory"]))]
+    if "cpu" in limits:
+        args += ["--cpus", str(cpus(limits["cpu"]))]
     if pod.get("hostPID"):
         args += ["--pid", "host"]
     args += ["--network", "slirp4netns:allow_host_loopback=true"]
@@ -260,6 +265,11 @@ def agent_memory(env: dict[str, str], name: str) -> dict[str, int]:
     status = Path(f"/proc/{pid}/status").read_text()
     return {key: int(re.search(rf"^{key}:\s+(\d+) kB", status, re.MULTILINE)[1]) << 10
             for key in ("VmHWM", "VmRSS")}
+
+
+def cpus(text: str) -> float:
+    """A Kubernetes CPU quantity ("1", "250m") in CPUs."""
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
 def quantity(text: str) -> int:
