@@ -1,16 +1,21 @@
-# Both targets install what they need first (as root, on Debian 12).
-.PHONY: install demo test bench
+# Each target installs what it needs first (as root, on Debian 12): `install` the
+# agent, the embedded store, the dashboard and the demo; `install-test` adds the
+# test servers, browsers, Go, Prometheus, Alertmanager and podman.
+.PHONY: install install-test demo test bench
 
 install:
 	./scripts/install.sh
 
+install-test:
+	./scripts/install.sh --test
+
 demo: install
 	.venv/bin/tokenprobe demo
 
-test: install
+test: install-test
 	.venv/bin/python -m pytest -q -rs
 
-bench: install
+bench: install-test
 	.venv/bin/python -m benchmarks.bench_assembler
 	.venv/bin/python -m benchmarks.bench_agent_overhead
 	.venv/bin/python -m benchmarks.bench_hot_path

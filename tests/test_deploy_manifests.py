@@ -27,7 +27,7 @@ KUBERNETES = DEPLOY / "kubernetes"
 # The oldest Kubernetes still widely run, and the newest kubernetes-validate knows.
 KUBERNETES_VERSIONS = ("1.29.0", latest_version())
 CRD_KINDS = {"PrometheusRule", "ServiceMonitor"}  # not in kubernetes-validate's schemas: checked below
-AGENT_CAPABILITIES = {"BPF", "PERFMON", "SYS_RESOURCE", "SYS_PTRACE"}
+AGENT_CAPABILITIES = {"BPF", "PERFMON", "SYS_ADMIN", "SYS_RESOURCE", "SYS_PTRACE"}
 SECCOMP_PROFILE = DEPLOY / "seccomp" / "tokenprobe-agent.json"
 # The system call tables of x86-64 and of its 32-bit x86 ABI, both in the profile (Debian's linux-libc-dev).
 SYSCALL_TABLES = [Path(f"/usr/include/x86_64-linux-gnu/asm/unistd_{bits}.h") for bits in (64, 32)]
@@ -50,8 +50,9 @@ def manifests() -> list[tuple[str, dict]]:
     return found
 
 
-def resource(kind: str) -> dict:
-    (document,) = [document for _, document in manifests() if document["kind"] == kind]
+def resource(kind: str, name: str | None = None) -> dict:
+    (document,) = [document for _, document in manifests()
+                   if document["kind"] == kind and name in (None, document["metadata"]["name"])]
     return document
 
 
@@ -70,7 +71,8 @@ def test_every_core_manifest_validates_strictly(version):
             path = ".".join(str(part) for part in error.path)
             pytest.fail(f"{name}: {document['kind']} is invalid for Kubernetes {version} at {path}: {error.message}")
         validated.append(document["kind"])
-    assert sorted(validated) == ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "Service", "ServiceAccount"]
+    assert sorted(validated) == ["ConfigMap", "ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "Service",
+                                 "ServiceAccount"]
 
 
 def test_strict_validation_catches_a_misspelt_field():
@@ -112,22 +114,31 @@ def test_daemonset_holds_the_fewest_capabilities_and_is_not_privileged():
     assert security["readOnlyRootFilesystem"] is True
     assert security["capabilities"]["drop"] == ["ALL"]
     assert set(security["capabilities"]["add"]) == AGENT_CAPABILITIES
-    # Every capability granted, and the ones left out on purpose, are explained in the README.
-    readme = (DEPLOY / "README.md").read_text()
+    # Every capability granted, and the ones left out on purpose, are explained in docs/deploy.md.
+    readme = (ROOT / "docs" / "deploy.md").read_text()
     for capability in AGENT_CAPABILITIES | {"SYS_ADMIN", "DAC_READ_SEARCH", "DAC_OVERRIDE"}:
         assert f"`CAP_{capability}`" in readme, capability
 
 
-def test_daemonset_runs_under_the_runtime_default_seccomp_profile():
+def test_daemonset_runs_the_agent_under_the_shipped_seccomp_profile_which_its_init_container_installs():
     pod = resource("DaemonSet")["spec"]["template"]["spec"]
-    assert agent_container()["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert agent_container()["securityContext"]["seccompProfile"] == {
+        "type": "Localhost", "localhostProfile": "profiles/tokenprobe-agent.json"}
     assert "Unconfined" not in yaml.safe_dump(pod)
-    readme = (DEPLOY / "README.md").read_text()
-    for runtime_version in ("containerd 1.6.9", "Docker 23.0", "CRI-O"):
-        assert runtime_version in readme, runtime_version
-    # The documented fallback: the profile shipped, where the kubelet looks for it.
-    assert "localhostProfile: profiles/tokenprobe-agent.json" in readme
-    assert "/var/lib/kubelet/seccomp/profiles/tokenprobe-agent.json" in readme
+    # The init container copies the profile from its ConfigMap (rendered from the file) into the kubelet's
+    # profiles folder, holding no capability at all.
+    (init,) = pod["initContainers"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert init["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    mounts = {mount["name"]: mount["mountPath"] for mount in init["volumeMounts"]}
+    (source,) = [name for name in mounts if "configMap" in volumes[name]]
+    (target,) = [name for name in mounts if "hostPath" in volumes[name]]
+    assert volumes[source]["configMap"]["name"] == resource("ConfigMap", "tokenprobe-seccomp")["metadata"]["name"]
+    assert volumes[target]["hostPath"]["path"] == "/var/lib/kubelet/seccomp/profiles"
+    assert init["command"] == ["cp", *(f"{mounts[name]}/tokenprobe-agent.json" for name in (source, target))]
+    profile = resource("ConfigMap", "tokenprobe-seccomp")["data"]["tokenprobe-agent.json"]
+    assert profile == SECCOMP_PROFILE.read_text()
 
 
 def seccomp_rules() -> dict[str, dict]:
@@ -214,20 +225,20 @@ def test_store_url_comes_from_a_secret_the_operator_creates_not_the_command_line
     # No Secret is shipped (a placeholder password would be applied as is); the README says how to create it.
     assert "Secret" not in {document["kind"] for _, document in manifests()}
     assert not [path.name for path in DEPLOY.rglob("*") if path.is_file() and "CHANGE_ME" in path.read_text()]
-    readme = (DEPLOY / "README.md").read_text()
+    readme = (ROOT / "docs" / "deploy.md").read_text()
     assert re.search(r"kubectl -n tokenprobe create secret generic tokenprobe-store-url \\\n\s+"
                      r"--from-literal=url='https://", readme)
 
 
 def agent_args() -> list[str]:
-    return resource("ConfigMap")["data"]["agent.args"].split()
+    return resource("ConfigMap", "tokenprobe-agent")["data"]["agent.args"].split()
 
 
 def test_the_agent_command_line_accepts_the_configmap_arguments(tmp_path):
     from tokenprobe.cli.main import build_parser
 
     args_file = tmp_path / "agent.args"
-    args_file.write_text(resource("ConfigMap")["data"]["agent.args"])
+    args_file.write_text(resource("ConfigMap", "tokenprobe-agent")["data"]["agent.args"])
     argument, *expanded = agent_container()["args"]
     assert argument == "@/etc/tokenprobe/agent.args"
     mounted = {m["name"]: m["mountPath"] for m in agent_container()["volumeMounts"]}
@@ -347,8 +358,8 @@ def test_cluster_ddl_is_clickhouse_sql_that_creates_working_tables(tmp_path):
 
 def test_dockerfile_builds_the_agent_image_from_debian_with_bcc():
     dockerfile = (DEPLOY / "Dockerfile").read_text()
-    assert re.search(r"^FROM debian:bookworm(-slim)?$", dockerfile, re.MULTILINE)
-    assert "bpfcc-tools" in dockerfile and "python3-bpfcc" in dockerfile
+    assert re.search(r"^FROM debian:bookworm(-slim)? AS runtime$", dockerfile, re.MULTILINE)
+    assert "python3-bpfcc" in dockerfile  # BCC's Python module and libbcc; bpfcc-tools' scripts are not needed
     assert "--system-site-packages" in dockerfile  # bcc is Debian's, for Debian's Python
     assert re.search(r'^ENTRYPOINT \["tokenprobe", "agent"\]$', dockerfile, re.MULTILINE)
     # Every folder the package is built from is copied into the build.

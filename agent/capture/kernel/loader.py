@@ -169,10 +169,13 @@ class OpenSsl:
     crypto: str | None      # the file exporting BIO_write beside it (its libcrypto, or itself), if any
 
 
-def openssl_copies(pids: Iterable[int] | None = None) -> list[OpenSsl]:
+def openssl_copies(pids: Iterable[int] | None = None, first: Iterable[int] = ()) -> list[OpenSsl]:
     """Every copy of OpenSSL that processes map (through /proc/PID/root, so that those
     inside containers are found), found by what the files export rather than by their
-    names, plus the system's own; one per file."""
+    names, plus the system's own; one per file. A file several processes map is named
+    through the first of them, those in `first` before the rest: a name through a process
+    that has exited cannot be probed, and servers outlive the short-lived processes around
+    them (from the agent's container, the host's libssl is reached only through such names)."""
     found: dict[tuple[int, int], OpenSsl] = {}
 
     def add(path: str, crypto_candidates: list[tuple[str, ElfTls]], file_id=None) -> None:
@@ -194,7 +197,9 @@ def openssl_copies(pids: Iterable[int] | None = None) -> list[OpenSsl]:
             crypto = path.replace("libssl", "libcrypto")
             add(path, [(crypto, elf_tls(crypto))])
     proc_pids = pids if pids is not None else [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    for pid in proc_pids:
+    first = list(first)
+    looked_at_first = set(first)
+    for pid in [*first, *(pid for pid in proc_pids if pid not in looked_at_first)]:
         root = f"/proc/{pid}/root"
         try:
             held = [(root + elf.path, elf_tls(root + elf.path, elf.file_id), elf.file_id) for elf in mapped_elves(pid)]
@@ -237,6 +242,9 @@ class Probes:
         self.targets = targets
         self.headers = headers or choose_headers()
         self.attached_ssl: list[str] = []
+        # (device, inode) of each attached copy: in a container, /proc/PID/root/usr/lib/... of a host process
+        # resolves (realpath) to the container's own /usr/lib/..., another file that has the same name.
+        self._ssl_files: set[tuple[int, int]] = set()
         self.attached_go_tls: list[str] = []
         self._go_files: set[tuple[str, int]] = set()  # (device, inode) of each mapped file looked at
         self.decode_errors = 0
@@ -375,12 +383,16 @@ class Probes:
         tracked connection. Reading every process's memory map at every rescan cost more the
         larger the node (5 ms a rescan with this machine's 76 processes, more where servers map
         thousands of libraries)."""
-        pids = sorted(self._watched_tgids()) if self._ssl_scanned else None
+        watched = sorted(self._watched_tgids())
+        pids = watched if self._ssl_scanned else None
         self._ssl_scanned = True
         new = []
-        for copy in openssl_copies(pids):
-            real = os.path.realpath(copy.path)
-            if real in self.attached_ssl:
+        for copy in openssl_copies(pids, first=watched):
+            try:
+                st = os.stat(copy.path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in self._ssl_files:
                 continue
             try:
                 self._attach(copy.path, [probe for probe in SSL_PROBES if probe[0].encode() in copy.api])
@@ -394,7 +406,8 @@ class Probes:
             except Exception as exc:
                 log.warning("BIO_write and BIO_read of %s not probed (%s): TLS through memory BIOs (asyncio, "
                             "Node.js) is not followed", copy.path, exc)
-            self.attached_ssl.append(real)
+            self._ssl_files.add((st.st_dev, st.st_ino))
+            self.attached_ssl.append(copy.path)
             new.append(copy.path)
         return new
 
