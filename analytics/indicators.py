@@ -779,7 +779,8 @@ class _ServerJudge:
         t = self.thresholds
         if stats is None or not stats["split"]:
             why = ("no requests arrived in this window" if stats is None else
-                   "queue and prefill not split: no prefill calibration yet (needs requests to an idle server)")
+                   "queue and prefill not split: no prefill calibration yet (needs requests to an idle server), "
+                   "or one too poor to split with")
             return cell("queue_wait_p95", None, t.queue_wait_p95_warn_ms, t.queue_wait_p95_crit_ms, why)
         p95 = float(stats["queue_p95_ms"])
         if p95 > t.queue_wait_p95_crit_ms:

@@ -42,21 +42,28 @@ from .config import Thresholds
 from .scope import Scope
 from .timerange import TimeRange, range_condition
 
+# The split_method of a request whose calibration has no line good enough to split its TTFT with.
+POOR_FIT = "poor fit"
+
 # Per request: the phase columns that the calibration decides, as expressions over a request_figures row
-# joined with its calibration (``c_*`` are the calibration's coefficients, NULL when it has none); every
-# other column is the figures row's own.
+# joined with its calibration (``c_*`` are the calibration's coefficients, NULL when it has none; a line too
+# poor to split with, ``UnitFit.quality_problem``, is not among them); every other column is the figures
+# row's own.
+_USES_TOKENS = "prompt_tokens IS NOT NULL AND c_has_tokens"
 _PREDICTED_PREFILL_MS = (
-    "greatest(0, if(prompt_tokens IS NOT NULL AND c_has_tokens,"
+    f"greatest(0, if({_USES_TOKENS},"
     " c_tokens_intercept + c_tokens_slope * prompt_tokens,"
     " c_bytes_intercept + c_bytes_slope * bytes_in)) * c_scale"
 )
 _USES_USAGE = "prompt_tokens IS NOT NULL AND (c_calibration_id IS NULL OR c_has_tokens)"
+# the request's calibration has a usable line for its prompt size
+_FIT_USABLE = f"({_USES_TOKENS} OR c_has_bytes)"
 
 
 def _split_expressions() -> dict[str, str]:
     # The TTFT in float64 from its timestamps, not the figures row's Float32: the split stays what it was.
     ttft = measures.TTFT_SERVER_MS
-    splittable = f"c_calibration_id IS NOT NULL AND {ttft} >= 0"
+    splittable = f"c_calibration_id IS NOT NULL AND {_FIT_USABLE} AND {ttft} >= 0"
     prefill = f"least({_PREDICTED_PREFILL_MS}, {ttft})"
     overhead = f"if(c_overhead IS NULL, 0, least(c_overhead, {ttft} - {prefill}))"
     return {
@@ -65,8 +72,9 @@ def _split_expressions() -> dict[str, str]:
         "queue_ms": f"if({splittable}, {ttft} - {prefill} - {overhead}, NULL)",
         "prompt_size": f"if({_USES_USAGE}, toUInt64(prompt_tokens), bytes_in)",
         "prompt_size_source": f"if({_USES_USAGE}, 'usage', 'bytes')",
-        "calibration_id": "ifNull(c_calibration_id, '')",
-        "split_method": "multiIf(c_calibration_id IS NULL, '', c_overhead IS NOT NULL, 'calibration+engine+overhead', "
+        "calibration_id": f"if(c_calibration_id IS NOT NULL AND {_FIT_USABLE}, c_calibration_id, '')",
+        "split_method": f"multiIf(c_calibration_id IS NULL, '', NOT {_FIT_USABLE}, '{POOR_FIT}',"
+                        " c_overhead IS NOT NULL, 'calibration+engine+overhead', "
                         "c_engine_used, 'calibration+engine', 'calibration')",
         "computed_at": "fromUnixTimestamp64Nano({computed_at:Int64}, 'UTC')",
     }
@@ -155,7 +163,8 @@ def compute_phases(store: Store, requests: PhaseRequests, calibrations: Mapping[
 WITH calibrations AS (
     SELECT node, server_port, model,
         any(calibration_id) AS c_calibration_id,
-        countIf(size_unit = 'tokens') > 0 AS c_has_tokens,
+        countIf(size_unit = 'tokens' AND usable) > 0 AS c_has_tokens,
+        countIf(size_unit = 'bytes' AND usable) > 0 AS c_has_bytes,
         anyIf(intercept_ms, size_unit = 'tokens') AS c_tokens_intercept,
         anyIf(slope_ms, size_unit = 'tokens') AS c_tokens_slope,
         anyIf(intercept_ms, size_unit = 'bytes') AS c_bytes_intercept,
@@ -163,7 +172,8 @@ WITH calibrations AS (
         any(engine_scale) AS c_scale,
         any(engine_samples) > 0 AS c_engine_used,
         any(server_overhead_ms) AS c_overhead
-    FROM {store.table(PREFILL_CALIBRATION_TABLE)}
+    FROM (SELECT *, (calibration_id, size_unit) IN {{usable:Array(Tuple(String, String))}} AS usable
+          FROM {store.table(PREFILL_CALIBRATION_TABLE)})
     WHERE calibration_id IN {{calibration_ids:Array(String)}}
     GROUP BY node, server_port, model
 )
@@ -175,6 +185,7 @@ SETTINGS join_use_nulls = 1, optimize_on_insert = 0""",
         {
             **requests.parameters, "computed_at": now_ns,
             "calibration_ids": sorted(c.calibration_id for c in calibrations.values()),
+            "usable": sorted((c.calibration_id, unit) for c in calibrations.values() for unit in c.usable_units),
         },
     )
 

@@ -83,7 +83,7 @@ REQUEST_PHASES_COLUMNS: tuple[Column, ...] = (
     Column("prompt_size", "Nullable(UInt64)", INTEGER_CODEC),
     Column("prompt_size_source", _LABEL, OPAQUE_CODEC),  # usage (tokens) | bytes (request bytes)
     Column("calibration_id", _LABEL, OPAQUE_CODEC),  # '' when queue and prefill could not be split
-    Column("split_method", _LABEL, OPAQUE_CODEC),  # calibration | calibration+engine | calibration+engine+overhead | ''
+    Column("split_method", _LABEL, OPAQUE_CODEC),  # calibration | calibration+engine | calibration+engine+overhead | poor fit | ''
     Column("computed_at", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
 )
 

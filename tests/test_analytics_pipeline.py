@@ -16,6 +16,7 @@ what the scenario was built to show.
 | 8006 | TTFT failing for the last 20 minutes: page |
 | 8007 | 10% of TTFT failing for 6 hours: ticket |
 | 8008 | the engine reports twice the prefill the idle arrivals show |
+| 8009 | TTFT unrelated to prompt size (a random 0-300 ms): a prefill fit too poor to split with |
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tokenprobe.agent.sampling.samplers import (
     server_gpus_arrow,
 )
 from tokenprobe.analytics import indicators
-from tokenprobe.analytics.calibration import BYTES, TOKENS
+from tokenprobe.analytics.calibration import BYTES, MIN_R2, TOKENS
 from tokenprobe.analytics.cli import add_analyze_parser
 from tokenprobe.analytics.config import AnalysisSpans, AnalyticsConfig
 from tokenprobe.analytics.figures import window_figures
@@ -142,6 +143,8 @@ def build_scenarios(store) -> dict[str, list]:
     ticket = simulate(SERVER, [LoadPhase(6 * 3600, 1 / 30)], start_ns=END_NS - 360 * MINUTE, node=NODE,
                       port=8007, seed=8)
     engine = simulate(SERVER, [LoadPhase(480, 3.0)], start_ns=START_NS, node=NODE, port=8008, seed=9)
+    unrelated = simulate(SERVER, [LoadPhase(480, 1.0)], start_ns=START_NS, node=NODE, port=8009, seed=10)
+    noise_ms = np.random.default_rng(10).uniform(0, 300, len(unrelated))
 
     rows = rows_of(load) + rows_of(retries) + rows_of(gpu) + rows_of(starved) + rows_of(engine)
     rows += slowing_streams(streams)
@@ -150,6 +153,7 @@ def build_scenarios(store) -> dict[str, list]:
     rows += [with_ttft_shift(row, 1500 * MS) if row["req_start"] >= failing_from and index % 2 else row
              for index, row in enumerate(rows_of(page))]
     rows += [with_ttft_shift(row, 1500 * MS) if index % 10 == 0 else row for index, row in enumerate(rows_of(ticket))]
+    rows += [with_ttft_shift(row, int(shift * MS)) for row, shift in zip(rows_of(unrelated), noise_ms, strict=True)]
     store.insert_rows("requests", rows)
     store.insert_arrow("gpu_samples", gpu_samples_arrow(gpu_readings(), NODE))
     store.insert_arrow("server_gpus", server_gpus_arrow([ServerGpu(0, 8002, GPU, GPU, "config")], START_NS, NODE))
@@ -251,6 +255,21 @@ def test_engine_prefill_corrects_the_calibration(analysed):
     split = store.query_rows("SELECT DISTINCT split_method FROM tokenprobe.request_phases FINAL "
                              "WHERE server_port = 8008")
     assert split == [("calibration+engine",)]
+
+
+def test_a_prefill_fit_too_poor_is_not_used_and_the_rows_say_so(analysed, capsys):
+    store, report, _, url = analysed
+    calibration = report.calibrations[(NODE, 8009, "sim-model")]
+    assert calibration.fits[BYTES].fit.r2 < MIN_R2 and calibration.usable_units == []
+    rows = store.query_rows("SELECT count(), countIf(queue_ms IS NULL AND prefill_ms IS NULL), "
+                            "groupUniqArray(split_method), groupUniqArray(calibration_id) "
+                            "FROM tokenprobe.request_phases FINAL WHERE server_port = 8009")
+    assert rows[0][0] > 100 and rows[0][1] == rows[0][0] and rows[0][2:] == (["poor fit"], [""])
+    # the report names the rejected line instead of printing it as a result
+    assert run_cli("--store", url, *range_args(), "--window", "60", "--server", "8009") == 0
+    printed = capsys.readouterr().out
+    assert "8009 sim-model: queue and prefill not split; not used, too poor to split with: the per-token line (R2" \
+        in printed and "; the per-byte line (R2 0.05 < 0.5 and MAD" in printed
 
 
 # -- knee and matrix ---------------------------------------------------------------
