@@ -29,7 +29,7 @@ Indicators (thresholds in ``config.Thresholds``):
   never ends has no row to show it otherwise.
 
 Occupancy (in flight, queued, running) is time-averaged from the request
-intervals in ``request_phases``: a request is in flight from its first byte
+intervals of their phases (``phases.phases_source``): a request is in flight from its first byte
 to its last response byte, queued from its last request byte for its queue
 time, and running from then to its last token. It is computed on sub-buckets
 of ``gcd(window, 10 s)``, which also serve the 2-minute fragmentation test.
@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 
 from ..contract import measures
-from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
+from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_SPLIT_TABLE
 from ..contract.requests import REQUESTS_TABLE
 from ..contract.samples import (
     ENGINE_SAMPLES_TABLE,
@@ -54,6 +54,7 @@ from ..contract.samples import (
 )
 from ..store.client import Store
 from .config import Thresholds
+from .phases import phases_source
 from .robust import theil_sen
 from .scope import Scope
 from .timerange import NS_PER_S, TimeRange, range_condition
@@ -190,7 +191,7 @@ def compute_matrix(store: Store, analysed: TimeRange, window_s: int, scope: Scop
                    occupancy: KeptOccupancy | None = None) -> list[Cell]:
     """Every cell of every window in ``analysed``, stored in ``indicator_matrix`` and returned.
 
-    Needs ``request_phases`` computed from ``thresholds.fragmentation_sustain_s``
+    Needs the split (``request_split``) computed from ``thresholds.fragmentation_sustain_s``
     before the first window (``matrix_lead_s``) to the range's end. ``occupancy``: the intervals an
     earlier pass kept (``KeptOccupancy``; this run's phases were computed at ``now_ns``).
     """
@@ -231,8 +232,9 @@ class _MatrixData:
     @classmethod
     def load(cls, store: Store, windows: Windows, scope: Scope, thresholds: Thresholds,
              kept: KeptOccupancy | None, now_ns: int) -> _MatrixData:
-        occupancy = kept.occupancy(store, windows, scope, now_ns) if kept else _occupancy(store, windows, scope)
-        return cls(occupancy, _request_stats(store, windows, scope),
+        occupancy = (kept.occupancy(store, windows, scope, thresholds, now_ns) if kept
+                     else _occupancy(store, windows, scope, thresholds))
+        return cls(occupancy, _request_stats(store, windows, scope, thresholds),
                    _retries(store, windows, scope, thresholds.retry_window_s), _gpu_buckets(store, windows, scope),
                    _engine_buckets(store, windows, scope), windows)
 
@@ -277,17 +279,19 @@ def _bucket_parameters(windows: Windows) -> dict[str, int]:
 _FINISHED = "coalesce(resp_end, last_token, first_token, req_end, req_start)"
 
 
-def _occupancy_rows(store: Store, windows: Windows, scope: Scope) -> tuple[str, dict]:
-    """The condition on ``request_phases`` of the requests that may overlap the sub-buckets, and its parameters."""
+def _occupancy_rows(store: Store, windows: Windows, scope: Scope, thresholds: Thresholds) -> tuple[str, dict]:
+    """The phases of the requests that may overlap the sub-buckets (a SELECT), and its parameters."""
     in_scope, scope_parameters = scope.condition()
     since = TimeRange(windows.base_ns, windows.analysed.end_ns)
     in_range, range_parameters = range_condition("req_start", "occupancy", since.extended_back(
         OCCUPANCY_LOOKBACK_S))
-    return (f"{in_range} AND {_FINISHED} >= fromUnixTimestamp64Nano({{base_ns:Int64}}, 'UTC') AND {in_scope}",
+    started = f"{in_range} AND {in_scope}"
+    finished = f"{started} AND {_FINISHED} >= fromUnixTimestamp64Nano({{base_ns:Int64}}, 'UTC')"
+    return (phases_source(store, finished, thresholds, split_condition=started),
             {**range_parameters, **scope_parameters, **_bucket_parameters(windows)})
 
 
-def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
+def _occupancy(store: Store, windows: Windows, scope: Scope, thresholds: Thresholds) -> pd.DataFrame:
     """Per server and sub-bucket: request-seconds in flight, queued and running (overlap summed)."""
 
     def offset(timestamp: str) -> str:
@@ -296,7 +300,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
     def overlap(start: str, end: str) -> str:
         return f"greatest(0, least({end}, (bucket + 1) * sub) - greatest({start}, bucket * sub))"
 
-    overlapping, parameters = _occupancy_rows(store, windows, scope)
+    overlapping, parameters = _occupancy_rows(store, windows, scope, thresholds)
     return store.query_df(
         f"""SELECT node, server_port, bucket,
                    sum({overlap('arrived', 'finished')}) AS in_flight_s,
@@ -314,8 +318,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
                            toUInt64(greatest(0, floor(arrived / sub))),
                            toUInt64(greatest(0, least(toFloat64({{buckets:Int64}}), floor(finished / sub) + 1)))
                        )) AS bucket
-                FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
-                WHERE {overlapping}
+                FROM ({overlapping})
             )
             GROUP BY node, server_port, bucket""", parameters)
 
@@ -342,10 +345,10 @@ class KeptOccupancy:
     sub-buckets, kept, so a pass reads only the rows it wrote instead of the 10-minute look-back.
 
     A pass's sub-buckets from ``base_ns`` on are overlapped by the requests of the look-back that finished
-    at or after it: those kept at an earlier pass whose base was no later (the rows of ``request_phases``
+    at or after it: those kept at an earlier pass whose base was no later (the rows of ``request_split``
     only change when a pass writes them) and the rows this pass wrote (``expect``). The whole look-back is
     read again (``FINAL``, as ``_occupancy``) on the first pass, when a server or an earlier base is
-    asked for, after ``KEPT_PASSES_MAX`` passes, and when ``request_phases`` holds rows in the look-back
+    asked for, after ``KEPT_PASSES_MAX`` passes, and when ``request_split`` holds rows in the look-back
     that no kept pass wrote since (a ``tokenprobe analyze`` of the same range, a pass that failed after
     writing): the sums are then those of the query, to the rounding of their order.
     """
@@ -362,8 +365,8 @@ class KeptOccupancy:
         self._pending: tuple | None = None
 
     def expect(self, condition: str, parameters: dict, columns: Sequence[str]) -> None:
-        """The next pass writes its rows within ``condition`` (on ``request_phases``); read ``columns`` of
-        them too (SQL expressions), into ``written``."""
+        """The next pass writes its rows within ``condition`` (on the columns a request's figures and split
+        share); read ``columns`` of their phases too (SQL expressions), into ``written``."""
         self._expected, self.written, self._pending = (condition, parameters, tuple(columns)), None, None
 
     def commit(self) -> None:
@@ -372,16 +375,17 @@ class KeptOccupancy:
             self.intervals, self.covered, self.floor_ns, self.read_ns, self.passes = self._pending
             self._pending = None
 
-    def occupancy(self, store: Store, windows: Windows, scope: Scope, written_ns: int) -> pd.DataFrame:
+    def occupancy(self, store: Store, windows: Windows, scope: Scope, thresholds: Thresholds,
+                  written_ns: int) -> pd.DataFrame:
         """``_occupancy``'s frame for ``windows``, the pass's rows being those computed at ``written_ns``."""
         if self._expected is None:
             raise RuntimeError("KeptOccupancy.expect() must say where the pass writes its rows")
         condition, parameters, columns = self._expected
         self._expected = None
-        table = store.table(REQUEST_PHASES_TABLE)
+        by_this_pass = f"{condition} AND computed_at = fromUnixTimestamp64Nano({{occupancy_written:Int64}}, 'UTC')"
+        written_phases = phases_source(store, condition, thresholds, split_condition=by_this_pass)
         self.written = store.query_df(
-            f"SELECT {', '.join((*_INTERVAL_COLUMNS, *columns))} FROM {table} WHERE {condition}"
-            " AND computed_at = fromUnixTimestamp64Nano({occupancy_written:Int64}, 'UTC')",
+            f"SELECT {', '.join((*_INTERVAL_COLUMNS, *columns))} FROM ({written_phases}) WHERE {by_this_pass}",
             {**parameters, "occupancy_written": written_ns})
         written = self._arrays(self.written, reread=False)
         in_scope = self._codes(scope)
@@ -390,8 +394,8 @@ class KeptOccupancy:
             parts, covered = (_replaced(self.intervals, written), written), self.covered
             read_ns, passes, read_from_ns = self.read_ns, [*self.passes, written_ns], self.floor_ns
         else:  # this pass's rows among them
-            overlapping, overlapping_parameters = _occupancy_rows(store, windows, scope)
-            reread = store.query_df(f"SELECT {', '.join(_INTERVAL_COLUMNS)} FROM {table} FINAL WHERE {overlapping}",
+            overlapping, overlapping_parameters = _occupancy_rows(store, windows, scope, thresholds)
+            reread = store.query_df(f"SELECT {', '.join(_INTERVAL_COLUMNS)} FROM ({overlapping})",
                                     overlapping_parameters)
             # a request read here that no pass has seen end yet (a re-analysis wrote it) is written again later
             parts, covered = (self._arrays(reread, reread=True),), set(in_scope)
@@ -428,7 +432,7 @@ class KeptOccupancy:
         in_range, range_parameters = range_condition("req_start", "foreign", TimeRange(
             windows.base_ns, windows.analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S))
         foreign = store.query_rows(
-            f"""SELECT count() FROM {store.table(REQUEST_PHASES_TABLE)}
+            f"""SELECT count() FROM {store.table(REQUEST_SPLIT_TABLE)}
                 WHERE {in_range} AND {scope_condition}
                   AND computed_at > fromUnixTimestamp64Nano({{read:Int64}}, 'UTC')
                   AND toUnixTimestamp64Nano(computed_at) NOT IN {{passes:Array(Int64)}}""",
@@ -485,7 +489,7 @@ def _replaced(kept: Intervals, written: Intervals) -> Intervals:
                                 & (starts <= written["start_ns"].max()))
     if not len(candidates):
         return kept
-    key = ("server", "start_ns", "conn_id", "req_seq")  # request_phases' sorting key, the node in the server
+    key = ("server", "start_ns", "conn_id", "req_seq")  # request_split's sorting key, the node in the server
     again = pd.MultiIndex.from_arrays([kept[name][candidates] for name in key]).isin(
         pd.MultiIndex.from_arrays([written[name] for name in key]))
     chosen = np.ones(len(kept["start_ns"]), dtype=bool)
@@ -493,7 +497,7 @@ def _replaced(kept: Intervals, written: Intervals) -> Intervals:
     return _selected(kept, chosen)
 
 
-def _request_stats(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
+def _request_stats(store: Store, windows: Windows, scope: Scope, thresholds: Thresholds) -> pd.DataFrame:
     in_scope, scope_parameters = scope.condition()
     in_range, range_parameters = range_condition("req_start", "stats", TimeRange(windows.origin_ns,
                                                                                  windows.analysed.end_ns))
@@ -507,8 +511,7 @@ def _request_stats(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame
                    countIf(decode_rate_ratio IS NOT NULL) AS long_streams,
                    quantile(0.5)(decode_rate_ratio) AS decode_rate_ratio_p50,
                    quantile(0.5)(tpot_ms) AS tpot_p50_ms
-            FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
-            WHERE {in_range} AND {in_scope}
+            FROM ({phases_source(store, f"{in_range} AND {in_scope}", thresholds)})
             GROUP BY node, server_port, window""",
         {**range_parameters, **scope_parameters, **_bucket_parameters(windows)},
     )

@@ -1,4 +1,4 @@
-"""Per-request phases, computed in ClickHouse: ``INSERT INTO request_phases SELECT ... FROM request_figures``.
+"""Per-request phases, computed in ClickHouse: ``INSERT INTO request_split SELECT ... FROM request_figures``.
 
 For each inference request: network in (with accept wait and TLS for a
 connection's first request), queue, prefill, decode, network out; server and
@@ -16,9 +16,10 @@ store: nothing per request travels to Python.
 
 Every figure but the split was computed when the request was stored
 (``request_figures``, ``contract/figures.py``): a pass joins those rows with
-the calibrations. Where that table lacks rows of the pass, or holds them
-computed with other thresholds, the pass computes the same figures from
-``requests`` (slower, the same result).
+the calibrations and stores only the split, narrow (``request_split``).
+Where that table lacks rows of the pass, or holds them computed with other
+thresholds, the pass first stores them there, computed from ``requests``
+under their own definition.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ import pandas as pd
 from ..contract import measures
 from ..contract.analysis import (
     PREFILL_CALIBRATION_TABLE,
-    REQUEST_PHASES_COLUMNS,
-    REQUEST_PHASES_TABLE,
+    REQUEST_SPLIT_COLUMNS,
+    REQUEST_SPLIT_TABLE,
 )
-from ..contract.figures import REQUEST_FIGURES_TABLE, figures_definition, figures_select
+from ..contract.figures import REQUEST_FIGURES_TABLE, figures_definition, figures_select, phases_select
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .calibration import Calibration, ServerModel
@@ -133,33 +134,40 @@ def _by_server_model(counted: list[tuple]) -> dict[ServerModel, tuple[int, int]]
 def _stored_figures(store: Store, condition: str, thresholds: Thresholds) -> str:
     """The rows of ``request_figures`` that meet ``condition``, computed by this definition with
     ``thresholds``."""
-    definition = figures_definition(thresholds.stall_factor, thresholds.long_stream_events)
     return (f"SELECT * FROM {store.table(REQUEST_FIGURES_TABLE)} WHERE {condition}"
-            f" AND definition = '{definition}'")
+            f" AND definition = '{_definition(thresholds)}'")
 
 
-def _figures_source(store: Store, requests: PhaseRequests) -> str:
-    """Where the figures of ``requests`` come from: ``request_figures``, when it holds every one of them,
-    else the same figures computed from ``requests`` here."""
+def _definition(thresholds: Thresholds) -> str:
+    return figures_definition(thresholds.stall_factor, thresholds.long_stream_events)
+
+
+def _store_figures(store: Store, requests: PhaseRequests) -> None:
+    """Store in ``request_figures`` the figures of ``requests``, computed from ``requests`` with the pass's
+    thresholds, in place of those stored by their definition (some missing, or some twice: a replay the
+    view did not deduplicate); rows by another definition stay as they are."""
     thresholds = requests.thresholds
-    if requests.figures_stored:
-        return _stored_figures(store, requests.condition, thresholds)
-    return figures_select(store.table(REQUESTS_TABLE), thresholds.stall_factor, thresholds.long_stream_events,
-                          requests.condition)
+    store.command(f"DELETE FROM {store.table(REQUEST_FIGURES_TABLE)} WHERE {requests.condition}"
+                  f" AND definition = '{_definition(thresholds)}'", requests.parameters)
+    store.command(f"INSERT INTO {store.table(REQUEST_FIGURES_TABLE)}\n"
+                  + figures_select(store.table(REQUESTS_TABLE), thresholds.stall_factor,
+                                   thresholds.long_stream_events, requests.condition), requests.parameters)
 
 
 def compute_phases(store: Store, requests: PhaseRequests, calibrations: Mapping[ServerModel, Calibration],
                    now_ns: int) -> None:
-    """(Re)compute the phases of ``requests`` (``phase_requests``)."""
-    source = _figures_source(store, requests)
+    """(Re)compute the split of ``requests`` (``phase_requests``), stored narrow in ``request_split``."""
+    if not requests.figures_stored:
+        _store_figures(store, requests)
+    source = _stored_figures(store, requests.condition, requests.thresholds)
     split = _split_expressions()
-    names = [column.name for column in REQUEST_PHASES_COLUMNS]
+    names = [column.name for column in REQUEST_SPLIT_COLUMNS]
     select_list = ",\n    ".join(f"{split[name]} AS {name}" if name in split else name for name in names)
     # optimize_on_insert = 0: the insert holds each request once, so the ReplacingMergeTree has nothing to
     # collapse in it (a quarter of the insert's cost); a request's older rows go at merges, and every reader
     # reads with FINAL.
     store.command(
-        f"""INSERT INTO {store.table(REQUEST_PHASES_TABLE)} ({", ".join(names)})
+        f"""INSERT INTO {store.table(REQUEST_SPLIT_TABLE)} ({", ".join(names)})
 WITH calibrations AS (
     SELECT node, server_port, model,
         any(calibration_id) AS c_calibration_id,
@@ -190,13 +198,20 @@ SETTINGS join_use_nulls = 1, optimize_on_insert = 0""",
     )
 
 
+def phases_source(store: Store, condition: str, thresholds: Thresholds, split_condition: str | None = None) -> str:
+    """SELECT of the phases of the requests that meet ``condition`` (``contract.figures.phases_select``), their
+    figures computed with ``thresholds``."""
+    return phases_select(store.table(REQUEST_FIGURES_TABLE), store.table(REQUEST_SPLIT_TABLE), condition,
+                         _definition(thresholds), split_condition)
+
+
 PHASE_SUMMARY_MEASURES = (
     "network_in_ms", "queue_ms", "prefill_ms", "decode_ms", "network_out_ms",
     "ttft_server_ms", "ttft_client_ms", "e2e_ms", "tpot_ms", "itl_p99_ms",
 )  # fmt: skip
 
 
-def phase_summary(store: Store, analysed: TimeRange, scope: Scope) -> pd.DataFrame:
+def phase_summary(store: Store, analysed: TimeRange, scope: Scope, thresholds: Thresholds) -> pd.DataFrame:
     """Per server and model: request count, p50 and p95 of every phase, stalls, prompt-size sources."""
     in_range, range_parameters = range_condition("req_start", "analysed", analysed)
     in_scope, scope_parameters = scope.condition()
@@ -215,8 +230,7 @@ def phase_summary(store: Store, analysed: TimeRange, scope: Scope) -> pd.DataFra
            countIf(prompt_size_source = 'bytes') AS prompt_size_from_bytes,
            countIf(calibration_id = '') AS unsplit,
            any(split_method) AS split_method
-    FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
-    WHERE {in_range} AND {in_scope}
+    FROM ({phases_source(store, f"{in_range} AND {in_scope}", thresholds)})
     GROUP BY node, server_port, model
     ORDER BY node, server_port, model""",
         {**range_parameters, **scope_parameters},

@@ -122,7 +122,7 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     capacities = server_capacities(knees, fitted)
     cells = compute_matrix(store, analysed, window_s, scope, config.thresholds, capacities, now_ns, occupancy)
     slos = evaluate_slos(store, analysed.end_ns, config.objectives, scope, slo_minutes)
-    summary = phase_summary(store, analysed, scope) if summarize else None
+    summary = phase_summary(store, analysed, scope, config.thresholds) if summarize else None
     return AnalysisReport(analysed, window_s, summary, calibrations, knees, capacities, cells, slos)
 
 

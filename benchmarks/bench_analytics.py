@@ -176,6 +176,13 @@ def baseline_live_analysis(ref: str, directory: Path) -> Callable[..., object]:
     return agent_live_analysis(BASELINE_PACKAGE)
 
 
+def add_baseline_tables(store) -> None:
+    """The tables the baseline writes that this checkout's schema has no more (or not yet)."""
+    registry = importlib.import_module(f"{BASELINE_PACKAGE}.contract.registry")
+    for statement in registry.create_statements(store.database, embedded=True):
+        store.command(statement)
+
+
 class CollectedCalls(logging.Handler):
     """The store calls a stretch of work made, as the store logs them at DEBUG: (statement, seconds)."""
 
@@ -306,7 +313,7 @@ def main() -> int:
                                                                          config.spans, now_ns))
         timed("phases (INSERT ... SELECT)", n, lambda: compute_phases(
             store, phase_requests(store, phases_range, EVERYTHING, config.thresholds), calibrations, now_ns))
-        timed("phase summary", n, lambda: phase_summary(store, analysed, EVERYTHING))
+        timed("phase summary", n, lambda: phase_summary(store, analysed, EVERYTHING, config.thresholds))
         knees = timed("knee", n, lambda: fit_knees(store, analysed, EVERYTHING, config.spans, now_ns))
         cells = timed("indicator matrix", n, lambda: compute_matrix(
             store, analysed, window_s, EVERYTHING, config.thresholds, server_capacities(knees, knees), now_ns))
@@ -323,6 +330,7 @@ def main() -> int:
             if args.baseline:
                 implementations[f"baseline ({args.baseline})"] = baseline_live_analysis(args.baseline,
                                                                                               baseline_directory)
+                add_baseline_tables(store)
             if args.store_apart:  # this process owns the store: opened again, it is a client of its server
                 live_store = open_store(f"chdb://{directory}")
             live_windows(store, end_ns, args.live_rate, args.live_every, args.live_windows, args.live_history,

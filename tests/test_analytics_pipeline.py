@@ -45,6 +45,7 @@ from tokenprobe.analytics.scope import EVERYTHING, Scope, Server
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
 from tokenprobe.store.embedded import open_store
 
+from tests.support.phases import phases_of
 from tests.support.slot_simulation import MS, LoadPhase, SlotServer, simulate
 
 NODE = "sim-node"
@@ -195,7 +196,7 @@ def test_phases_recover_the_simulated_truth(analysed):
     frame = store.query_df(
         "SELECT response_id, queue_ms, prefill_ms, network_in_ms, accept_wait_ms, decode_ms, tpot_ms, itl_p50_ms, "
         "itl_max_ms, stalls, prompt_size_source, output_tokens_source, calibration_id, split_method "
-        "FROM tokenprobe.request_phases FINAL WHERE server_port = 8000")
+        f"FROM {phases_of(store)} WHERE server_port = 8000")
     assert len(frame) == len(truth["load"])
     assert max(r.queue_ms for r in truth["load"] if r.phase == len(LOAD_LEVELS) - 1) > 1000  # overload queued
     expected = {request.row["response_id"]: request for request in truth["load"]}
@@ -252,7 +253,7 @@ def test_engine_prefill_corrects_the_calibration(analysed):
     calibration = report.calibrations[(NODE, 8008, "sim-model")]
     assert calibration.engine_samples > 100
     assert calibration.engine_scale == pytest.approx(2.0, rel=0.1)
-    split = store.query_rows("SELECT DISTINCT split_method FROM tokenprobe.request_phases FINAL "
+    split = store.query_rows("SELECT DISTINCT split_method FROM tokenprobe.request_split FINAL "
                              "WHERE server_port = 8008")
     assert split == [("calibration+engine",)]
 
@@ -263,7 +264,7 @@ def test_a_prefill_fit_too_poor_is_not_used_and_the_rows_say_so(analysed, capsys
     assert calibration.fits[BYTES].fit.r2 < MIN_R2 and calibration.usable_units == []
     rows = store.query_rows("SELECT count(), countIf(queue_ms IS NULL AND prefill_ms IS NULL), "
                             "groupUniqArray(split_method), groupUniqArray(calibration_id) "
-                            "FROM tokenprobe.request_phases FINAL WHERE server_port = 8009")
+                            "FROM tokenprobe.request_split FINAL WHERE server_port = 8009")
     assert rows[0][0] > 100 and rows[0][1] == rows[0][0] and rows[0][2:] == (["poor fit"], [""])
     # the report names the rejected line instead of printing it as a result
     assert run_cli("--store", url, *range_args(), "--window", "60", "--server", "8009") == 0
@@ -461,7 +462,7 @@ def test_control_loop_survives_an_unreachable_actuator_and_a_closed_store(analys
 def test_analysing_again_replaces_results_instead_of_adding_to_them(analysed):
     store, report, _, _ = analysed
     scope = Scope((Server(8001),))
-    counts = "SELECT (SELECT count() FROM tokenprobe.request_phases FINAL WHERE server_port = 8001), " \
+    counts = "SELECT (SELECT count() FROM tokenprobe.request_split FINAL WHERE server_port = 8001), " \
              "(SELECT count() FROM tokenprobe.indicator_matrix FINAL WHERE server_port = 8001)"
     before = store.query_rows(counts)
     again = analyze(store, TimeRange(START_NS, END_NS), window_s=WINDOW_S, scope=scope, now_ns=END_NS + 2 * MINUTE)

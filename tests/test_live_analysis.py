@@ -31,6 +31,7 @@ from tokenprobe.refserver.harness import served_pages
 from tokenprobe.store.embedded import open_store
 from tokenprobe.store.sink import RequestSink
 
+from tests.support.phases import phases_of
 from tests.support.slot_simulation import LoadPhase, SlotServer, simulate
 
 NODE = "live-node"
@@ -88,7 +89,7 @@ def test_passes_cover_every_request_once_window_by_window(store):
         assert {phase["node"] for phase in result.phases} == {NODE}
     assert seen == len(rows), "each request is handed to the outlets in exactly one pass"
     phases = store.query_rows("SELECT node, count(), countIf(calibration_id != '') "
-                              "FROM tokenprobe.request_phases FINAL GROUP BY node")
+                              "FROM tokenprobe.request_split FINAL GROUP BY node")
     assert phases == [(NODE, len(rows), len(rows))], "own node only, every request split"
 
     matrix = dict(store.query_rows(
@@ -107,7 +108,7 @@ def test_passes_cover_every_request_once_window_by_window(store):
 
 def test_rerunning_a_window_replaces_its_results(store):
     store, rows = store
-    counts = ("SELECT (SELECT count() FROM tokenprobe.request_phases FINAL), "
+    counts = ("SELECT (SELECT count() FROM tokenprobe.request_split FINAL), "
               "(SELECT count() FROM tokenprobe.indicator_matrix FINAL)")
     before = store.query_rows(counts)[0]
     clock = Clock(START_NS + 4 * WINDOW_NS)
@@ -202,7 +203,7 @@ def test_a_pass_finds_requests_by_their_end_through_the_index_as_a_search_does(s
     ended = [(row["conn_id"], row["req_seq"]) for row in rows + [stream]
              if START_NS + 2 * WINDOW_NS <= row["resp_end"] < START_NS + 3 * WINDOW_NS]
     assert from_index == sorted(ended) and (stream["conn_id"], 0) in from_index
-    stored = store.query_rows("SELECT ttft_server_ms FROM tokenprobe.request_phases FINAL"
+    stored = store.query_rows(f"SELECT ttft_server_ms FROM {phases_of(store)}"
                               " WHERE node = {node:String} AND conn_id = {conn:UInt64}",
                               {"node": node, "conn": stream["conn_id"]})
     assert stored and stored[0][0] is not None, "the long stream, 20 min before the rest, has its phases"
@@ -234,7 +235,7 @@ def test_calibration_and_knee_are_refitted_when_due_and_kept_between(store):
             continue
         after = fits_stored(store)
         written = {row[0] for row in store.query_rows(
-            f"SELECT DISTINCT calibration_id FROM tokenprobe.request_phases FINAL"
+            f"SELECT DISTINCT calibration_id FROM tokenprobe.request_split FINAL"
             f" WHERE node = '{NODE}' AND toUnixTimestamp64Nano(computed_at) >= {pass_started_ns}")}
         passes.append((live.fits.refitting, after[0] - before[0], after[1] - before[1], knee_kept, written))
     assert len(passes) >= 4 and [p[0] for p in passes][:4] == [True, False, False, True], passes
