@@ -41,7 +41,9 @@ from tokenprobe.analytics.config import AnalysisSpans, AnalyticsConfig
 from tokenprobe.analytics.figures import window_figures
 from tokenprobe.analytics.indicators import CRIT, NO_DATA, OK, WARN, Windows
 from tokenprobe.analytics.pipeline import analyze
+from tokenprobe.analytics.phases import POOR_FIT
 from tokenprobe.analytics.scope import EVERYTHING, Scope, Server
+from tokenprobe.analytics.split import split_requests
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
 from tokenprobe.store.embedded import open_store
 
@@ -271,6 +273,35 @@ def test_a_prefill_fit_too_poor_is_not_used_and_the_rows_say_so(analysed, capsys
     printed = capsys.readouterr().out
     assert "8009 sim-model: queue and prefill not split; not used, too poor to split with: the per-token line (R2" \
         in printed and "; the per-byte line (R2 0.05 < 0.5 and MAD" in printed
+
+
+def test_the_in_memory_split_equals_the_stores(analysed):
+    """The live pass's engine (numpy, analytics/split.py) and the SQL one split the same rows alike: every
+    scenario (idle, overload, retry storm, a one-slot jam, never idle, the engine's scale, a poor fit)."""
+    store, _, _, _ = analysed
+    report = analyze(store, TimeRange(START_NS, END_NS), window_s=WINDOW_S, now_ns=END_NS + 5 * MINUTE)
+    key = ["node", "server_port", "req_start", "conn_id", "req_seq"]
+    in_store = store.query_df(
+        "SELECT node, server_port, toUnixTimestamp64Nano(req_start) AS req_start, conn_id, req_seq, model, "
+        "queue_ms, prefill_ms, overhead_ms, prompt_size, prompt_size_source, calibration_id, split_method "
+        "FROM tokenprobe.request_split FINAL")
+    requests = store.query_df(
+        "SELECT node, server_port, model, conn_id, req_seq, toUnixTimestamp64Nano(req_start) AS req_start, "
+        "ifNull(toUnixTimestamp64Nano(req_end), -1) AS req_end, "
+        "ifNull(toUnixTimestamp64Nano(first_token), -1) AS first_token, "
+        "toFloat64(prompt_tokens) AS prompt_tokens, bytes_in FROM tokenprobe.requests WHERE method = 'POST'")
+    in_memory = split_requests(requests, report.calibrations)
+    both = in_store.merge(in_memory, on=key, suffixes=("_sql", "_numpy"), validate="one_to_one")
+    assert len(both) == len(in_store) > 5000
+    assert set(both["split_method_sql"]) >= {"", "calibration", "calibration+engine", POOR_FIT}
+    for name in ("model", "prompt_size_source", "calibration_id", "split_method"):
+        assert (both[f"{name}_sql"] == both[f"{name}_numpy"]).all(), name
+    assert (both["prompt_size_sql"].astype(float) == both["prompt_size_numpy"]).all()
+    for name in ("queue_ms", "prefill_ms", "overhead_ms"):
+        sql, numpy = both[f"{name}_sql"].to_numpy(float), both[f"{name}_numpy"].to_numpy(float)
+        assert (np.isnan(sql) == np.isnan(numpy)).all(), name
+        # both Float32 from the same float64 arithmetic: equal within one Float32 step of a second
+        assert np.allclose(sql[~np.isnan(sql)], numpy[~np.isnan(numpy)], rtol=1e-6, atol=1e-4), name
 
 
 # -- knee and matrix ---------------------------------------------------------------
