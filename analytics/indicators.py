@@ -55,6 +55,7 @@ from ..contract.samples import (
 from ..store.client import Store
 from .config import Thresholds
 from .phases import phases_source
+from .split import NO_TIME
 from .robust import theil_sen
 from .scope import Scope
 from .timerange import NS_PER_S, TimeRange, range_condition
@@ -276,7 +277,8 @@ def _bucket_parameters(windows: Windows) -> dict[str, int]:
 
 # When a request finished (for the occupancy); those of the look-back that finished before the first
 # sub-bucket overlap none and are left out unread.
-_FINISHED = "coalesce(resp_end, last_token, first_token, req_end, req_start)"
+_FINISHED_COLUMNS = ("resp_end", "last_token", "first_token", "req_end", "req_start")
+_FINISHED = f"coalesce({', '.join(_FINISHED_COLUMNS)})"
 
 
 def _occupancy_rows(store: Store, windows: Windows, scope: Scope, thresholds: Thresholds) -> tuple[str, dict]:
@@ -361,13 +363,43 @@ class KeptOccupancy:
         self.read_ns = 0  # when they were last read whole: every row written until then is in them
         self.passes: list[int] = []  # the computed_at of each pass's rows since
         self.written: pd.DataFrame | None = None  # the rows this pass wrote (interval and ``columns``)
-        self._expected: tuple[str, dict, tuple[str, ...]] | None = None
+        self._expected: tuple[str, dict, tuple[str, ...]] | pd.DataFrame | None = None
         self._pending: tuple | None = None
 
     def expect(self, condition: str, parameters: dict, columns: Sequence[str]) -> None:
         """The next pass writes its rows within ``condition`` (on the columns a request's figures and split
         share); read ``columns`` of their phases too (SQL expressions), into ``written``."""
         self._expected, self.written, self._pending = (condition, parameters, tuple(columns)), None, None
+
+    def expect_held(self, requests: pd.DataFrame, split: pd.DataFrame) -> None:
+        """The next pass writes the split of ``requests`` (``held.HeldRequests.take``), in memory: their
+        intervals are computed here, as ``_INTERVAL_COLUMNS`` reads them, instead of read back; ``written``
+        also has their model, ``req_end_ns``, ``first_token_ns`` (NA where none), ``queue_ms`` and
+        ``prefill_ms``."""
+        def nullable(name: str) -> pd.arrays.IntegerArray:
+            times = requests[name].to_numpy(np.int64)
+            return pd.arrays.IntegerArray(times, times == NO_TIME)
+
+        def first_known(*names: str) -> np.ndarray:
+            known = requests[names[-1]].to_numpy()
+            for name in reversed(names[:-1]):
+                times = requests[name].to_numpy()
+                known = np.where(times != NO_TIME, times, known)
+            return known
+
+        queue_ms = split["queue_ms"].to_numpy()
+        written = pd.DataFrame({
+            "node": requests["node"].to_numpy(), "server_port": requests["server_port"].to_numpy(),
+            "model": requests["model"].to_numpy(),
+            "conn_id": requests["conn_id"].to_numpy(np.uint64), "req_seq": requests["req_seq"].to_numpy(np.int64),
+            "start_ns": requests["req_start"].to_numpy(), "finished_ns": first_known(*_FINISHED_COLUMNS),
+            "arrived_whole_ns": first_known("req_end", "req_start"),
+            "queue_or_zero_ms": np.where(np.isnan(queue_ms), 0.0, queue_ms),
+            "last_token_ns": requests["last_token"].to_numpy(),
+            "req_end_ns": nullable("req_end"), "first_token_ns": nullable("first_token"),
+            "queue_ms": queue_ms, "prefill_ms": split["prefill_ms"].to_numpy(),
+        })
+        self._expected, self.written, self._pending = written, None, None
 
     def commit(self) -> None:
         """The pass succeeded: keep what it read (a failed one's rows are foreign to the next)."""
@@ -379,14 +411,17 @@ class KeptOccupancy:
                   written_ns: int) -> pd.DataFrame:
         """``_occupancy``'s frame for ``windows``, the pass's rows being those computed at ``written_ns``."""
         if self._expected is None:
-            raise RuntimeError("KeptOccupancy.expect() must say where the pass writes its rows")
-        condition, parameters, columns = self._expected
+            raise RuntimeError("KeptOccupancy.expect() or expect_held() must say which rows the pass writes")
+        if isinstance(self._expected, pd.DataFrame):
+            self.written = self._expected
+        else:
+            condition, parameters, columns = self._expected
+            by_this_pass = f"{condition} AND computed_at = fromUnixTimestamp64Nano({{occupancy_written:Int64}}, 'UTC')"
+            written_phases = phases_source(store, condition, thresholds, split_condition=by_this_pass)
+            self.written = store.query_df(
+                f"SELECT {', '.join((*_INTERVAL_COLUMNS, *columns))} FROM ({written_phases}) WHERE {by_this_pass}",
+                {**parameters, "occupancy_written": written_ns})
         self._expected = None
-        by_this_pass = f"{condition} AND computed_at = fromUnixTimestamp64Nano({{occupancy_written:Int64}}, 'UTC')"
-        written_phases = phases_source(store, condition, thresholds, split_condition=by_this_pass)
-        self.written = store.query_df(
-            f"SELECT {', '.join((*_INTERVAL_COLUMNS, *columns))} FROM ({written_phases}) WHERE {by_this_pass}",
-            {**parameters, "occupancy_written": written_ns})
         written = self._arrays(self.written, reread=False)
         in_scope = self._codes(scope)
         if self._reusable(store, windows, scope, in_scope, written_ns):

@@ -56,6 +56,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,7 +73,9 @@ from tokenprobe.analytics.phases import compute_phases, phase_requests, phase_su
 from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.slo import evaluate_slos
-from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+from tokenprobe.analytics.held import TIMES
+from tokenprobe.analytics.timerange import NS_PER_S, TimeRange, range_condition
+from tokenprobe.contract import measures
 from tokenprobe.contract.requests import REQUESTS_TABLE
 from tokenprobe.refserver.overload import percentile
 from tokenprobe.store.client import Store
@@ -156,13 +159,29 @@ def generate(store, node: str, start_ns: int, span_s: int, requests: int) -> Non
                                                         span_ns=span_s * NS_PER_S, requests=requests))
 
 
-def agent_live_analysis(package: str) -> Callable[..., object]:
+def agent_live_analysis(package: str, **options) -> Callable[..., object]:
     """``LiveAnalysis`` of the product installed as ``package``, as an agent with ``--metrics-port`` runs it:
-    each pass also published to the agent's /metrics (its ``MetricsOutlet``)."""
+    each pass also published to the agent's /metrics (its ``MetricsOutlet``); ``options`` as the agent gives
+    them."""
     live = importlib.import_module(f"{package}.analytics.live").LiveAnalysis
     outlets = importlib.import_module(f"{package}.analytics.outlets")
     metrics = importlib.import_module(f"{package}.agent.export.metrics_endpoint")
-    return lambda *args, **kwargs: live(*args, outlets=[outlets.MetricsOutlet(metrics.AgentMetrics())], **kwargs)
+    return lambda *args, **kwargs: live(*args, outlets=[outlets.MetricsOutlet(metrics.AgentMetrics())], **options,
+                                        **kwargs)
+
+
+def agents_rows(store, ended: TimeRange) -> list[dict]:
+    """The live node's requests that ended in ``ended``, as the agent's sink takes its rows (the columns
+    ``HeldRequests`` keeps; timestamps in Unix ns)."""
+    # named apart: an alias would stand for the column in the condition too
+    times = ", ".join(f"toUnixTimestamp64Nano({name}) AS {name}_ns" for name in TIMES)
+    in_range, parameters = range_condition(measures.ENDED_AT, "ended", ended)
+    frame = store.query_df(
+        f"SELECT node, method, server_port, model, conn_id, req_seq, {times}, prompt_tokens, bytes_in"
+        f" FROM {store.table(REQUESTS_TABLE)} WHERE node = '{LIVE_NODE}' AND {in_range}", parameters)
+    frame = frame.rename(columns={f"{name}_ns": name for name in TIMES})
+    frame["prompt_tokens"] = frame["prompt_tokens"].astype(object).where(frame["prompt_tokens"].notna(), None)
+    return frame.to_dict("records")
 
 
 def baseline_live_analysis(ref: str, directory: Path) -> Callable[..., object]:
@@ -221,6 +240,10 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
     pass_store = store if live_store is None else live_store
     passes = {name: live(pass_store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
               for name, live in implementations.items()}
+    # Those that hold the agent's requests get each window's as the agent's sink hands them over.
+    holding = {name: live.held for name, live in passes.items() if getattr(live, "held", None) is not None}
+    holding_s: list[float] = []
+    held_bytes = None
     queries = CollectedCalls() if show_queries else None
     if queries:
         log_store_calls(queries)
@@ -228,6 +251,19 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
     last_queries: dict[str, list[tuple[str, float]]] = {}
     for index in range(windows):
         clock[0] = first_end_ns + (index + 1) * window_ns
+        if holding:
+            rows = agents_rows(store, TimeRange(clock[0] - window_ns, clock[0]))
+            for held in holding.values():
+                tracing = held_bytes is None and index == 1  # a window of the steady state, once
+                if tracing:
+                    tracemalloc.start()
+                started = time.thread_time()
+                for row in rows:
+                    held.add(row)
+                holding_s.append(time.thread_time() - started)
+                if tracing:
+                    held_bytes = tracemalloc.get_traced_memory()[0]
+                    tracemalloc.stop()
         names = list(passes) if index % 2 == 0 else list(reversed(passes))
         for name in names:
             if queries:
@@ -251,6 +287,11 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
               f" CPU median {statistics.median(cpu) * 1000:6.0f} ms; mean {statistics.mean(wall) * 1000:6.0f} ms"
               f" (CPU {statistics.mean(cpu) * 1000:6.0f} ms); first pass {first_wall:5.1f} s"
               f" (CPU {first_cpu:5.1f} s); {per_window / statistics.median(wall):10,.0f} requests/s{own}", flush=True)
+    if holding_s:
+        traced = "" if held_bytes is None else (f"; a window's requests held: {held_bytes / 2**20:.1f} MiB"
+                                                f" ({held_bytes / per_window:.0f} B a request, tracemalloc)")
+        print(f"    holding a window's requests (the sink's watcher, on the capture thread): CPU median"
+              f" {statistics.median(holding_s) * 1000:.0f} ms{traced}")
     if queries:  # what a call costs however little it reads: what merging two calls saves at most
         queries.taken = []  # not the last window's
         print(f"    a store call's own cost (SELECT 1, median of {CALL_COST_SAMPLES}):"
@@ -326,7 +367,7 @@ def main() -> int:
                      f" {10_000_000 * full_cpu_s / n:.1f} CPU-s at this rate)")
         if args.live_windows:
             print("live analysis (the agent's incremental windows, another node's servers):")
-            implementations = {"this checkout": agent_live_analysis("tokenprobe")}
+            implementations = {"this checkout": agent_live_analysis("tokenprobe", hold_requests=True)}
             if args.baseline:
                 implementations[f"baseline ({args.baseline})"] = baseline_live_analysis(args.baseline,
                                                                                               baseline_directory)

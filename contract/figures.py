@@ -78,15 +78,16 @@ def figures_definition(stall_factor: float, long_stream_events: int) -> str:
 
 def phases_select(figures_table: str, split_table: str, condition: str, definition: str,
                   split_condition: str | None = None) -> str:
-    """SELECT of the phases (``REQUEST_PHASES_COLUMNS``) of the requests of ``figures_table`` that meet
-    ``condition`` and were computed by ``definition``: each its figures row with its split (``split_table``,
-    read ``FINAL``), NULL and '' where it has none. ``split_condition`` selects the splits read (default
-    ``condition``, which may then name only the key and ``model``): a reader bounds both sides of the join.
+    """SELECT of the phases (``REQUEST_PHASES_COLUMNS``) of the analysed requests of ``figures_table`` that
+    meet ``condition`` and were computed by ``definition``: each its figures row with its split
+    (``split_table``, read ``FINAL``; an analysed request has one, its queue and prefill NULL where they
+    could not be split). ``split_condition`` selects the splits read (default ``condition``, which may then
+    name only the key and ``model``): a reader bounds both sides of the join.
     """
     split_columns = ", ".join((*KEY_COLUMNS, *SPLIT_COLUMNS, "computed_at"))
     return f"""SELECT * FROM (
     SELECT * FROM {figures_table} WHERE ({condition}) AND definition = '{definition}'
-) AS figures LEFT JOIN (
+) AS figures INNER JOIN (
     SELECT {split_columns} FROM {split_table} FINAL WHERE {split_condition or condition}
 ) AS split USING ({", ".join(KEY_COLUMNS)})"""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,10 +162,16 @@ class RequestSink:
         self._unfed_groups: list[tuple[list[pa.Table], str]] = []
         self._feed_asked = False
         self._feeds = 0  # done by the writer thread: feed_views() waits for the next one
+        self._watchers: list[Callable[[dict], None]] = []
         self._thread = threading.Thread(target=self._run, name=f"tokenprobe-sink-{table}", daemon=True)
         self._thread.start()
 
     # -- the caller's side ------------------------------------------------------
+
+    def watch(self, watcher: Callable[[dict], None]) -> None:
+        """Hand ``watcher`` every row ``put`` takes from now on, on the caller's thread (the agent's live
+        analysis holds its requests so: ``analytics/held.py``). It must be quick and must not raise."""
+        self._watchers.append(watcher)
 
     def put(self, row: dict) -> None:
         """Queue one row; never waits for the store. ValueError if the row does not fit the table."""
@@ -180,6 +186,8 @@ class RequestSink:
                 overflow, self._queued, self._queued_bytes = self._queued, [], 0
             elif len(self._queued) >= self._batch_rows:
                 self._condition.notify_all()  # all: one notify could wake a feed_views() caller, not the writer
+        for watcher in self._watchers:
+            watcher(row)
         if overflow:
             logger.warning("store is slow: spooling %d queued rows to %s", len(overflow), self._spool.directory)
             self._spool_rows(overflow, new_batch_token())

@@ -31,7 +31,7 @@ from tokenprobe.refserver.harness import served_pages
 from tokenprobe.store.embedded import open_store
 from tokenprobe.store.sink import RequestSink
 
-from tests.support.phases import phases_of
+from tests.support.phases import forget_analyses, phases_of
 from tests.support.slot_simulation import LoadPhase, SlotServer, simulate
 
 NODE = "live-node"
@@ -104,6 +104,44 @@ def test_passes_cover_every_request_once_window_by_window(store):
     queued = [s.value for s in page if s.name == "tokenprobe_request_queue_seconds_count"]
     prefilled = [s.value for s in page if s.name == "tokenprobe_request_prefill_seconds_count"]
     assert queued == prefilled == [len(rows)]
+
+
+def pass_outcome(result) -> tuple:
+    """What a pass found, as comparable values: its cells, the phases it handed on, its SLO verdicts."""
+    cells = sorted((cell.window_start_ns, cell.server_port, cell.device_id, cell.indicator, cell.state,
+                    None if cell.value is None else round(cell.value, 6)) for cell in result.cells)
+    phases = sorted(tuple(round(value, 6) if isinstance(value, float) else value for value in phase.values())
+                    for phase in result.phases)
+    slos = sorted((slo.server_port, slo.objective, slo.alert, tuple(sorted(slo.requests.items())))
+                  for slo in result.report.slos)
+    return result.analysed, cells, phases, slos
+
+
+def test_passes_from_the_requests_held_equal_passes_from_the_store(store):
+    """The same passes over the same traffic, one agent finding its requests in the store, the other taking
+    them from what it holds (its sink's rows, another node's among them): the same cells, phases and SLOs."""
+    store, rows = store
+    theirs = simulate(SERVER, [LoadPhase(120, 2.0)], start_ns=START_NS, node="other-node", port=8000, seed=2)
+    last_end = max(row["resp_end"] for row in rows)
+    outcomes = {}
+    for holding in (False, True):
+        forget_analyses(store)  # each from the same start
+        clock = Clock(START_NS)
+        live = live_at(store, clock, hold_requests=holding)
+        live.watermark_ns = START_NS
+        if holding:
+            for row in rows + [request.row for request in theirs]:
+                live.held.add(row)
+        passes = []
+        while clock.now_ns - SETTLE_S * NS_PER_S <= last_end:
+            clock.now_ns += WINDOW_NS
+            result = live.run_once()
+            if result is not None:
+                passes.append(pass_outcome(result))
+        outcomes[holding] = passes
+        assert live.passes_held == (len(passes) if holding else 0)
+    assert len(outcomes[False]) >= 4 and sum(len(phases) for _, _, phases, _ in outcomes[False]) == len(rows)
+    assert outcomes[True] == outcomes[False]
 
 
 def test_rerunning_a_window_replaces_its_results(store):
@@ -281,3 +319,23 @@ def test_the_agent_stores_what_its_writers_hold_before_each_pass(store, tmp_path
         finally:
             samplers.stop()
             sink.close()
+
+
+def test_the_agent_holds_the_inference_requests_of_its_node_that_its_sink_takes(store, tmp_path):
+    store, rows = store
+    live = LiveAnalysis(store, "sink-node", every_s=EVERY_S, settle_s=SETTLE_S, hold_requests=True)
+    sink = RequestSink(store, spool_dir=tmp_path / "spool", flush_interval=0.05, views_every=3600)
+    try:
+        sink.watch(live.held.add)
+        extra = {"api": "openai.chat", "choices": 1, "request_messages": 0, "request_message_bytes": 0,
+                 "response_message_bytes": 0, "largest_response_message_bytes": 0}
+        ours = [dict(row, node="sink-node", choice_events=row["token_events"], **extra) for row in rows[:3]]
+        for row in [*ours, dict(ours[0], conn_id=1, method="GET"), dict(ours[1], conn_id=2, node="another")]:
+            sink.put(row)
+    finally:
+        sink.close()
+    first_end = min(row["resp_end"] for row in ours)
+    assert live.held.take(first_end).empty  # ended after: still held
+    taken = live.held.take(max(row["resp_end"] for row in ours) + 1)
+    assert sorted(taken["conn_id"]) == sorted(row["conn_id"] for row in ours)
+    assert live.held.take(2**62).empty and not live.held.complete_from(first_end)  # taken once, and no more
