@@ -54,8 +54,8 @@ from ..contract.samples import (
 )
 from ..store.client import Store
 from .config import Thresholds
-from .phases import phases_source
-from .split import NO_TIME
+from .phases import grouped_phases, phases_source
+from .split import NO_TIME, first_known
 from .robust import theil_sen
 from .scope import Scope
 from .timerange import NS_PER_S, TimeRange, range_condition
@@ -234,7 +234,7 @@ class _MatrixData:
     def load(cls, store: Store, windows: Windows, scope: Scope, thresholds: Thresholds,
              kept: KeptOccupancy | None, now_ns: int) -> _MatrixData:
         occupancy = (kept.occupancy(store, windows, scope, thresholds, now_ns) if kept
-                     else _occupancy(store, windows, scope, thresholds))
+                     else _occupancy(store, windows, scope))
         return cls(occupancy, _request_stats(store, windows, scope, thresholds),
                    _retries(store, windows, scope, thresholds.retry_window_s), _gpu_buckets(store, windows, scope),
                    _engine_buckets(store, windows, scope), windows)
@@ -275,25 +275,20 @@ def _bucket_parameters(windows: Windows) -> dict[str, int]:
             "origin_ns": windows.origin_ns, "window_ns": windows.window_s * NS_PER_S}
 
 
-# When a request finished (for the occupancy); those of the look-back that finished before the first
-# sub-bucket overlap none and are left out unread.
-_FINISHED_COLUMNS = ("resp_end", "last_token", "first_token", "req_end", "req_start")
-_FINISHED = f"coalesce({', '.join(_FINISHED_COLUMNS)})"
-
-
-def _occupancy_rows(store: Store, windows: Windows, scope: Scope, thresholds: Thresholds) -> tuple[str, dict]:
-    """The phases of the requests that may overlap the sub-buckets (a SELECT), and its parameters."""
+def _occupancy_rows(store: Store, windows: Windows, scope: Scope) -> tuple[str, dict]:
+    """The splits (``request_split``: each with its occupancy interval) of the requests that may overlap the
+    sub-buckets, as a SELECT, and its parameters. Those of the look-back that finished before the first
+    sub-bucket overlap none and are left out unread."""
     in_scope, scope_parameters = scope.condition()
     since = TimeRange(windows.base_ns, windows.analysed.end_ns)
     in_range, range_parameters = range_condition("req_start", "occupancy", since.extended_back(
         OCCUPANCY_LOOKBACK_S))
-    started = f"{in_range} AND {in_scope}"
-    finished = f"{started} AND {_FINISHED} >= fromUnixTimestamp64Nano({{base_ns:Int64}}, 'UTC')"
-    return (phases_source(store, finished, thresholds, split_condition=started),
+    return (f"SELECT * FROM {store.table(REQUEST_SPLIT_TABLE)} FINAL WHERE {in_range} AND {in_scope}"
+            " AND finished_at >= fromUnixTimestamp64Nano({base_ns:Int64}, 'UTC')",
             {**range_parameters, **scope_parameters, **_bucket_parameters(windows)})
 
 
-def _occupancy(store: Store, windows: Windows, scope: Scope, thresholds: Thresholds) -> pd.DataFrame:
+def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
     """Per server and sub-bucket: request-seconds in flight, queued and running (overlap summed)."""
 
     def offset(timestamp: str) -> str:
@@ -302,7 +297,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope, thresholds: Thresho
     def overlap(start: str, end: str) -> str:
         return f"greatest(0, least({end}, (bucket + 1) * sub) - greatest({start}, bucket * sub))"
 
-    overlapping, parameters = _occupancy_rows(store, windows, scope, thresholds)
+    overlapping, parameters = _occupancy_rows(store, windows, scope)
     return store.query_df(
         f"""SELECT node, server_port, bucket,
                    sum({overlap('arrived', 'finished')}) AS in_flight_s,
@@ -311,7 +306,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope, thresholds: Thresho
             FROM (
                 SELECT node, server_port, {{sub_ns:Int64}} / 1e9 AS sub,
                        {offset('req_start')} AS arrived,
-                       {offset(_FINISHED)} AS finished,
+                       {offset('finished_at')} AS finished,
                        {offset('coalesce(req_end, req_start)')} AS arrived_whole,
                        arrived_whole + ifNull(queue_ms, 0) / 1000 AS slot,
                        if(last_token IS NULL, slot, {offset('last_token')}) AS generated,
@@ -327,7 +322,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope, thresholds: Thresho
 
 # Each request (its key) and its occupancy interval, as ``_occupancy`` reads it (Unix ns; no last token: -1).
 _INTERVAL_COLUMNS = ("node", "server_port", "conn_id", "req_seq", "toUnixTimestamp64Nano(req_start) AS start_ns",
-                     f"toUnixTimestamp64Nano({_FINISHED}) AS finished_ns",
+                     "toUnixTimestamp64Nano(finished_at) AS finished_ns",
                      "toUnixTimestamp64Nano(coalesce(req_end, req_start)) AS arrived_whole_ns",
                      "ifNull(queue_ms, 0) AS queue_or_zero_ms",
                      "ifNull(toUnixTimestamp64Nano(last_token), -1) AS last_token_ns")
@@ -380,20 +375,13 @@ class KeptOccupancy:
             times = requests[name].to_numpy(np.int64)
             return pd.arrays.IntegerArray(times, times == NO_TIME)
 
-        def first_known(*names: str) -> np.ndarray:
-            known = requests[names[-1]].to_numpy()
-            for name in reversed(names[:-1]):
-                times = requests[name].to_numpy()
-                known = np.where(times != NO_TIME, times, known)
-            return known
-
         queue_ms = split["queue_ms"].to_numpy()
         written = pd.DataFrame({
             "node": requests["node"].to_numpy(), "server_port": requests["server_port"].to_numpy(),
             "model": requests["model"].to_numpy(),
             "conn_id": requests["conn_id"].to_numpy(np.uint64), "req_seq": requests["req_seq"].to_numpy(np.int64),
-            "start_ns": requests["req_start"].to_numpy(), "finished_ns": first_known(*_FINISHED_COLUMNS),
-            "arrived_whole_ns": first_known("req_end", "req_start"),
+            "start_ns": requests["req_start"].to_numpy(), "finished_ns": split["finished_at"].to_numpy(),
+            "arrived_whole_ns": first_known(requests, ("req_end", "req_start")),
             "queue_or_zero_ms": np.where(np.isnan(queue_ms), 0.0, queue_ms),
             "last_token_ns": requests["last_token"].to_numpy(),
             "req_end_ns": nullable("req_end"), "first_token_ns": nullable("first_token"),
@@ -429,7 +417,7 @@ class KeptOccupancy:
             parts, covered = (_replaced(self.intervals, written), written), self.covered
             read_ns, passes, read_from_ns = self.read_ns, [*self.passes, written_ns], self.floor_ns
         else:  # this pass's rows among them
-            overlapping, overlapping_parameters = _occupancy_rows(store, windows, scope, thresholds)
+            overlapping, overlapping_parameters = _occupancy_rows(store, windows, scope)
             reread = store.query_df(f"SELECT {', '.join(_INTERVAL_COLUMNS)} FROM ({overlapping})",
                                     overlapping_parameters)
             # a request read here that no pass has seen end yet (a re-analysis wrote it) is written again later
@@ -536,18 +524,15 @@ def _request_stats(store: Store, windows: Windows, scope: Scope, thresholds: Thr
     in_scope, scope_parameters = scope.condition()
     in_range, range_parameters = range_condition("req_start", "stats", TimeRange(windows.origin_ns,
                                                                                  windows.analysed.end_ns))
+    window = "intDiv(toUnixTimestamp64Nano(req_start) - {origin_ns:Int64}, {window_ns:Int64})"
     return store.query_df(
-        f"""SELECT node, server_port,
-                   intDiv(toUnixTimestamp64Nano(req_start) - {{origin_ns:Int64}}, {{window_ns:Int64}}) AS window,
-                   count() AS requests,
-                   countIf(queue_ms IS NOT NULL) AS split,
-                   quantile(0.95)(queue_ms) AS queue_p95_ms,
-                   sum(stalls) AS total_stalls, sum(itl_gaps) AS total_gaps,
-                   countIf(decode_rate_ratio IS NOT NULL) AS long_streams,
-                   quantile(0.5)(decode_rate_ratio) AS decode_rate_ratio_p50,
-                   quantile(0.5)(tpot_ms) AS tpot_p50_ms
-            FROM ({phases_source(store, f"{in_range} AND {in_scope}", thresholds)})
-            GROUP BY node, server_port, window""",
+        grouped_phases(store, f"{in_range} AND {in_scope}", thresholds,
+                       {"node": "node", "server_port": "server_port", "window": window},
+                       figures="count() AS requests, sum(stalls) AS total_stalls, sum(itl_gaps) AS total_gaps, "
+                               "countIf(decode_rate_ratio IS NOT NULL) AS long_streams, "
+                               "quantile(0.5)(decode_rate_ratio) AS decode_rate_ratio_p50, "
+                               "quantile(0.5)(tpot_ms) AS tpot_p50_ms",
+                       split="countIf(queue_ms IS NOT NULL) AS split, quantile(0.95)(queue_ms) AS queue_p95_ms"),
         {**range_parameters, **scope_parameters, **_bucket_parameters(windows)},
     )
 

@@ -32,6 +32,7 @@ import pandas as pd
 from ..contract import measures
 from ..contract.analysis import (
     PREFILL_CALIBRATION_TABLE,
+    SPLIT_COLUMNS,
     REQUEST_SPLIT_COLUMNS,
     REQUEST_SPLIT_TABLE,
 )
@@ -77,6 +78,7 @@ def _split_expressions() -> dict[str, str]:
         "split_method": f"multiIf(c_calibration_id IS NULL, '', NOT {_FIT_USABLE}, '{POOR_FIT}',"
                         " c_overhead IS NOT NULL, 'calibration+engine+overhead', "
                         "c_engine_used, 'calibration+engine', 'calibration')",
+        "finished_at": measures.FINISHED_AT,
         "computed_at": "fromUnixTimestamp64Nano({computed_at:Int64}, 'UTC')",
     }
 
@@ -215,23 +217,44 @@ def phase_summary(store: Store, analysed: TimeRange, scope: Scope, thresholds: T
     """Per server and model: request count, p50 and p95 of every phase, stalls, prompt-size sources."""
     in_range, range_parameters = range_condition("req_start", "analysed", analysed)
     in_scope, scope_parameters = scope.condition()
+
     # One sample per measure for both levels (a quantile() each would keep two); NULL without values, as
     # quantile() gives.
-    quantiles = ",\n           ".join(
-        f"if(count({name}) = 0, NULL, quantiles(0.5, 0.95)({name})[{index}]) AS {name}_{level}"
-        for name in PHASE_SUMMARY_MEASURES for index, level in ((1, "p50"), (2, "p95"))
-    )
-    return store.query_df(
-        f"""SELECT node, server_port, model, count() AS requests,
-           countIf(outcome != 'complete' OR status >= 500) AS failed,
-           {quantiles},
-           sum(stalls) AS total_stalls, sum(itl_gaps) AS total_itl_gaps,
-           countIf(prompt_size_source = 'usage') AS prompt_size_from_usage,
-           countIf(prompt_size_source = 'bytes') AS prompt_size_from_bytes,
-           countIf(calibration_id = '') AS unsplit,
-           any(split_method) AS split_method
-    FROM ({phases_source(store, f"{in_range} AND {in_scope}", thresholds)})
-    GROUP BY node, server_port, model
-    ORDER BY node, server_port, model""",
+    def quantiles(names: list[str]) -> str:
+        return ", ".join(f"if(count({name}) = 0, NULL, quantiles(0.5, 0.95)({name})[{index}]) AS {name}_{level}"
+                         for name in names for index, level in ((1, "p50"), (2, "p95")))
+
+    in_split = [name for name in PHASE_SUMMARY_MEASURES if name in SPLIT_COLUMNS]
+    in_figures = [name for name in PHASE_SUMMARY_MEASURES if name not in in_split]
+    frame = store.query_df(
+        grouped_phases(
+            store, f"{in_range} AND {in_scope}", thresholds, {"node": "node", "server_port": "server_port",
+                                                              "model": "model"},
+            figures="count() AS requests, countIf(outcome != 'complete' OR status >= 500) AS failed, "
+                    f"{quantiles(in_figures)}, sum(stalls) AS total_stalls, sum(itl_gaps) AS total_itl_gaps",
+            split=f"{quantiles(in_split)}, countIf(prompt_size_source = 'usage') AS prompt_size_from_usage, "
+                  "countIf(prompt_size_source = 'bytes') AS prompt_size_from_bytes, "
+                  "countIf(calibration_id = '') AS unsplit, any(split_method) AS split_method")
+        + " ORDER BY node, server_port, model",
         {**range_parameters, **scope_parameters},
     )
+    return frame[["node", "server_port", "model", "requests", "failed",
+                  *(f"{name}_{level}" for name in PHASE_SUMMARY_MEASURES for level in ("p50", "p95")),
+                  "total_stalls", "total_itl_gaps", "prompt_size_from_usage", "prompt_size_from_bytes", "unsplit",
+                  "split_method"]] if not frame.empty else frame
+
+
+def grouped_phases(store: Store, condition: str, thresholds: Thresholds, keys: Mapping[str, str], *,
+                   figures: str, split: str) -> str:
+    """SELECT of aggregates per ``keys`` (name: expression over both tables' shared columns) of the phases
+    of the requests that meet ``condition``: ``figures`` over their ``request_figures`` rows (computed with
+    ``thresholds``), ``split`` over their splits (``FINAL``), each side aggregated apart and only the
+    aggregates joined: a join of every request costs a reader seconds over 10M of them. A group with no
+    split has its counts 0 and the rest NULL."""
+    grouping = ", ".join(f"{expression} AS {name}" for name, expression in keys.items())
+    names = ", ".join(keys)
+    return f"""SELECT * FROM (
+    SELECT {grouping}, {figures} FROM ({_stored_figures(store, condition, thresholds)}) GROUP BY {names}
+) AS figures LEFT JOIN (
+    SELECT {grouping}, {split} FROM {store.table(REQUEST_SPLIT_TABLE)} FINAL WHERE {condition} GROUP BY {names}
+) AS split USING ({names})"""

@@ -9,8 +9,9 @@ overhead the calibration's server overhead, at most what prefill leaves; queue
 the rest. ``tests/test_split_engines.py`` holds the two equal on the same rows.
 
 Requests come as a frame of ``SPLIT_INPUT`` columns: timestamps in Unix ns,
--1 where the row has none (``first_token``, ``req_end``), prompt tokens NaN
-where the stream carried no usage.
+-1 (``NO_TIME``) where the row has none, prompt tokens NaN where the stream
+carried no usage. The split rows also carry the times of the request's
+occupancy interval (``OCCUPANCY_COLUMNS``).
 """
 
 from __future__ import annotations
@@ -21,19 +22,21 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from ..contract import measures
 from ..contract.analysis import KEY_COLUMNS, REQUEST_SPLIT_COLUMNS, REQUEST_SPLIT_TABLE
 from ..store.client import Store
 from .calibration import BYTES, TOKENS, Calibration, ServerModel
 from .phases import POOR_FIT
 
 SPLIT_INPUT = ("node", "server_port", "model", "conn_id", "req_seq", "req_start", "req_end", "first_token",
-               "prompt_tokens", "bytes_in")
+               "last_token", "resp_end", "prompt_tokens", "bytes_in")
 NO_TIME = -1  # a timestamp the row does not have
 
 
 def split_requests(requests: pd.DataFrame, calibrations: Mapping[ServerModel, Calibration]) -> pd.DataFrame:
-    """The split of each request of ``requests`` (``SPLIT_INPUT``): its key, model and ``SPLIT_COLUMNS``,
-    NaN where a figure is NULL, the durations rounded to Float32 as the store keeps them."""
+    """The split of each request of ``requests`` (``SPLIT_INPUT``): its key, model, ``SPLIT_COLUMNS`` and
+    ``OCCUPANCY_COLUMNS``, NaN where a figure is NULL (-1 a time), the durations rounded to Float32 as the
+    store keeps them."""
     count = len(requests)
     ttft = np.where((requests["req_end"].to_numpy() == NO_TIME) | (requests["first_token"].to_numpy() == NO_TIME),
                     np.nan, (requests["first_token"].to_numpy(np.int64) - requests["req_end"].to_numpy(np.int64)) / 1e6)
@@ -75,7 +78,18 @@ def split_requests(requests: pd.DataFrame, calibrations: Mapping[ServerModel, Ca
         "prompt_size_source": np.where(uses_usage, "usage", "bytes"),
         "calibration_id": np.where(calibrated & usable, ids, ""),
         "split_method": method,
+        "req_end": requests["req_end"].to_numpy(), "last_token": requests["last_token"].to_numpy(),
+        "finished_at": first_known(requests, measures.FINISHED_AT_COLUMNS),
     })
+
+
+def first_known(requests: pd.DataFrame, names: tuple[str, ...]) -> np.ndarray:
+    """Per request, the first of the times ``names`` it has (``coalesce``)."""
+    known = requests[names[-1]].to_numpy(np.int64)
+    for name in reversed(names[:-1]):
+        times = requests[name].to_numpy(np.int64)
+        known = np.where(times != NO_TIME, times, known)
+    return known
 
 
 _COEFFICIENTS = ("has_tokens", "has_bytes", "tokens_intercept", "tokens_slope", "bytes_intercept", "bytes_slope",
@@ -109,6 +123,9 @@ def store_split(store: Store, split: pd.DataFrame, computed_ns: int) -> None:
             arrays[name] = pa.array(np.full(len(split), computed_ns, dtype=np.int64), type=kind)
             continue
         values = split[name].to_numpy()
+        if pa.types.is_timestamp(kind):
+            arrays[name] = pa.array(values, type=kind, mask=values == NO_TIME)
+            continue
         missing = np.isnan(values) if values.dtype.kind == "f" else None
         if missing is not None:  # NULL where NaN; an integer column's values as integers
             values = np.where(missing, 0, values)

@@ -11,7 +11,9 @@ it) and prints seconds, CPU seconds (the process's, the store's threads
 included) and rows/s, so a figure taken on fewer rows
 extrapolates to the 10 million of a busy day (the target: 5 s for those).
 ``--queries`` prints every store call's elapsed time (the store's DEBUG log)
-before the line of the step that made it.
+before the line of the step that made it. With ``--baseline REF`` the whole
+analysis then runs again as of that git ref, and as this checkout once more,
+over the same requests (the baseline's tables added beside this checkout's).
 
 Then the live analysis (``analytics/live.py``): another node's four servers
 serve ``--live-rate`` requests/s (1000 by default) for ``--live-history``
@@ -19,7 +21,9 @@ seconds and then ``--live-windows`` windows of ``--live-every`` seconds, and
 ``LiveAnalysis.run_once`` analyses
 each window as the agent would when it ends, publishing to the agent's /metrics as
 with ``--metrics-port`` (the target: 100 ms a window at
-1000 requests/s). The clock is the benchmark's, so no window waits for time
+1000 requests/s), this checkout's holding the agent's requests as its sink hands them over (each window's
+rows are read from the store before its passes, untimed; the watcher's CPU and, once, the memory of a
+window's held requests are printed). The clock is the benchmark's, so no window waits for time
 to pass. With ``--baseline REF`` the analytics as of that git ref (loaded
 apart, as package ``tokenprobe_baseline``) analyse the same windows of the
 same store, each window by both in turn (alternating which goes first), so
@@ -70,6 +74,7 @@ from tokenprobe.analytics.indicators import (
 )
 from tokenprobe.analytics.knee import fit_knees
 from tokenprobe.analytics.phases import compute_phases, phase_requests, phase_summary
+from tokenprobe.analytics import pipeline
 from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.slo import evaluate_slos
@@ -184,15 +189,16 @@ def agents_rows(store, ended: TimeRange) -> list[dict]:
     return frame.to_dict("records")
 
 
-def baseline_live_analysis(ref: str, directory: Path) -> Callable[..., object]:
-    """``agent_live_analysis`` as of git ``ref``: the product imports itself relatively, so it loads under
-    another name."""
+def load_baseline(ref: str, directory: Path) -> None:
+    """Make the product as of git ``ref`` importable as ``BASELINE_PACKAGE`` (it imports itself relatively,
+    so it loads under another name); once."""
+    if (directory / BASELINE_PACKAGE).exists():
+        return
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], check=True,
                              capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(directory / BASELINE_PACKAGE, filter="data")
     sys.path.insert(0, str(directory))
-    return agent_live_analysis(BASELINE_PACKAGE)
 
 
 def add_baseline_tables(store) -> None:
@@ -365,13 +371,24 @@ def main() -> int:
         print(f"{len(calibrations)} calibrations, knees {{{found}}}, {len(cells)} matrix cells")
         print_timing("full analysis", n, full_s, full_cpu_s, f"  (10M requests: {10_000_000 * full_s / n:.1f} s,"
                      f" {10_000_000 * full_cpu_s / n:.1f} CPU-s at this rate)")
+        if args.baseline:  # the whole analysis again, as the baseline runs it, over the same requests
+            load_baseline(args.baseline, baseline_directory)
+            add_baseline_tables(store)
+            baseline = importlib.import_module(f"{BASELINE_PACKAGE}.analytics.pipeline")
+            for label, analysis in ((f"full analysis, baseline ({args.baseline})", baseline),
+                                    ("full analysis, this checkout, again", pipeline)):
+                started, cpu_started = time.perf_counter(), process_cpu_s()
+                analysis.analyze(store, analysed, window_s=window_s, now_ns=time.time_ns(), schema_ready=True)
+                seconds, cpu_s = time.perf_counter() - started, process_cpu_s() - cpu_started
+                print_timing(label, n, seconds, cpu_s, f"  (10M requests: {10_000_000 * seconds / n:.1f} s,"
+                             f" {10_000_000 * cpu_s / n:.1f} CPU-s at this rate)")
         if args.live_windows:
             print("live analysis (the agent's incremental windows, another node's servers):")
             implementations = {"this checkout": agent_live_analysis("tokenprobe", hold_requests=True)}
             if args.baseline:
-                implementations[f"baseline ({args.baseline})"] = baseline_live_analysis(args.baseline,
-                                                                                              baseline_directory)
-                add_baseline_tables(store)
+                load_baseline(args.baseline, baseline_directory)
+                implementations[f"baseline ({args.baseline})"] = agent_live_analysis(BASELINE_PACKAGE)
+                add_baseline_tables(store)  # again: harmless, and needed where the full analysis had none
             if args.store_apart:  # this process owns the store: opened again, it is a client of its server
                 live_store = open_store(f"chdb://{directory}")
             live_windows(store, end_ns, args.live_rate, args.live_every, args.live_windows, args.live_history,

@@ -4,7 +4,8 @@
   server TTFT splits into queue, prefill and server overhead, and by which
   calibration and method. Recomputed for a time range on every analysis run;
   the newest computation of a request replaces older ones (ReplacingMergeTree
-  on ``computed_at``), so readers query it with ``FINAL``. A request's other
+  on ``computed_at``), so readers query it with ``FINAL``; with the times of its
+  occupancy interval (``OCCUPANCY_COLUMNS``). A request's other
   phases are its ``request_figures`` row's (``contract/figures.py``), computed
   once at insert: ``phases_select`` there joins the two for readers, so no pass
   rewrites every column of every request (the wide ``request_phases`` copy
@@ -95,13 +96,16 @@ REQUEST_PHASES_COLUMNS: tuple[Column, ...] = (
     Column("split_method", _LABEL, OPAQUE_CODEC),  # calibration | calibration+engine | calibration+engine+overhead | poor fit | ''
     Column("computed_at", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
 )
-# What a pass stores per request: its key, and what the calibration decides.
+# What a pass stores per request: its key, what the calibration decides, and the times its occupancy
+# interval needs (read with the split, they spare the matrix a join of every request with its figures).
+OCCUPANCY_COLUMNS = ("req_end", "last_token", "finished_at")
 KEY_COLUMNS = ("node", "server_port", "req_start", "conn_id", "req_seq")
 SPLIT_COLUMNS = ("queue_ms", "prefill_ms", "overhead_ms", "prompt_size", "prompt_size_source", "calibration_id",
                  "split_method")
-_PHASE_COLUMN = {column.name: column for column in REQUEST_PHASES_COLUMNS}
+_PHASE_COLUMN = {column.name: column for column in (
+    *REQUEST_PHASES_COLUMNS, Column("finished_at", TIMESTAMP_TYPE, TIMESTAMP_CODEC))}  # measures.FINISHED_AT
 REQUEST_SPLIT_COLUMNS: tuple[Column, ...] = tuple(
-    _PHASE_COLUMN[name] for name in (*KEY_COLUMNS, "model", *SPLIT_COLUMNS, "computed_at"))
+    _PHASE_COLUMN[name] for name in (*KEY_COLUMNS, "model", *SPLIT_COLUMNS, *OCCUPANCY_COLUMNS, "computed_at"))
 
 PREFILL_CALIBRATION_COLUMNS: tuple[Column, ...] = (
     Column("calibration_id", _LABEL, OPAQUE_CODEC),

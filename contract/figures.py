@@ -84,7 +84,7 @@ def phases_select(figures_table: str, split_table: str, condition: str, definiti
     could not be split). ``split_condition`` selects the splits read (default ``condition``, which may then
     name only the key and ``model``): a reader bounds both sides of the join.
     """
-    split_columns = ", ".join((*KEY_COLUMNS, *SPLIT_COLUMNS, "computed_at"))
+    split_columns = ", ".join((*KEY_COLUMNS, *SPLIT_COLUMNS, "finished_at", "computed_at"))
     return f"""SELECT * FROM (
     SELECT * FROM {figures_table} WHERE ({condition}) AND definition = '{definition}'
 ) AS figures INNER JOIN (

@@ -283,18 +283,22 @@ def test_the_in_memory_split_equals_the_stores(analysed):
     key = ["node", "server_port", "req_start", "conn_id", "req_seq"]
     in_store = store.query_df(
         "SELECT node, server_port, toUnixTimestamp64Nano(req_start) AS req_start, conn_id, req_seq, model, "
-        "queue_ms, prefill_ms, overhead_ms, prompt_size, prompt_size_source, calibration_id, split_method "
-        "FROM tokenprobe.request_split FINAL")
+        "queue_ms, prefill_ms, overhead_ms, prompt_size, prompt_size_source, calibration_id, split_method, "
+        "ifNull(toUnixTimestamp64Nano(req_end), -1) AS req_end, ifNull(toUnixTimestamp64Nano(last_token), -1) AS "
+        "last_token, toUnixTimestamp64Nano(finished_at) AS finished_at FROM tokenprobe.request_split FINAL")
     requests = store.query_df(
         "SELECT node, server_port, model, conn_id, req_seq, toUnixTimestamp64Nano(req_start) AS req_start, "
         "ifNull(toUnixTimestamp64Nano(req_end), -1) AS req_end, "
         "ifNull(toUnixTimestamp64Nano(first_token), -1) AS first_token, "
+        "ifNull(toUnixTimestamp64Nano(last_token), -1) AS last_token, "
+        "ifNull(toUnixTimestamp64Nano(resp_end), -1) AS resp_end, "
         "toFloat64(prompt_tokens) AS prompt_tokens, bytes_in FROM tokenprobe.requests WHERE method = 'POST'")
     in_memory = split_requests(requests, report.calibrations)
     both = in_store.merge(in_memory, on=key, suffixes=("_sql", "_numpy"), validate="one_to_one")
     assert len(both) == len(in_store) > 5000
     assert set(both["split_method_sql"]) >= {"", "calibration", "calibration+engine", POOR_FIT}
-    for name in ("model", "prompt_size_source", "calibration_id", "split_method"):
+    for name in ("model", "prompt_size_source", "calibration_id", "split_method", "req_end", "last_token",
+                 "finished_at"):
         assert (both[f"{name}_sql"] == both[f"{name}_numpy"]).all(), name
     assert (both["prompt_size_sql"].astype(float) == both["prompt_size_numpy"]).all()
     for name in ("queue_ms", "prefill_ms", "overhead_ms"):

@@ -197,6 +197,9 @@ CREATE TABLE IF NOT EXISTS tokenprobe.request_split_local ON CLUSTER '{cluster}'
     `prompt_size_source` LowCardinality(String) CODEC(ZSTD(1)),
     `calibration_id` LowCardinality(String) CODEC(ZSTD(1)),
     `split_method` LowCardinality(String) CODEC(ZSTD(1)),
+    `req_end` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `last_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `finished_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
     `computed_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1))
 )
 ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', computed_at)
