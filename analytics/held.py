@@ -69,15 +69,17 @@ class HeldRequests:
             taken = ended < until_ns
             self._rows = [row for row, keep in zip(rows, ~taken, strict=True) if keep]
         chosen = [row for row, take in zip(rows, taken, strict=True) if take]
-        frame = pd.DataFrame.from_records(chosen, columns=list(HELD)) if chosen else pd.DataFrame(columns=list(HELD))
-        for name in TIMES:
-            frame[name] = frame[name].fillna(NO_TIME).astype(np.int64)
-        frame["prompt_tokens"] = frame["prompt_tokens"].astype(np.float64)
-        frame["bytes_in"] = frame["bytes_in"].astype(np.int64)
-        frame["server_port"] = frame["server_port"].astype(np.int64)
-        frame["node"] = self.node
-        frame["ended_ns"] = ended[taken]
-        return frame
+        columns = dict(zip(HELD, zip(*chosen, strict=True) if chosen else [()] * len(HELD), strict=True))
+        frame = pd.DataFrame({
+            "node": self.node, "model": np.array(columns["model"], dtype=object),
+            **{name: np.array(columns[name], dtype=np.int64)
+               for name in ("server_port", "conn_id", "req_seq", "bytes_in")},
+            **{name: np.array([NO_TIME if time is None else time for time in columns[name]], dtype=np.int64)
+               for name in TIMES},
+            "prompt_tokens": np.array([np.nan if tokens is None else tokens for tokens in columns["prompt_tokens"]],
+                                      dtype=np.float64),
+            "ended_ns": ended[taken]})
+        return frame[["node", *HELD, "ended_ns"]]
 
 
 _ENDED_INDEX = tuple(HELD.index(name) for name in ENDED_AT)

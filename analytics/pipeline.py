@@ -118,8 +118,8 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     requests = None if held is not None else phase_requests(store, phases_range, scope, config.thresholds,
                                                             new_requests)
     keys = requests.keys if requests is not None else sorted(
-        {(node, int(port), model) for node, port, model in zip(held["node"], held["server_port"], held["model"],
-                                                                strict=True)})
+        (node, int(port), model) for node, port, model
+        in held[["node", "server_port", "model"]].drop_duplicates().itertuples(index=False))
     fits = fits or KeptFits.none()
     calibrations = fits.calibrations(keys, lambda needed: calibrate(
         store, phases_range, scope, config.spans, now_ns, needed=needed, floors=idle_floors))

@@ -112,7 +112,8 @@ def split_row(request: dict, *, queue_ms: float, prefill_ms: float) -> dict:
         **{column: request[column] for column in ("node", "server_port", "model", "conn_id", "req_seq",
                                                   "req_start")},
         "queue_ms": queue_ms, "prefill_ms": prefill_ms, "prompt_size": 10, "prompt_size_source": "usage",
-        "calibration_id": "cal-1", "split_method": "calibration", "computed_at": OLD + 3600 * S,
+        "calibration_id": "cal-1", "split_method": "calibration", "req_end": request["req_end"],
+        "last_token": request["last_token"], "finished_at": request["resp_end"], "computed_at": OLD + 3600 * S,
     }
 
 
