@@ -8,7 +8,8 @@ embedded store and on a server. One analysis run (``pipeline.analyze``, the
   fitted robustly on requests that arrived to an idle server;
 - ``phases``: every request's network in, queue, prefill, decode, network
   out, TTFT, TPOT, inter-token gaps and stalls (``contract.measures`` holds the SQL
-  definition of each), into ``request_phases``;
+  definition of each): the split of its TTFT into ``request_split``, beside the
+  figures stored at insert (``request_figures``);
 - ``knee``: where TTFT turns from flat to steep against concurrency;
 - ``indicators``: the indicator matrix per server (and GPU) per window;
 - ``slo``: compliance, multi-window burn rates and goodput.

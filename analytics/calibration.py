@@ -20,6 +20,13 @@ calibration. Where the engine exports its own mean prefill time (vLLM's
 ``request_prefill_time_seconds``), the calibration is checked against it and
 scaled to agree (``engine_scale``): the engine sees batching effects that an
 idle-arrival fit cannot.
+
+A fit says how good it is, and a poor one splits nothing (``UnitFit.quality_problem``): it is used only
+where the prompt size explains the idle arrivals' TTFT (R² ≥ ``MIN_R2``) or where its typical error is
+small beside the prefill it predicts (MAD ≤ ``MAX_RELATIVE_MAD`` of its prediction for the middle prompt
+size: prompts of one size leave R² nothing to explain, yet a flat line predicts them well). A
+calibration with no usable line leaves its requests' queue and prefill unsplit, ``split_method``
+``poor fit``; the report prints such a line as rejected, not as a result.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ ENGINE_SCALE_BOUNDS = (0.2, 5.0)
 
 ServerModel = tuple[str, int, str]  # node, server_port, model
 IDLE_ARRIVALS_FIRST_SPAN_S = 300.0  # read first: where a busy server has enough idle arrivals
+# The quality a line needs to split TTFT (see the module docstring).
+MIN_R2 = 0.5
+MAX_RELATIVE_MAD = 0.2
 
 
 class IdleArrivalFloors:
@@ -97,6 +107,18 @@ class UnitFit:
     size_min: int
     size_max: int
 
+    @property
+    def quality_problem(self) -> str | None:
+        """Why this line is too poor to split TTFT with, or None where it is good enough."""
+        fit = self.fit
+        if fit.r2 is None or fit.r2 >= MIN_R2:
+            return None  # the size explains the TTFT, or the inliers' TTFT does not vary at all
+        middle_ms = fit.intercept + fit.slope * (self.size_min + self.size_max) / 2
+        if middle_ms > 0 and fit.mad <= MAX_RELATIVE_MAD * middle_ms:
+            return None
+        return (f"R2 {fit.r2:.2f} < {MIN_R2} and MAD {fit.mad:.1f} ms > {MAX_RELATIVE_MAD:.0%} of the "
+                f"{max(middle_ms, 0.0):.1f} ms it predicts")
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -118,6 +140,11 @@ class Calibration:
     @property
     def uses_engine(self) -> bool:
         return self.engine_samples > 0
+
+    @property
+    def usable_units(self) -> list[str]:
+        """The size units whose line is good enough to split TTFT with."""
+        return [unit for unit, unit_fit in self.fits.items() if unit_fit.quality_problem is None]
 
 
 def calibrate(store: Store, analysed: TimeRange, scope: Scope, spans: AnalysisSpans,

@@ -18,7 +18,7 @@ def add_analyze_parser(subparsers, default_store: str) -> argparse.ArgumentParse
         description="Split every inference request's time into network, queue, prefill and decode; judge each "
                     "server per window (GPU memory, fragmentation, batch fill, queue wait, KV cache, token-rate "
                     "decay, TPOT trend, stalls, retries, closeness to the capacity knee); evaluate SLO burn rates. "
-                    "Results are also written to the store's request_phases, prefill_calibration, knee, "
+                    "Results are also written to the store's request_split, prefill_calibration, knee, "
                     "indicator_matrix and slo_status tables. Without --since/--until: the last hour of data.",
     )
     parser.add_argument("--store", default=default_store, metavar="URL", help="default %(default)s")

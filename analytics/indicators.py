@@ -31,7 +31,7 @@ Indicators (thresholds in ``config.Thresholds``):
   never ends has no row to show it otherwise.
 
 Occupancy (in flight, queued, running) is time-averaged from the request
-intervals in ``request_phases``: a request is in flight from its first byte
+intervals of their phases (``phases.phases_source``): a request is in flight from its first byte
 to its last response byte, queued from its last request byte for its queue
 time, and running from then to its last token. It is computed on sub-buckets
 of ``gcd(window, 10 s)``, which also serve the 2-minute fragmentation test.
@@ -47,7 +47,7 @@ import numpy as np
 import pandas as pd
 
 from ..contract import measures
-from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
+from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_SPLIT_TABLE
 from ..contract.indicators import (
     ABOVE,
     CRIT,
@@ -64,6 +64,8 @@ from ..contract.samples import (
 )
 from ..store.client import Store
 from .config import Thresholds
+from .phases import grouped_phases, phases_source
+from .split import NO_TIME, first_known
 from .robust import theil_sen
 from .scope import Scope
 from .timerange import NS_PER_S, TimeRange, range_condition
@@ -172,7 +174,7 @@ def compute_matrix(store: Store, analysed: TimeRange, window_s: int, scope: Scop
                    occupancy: KeptOccupancy | None = None) -> list[Cell]:
     """Every cell of every window in ``analysed``, stored in ``indicator_matrix`` and returned.
 
-    Needs ``request_phases`` computed from ``thresholds.fragmentation_sustain_s``
+    Needs the split (``request_split``) computed from ``thresholds.fragmentation_sustain_s``
     before the first window (``matrix_lead_s``) to the range's end. ``occupancy``: the intervals an
     earlier pass kept (``KeptOccupancy``; this run's phases were computed at ``now_ns``).
     """
@@ -213,8 +215,9 @@ class _MatrixData:
     @classmethod
     def load(cls, store: Store, windows: Windows, scope: Scope, thresholds: Thresholds,
              kept: KeptOccupancy | None, now_ns: int) -> _MatrixData:
-        occupancy = kept.occupancy(store, windows, scope, now_ns) if kept else _occupancy(store, windows, scope)
-        return cls(occupancy, _request_stats(store, windows, scope),
+        occupancy = (kept.occupancy(store, windows, scope, thresholds, now_ns) if kept
+                     else _occupancy(store, windows, scope))
+        return cls(occupancy, _request_stats(store, windows, scope, thresholds),
                    _retries(store, windows, scope, thresholds.retry_window_s), _gpu_buckets(store, windows, scope),
                    _engine_buckets(store, windows, scope), windows)
 
@@ -254,18 +257,16 @@ def _bucket_parameters(windows: Windows) -> dict[str, int]:
             "origin_ns": windows.origin_ns, "window_ns": windows.window_s * NS_PER_S}
 
 
-# When a request finished (for the occupancy); those of the look-back that finished before the first
-# sub-bucket overlap none and are left out unread.
-_FINISHED = "coalesce(resp_end, last_token, first_token, req_end, req_start)"
-
-
 def _occupancy_rows(store: Store, windows: Windows, scope: Scope) -> tuple[str, dict]:
-    """The condition on ``request_phases`` of the requests that may overlap the sub-buckets, and its parameters."""
+    """The splits (``request_split``: each with its occupancy interval) of the requests that may overlap the
+    sub-buckets, as a SELECT, and its parameters. Those of the look-back that finished before the first
+    sub-bucket overlap none and are left out unread."""
     in_scope, scope_parameters = scope.condition()
     since = TimeRange(windows.base_ns, windows.analysed.end_ns)
     in_range, range_parameters = range_condition("req_start", "occupancy", since.extended_back(
         OCCUPANCY_LOOKBACK_S))
-    return (f"{in_range} AND {_FINISHED} >= fromUnixTimestamp64Nano({{base_ns:Int64}}, 'UTC') AND {in_scope}",
+    return (f"SELECT * FROM {store.table(REQUEST_SPLIT_TABLE)} FINAL WHERE {in_range} AND {in_scope}"
+            " AND finished_at >= fromUnixTimestamp64Nano({base_ns:Int64}, 'UTC')",
             {**range_parameters, **scope_parameters, **_bucket_parameters(windows)})
 
 
@@ -287,7 +288,7 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
             FROM (
                 SELECT node, server_port, {{sub_ns:Int64}} / 1e9 AS sub,
                        {offset('req_start')} AS arrived,
-                       {offset(_FINISHED)} AS finished,
+                       {offset('finished_at')} AS finished,
                        {offset('coalesce(req_end, req_start)')} AS arrived_whole,
                        arrived_whole + ifNull(queue_ms, 0) / 1000 AS slot,
                        if(last_token IS NULL, slot, {offset('last_token')}) AS generated,
@@ -296,15 +297,14 @@ def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
                            toUInt64(greatest(0, floor(arrived / sub))),
                            toUInt64(greatest(0, least(toFloat64({{buckets:Int64}}), floor(finished / sub) + 1)))
                        )) AS bucket
-                FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
-                WHERE {overlapping}
+                FROM ({overlapping})
             )
             GROUP BY node, server_port, bucket""", parameters)
 
 
 # Each request (its key) and its occupancy interval, as ``_occupancy`` reads it (Unix ns; no last token: -1).
 _INTERVAL_COLUMNS = ("node", "server_port", "conn_id", "req_seq", "toUnixTimestamp64Nano(req_start) AS start_ns",
-                     f"toUnixTimestamp64Nano({_FINISHED}) AS finished_ns",
+                     "toUnixTimestamp64Nano(finished_at) AS finished_ns",
                      "toUnixTimestamp64Nano(coalesce(req_end, req_start)) AS arrived_whole_ns",
                      "ifNull(queue_ms, 0) AS queue_or_zero_ms",
                      "ifNull(toUnixTimestamp64Nano(last_token), -1) AS last_token_ns")
@@ -324,10 +324,10 @@ class KeptOccupancy:
     sub-buckets, kept, so a pass reads only the rows it wrote instead of the 10-minute look-back.
 
     A pass's sub-buckets from ``base_ns`` on are overlapped by the requests of the look-back that finished
-    at or after it: those kept at an earlier pass whose base was no later (the rows of ``request_phases``
+    at or after it: those kept at an earlier pass whose base was no later (the rows of ``request_split``
     only change when a pass writes them) and the rows this pass wrote (``expect``). The whole look-back is
     read again (``FINAL``, as ``_occupancy``) on the first pass, when a server or an earlier base is
-    asked for, after ``KEPT_PASSES_MAX`` passes, and when ``request_phases`` holds rows in the look-back
+    asked for, after ``KEPT_PASSES_MAX`` passes, and when ``request_split`` holds rows in the look-back
     that no kept pass wrote since (a ``tokenprobe analyze`` of the same range, a pass that failed after
     writing): the sums are then those of the query, to the rounding of their order.
     """
@@ -340,13 +340,36 @@ class KeptOccupancy:
         self.read_ns = 0  # when they were last read whole: every row written until then is in them
         self.passes: list[int] = []  # the computed_at of each pass's rows since
         self.written: pd.DataFrame | None = None  # the rows this pass wrote (interval and ``columns``)
-        self._expected: tuple[str, dict, tuple[str, ...]] | None = None
+        self._expected: tuple[str, dict, tuple[str, ...]] | pd.DataFrame | None = None
         self._pending: tuple | None = None
 
     def expect(self, condition: str, parameters: dict, columns: Sequence[str]) -> None:
-        """The next pass writes its rows within ``condition`` (on ``request_phases``); read ``columns`` of
-        them too (SQL expressions), into ``written``."""
+        """The next pass writes its rows within ``condition`` (on the columns a request's figures and split
+        share); read ``columns`` of their phases too (SQL expressions), into ``written``."""
         self._expected, self.written, self._pending = (condition, parameters, tuple(columns)), None, None
+
+    def expect_held(self, requests: pd.DataFrame, split: pd.DataFrame) -> None:
+        """The next pass writes the split of ``requests`` (``held.HeldRequests.take``), in memory: their
+        intervals are computed here, as ``_INTERVAL_COLUMNS`` reads them, instead of read back; ``written``
+        also has their model, ``req_end_ns``, ``first_token_ns`` (NA where none), ``queue_ms`` and
+        ``prefill_ms``."""
+        def nullable(name: str) -> pd.arrays.IntegerArray:
+            times = requests[name].to_numpy(np.int64)
+            return pd.arrays.IntegerArray(times, times == NO_TIME)
+
+        queue_ms = split["queue_ms"].to_numpy()
+        written = pd.DataFrame({
+            "node": requests["node"].to_numpy(), "server_port": requests["server_port"].to_numpy(),
+            "model": requests["model"].to_numpy(),
+            "conn_id": requests["conn_id"].to_numpy(np.uint64), "req_seq": requests["req_seq"].to_numpy(np.int64),
+            "start_ns": requests["req_start"].to_numpy(), "finished_ns": split["finished_at"].to_numpy(),
+            "arrived_whole_ns": first_known(requests, ("req_end", "req_start")),
+            "queue_or_zero_ms": np.where(np.isnan(queue_ms), 0.0, queue_ms),
+            "last_token_ns": requests["last_token"].to_numpy(),
+            "req_end_ns": nullable("req_end"), "first_token_ns": nullable("first_token"),
+            "queue_ms": queue_ms, "prefill_ms": split["prefill_ms"].to_numpy(),
+        })
+        self._expected, self.written, self._pending = written, None, None
 
     def commit(self) -> None:
         """The pass succeeded: keep what it read (a failed one's rows are foreign to the next)."""
@@ -354,17 +377,21 @@ class KeptOccupancy:
             self.intervals, self.covered, self.floor_ns, self.read_ns, self.passes = self._pending
             self._pending = None
 
-    def occupancy(self, store: Store, windows: Windows, scope: Scope, written_ns: int) -> pd.DataFrame:
+    def occupancy(self, store: Store, windows: Windows, scope: Scope, thresholds: Thresholds,
+                  written_ns: int) -> pd.DataFrame:
         """``_occupancy``'s frame for ``windows``, the pass's rows being those computed at ``written_ns``."""
         if self._expected is None:
-            raise RuntimeError("KeptOccupancy.expect() must say where the pass writes its rows")
-        condition, parameters, columns = self._expected
+            raise RuntimeError("KeptOccupancy.expect() or expect_held() must say which rows the pass writes")
+        if isinstance(self._expected, pd.DataFrame):
+            self.written = self._expected
+        else:
+            condition, parameters, columns = self._expected
+            by_this_pass = f"{condition} AND computed_at = fromUnixTimestamp64Nano({{occupancy_written:Int64}}, 'UTC')"
+            written_phases = phases_source(store, condition, thresholds, split_condition=by_this_pass)
+            self.written = store.query_df(
+                f"SELECT {', '.join((*_INTERVAL_COLUMNS, *columns))} FROM ({written_phases}) WHERE {by_this_pass}",
+                {**parameters, "occupancy_written": written_ns})
         self._expected = None
-        table = store.table(REQUEST_PHASES_TABLE)
-        self.written = store.query_df(
-            f"SELECT {', '.join((*_INTERVAL_COLUMNS, *columns))} FROM {table} WHERE {condition}"
-            " AND computed_at = fromUnixTimestamp64Nano({occupancy_written:Int64}, 'UTC')",
-            {**parameters, "occupancy_written": written_ns})
         written = self._arrays(self.written, reread=False)
         in_scope = self._codes(scope)
         if self._reusable(store, windows, scope, in_scope, written_ns):
@@ -373,7 +400,7 @@ class KeptOccupancy:
             read_ns, passes, read_from_ns = self.read_ns, [*self.passes, written_ns], self.floor_ns
         else:  # this pass's rows among them
             overlapping, overlapping_parameters = _occupancy_rows(store, windows, scope)
-            reread = store.query_df(f"SELECT {', '.join(_INTERVAL_COLUMNS)} FROM {table} FINAL WHERE {overlapping}",
+            reread = store.query_df(f"SELECT {', '.join(_INTERVAL_COLUMNS)} FROM ({overlapping})",
                                     overlapping_parameters)
             # a request read here that no pass has seen end yet (a re-analysis wrote it) is written again later
             parts, covered = (self._arrays(reread, reread=True),), set(in_scope)
@@ -410,7 +437,7 @@ class KeptOccupancy:
         in_range, range_parameters = range_condition("req_start", "foreign", TimeRange(
             windows.base_ns, windows.analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S))
         foreign = store.query_rows(
-            f"""SELECT count() FROM {store.table(REQUEST_PHASES_TABLE)}
+            f"""SELECT count() FROM {store.table(REQUEST_SPLIT_TABLE)}
                 WHERE {in_range} AND {scope_condition}
                   AND computed_at > fromUnixTimestamp64Nano({{read:Int64}}, 'UTC')
                   AND toUnixTimestamp64Nano(computed_at) NOT IN {{passes:Array(Int64)}}""",
@@ -467,7 +494,7 @@ def _replaced(kept: Intervals, written: Intervals) -> Intervals:
                                 & (starts <= written["start_ns"].max()))
     if not len(candidates):
         return kept
-    key = ("server", "start_ns", "conn_id", "req_seq")  # request_phases' sorting key, the node in the server
+    key = ("server", "start_ns", "conn_id", "req_seq")  # request_split's sorting key, the node in the server
     again = pd.MultiIndex.from_arrays([kept[name][candidates] for name in key]).isin(
         pd.MultiIndex.from_arrays([written[name] for name in key]))
     chosen = np.ones(len(kept["start_ns"]), dtype=bool)
@@ -475,23 +502,19 @@ def _replaced(kept: Intervals, written: Intervals) -> Intervals:
     return _selected(kept, chosen)
 
 
-def _request_stats(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:
+def _request_stats(store: Store, windows: Windows, scope: Scope, thresholds: Thresholds) -> pd.DataFrame:
     in_scope, scope_parameters = scope.condition()
     in_range, range_parameters = range_condition("req_start", "stats", TimeRange(windows.origin_ns,
                                                                                  windows.analysed.end_ns))
+    window = "intDiv(toUnixTimestamp64Nano(req_start) - {origin_ns:Int64}, {window_ns:Int64})"
     return store.query_df(
-        f"""SELECT node, server_port,
-                   intDiv(toUnixTimestamp64Nano(req_start) - {{origin_ns:Int64}}, {{window_ns:Int64}}) AS window,
-                   count() AS requests,
-                   countIf(queue_ms IS NOT NULL) AS split,
-                   quantile(0.95)(queue_ms) AS queue_p95_ms,
-                   sum(stalls) AS total_stalls, sum(itl_gaps) AS total_gaps,
-                   countIf(decode_rate_ratio IS NOT NULL) AS long_streams,
-                   quantile(0.5)(decode_rate_ratio) AS decode_rate_ratio_p50,
-                   quantile(0.5)(tpot_ms) AS tpot_p50_ms
-            FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
-            WHERE {in_range} AND {in_scope}
-            GROUP BY node, server_port, window""",
+        grouped_phases(store, f"{in_range} AND {in_scope}", thresholds,
+                       {"node": "node", "server_port": "server_port", "window": window},
+                       figures="count() AS requests, sum(stalls) AS total_stalls, sum(itl_gaps) AS total_gaps, "
+                               "countIf(decode_rate_ratio IS NOT NULL) AS long_streams, "
+                               "quantile(0.5)(decode_rate_ratio) AS decode_rate_ratio_p50, "
+                               "quantile(0.5)(tpot_ms) AS tpot_p50_ms",
+                       split="countIf(queue_ms IS NOT NULL) AS split, quantile(0.95)(queue_ms) AS queue_p95_ms"),
         {**range_parameters, **scope_parameters, **_bucket_parameters(windows)},
     )
 
@@ -768,7 +791,8 @@ class _ServerJudge:
         t = self.thresholds
         if stats is None or not stats["split"]:
             why = ("no requests arrived in this window" if stats is None else
-                   "queue and prefill not split: no prefill calibration yet (needs requests to an idle server)")
+                   "queue and prefill not split: no prefill calibration yet (needs requests to an idle server), "
+                   "or one too poor to split with")
             return cell("queue_wait_p95", None, t.queue_wait_p95_warn_ms, t.queue_wait_p95_crit_ms, why)
         p95 = float(stats["queue_p95_ms"])
         if p95 > t.queue_wait_p95_crit_ms:

@@ -7,11 +7,16 @@ A pass:
 1. picks the inference requests of this node that *ended* since the last
    pass (a watermark on ``measures.ENDED_AT``, i.e. resp_end, else the last
    moment the row saw) and before ``now − settle_s`` (rows land in the store
-   a flush after they end). Where they lie in ``requests`` (sorted by start)
-   comes from ``request_ends`` (sorted by end, ``contract/ends.py``): the
-   seconds they started in, as a few ranges, so no pass reads the hour of
-   requests that could have been running; the first pass after the agent
-   starts reads ``requests`` itself (its rows may predate the view);
+   a flush after they end). The agent holds them (``held.HeldRequests``, fed
+   by its request sink): the pass takes them from memory, splits their TTFT
+   there (``split.py``) and gives the occupancy their intervals as they are.
+   Where it does not hold them all (the first pass after the agent starts,
+   a pass after a failed one, too many held, no ``held``), it finds them in
+   the store: where they lie in ``requests`` (sorted by start) comes from
+   ``request_ends`` (sorted by end, ``contract/ends.py``): the seconds they
+   started in, as a few ranges, so no pass reads the hour of requests that
+   could have been running; the first pass after the agent starts reads
+   ``requests`` itself (its rows may predate the view);
 2. re-analyses, with ``pipeline.analyze``, the windows of ``every_s``
    seconds (aligned to the epoch) from the one where the earliest of them
    started up to the settle point, for the servers they belong to only;
@@ -55,6 +60,7 @@ from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .calibration import IdleArrivalFloors
 from .config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
+from .held import HeldRequests
 from .indicators import Cell, KeptOccupancy
 from .inflight import stall_cells, store_samples
 from .pipeline import AnalysisReport, KeptFits, analyze
@@ -139,6 +145,13 @@ class LivePass:
         return list(latest.values())
 
 
+def _start_seconds(requests: pd.DataFrame) -> dict[int, list[int]]:
+    """``LiveAnalysis._new_starts`` of requests held in memory."""
+    seconds = pd.DataFrame({"port": requests["server_port"], "second": requests["req_start"] // NS_PER_S})
+    return {int(port): sorted(int(second) for second in group.unique())
+            for port, group in seconds.groupby("port")["second"]}
+
+
 class Outlet(Protocol):
     """Somewhere a pass's results go besides the store (``analytics/outlets.py``)."""
 
@@ -153,7 +166,8 @@ class LiveAnalysis:
     def __init__(self, store: Store, node: str, *, every_s: int = DEFAULT_LIVE_EVERY_S,
                  settle_s: float = DEFAULT_SETTLE_S, config: AnalyticsConfig = DEFAULT_CONFIG,
                  outlets: Sequence[Outlet] = (), samples_inflight: bool = False,
-                 clock_ns: Callable[[], int] = time.time_ns, before_pass: Callable[[], None] | None = None) -> None:
+                 clock_ns: Callable[[], int] = time.time_ns, before_pass: Callable[[], None] | None = None,
+                 hold_requests: bool = False) -> None:
         if not isinstance(every_s, int) or isinstance(every_s, bool) or every_s < 1:
             raise ValueError(f"the analysis window must be a whole number of seconds ≥ 1, got {every_s!r}")
         if settle_s < 0:
@@ -167,6 +181,7 @@ class LiveAnalysis:
         # A (re)started agent first covers the window before it: a previous agent may have stopped in it.
         self.watermark_ns = clock_ns() - self.settle_ns - every_s * NS_PER_S
         self.passes = self.failures = 0
+        self.passes_held = 0  # passes that took their requests from memory (``held``)
         self.cpu_s = 0.0  # CPU the passes took on their thread (the store's pool threads not included)
         self.slo_minutes = SloMinutes()  # so a pass counts only the minutes new since the last one
         self.idle_floors = IdleArrivalFloors()  # so a pass reads the idle arrivals since the last one's oldest
@@ -182,6 +197,8 @@ class LiveAnalysis:
         self._indexed = False  # whether request_ends holds every row a pass reads: not before the first
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The agent's own requests, fed by its request sink (``RequestSink.watch(live.held.add)``).
+        self.held = HeldRequests(node, since_ns=clock_ns()) if hold_requests else None
 
     # -- one pass ---------------------------------------------------------------------------
     def run_once(self) -> LivePass | None:
@@ -195,7 +212,8 @@ class LiveAnalysis:
             self.before_pass()
         inflight = self._fresh_inflight(started_ns)
         ended = TimeRange(self.watermark_ns, until_ns)
-        starts = self._new_starts(ended)
+        held = self._held_requests(ended)
+        starts = self._new_starts(ended) if held is None else _start_seconds(held)
         analysed = report = None
         cells, phases = [], EndedPhases.from_rows([])
         if starts:
@@ -204,16 +222,20 @@ class LiveAnalysis:
                            until_ns - MAX_SPAN_S * NS_PER_S)
             analysed = TimeRange(earliest // window_ns * window_ns, until_ns)
             scope = Scope(tuple(Server(port, self.node) for port in starts))
-            new, parameters, started = self._ended_condition(ended, starts)
+            new_requests = None
+            if held is None:
+                new, parameters, started = self._ended_condition(ended, starts)
+                new_requests = (new, parameters)
+                self.occupancy.expect(f"node = {{live_node:String}} AND {started}", parameters, PHASE_EXPRESSIONS)
             # The agent made the schema when it started; the requests before these have their phases.
             # computed_at is real time (the clock may be a test's), so a pass's rows replace older ones.
             computed_ns = time.time_ns()
-            self.occupancy.expect(f"node = {{live_node:String}} AND {started}", parameters, PHASE_EXPRESSIONS)
             self.fits.due(started_ns)
             report = analyze(self.store, analysed, window_s=self.every_s, scope=scope, config=self.config,
-                             now_ns=computed_ns, new_requests=(new, parameters), schema_ready=True,
+                             now_ns=computed_ns, new_requests=new_requests, schema_ready=True,
                              slo_minutes=self.slo_minutes, idle_floors=self.idle_floors,
-                             occupancy=self.occupancy, fits=self.fits, summarize=False)
+                             occupancy=self.occupancy, fits=self.fits, summarize=False, held=held)
+            self.passes_held += held is not None
             cells, phases = list(report.cells), self._ended_phases()
         if inflight is not None:
             cells += self._judge_inflight(inflight, {(self.node, port) for port in starts}, until_ns)
@@ -259,6 +281,21 @@ class LiveAnalysis:
             self.store.insert_rows(INDICATOR_MATRIX_TABLE, [cell.row(self.clock_ns()) for cell in cells])
         self._stalled = {(cell.node, cell.server_port) for cell in cells if cell.state != OK}
         return cells
+
+    def _held_requests(self, ended: TimeRange) -> pd.DataFrame | None:
+        """The requests that ended in ``ended`` (and started at most MAX_SPAN_S before), from memory, or None
+        where the agent does not hold them all. Either way what ended before its end is no longer held."""
+        if self.held is None:
+            return None
+        complete = self.held.complete_from(ended.start_ns)
+        taken = self.held.take(ended.end_ns)
+        if not complete:
+            return None
+        # as the store's conditions choose them (ENDED_AT in ended, req_start in _started_recently)
+        recent = ended.extended_back(MAX_SPAN_S)
+        chosen = ((taken["ended_ns"] >= ended.start_ns) & (taken["req_start"] >= recent.start_ns)
+                  & (taken["req_start"] < recent.end_ns))
+        return taken[chosen].reset_index(drop=True)
 
     def _new_starts(self, ended: TimeRange) -> dict[int, list[int]]:
         """Per server of this node with inference requests that ended in ``ended`` (and started at most

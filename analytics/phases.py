@@ -1,4 +1,4 @@
-"""Per-request phases, computed in ClickHouse: ``INSERT INTO request_phases SELECT ... FROM request_figures``.
+"""Per-request phases, computed in ClickHouse: ``INSERT INTO request_split SELECT ... FROM request_figures``.
 
 For each inference request: network in (with accept wait and TLS for a
 connection's first request), queue, prefill, decode, network out; server and
@@ -21,9 +21,10 @@ store: nothing per request travels to Python.
 
 Every figure but the split was computed when the request was stored
 (``request_figures``, ``contract/figures.py``): a pass joins those rows with
-the calibrations. Where that table lacks rows of the pass, or holds them
-computed with other thresholds, the pass computes the same figures from
-``requests`` (slower, the same result).
+the calibrations and stores only the split, narrow (``request_split``).
+Where that table lacks rows of the pass, or holds them computed with other
+thresholds, the pass first stores them there, computed from ``requests``
+under their own definition.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ import pandas as pd
 from ..contract import measures
 from ..contract.analysis import (
     PREFILL_CALIBRATION_TABLE,
-    REQUEST_PHASES_COLUMNS,
-    REQUEST_PHASES_TABLE,
+    SPLIT_COLUMNS,
+    REQUEST_SPLIT_COLUMNS,
+    REQUEST_SPLIT_TABLE,
 )
-from ..contract.figures import REQUEST_FIGURES_TABLE, figures_definition, figures_select
+from ..contract.figures import REQUEST_FIGURES_TABLE, figures_definition, figures_select, phases_select
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .calibration import Calibration, ServerModel
@@ -47,15 +49,22 @@ from .config import Thresholds
 from .scope import Scope
 from .timerange import TimeRange, range_condition
 
+# The split_method of a request whose calibration has no line good enough to split its TTFT with.
+POOR_FIT = "poor fit"
+
 # Per request: the phase columns that the calibration decides, as expressions over a request_figures row
-# joined with its calibration (``c_*`` are the calibration's coefficients, NULL when it has none); every
-# other column is the figures row's own.
+# joined with its calibration (``c_*`` are the calibration's coefficients, NULL when it has none; a line too
+# poor to split with, ``UnitFit.quality_problem``, is not among them); every other column is the figures
+# row's own.
+_USES_TOKENS = "prompt_tokens IS NOT NULL AND c_has_tokens"
 _PREDICTED_PREFILL_MS = (
-    "greatest(0, if(prompt_tokens IS NOT NULL AND c_has_tokens,"
+    f"greatest(0, if({_USES_TOKENS},"
     " c_tokens_intercept + c_tokens_slope * prompt_tokens,"
     " c_bytes_intercept + c_bytes_slope * bytes_in)) * c_scale"
 )
 _USES_USAGE = "prompt_tokens IS NOT NULL AND (c_calibration_id IS NULL OR c_has_tokens)"
+# the request's calibration has a usable line for its prompt size
+_FIT_USABLE = f"({_USES_TOKENS} OR c_has_bytes)"
 
 
 # The engine's own figures for the request (Float32 in the row), where it stated them.
@@ -67,8 +76,9 @@ _ENGINE_STATES_SPLIT = "(engine_queue_ms IS NOT NULL AND engine_prompt_ms IS NOT
 def _split_expressions() -> dict[str, str]:
     # The TTFT in float64 from its timestamps, not the figures row's Float32: the split stays what it was.
     ttft = measures.TTFT_SERVER_MS
-    splittable = f"(c_calibration_id IS NOT NULL OR engine_prompt_ms IS NOT NULL) AND {ttft} >= 0"
-    modelled_prefill = f"least(if(engine_prompt_ms IS NOT NULL, {_ENGINE_PREFILL_MS}, {_PREDICTED_PREFILL_MS}), {ttft})"
+    engine_prefill_known = "engine_prompt_ms IS NOT NULL"
+    splittable = f"({engine_prefill_known} OR (c_calibration_id IS NOT NULL AND {_FIT_USABLE})) AND {ttft} >= 0"
+    modelled_prefill = f"least(if({engine_prefill_known}, {_ENGINE_PREFILL_MS}, {_PREDICTED_PREFILL_MS}), {ttft})"
     prefill = f"if({_ENGINE_STATES_SPLIT}, {_ENGINE_PREFILL_MS}, {modelled_prefill})"
     # Stated queue and prefill: the rest of the TTFT is the server's time outside its engine (none where
     # the engine states more than the wire shows: its clock and the probes' differ by a few ms).
@@ -81,11 +91,13 @@ def _split_expressions() -> dict[str, str]:
         "queue_ms": f"if({splittable}, if({_ENGINE_STATES_SPLIT}, {_ENGINE_QUEUE_MS}, {ttft} - {prefill} - {overhead}), NULL)",
         "prompt_size": f"if({_USES_USAGE}, toUInt64(prompt_tokens), bytes_in)",
         "prompt_size_source": f"if({_USES_USAGE}, 'usage', 'bytes')",
-        "calibration_id": "ifNull(c_calibration_id, '')",
-        "split_method": f"multiIf(NOT ifNull({splittable}, 0), '', {_ENGINE_STATES_SPLIT}, 'engine',"
-                        " engine_prompt_ms IS NOT NULL, 'engine_prefill',"
+        "calibration_id": f"if(c_calibration_id IS NOT NULL AND {_FIT_USABLE}, c_calibration_id, '')",
+        "split_method": f"multiIf(NOT ifNull({splittable}, 0),"
+                        f" if(c_calibration_id IS NOT NULL AND NOT {_FIT_USABLE}, '{POOR_FIT}', ''),"
+                        f" {_ENGINE_STATES_SPLIT}, 'engine', {engine_prefill_known}, 'engine_prefill',"
                         " c_overhead IS NOT NULL, 'calibration+engine+overhead',"
                         " c_engine_used, 'calibration+engine', 'calibration')",
+        "finished_at": measures.FINISHED_AT,
         "computed_at": "fromUnixTimestamp64Nano({computed_at:Int64}, 'UTC')",
     }
 
@@ -143,37 +155,45 @@ def _by_server_model(counted: list[tuple]) -> dict[ServerModel, tuple[int, int]]
 def _stored_figures(store: Store, condition: str, thresholds: Thresholds) -> str:
     """The rows of ``request_figures`` that meet ``condition``, computed by this definition with
     ``thresholds``."""
-    definition = figures_definition(thresholds.stall_factor, thresholds.long_stream_events)
     return (f"SELECT * FROM {store.table(REQUEST_FIGURES_TABLE)} WHERE {condition}"
-            f" AND definition = '{definition}'")
+            f" AND definition = '{_definition(thresholds)}'")
 
 
-def _figures_source(store: Store, requests: PhaseRequests) -> str:
-    """Where the figures of ``requests`` come from: ``request_figures``, when it holds every one of them,
-    else the same figures computed from ``requests`` here."""
+def _definition(thresholds: Thresholds) -> str:
+    return figures_definition(thresholds.stall_factor, thresholds.long_stream_events)
+
+
+def _store_figures(store: Store, requests: PhaseRequests) -> None:
+    """Store in ``request_figures`` the figures of ``requests``, computed from ``requests`` with the pass's
+    thresholds, in place of those stored by their definition (some missing, or some twice: a replay the
+    view did not deduplicate); rows by another definition stay as they are."""
     thresholds = requests.thresholds
-    if requests.figures_stored:
-        return _stored_figures(store, requests.condition, thresholds)
-    return figures_select(store.table(REQUESTS_TABLE), thresholds.stall_factor, thresholds.long_stream_events,
-                          requests.condition)
+    store.command(f"DELETE FROM {store.table(REQUEST_FIGURES_TABLE)} WHERE {requests.condition}"
+                  f" AND definition = '{_definition(thresholds)}'", requests.parameters)
+    store.command(f"INSERT INTO {store.table(REQUEST_FIGURES_TABLE)}\n"
+                  + figures_select(store.table(REQUESTS_TABLE), thresholds.stall_factor,
+                                   thresholds.long_stream_events, requests.condition), requests.parameters)
 
 
 def compute_phases(store: Store, requests: PhaseRequests, calibrations: Mapping[ServerModel, Calibration],
                    now_ns: int) -> None:
-    """(Re)compute the phases of ``requests`` (``phase_requests``)."""
-    source = _figures_source(store, requests)
+    """(Re)compute the split of ``requests`` (``phase_requests``), stored narrow in ``request_split``."""
+    if not requests.figures_stored:
+        _store_figures(store, requests)
+    source = _stored_figures(store, requests.condition, requests.thresholds)
     split = _split_expressions()
-    names = [column.name for column in REQUEST_PHASES_COLUMNS]
+    names = [column.name for column in REQUEST_SPLIT_COLUMNS]
     select_list = ",\n    ".join(f"{split[name]} AS {name}" if name in split else name for name in names)
     # optimize_on_insert = 0: the insert holds each request once, so the ReplacingMergeTree has nothing to
     # collapse in it (a quarter of the insert's cost); a request's older rows go at merges, and every reader
     # reads with FINAL.
     store.command(
-        f"""INSERT INTO {store.table(REQUEST_PHASES_TABLE)} ({", ".join(names)})
+        f"""INSERT INTO {store.table(REQUEST_SPLIT_TABLE)} ({", ".join(names)})
 WITH calibrations AS (
     SELECT node, server_port, model,
         any(calibration_id) AS c_calibration_id,
-        countIf(size_unit = 'tokens') > 0 AS c_has_tokens,
+        countIf(size_unit = 'tokens' AND usable) > 0 AS c_has_tokens,
+        countIf(size_unit = 'bytes' AND usable) > 0 AS c_has_bytes,
         anyIf(intercept_ms, size_unit = 'tokens') AS c_tokens_intercept,
         anyIf(slope_ms, size_unit = 'tokens') AS c_tokens_slope,
         anyIf(intercept_ms, size_unit = 'bytes') AS c_bytes_intercept,
@@ -181,7 +201,8 @@ WITH calibrations AS (
         any(engine_scale) AS c_scale,
         any(engine_samples) > 0 AS c_engine_used,
         any(server_overhead_ms) AS c_overhead
-    FROM {store.table(PREFILL_CALIBRATION_TABLE)}
+    FROM (SELECT *, (calibration_id, size_unit) IN {{usable:Array(Tuple(String, String))}} AS usable
+          FROM {store.table(PREFILL_CALIBRATION_TABLE)})
     WHERE calibration_id IN {{calibration_ids:Array(String)}}
     GROUP BY node, server_port, model
 )
@@ -193,8 +214,16 @@ SETTINGS join_use_nulls = 1, optimize_on_insert = 0""",
         {
             **requests.parameters, "computed_at": now_ns,
             "calibration_ids": sorted(c.calibration_id for c in calibrations.values()),
+            "usable": sorted((c.calibration_id, unit) for c in calibrations.values() for unit in c.usable_units),
         },
     )
+
+
+def phases_source(store: Store, condition: str, thresholds: Thresholds, split_condition: str | None = None) -> str:
+    """SELECT of the phases of the requests that meet ``condition`` (``contract.figures.phases_select``), their
+    figures computed with ``thresholds``."""
+    return phases_select(store.table(REQUEST_FIGURES_TABLE), store.table(REQUEST_SPLIT_TABLE), condition,
+                         _definition(thresholds), split_condition)
 
 
 PHASE_SUMMARY_MEASURES = (
@@ -203,28 +232,48 @@ PHASE_SUMMARY_MEASURES = (
 )  # fmt: skip
 
 
-def phase_summary(store: Store, analysed: TimeRange, scope: Scope) -> pd.DataFrame:
+def phase_summary(store: Store, analysed: TimeRange, scope: Scope, thresholds: Thresholds) -> pd.DataFrame:
     """Per server and model: request count, p50 and p95 of every phase, stalls, prompt-size sources."""
     in_range, range_parameters = range_condition("req_start", "analysed", analysed)
     in_scope, scope_parameters = scope.condition()
+
     # One sample per measure for both levels (a quantile() each would keep two); NULL without values, as
     # quantile() gives.
-    quantiles = ",\n           ".join(
-        f"if(count({name}) = 0, NULL, quantiles(0.5, 0.95)({name})[{index}]) AS {name}_{level}"
-        for name in PHASE_SUMMARY_MEASURES for index, level in ((1, "p50"), (2, "p95"))
-    )
-    return store.query_df(
-        f"""SELECT node, server_port, model, count() AS requests,
-           countIf(outcome != 'complete' OR status >= 500) AS failed,
-           {quantiles},
-           sum(stalls) AS total_stalls, sum(itl_gaps) AS total_itl_gaps,
-           countIf(prompt_size_source = 'usage') AS prompt_size_from_usage,
-           countIf(prompt_size_source = 'bytes') AS prompt_size_from_bytes,
-           countIf(prefill_ms IS NULL) AS unsplit,
-           any(split_method) AS split_method
-    FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
-    WHERE {in_range} AND {in_scope}
-    GROUP BY node, server_port, model
-    ORDER BY node, server_port, model""",
+    def quantiles(names: list[str]) -> str:
+        return ", ".join(f"if(count({name}) = 0, NULL, quantiles(0.5, 0.95)({name})[{index}]) AS {name}_{level}"
+                         for name in names for index, level in ((1, "p50"), (2, "p95")))
+
+    in_split = [name for name in PHASE_SUMMARY_MEASURES if name in SPLIT_COLUMNS]
+    in_figures = [name for name in PHASE_SUMMARY_MEASURES if name not in in_split]
+    frame = store.query_df(
+        grouped_phases(
+            store, f"{in_range} AND {in_scope}", thresholds, {"node": "node", "server_port": "server_port",
+                                                              "model": "model"},
+            figures="count() AS requests, countIf(outcome != 'complete' OR status >= 500) AS failed, "
+                    f"{quantiles(in_figures)}, sum(stalls) AS total_stalls, sum(itl_gaps) AS total_itl_gaps",
+            split=f"{quantiles(in_split)}, countIf(prompt_size_source = 'usage') AS prompt_size_from_usage, "
+                  "countIf(prompt_size_source = 'bytes') AS prompt_size_from_bytes, "
+                  "countIf(prefill_ms IS NULL) AS unsplit, any(split_method) AS split_method")
+        + " ORDER BY node, server_port, model",
         {**range_parameters, **scope_parameters},
     )
+    return frame[["node", "server_port", "model", "requests", "failed",
+                  *(f"{name}_{level}" for name in PHASE_SUMMARY_MEASURES for level in ("p50", "p95")),
+                  "total_stalls", "total_itl_gaps", "prompt_size_from_usage", "prompt_size_from_bytes", "unsplit",
+                  "split_method"]] if not frame.empty else frame
+
+
+def grouped_phases(store: Store, condition: str, thresholds: Thresholds, keys: Mapping[str, str], *,
+                   figures: str, split: str) -> str:
+    """SELECT of aggregates per ``keys`` (name: expression over both tables' shared columns) of the phases
+    of the requests that meet ``condition``: ``figures`` over their ``request_figures`` rows (computed with
+    ``thresholds``), ``split`` over their splits (``FINAL``), each side aggregated apart and only the
+    aggregates joined: a join of every request costs a reader seconds over 10M of them. A group with no
+    split has its counts 0 and the rest NULL."""
+    grouping = ", ".join(f"{expression} AS {name}" for name, expression in keys.items())
+    names = ", ".join(keys)
+    return f"""SELECT * FROM (
+    SELECT {grouping}, {figures} FROM ({_stored_figures(store, condition, thresholds)}) GROUP BY {names}
+) AS figures LEFT JOIN (
+    SELECT {grouping}, {split} FROM {store.table(REQUEST_SPLIT_TABLE)} FINAL WHERE {condition} GROUP BY {names}
+) AS split USING ({names})"""

@@ -32,6 +32,7 @@ from .knee import Knee, fit_knees, latest_found_knees
 from .phases import compute_phases, phase_requests, phase_summary
 from .scope import EVERYTHING, Scope
 from .slo import SloMinutes, SloStatus, evaluate_slos
+from .split import split_requests, store_split
 from .timerange import NS_PER_S, TimeRange, range_condition
 
 # Window lengths offered when none is asked for: the smallest giving at most MAX_AUTO_WINDOWS windows.
@@ -88,7 +89,7 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
             new_requests: tuple[str, dict] | None = None, schema_ready: bool = False,
             slo_minutes: SloMinutes | None = None, idle_floors: IdleArrivalFloors | None = None,
             occupancy: KeptOccupancy | None = None, fits: KeptFits | None = None,
-            summarize: bool = True) -> AnalysisReport:
+            summarize: bool = True, held: pd.DataFrame | None = None) -> AnalysisReport:
     """Run every analysis over ``analysed`` and store the results (see the module docstring).
 
     ``new_requests`` (a condition over the requests, with its parameters) narrows the phases computed, and
@@ -101,6 +102,9 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     ``occupancy``: the request intervals an earlier pass kept (``indicators.KeptOccupancy``).
     ``fits``: the calibrations and knees an earlier pass fitted, reused until they are due (``KeptFits``).
     ``summarize=False`` leaves out the phase summary (a report for people; the live analysis has none).
+    ``held``: the requests whose split to compute, held in memory (``held.HeldRequests.take``: the live
+    analysis's own), in place of ``new_requests``: split in memory (``split.split_requests``), their rows
+    given to ``occupancy`` as they are instead of read back.
     """
     now_ns = time.time_ns() if now_ns is None else now_ns
     window_s = window_s or auto_window_s(analysed)
@@ -111,18 +115,28 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     lead_s = matrix_lead_s(window_s, config.thresholds)
     first_window_ns = Windows(analysed, window_s, lead_s).base_ns
     phases_range = TimeRange(first_window_ns, analysed.end_ns).extended_back(OCCUPANCY_LOOKBACK_S)
-    requests = phase_requests(store, phases_range, scope, config.thresholds, new_requests)
+    requests = None if held is not None else phase_requests(store, phases_range, scope, config.thresholds,
+                                                            new_requests)
+    keys = requests.keys if requests is not None else sorted(
+        (node, int(port), model) for node, port, model
+        in held[["node", "server_port", "model"]].drop_duplicates().itertuples(index=False))
     fits = fits or KeptFits.none()
-    calibrations = fits.calibrations(requests.keys, lambda keys: calibrate(
-        store, phases_range, scope, config.spans, now_ns, needed=keys, floors=idle_floors))
-    compute_phases(store, requests, calibrations, now_ns)
-    knees, fitted = fits.knees(requests.keys, lambda: (
+    calibrations = fits.calibrations(keys, lambda needed: calibrate(
+        store, phases_range, scope, config.spans, now_ns, needed=needed, floors=idle_floors))
+    if requests is not None:
+        compute_phases(store, requests, calibrations, now_ns)
+    else:
+        split = split_requests(held, calibrations)
+        store_split(store, split, now_ns)
+        if occupancy is not None:
+            occupancy.expect_held(held, split)
+    knees, fitted = fits.knees(keys, lambda: (
         fit_knees(store, analysed, scope, config.spans, now_ns),
         latest_found_knees(store, scope)))  # this run's fits, where one found a knee, are the latest
     capacities = server_capacities(knees, fitted)
     cells = compute_matrix(store, analysed, window_s, scope, config.thresholds, capacities, now_ns, occupancy)
     slos = evaluate_slos(store, analysed.end_ns, config.objectives, scope, slo_minutes)
-    summary = phase_summary(store, analysed, scope) if summarize else None
+    summary = phase_summary(store, analysed, scope, config.thresholds) if summarize else None
     return AnalysisReport(analysed, window_s, summary, calibrations, knees, capacities, cells, slos)
 
 

@@ -78,7 +78,8 @@ def _calibration_json(calibration: Calibration) -> dict:
         "fitted_at": iso(calibration.fitted_at_ns), "refitted_now": calibration.fresh,
         "engine_scale": calibration.engine_scale, "engine_samples": calibration.engine_samples,
         "fits": {unit: {"intercept_ms": f.fit.intercept, "slope_ms": f.fit.slope, "r2": f.fit.r2,
-                        "mad_ms": f.fit.mad, "n": f.fit.n, "n_outliers": f.fit.n_outliers}
+                        "mad_ms": f.fit.mad, "n": f.fit.n, "n_outliers": f.fit.n_outliers,
+                        "used": f.quality_problem is None, "quality_problem": f.quality_problem}
                  for unit, f in calibration.fits.items()},
     }
 
@@ -157,18 +158,25 @@ def _calibration_text(calibration: Calibration | None, record: dict) -> str:
     if calibration is None:
         return ("queue and prefill not split: no request has yet arrived to an idle server to calibrate "
                 "prefill time")
-    parts = []
+    lines, rejected = [], []
     for unit, label in ((TOKENS, "token"), (BYTES, "byte")):
         if unit in calibration.fits:
             fit = calibration.fits[unit].fit
+            problem = calibration.fits[unit].quality_problem
+            if problem is not None:  # a poor line is no result: it says why, not what it would predict
+                rejected.append(f"the per-{label} line ({problem}, n {fit.n})")
+                continue
             r2 = "-" if fit.r2 is None else f"{fit.r2:.2f}"
-            parts.append(f"{fit.intercept:.1f} ms + {fit.slope:.4g} ms/{label} "
+            lines.append(f"{fit.intercept:.1f} ms + {fit.slope:.4g} ms/{label} "
                          f"(R2 {r2}, MAD {fit.mad:.1f} ms, n {fit.n})")
+    not_used = f"; not used, too poor to split with: {'; '.join(rejected)}" if rejected else ""
+    if not lines:
+        return f"queue and prefill not split{not_used}"
     origin = "fitted now" if calibration.fresh else f"kept from {format_ns(calibration.fitted_at_ns)}"
     engine = f", scaled x{calibration.engine_scale:.2f} to the engine's prefill" if calibration.uses_engine else ""
     usage, size_bytes = int(record["prompt_size_from_usage"]), int(record["prompt_size_from_bytes"])
-    return (f"prefill = {'; '.join(parts)} [{origin} from idle arrivals{engine}]; prompt size from usage for "
-            f"{usage}, from request bytes for {size_bytes} requests")
+    return (f"prefill = {'; '.join(lines)} [{origin} from idle arrivals{engine}]{not_used}; prompt size from "
+            f"usage for {usage}, from request bytes for {size_bytes} requests")
 
 
 def _matrix_text(report: AnalysisReport) -> list[str]:

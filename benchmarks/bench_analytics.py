@@ -11,7 +11,9 @@ it) and prints seconds, CPU seconds (the process's, the store's threads
 included) and rows/s, so a figure taken on fewer rows
 extrapolates to the 10 million of a busy day (the target: 5 s for those).
 ``--queries`` prints every store call's elapsed time (the store's DEBUG log)
-before the line of the step that made it.
+before the line of the step that made it. With ``--baseline REF`` the whole
+analysis then runs again as of that git ref, and as this checkout once more,
+over the same requests (the baseline's tables added beside this checkout's).
 
 Then the live analysis (``analytics/live.py``): another node's four servers
 serve ``--live-rate`` requests/s (1000 by default) for ``--live-history``
@@ -19,7 +21,9 @@ seconds and then ``--live-windows`` windows of ``--live-every`` seconds, and
 ``LiveAnalysis.run_once`` analyses
 each window as the agent would when it ends, publishing to the agent's /metrics as
 with ``--metrics-port`` (the target: 100 ms a window at
-1000 requests/s). The clock is the benchmark's, so no window waits for time
+1000 requests/s), this checkout's holding the agent's requests as its sink hands them over (each window's
+rows are read from the store before its passes, untimed; the watcher's CPU and, once, the memory of a
+window's held requests are printed). The clock is the benchmark's, so no window waits for time
 to pass. With ``--baseline REF`` the analytics as of that git ref (loaded
 apart, as package ``tokenprobe_baseline``) analyse the same windows of the
 same store, each window by both in turn (alternating which goes first), so
@@ -56,6 +60,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,10 +74,13 @@ from tokenprobe.analytics.indicators import (
 )
 from tokenprobe.analytics.knee import fit_knees
 from tokenprobe.analytics.phases import compute_phases, phase_requests, phase_summary
+from tokenprobe.analytics import pipeline
 from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.slo import evaluate_slos
-from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+from tokenprobe.analytics.held import TIMES
+from tokenprobe.analytics.timerange import NS_PER_S, TimeRange, range_condition
+from tokenprobe.contract import measures
 from tokenprobe.contract.requests import REQUESTS_TABLE
 from tokenprobe.refserver.overload import percentile
 from tokenprobe.store.client import Store
@@ -158,24 +166,48 @@ def generate(store, node: str, start_ns: int, span_s: int, requests: int) -> Non
                                                         span_ns=span_s * NS_PER_S, requests=requests))
 
 
-def agent_live_analysis(package: str) -> Callable[..., object]:
+def agent_live_analysis(package: str, **options) -> Callable[..., object]:
     """``LiveAnalysis`` of the product installed as ``package``, as an agent with ``--metrics-port`` runs it:
-    each pass also published to the agent's /metrics (its ``MetricsOutlet``)."""
+    each pass also published to the agent's /metrics (its ``MetricsOutlet``); ``options`` as the agent gives
+    them."""
     live = importlib.import_module(f"{package}.analytics.live").LiveAnalysis
     outlets = importlib.import_module(f"{package}.analytics.outlets")
     metrics = importlib.import_module(f"{package}.agent.export.metrics_endpoint")
-    return lambda *args, **kwargs: live(*args, outlets=[outlets.MetricsOutlet(metrics.AgentMetrics())], **kwargs)
+    return lambda *args, **kwargs: live(*args, outlets=[outlets.MetricsOutlet(metrics.AgentMetrics())], **options,
+                                        **kwargs)
 
 
-def baseline_live_analysis(ref: str, directory: Path) -> Callable[..., object]:
-    """``agent_live_analysis`` as of git ``ref``: the product imports itself relatively, so it loads under
-    another name."""
+def agents_rows(store, ended: TimeRange) -> list[dict]:
+    """The live node's requests that ended in ``ended``, as the agent's sink takes its rows (the columns
+    ``HeldRequests`` keeps; timestamps in Unix ns)."""
+    # named apart: an alias would stand for the column in the condition too
+    times = ", ".join(f"toUnixTimestamp64Nano({name}) AS {name}_ns" for name in TIMES)
+    in_range, parameters = range_condition(measures.ENDED_AT, "ended", ended)
+    frame = store.query_df(
+        f"SELECT node, method, server_port, model, conn_id, req_seq, {times}, prompt_tokens, bytes_in"
+        f" FROM {store.table(REQUESTS_TABLE)} WHERE node = '{LIVE_NODE}' AND {in_range}", parameters)
+    frame = frame.rename(columns={f"{name}_ns": name for name in TIMES})
+    frame["prompt_tokens"] = frame["prompt_tokens"].astype(object).where(frame["prompt_tokens"].notna(), None)
+    return frame.to_dict("records")
+
+
+def load_baseline(ref: str, directory: Path) -> None:
+    """Make the product as of git ``ref`` importable as ``BASELINE_PACKAGE`` (it imports itself relatively,
+    so it loads under another name); once."""
+    if (directory / BASELINE_PACKAGE).exists():
+        return
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], check=True,
                              capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(directory / BASELINE_PACKAGE, filter="data")
     sys.path.insert(0, str(directory))
-    return agent_live_analysis(BASELINE_PACKAGE)
+
+
+def add_baseline_tables(store) -> None:
+    """The tables the baseline writes that this checkout's schema has no more (or not yet)."""
+    registry = importlib.import_module(f"{BASELINE_PACKAGE}.contract.registry")
+    for statement in registry.create_statements(store.database, embedded=True):
+        store.command(statement)
 
 
 class CollectedCalls(logging.Handler):
@@ -216,6 +248,10 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
     pass_store = store if live_store is None else live_store
     passes = {name: live(pass_store, LIVE_NODE, every_s=every_s, settle_s=0, clock_ns=lambda: clock[0])
               for name, live in implementations.items()}
+    # Those that hold the agent's requests get each window's as the agent's sink hands them over.
+    holding = {name: live.held for name, live in passes.items() if getattr(live, "held", None) is not None}
+    holding_s: list[float] = []
+    held_bytes = None
     queries = CollectedCalls() if show_queries else None
     if queries:
         log_store_calls(queries)
@@ -223,6 +259,19 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
     last_queries: dict[str, list[tuple[str, float]]] = {}
     for index in range(windows):
         clock[0] = first_end_ns + (index + 1) * window_ns
+        if holding:
+            rows = agents_rows(store, TimeRange(clock[0] - window_ns, clock[0]))
+            for held in holding.values():
+                tracing = held_bytes is None and index == 1  # a window of the steady state, once
+                if tracing:
+                    tracemalloc.start()
+                started = time.thread_time()
+                for row in rows:
+                    held.add(row)
+                holding_s.append(time.thread_time() - started)
+                if tracing:
+                    held_bytes = tracemalloc.get_traced_memory()[0]
+                    tracemalloc.stop()
         names = list(passes) if index % 2 == 0 else list(reversed(passes))
         for name in names:
             if queries:
@@ -246,6 +295,11 @@ def live_windows(store, end_ns: int, rate: int, every_s: int, windows: int, hist
               f" CPU median {statistics.median(cpu) * 1000:6.0f} ms; mean {statistics.mean(wall) * 1000:6.0f} ms"
               f" (CPU {statistics.mean(cpu) * 1000:6.0f} ms); first pass {first_wall:5.1f} s"
               f" (CPU {first_cpu:5.1f} s); {per_window / statistics.median(wall):10,.0f} requests/s{own}", flush=True)
+    if holding_s:
+        traced = "" if held_bytes is None else (f"; a window's requests held: {held_bytes / 2**20:.1f} MiB"
+                                                f" ({held_bytes / per_window:.0f} B a request, tracemalloc)")
+        print(f"    holding a window's requests (the sink's watcher, on the capture thread): CPU median"
+              f" {statistics.median(holding_s) * 1000:.0f} ms{traced}")
     if queries:  # what a call costs however little it reads: what merging two calls saves at most
         queries.taken = []  # not the last window's
         print(f"    a store call's own cost (SELECT 1, median of {CALL_COST_SAMPLES}):"
@@ -308,7 +362,7 @@ def main() -> int:
                                                                          config.spans, now_ns))
         timed("phases (INSERT ... SELECT)", n, lambda: compute_phases(
             store, phase_requests(store, phases_range, EVERYTHING, config.thresholds), calibrations, now_ns))
-        timed("phase summary", n, lambda: phase_summary(store, analysed, EVERYTHING))
+        timed("phase summary", n, lambda: phase_summary(store, analysed, EVERYTHING, config.thresholds))
         knees = timed("knee", n, lambda: fit_knees(store, analysed, EVERYTHING, config.spans, now_ns))
         cells = timed("indicator matrix", n, lambda: compute_matrix(
             store, analysed, window_s, EVERYTHING, config.thresholds, server_capacities(knees, knees), now_ns))
@@ -319,12 +373,24 @@ def main() -> int:
         print(f"{len(calibrations)} calibrations, knees {{{found}}}, {len(cells)} matrix cells")
         print_timing("full analysis", n, full_s, full_cpu_s, f"  (10M requests: {10_000_000 * full_s / n:.1f} s,"
                      f" {10_000_000 * full_cpu_s / n:.1f} CPU-s at this rate)")
+        if args.baseline:  # the whole analysis again, as the baseline runs it, over the same requests
+            load_baseline(args.baseline, baseline_directory)
+            add_baseline_tables(store)
+            baseline = importlib.import_module(f"{BASELINE_PACKAGE}.analytics.pipeline")
+            for label, analysis in ((f"full analysis, baseline ({args.baseline})", baseline),
+                                    ("full analysis, this checkout, again", pipeline)):
+                started, cpu_started = time.perf_counter(), process_cpu_s()
+                analysis.analyze(store, analysed, window_s=window_s, now_ns=time.time_ns(), schema_ready=True)
+                seconds, cpu_s = time.perf_counter() - started, process_cpu_s() - cpu_started
+                print_timing(label, n, seconds, cpu_s, f"  (10M requests: {10_000_000 * seconds / n:.1f} s,"
+                             f" {10_000_000 * cpu_s / n:.1f} CPU-s at this rate)")
         if args.live_windows:
             print("live analysis (the agent's incremental windows, another node's servers):")
-            implementations = {"this checkout": agent_live_analysis("tokenprobe")}
+            implementations = {"this checkout": agent_live_analysis("tokenprobe", hold_requests=True)}
             if args.baseline:
-                implementations[f"baseline ({args.baseline})"] = baseline_live_analysis(args.baseline,
-                                                                                              baseline_directory)
+                load_baseline(args.baseline, baseline_directory)
+                implementations[f"baseline ({args.baseline})"] = agent_live_analysis(BASELINE_PACKAGE)
+                add_baseline_tables(store)  # again: harmless, and needed where the full analysis had none
             if args.store_apart:  # this process owns the store: opened again, it is a client of its server
                 live_store = open_store(f"chdb://{directory}")
             live_windows(store, end_ns, args.live_rate, args.live_every, args.live_windows, args.live_history,

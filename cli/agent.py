@@ -132,7 +132,8 @@ def start_live_analysis(cfg: AgentConfig, store: Store, node: str, exporters: Ex
     if cfg.alertmanager_urls:
         outlets.append(AlertmanagerOutlet(AlertmanagerClient(cfg.alertmanager_urls)))
     live = LiveAnalysis(store, node, every_s=cfg.analyze_every_s, config=cfg.analysis, outlets=outlets,
-                        samples_inflight=True, before_pass=before_each_pass(sink, samplers))
+                        samples_inflight=True, before_pass=before_each_pass(sink, samplers), hold_requests=True)
+    sink.watch(live.held.add)  # its passes take the requests the agent produced from memory
     live.start()
     exporters.live = live
     log.info("analysing this node's servers every %d s (%s)", cfg.analyze_every_s,

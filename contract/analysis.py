@@ -1,9 +1,15 @@
 """The tables the analytics write.
 
-- ``request_phases``: one row per inference request (POST), where its time
-  went. Recomputed for a time range on every analysis run; the newest
-  computation of a request replaces older ones (ReplacingMergeTree on
-  ``computed_at``), so readers query it with ``FINAL``.
+- ``request_split``: one narrow row per inference request (POST): how its
+  server TTFT splits into queue, prefill and server overhead, and by which
+  calibration and method. Recomputed for a time range on every analysis run;
+  the newest computation of a request replaces older ones (ReplacingMergeTree
+  on ``computed_at``), so readers query it with ``FINAL``; with the times of its
+  occupancy interval (``OCCUPANCY_COLUMNS``). A request's other
+  phases are its ``request_figures`` row's (``contract/figures.py``), computed
+  once at insert: ``phases_select`` there joins the two for readers, so no pass
+  rewrites every column of every request (the wide ``request_phases`` copy
+  an older tokenprobe wrote is dropped, ``RETIRED_TABLES``).
 - ``prefill_calibration``: every prefill-time fit, one row per fitted size
   unit (``tokens`` from usage, ``bytes`` from the request size); a
   calibration is all rows with one ``calibration_id``.
@@ -29,7 +35,9 @@ from .tables import (
     Table,
 )
 
-REQUEST_PHASES_TABLE = "request_phases"
+REQUEST_SPLIT_TABLE = "request_split"
+# Tables an older tokenprobe made that this one has no more (derived data, recomputed by an analysis).
+RETIRED_TABLES = ("request_phases",)
 PREFILL_CALIBRATION_TABLE = "prefill_calibration"
 KNEE_TABLE = "knee"
 INDICATOR_MATRIX_TABLE = "indicator_matrix"
@@ -38,6 +46,8 @@ SLO_STATUS_TABLE = "slo_status"
 _LABEL = "LowCardinality(String)"
 _MS = "Nullable(Float32)"
 
+# A request's phases, as ``phases_select`` (contract/figures.py) gives them: its ``request_figures`` row's
+# columns, and the split's (``SPLIT_COLUMNS``) from ``request_split``.
 REQUEST_PHASES_COLUMNS: tuple[Column, ...] = (
     Column("node", _LABEL, OPAQUE_CODEC),
     Column("server_port", "UInt16", INTEGER_CODEC),
@@ -83,10 +93,20 @@ REQUEST_PHASES_COLUMNS: tuple[Column, ...] = (
     Column("prompt_size", "Nullable(UInt64)", INTEGER_CODEC),
     Column("prompt_size_source", _LABEL, OPAQUE_CODEC),  # usage (tokens) | bytes (request bytes)
     Column("calibration_id", _LABEL, OPAQUE_CODEC),  # '' when queue and prefill could not be split
-    # engine | engine_prefill | calibration | calibration+engine | calibration+engine+overhead | ''
+    # engine | engine_prefill | calibration | calibration+engine | calibration+engine+overhead | poor fit | ''
     Column("split_method", _LABEL, OPAQUE_CODEC),
     Column("computed_at", TIMESTAMP_TYPE, TIMESTAMP_CODEC),
 )
+# What a pass stores per request: its key, what the calibration decides, and the times its occupancy
+# interval needs (read with the split, they spare the matrix a join of every request with its figures).
+OCCUPANCY_COLUMNS = ("req_end", "last_token", "finished_at")
+KEY_COLUMNS = ("node", "server_port", "req_start", "conn_id", "req_seq")
+SPLIT_COLUMNS = ("queue_ms", "prefill_ms", "overhead_ms", "prompt_size", "prompt_size_source", "calibration_id",
+                 "split_method")
+_PHASE_COLUMN = {column.name: column for column in (
+    *REQUEST_PHASES_COLUMNS, Column("finished_at", TIMESTAMP_TYPE, TIMESTAMP_CODEC))}  # measures.FINISHED_AT
+REQUEST_SPLIT_COLUMNS: tuple[Column, ...] = tuple(
+    _PHASE_COLUMN[name] for name in (*KEY_COLUMNS, "model", *SPLIT_COLUMNS, *OCCUPANCY_COLUMNS, "computed_at"))
 
 PREFILL_CALIBRATION_COLUMNS: tuple[Column, ...] = (
     Column("calibration_id", _LABEL, OPAQUE_CODEC),
@@ -174,8 +194,8 @@ SLO_STATUS_COLUMNS: tuple[Column, ...] = (
 )
 
 
-REQUEST_PHASES = Table(
-    REQUEST_PHASES_TABLE, REQUEST_PHASES_COLUMNS, engine="ReplacingMergeTree(computed_at)",
+REQUEST_SPLIT = Table(
+    REQUEST_SPLIT_TABLE, REQUEST_SPLIT_COLUMNS, engine="ReplacingMergeTree(computed_at)",
     partition_by="req_start", order_by="node, server_port, req_start, conn_id, req_seq", ttl_column="req_start",
 )
 PREFILL_CALIBRATION = Table(

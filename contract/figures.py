@@ -1,12 +1,13 @@
 """``request_figures``: every inference request's figures that no calibration changes, computed once, at insert.
 
-Of a request's phases (``request_phases``, ``contract/analysis.py``) only
-queue, prefill and overhead depend on the prefill calibration; network in
+Of a request's phases (``REQUEST_PHASES_COLUMNS``, ``contract/analysis.py``)
+only queue, prefill and overhead depend on the prefill calibration; network in
 and out, TTFT, decode, end to end, TPOT, the ITL quantiles, stalls and the
 decode-rate ratio depend on the row alone, and most of a pass's cost is
 theirs (the token-gap arrays). ``request_figures_mv`` computes them on every
 insert into ``requests`` (a replayed batch deduplicates as there), keyed like
-``request_phases``, so an analysis pass only splits the TTFT.
+``request_split``, so an analysis pass only splits the TTFT and stores the
+split narrow; readers join the two (``phases_select``).
 
 Stalls and the decode-rate ratio depend on two thresholds; the view computes
 them with the analytics' defaults. Every row names the definition it was
@@ -14,7 +15,7 @@ computed by (``definition``: a digest of its expressions, thresholds
 included), so a pass with other thresholds, or over rows an older tokenprobe
 computed otherwise, or over rows the table lacks (stored before it existed and
 not back-filled), computes the figures from ``requests`` instead, with the
-same expressions (``figures_select``).
+same expressions (``figures_select``), and stores them here under their own definition.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import hashlib
 
 from . import measures
-from .analysis import REQUEST_PHASES_COLUMNS
+from .analysis import KEY_COLUMNS, REQUEST_PHASES_COLUMNS, SPLIT_COLUMNS
 from .requests import REQUESTS, REQUESTS_TABLE
 from .tables import DEDUPLICATION_WINDOW_SETTING, OPAQUE_CODEC, Column, Table, View
 
@@ -76,6 +77,22 @@ def figures_definition(stall_factor: float, long_stream_events: int) -> str:
     return hashlib.sha256("\n".join(_select_list(stall_factor, long_stream_events)).encode()).hexdigest()[:16]
 
 
+def phases_select(figures_table: str, split_table: str, condition: str, definition: str,
+                  split_condition: str | None = None) -> str:
+    """SELECT of the phases (``REQUEST_PHASES_COLUMNS``) of the analysed requests of ``figures_table`` that
+    meet ``condition`` and were computed by ``definition``: each its figures row with its split
+    (``split_table``, read ``FINAL``; an analysed request has one, its queue and prefill NULL where they
+    could not be split). ``split_condition`` selects the splits read (default ``condition``, which may then
+    name only the key and ``model``): a reader bounds both sides of the join.
+    """
+    split_columns = ", ".join((*KEY_COLUMNS, *SPLIT_COLUMNS, "finished_at", "computed_at"))
+    return f"""SELECT * FROM (
+    SELECT * FROM {figures_table} WHERE ({condition}) AND definition = '{definition}'
+) AS figures INNER JOIN (
+    SELECT {split_columns} FROM {split_table} FINAL WHERE {split_condition or condition}
+) AS split USING ({", ".join(KEY_COLUMNS)})"""
+
+
 def figures_select(requests: str, stall_factor: float, long_stream_events: int, condition: str | None = None) -> str:
     """SELECT of ``request_figures``' columns for the inference requests of the table ``requests`` (that meet
     ``condition``), computed with these thresholds."""
@@ -88,6 +105,10 @@ FROM (
     FROM {requests}
     WHERE {measures.IS_INFERENCE}{"" if condition is None else f" AND {condition}"}
 )"""
+
+
+# The definition of the rows ``request_figures_mv`` computes: what readers outside an analysis read.
+DEFAULT_DEFINITION = figures_definition(DEFAULT_STALL_FACTOR, DEFAULT_LONG_STREAM_EVENTS)
 
 
 def _columns() -> tuple[Column, ...]:

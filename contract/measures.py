@@ -62,6 +62,10 @@ IS_SLO_ELIGIBLE = f"{IS_INFERENCE} AND NOT (status BETWEEN 400 AND 499)"
 # moment it reached when it was cut off. Windows of ended requests (the
 # controller's, the live analysis' watermark) are chosen by it.
 ENDED_AT = "coalesce(resp_end, last_token, first_token, resp_start, req_end, req_start)"
+# Until when a request occupied its server (the matrix's occupancy): its last response byte, else the last
+# moment of its own it reached.
+FINISHED_AT_COLUMNS = ("resp_end", "last_token", "first_token", "req_end", "req_start")
+FINISHED_AT = f"coalesce({', '.join(FINISHED_AT_COLUMNS)})"
 # The request reached no successful end: server error, no response, an error inside the response (an
 # error event in a 200 stream), cut off.
 FAILED = "(status >= 500 OR status = 0 OR outcome IN ('error', 'reset', 'truncated'))"

@@ -12,7 +12,7 @@ from .analysis import (
     INDICATOR_MATRIX,
     KNEE,
     PREFILL_CALIBRATION,
-    REQUEST_PHASES,
+    REQUEST_SPLIT,
     SLO_STATUS,
 )
 from .decisions import DECISIONS
@@ -31,7 +31,7 @@ TABLES: tuple[Table, ...] = (
     ENGINE_SAMPLES,
     SERVER_GPUS,
     INFLIGHT_SAMPLES,
-    REQUEST_PHASES,
+    REQUEST_SPLIT,
     PREFILL_CALIBRATION,
     KNEE,
     INDICATOR_MATRIX,

@@ -8,8 +8,8 @@
   ITL, from the per-minute rollup (``rollup``) where it is complete for the
   window, else by a scan;
 - ``phase_breakdown``: per time bin, the mean time a request spent in each
-  phase. From ``request_phases`` (``tokenprobe analyze``: queue and prefill
-  split) where it covers the window, else from the raw requests, with queue
+  phase. From the requests' figures and their split (``request_split``,
+  written by ``tokenprobe analyze`` and the agent's live analysis) where the split covers the window, else from the raw requests, with queue
   and prefill together as server TTFT;
 - ``gpu_usage``: memory used and utilization per GPU per time bin;
 - ``indicator_matrix``: the latest state of every indicator for every server
@@ -39,8 +39,9 @@ import pandas as pd
 
 from ..analytics.scope import Scope, Server
 from ..contract import measures
-from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_PHASES_TABLE
+from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_SPLIT_TABLE
 from ..contract.decisions import DECISIONS_TABLE
+from ..contract.figures import DEFAULT_DEFINITION, REQUEST_FIGURES_TABLE, phases_select
 from ..contract.latency import (
     DEFAULT_BANDS_PER_DECADE,
     band_bounds_ms,
@@ -382,10 +383,10 @@ LIMIT {{limit:UInt32}}""",
 
     def _phase_events(self, key_condition: str, key: Mapping, req_end_ms: float) -> list[tuple]:
         """The end of queue and of prefill, from analytics' split of this request, when it has one."""
-        if pd.isna(req_end_ms) or not self.has_table(REQUEST_PHASES_TABLE):
+        if pd.isna(req_end_ms) or not self.has_table(REQUEST_SPLIT_TABLE):
             return []
         rows = self.store.query_rows(
-            f"SELECT queue_ms, prefill_ms FROM {self.store.table(REQUEST_PHASES_TABLE)} FINAL"
+            f"SELECT queue_ms, prefill_ms FROM {self.store.table(REQUEST_SPLIT_TABLE)} FINAL"
             f" WHERE {key_condition} AND calibration_id != '' LIMIT 1",
             key,
         )
@@ -399,16 +400,19 @@ LIMIT {{limit:UInt32}}""",
 
     def phase_breakdown(self, filters: Filters, bin_s: int) -> tuple[pd.DataFrame, bool]:
         """Per time bin and phase, the mean ms a request spent in it (time_bin, phase, mean_ms), and
-        whether the figures come from analytics' request_phases (queue and prefill split).
+        whether the figures come from analytics' split (queue and prefill).
 
         Each phase's total is divided by all the bin's requests, so the phases
-        stack up to the mean end-to-end time. From request_phases, requests
+        stack up to the mean end-to-end time. Where the split is there, requests
         whose queue and prefill could not be split count as "server TTFT".
         """
-        analysed = self.has_rows(REQUEST_PHASES_TABLE, "req_start", filters)
+        analysed = self.has_rows(REQUEST_SPLIT_TABLE, "req_start", filters)
         if analysed:
             where, parameters = filters.conditions("req_start")
-            source = f"{self.store.table(REQUEST_PHASES_TABLE)} FINAL WHERE {where}"
+            split_where, _ = filters.conditions("req_start", routes=False)  # the split has no route
+            source = "({})".format(phases_select(self.store.table(REQUEST_FIGURES_TABLE),
+                                                 self.store.table(REQUEST_SPLIT_TABLE), where, DEFAULT_DEFINITION,
+                                                 split_where))
             split = "calibration_id != ''"
             phases = {"network in": "network_in_ms", "queue": f"if({split}, queue_ms, NULL)",
                       "prefill": f"if({split}, prefill_ms, NULL)",

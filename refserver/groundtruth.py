@@ -3,7 +3,7 @@
 The reference server (``refserver``) logs, per request, when it was fully
 read (``arrival_ns``), got a slot (``slot_ns``) and finished prefill
 (``prefill_done_ns``): its true queue time is ``slot − arrival`` and its true
-prefill ``prefill_done − slot``. Matched to ``request_phases`` by response id,
+prefill ``prefill_done − slot``. Matched to the analysed split (``request_split``) by response id,
 each request's error is |estimate − truth|, also relative to its TTFT (the
 quantity being split).
 
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..contract.analysis import REQUEST_PHASES_TABLE
+from ..contract.analysis import KEY_COLUMNS, REQUEST_SPLIT_TABLE
+from ..contract.figures import DEFAULT_DEFINITION, REQUEST_FIGURES_TABLE, phases_select
 from ..store.client import Store
 from .loadgen import LoadConfig, burst, run_load
 
@@ -30,7 +31,7 @@ DRAIN_S = 0.5
 
 
 def phase_errors(store: Store, truth: Iterable[Mapping]) -> pd.DataFrame:
-    """One row per request present in both the truth log and ``request_phases`` with a split.
+    """One row per request present in both the truth log and the analysed split (``request_split``).
 
     Columns: response_id, ttft_ms (measured server TTFT), queue_ms, prefill_ms
     (estimated), true_queue_ms, true_prefill_ms, queue_error (|error| / TTFT),
@@ -44,14 +45,17 @@ def phase_errors(store: Store, truth: Iterable[Mapping]) -> pd.DataFrame:
     }
     if not true_times:
         raise ValueError("the truth log has no request that reached prefill")
+    figures, key = store.table(REQUEST_FIGURES_TABLE), ", ".join(KEY_COLUMNS)
+    in_truth = "response_id IN {ids:Array(String)}"
+    phases = phases_select(figures, store.table(REQUEST_SPLIT_TABLE), in_truth, DEFAULT_DEFINITION,
+                           split_condition=f"({key}) IN (SELECT {key} FROM {figures} WHERE {in_truth})")
     measured = store.query_df(
         f"""SELECT response_id, ttft_server_ms AS ttft_ms, queue_ms, prefill_ms, inflight_at_arrival
-            FROM {store.table(REQUEST_PHASES_TABLE)} FINAL
-            WHERE response_id IN {{ids:Array(String)}} AND queue_ms IS NOT NULL""",
+            FROM ({phases}) WHERE queue_ms IS NOT NULL""",
         {"ids": sorted(true_times)},
     )
     if measured.empty:
-        raise ValueError("no request of the truth log has a queue/prefill split in request_phases")
+        raise ValueError("no request of the truth log has a queue/prefill split in request_split")
     measured["true_queue_ms"] = [true_times[i][0] for i in measured["response_id"]]
     measured["true_prefill_ms"] = [true_times[i][1] for i in measured["response_id"]]
     measured["queue_error"] = (measured["queue_ms"] - measured["true_queue_ms"]).abs() / measured["ttft_ms"]

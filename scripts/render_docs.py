@@ -35,8 +35,9 @@ TABLE_PURPOSE = {
                    "uses; re-written every minute.",
     "inflight_samples": "the requests still in flight, sampled by the agent every live-analysis window: how "
                         "old each is and how long since it last progressed.",
-    "request_phases": "one row per inference request (POST): where its time went. A re-analysis of a range "
-                      "replaces its rows: read it with `FINAL`.",
+    "request_split": "one row per analysed inference request: its server TTFT split into queue, prefill and "
+                     "overhead, and how (the rest of its phases are its `request_figures` row). A re-analysis of a "
+                     "range replaces its rows: read it with `FINAL`.",
     "prefill_calibration": "every prefill-time fit (prefill ≈ intercept + slope × prompt size, on idle "
                            "arrivals), one row per size unit.",
     "knee": "every capacity-knee fit per server and model: the concurrency past which TTFT turns steep.",
@@ -209,31 +210,24 @@ COLUMN_MEANING = {
         "since_progress_ms": "time since its last sign of life (last text event, else last request byte): "
                              "what a silent stall shows in",
     },
-    "request_phases": {
-        "network_in_ms": "request bytes, plus accept wait and TLS on a connection's first request",
-        "accept_wait_ms": "accept → first byte, on a connection's first request",
-        "tls_ms": "TLS handshake, on a connection's first request",
-        "queue_ms": "server TTFT − predicted prefill − overhead; NULL if not split",
-        "prefill_ms": "predicted prefill (the calibration), capped at the TTFT; NULL if not split",
-        "overhead_ms": "server TTFT spent outside the engine (API server, tokenising), where the engine's own "
-                       "TTFT tells it",
-        "decode_ms": "first → last text event",
-        "network_out_ms": "last text event → last byte out",
-        "ttft_server_ms": "request last byte → first text event",
-        "ttft_client_ms": "request first byte → first text event, plus accept and TLS on a first request",
-        "e2e_ms": "request first byte → last response byte, plus accept → first byte on a first request",
-        "tpot_ms": "decode / (output tokens − 1)",
-        "itl_p50_ms": "median gap between text events",
-        "itl_max_ms": "longest gap between text events",
-        "itl_gaps": "gaps between text events",
-        "stalls": "gaps over 5× the stream's median gap",
-        "decode_rate_ratio": "long streams only: decode rate in the last quarter of events over the first",
-        "output_tokens": "`completion_tokens` from `usage`, else counted text events",
-        "output_tokens_source": "`usage` or `events`",
+    "request_split": {
+        "node": "the node", "server_port": "the server's port", "req_start": "the request's first byte",
+        "conn_id": "the connection (as in `requests`)", "req_seq": "the request's place on its connection",
+        "model": "the model",
+        "queue_ms": "server TTFT − prefill − overhead, or the engine's stated queue; NULL if not split",
+        "prefill_ms": "the engine's stated prefill, else predicted prefill (the calibration), capped at the "
+                      "TTFT; NULL if not split",
+        "overhead_ms": "server TTFT spent outside the engine (API server, tokenising): the rest of the TTFT "
+                       "where the engine states its queue and prefill, else the calibration's",
         "prompt_size": "the size the calibration reads: prompt tokens, else request bytes",
         "prompt_size_source": "`usage` (tokens) or `bytes` (request bytes)",
-        "calibration_id": "the prefill calibration that split it; `''`: not split",
-        "split_method": "`calibration`, `calibration+engine`, `calibration+engine+overhead`, or `''`",
+        "calibration_id": "the prefill calibration that split it; `''`: not split by one",
+        "split_method": "`engine` or `engine_prefill` (the engine's stated figures), `calibration`, "
+                        "`calibration+engine`, `calibration+engine+overhead`, `poor fit` (the calibration was too "
+                        "poor to split with), or `''`",
+        "req_end": "the request's last byte (its occupancy's start)",
+        "last_token": "the last text event",
+        "finished_at": "until when it occupied its server (its last response byte, else the latest it reached)",
         "computed_at": "when this computation ran: the newest replaces older ones (`FINAL`)",
     },
     "prefill_calibration": {

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 # At DEBUG, every call's elapsed time and the start of its statement: where an analysis spends its seconds.
 QUERY_LOG_CHARS = 160
 
+from ..contract.analysis import RETIRED_TABLES
 from ..contract.registry import TABLES, create_statements, materialized_views, tables
 from ..contract.requests import REQUESTS_FOR_VIEWS_TABLE, REQUESTS_TABLE, RETIRED_EMBEDDED_VIEWS
 from ..contract.tables import DEDUPLICATION_WINDOW_SETTING, DEFAULT_TTL_DAYS, Table, View
@@ -213,6 +214,7 @@ class Store:
             "SELECT name FROM system.tables WHERE database = {database:String}", {"database": self.database})}
         if embedded:
             self._drop_retired_views(existing)
+        self._drop_retired_tables(existing)
         for statement in create_statements(self.database, ttl_days, embedded=embedded):
             if statement in views:
                 self._drop_outdated_view(views[statement])
@@ -249,6 +251,15 @@ class Store:
                 logger.info("store %s: dropping materialized view %s (its writers now feed the views)", self.url,
                             self.table(name))
                 self.command(f"DROP VIEW IF EXISTS {self.table(name)}")
+
+    def _drop_retired_tables(self, existing: Collection[str]) -> None:
+        """Drop the tables an older release made that this one has no more (derived data an analysis
+        recomputes). A cluster's are the operator's to drop (deploy/clickhouse/cluster.sql)."""
+        retired = [name for name in RETIRED_TABLES if name in existing]
+        if retired and not self._on_cluster():
+            for name in retired:
+                logger.info("store %s: dropping table %s (retired)", self.url, self.table(name))
+                self.command(f"DROP TABLE IF EXISTS {self.table(name)}")
 
     def _drop_outdated_view(self, view: View) -> None:
         """Drop ``view`` if the store has it by another definition than the current one (its comment

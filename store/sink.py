@@ -6,7 +6,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,12 +177,18 @@ class RequestSink:
         # Handed to the spooling thread, not yet written: rows, token, wall time handed over.
         self._overflows: list[tuple[list[dict], str, float]] = []
         self._overflow_rows = 0
+        self._watchers: list[Callable[[dict], None]] = []
         self._thread = threading.Thread(target=self._run, name=f"tokenprobe-sink-{table}", daemon=True)
         self._thread.start()
         self._spooler = threading.Thread(target=self._spool_overflows, name=f"tokenprobe-spool-{table}", daemon=True)
         self._spooler.start()
 
     # -- the caller's side ------------------------------------------------------
+
+    def watch(self, watcher: Callable[[dict], None]) -> None:
+        """Hand ``watcher`` every row ``put`` takes from now on, on the caller's thread (the agent's live
+        analysis holds its requests so: ``analytics/held.py``). It must be quick and must not raise."""
+        self._watchers.append(watcher)
 
     def put(self, row: dict) -> None:
         """Queue one row; never waits for the store nor the disk. ValueError if the row does not fit the table."""
@@ -202,6 +208,8 @@ class RequestSink:
                     overflow = None
             elif len(self._queued) >= self._batch_rows:
                 self._condition.notify_all()  # all: one notify could wake a feed_views() caller, not the writer
+        for watcher in self._watchers:
+            watcher(row)
         if overflow:
             self._record_failure(f"lost {len(overflow)} rows: the store is slow and the disk too, "
                                  f"{MAX_OVERFLOWS_WAITING} overflows still wait to be spooled", lost=len(overflow))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from tokenprobe.analytics import robust
+from tokenprobe.analytics.calibration import UnitFit
 from tokenprobe.analytics.config import AnalyticsConfig, Thresholds, load_config
 from tokenprobe.analytics.robust import fit_knee, theil_sen
 from tokenprobe.analytics.scope import Scope, Server
@@ -228,3 +229,19 @@ def test_scope_condition_binds_servers_and_models():
     assert Scope().condition() == ("1", {})
     with pytest.raises(ValueError):
         Server.parse("gpu-a:http")
+
+
+def test_a_prefill_line_is_used_only_where_it_predicts_well():
+    rng = np.random.default_rng(3)
+    sizes = rng.uniform(100, 4000, 400)
+    # prefill follows the prompt size: used
+    assert unit_fit(sizes, 20 + 0.1 * sizes + rng.normal(0, 2, 400)).quality_problem is None
+    # prompts of one size: nothing for R2 to explain, but the flat line is within a few % of every TTFT
+    assert unit_fit(np.full(400, 512.0), 60 + rng.normal(0, 2, 400)).quality_problem is None
+    # the size explains nothing and the error is as large as the TTFT itself: not used, and it says why
+    problem = unit_fit(sizes, rng.uniform(0, 300, 400)).quality_problem
+    assert problem is not None and problem.startswith(("R2 0.0", "R2 -0.0")) and "MAD" in problem
+
+
+def unit_fit(sizes: np.ndarray, ttft_ms: np.ndarray) -> UnitFit:
+    return UnitFit("bytes", theil_sen(sizes, ttft_ms), int(sizes.min()), int(sizes.max()))

@@ -16,6 +16,7 @@ what the scenario was built to show.
 | 8006 | TTFT failing for the last 20 minutes: page |
 | 8007 | 10% of TTFT failing for 6 hours: ticket |
 | 8008 | the engine reports twice the prefill the idle arrivals show |
+| 8009 | TTFT unrelated to prompt size (a random 0-300 ms): a prefill fit too poor to split with |
 """
 
 from __future__ import annotations
@@ -34,17 +35,20 @@ from tokenprobe.agent.sampling.samplers import (
     server_gpus_arrow,
 )
 from tokenprobe.analytics import indicators
-from tokenprobe.analytics.calibration import BYTES, TOKENS
+from tokenprobe.analytics.calibration import BYTES, MIN_R2, TOKENS
 from tokenprobe.analytics.cli import add_analyze_parser
 from tokenprobe.analytics.config import AnalysisSpans, AnalyticsConfig
 from tokenprobe.analytics.figures import window_figures
 from tokenprobe.analytics.indicators import Windows
 from tokenprobe.analytics.pipeline import analyze
+from tokenprobe.analytics.phases import POOR_FIT
 from tokenprobe.analytics.scope import EVERYTHING, Scope, Server
+from tokenprobe.analytics.split import split_requests
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
 from tokenprobe.contract.indicators import CRIT, NO_DATA, OK, WARN
 from tokenprobe.store.embedded import open_store
 
+from tests.support.phases import phases_of
 from tests.support.slot_simulation import MS, LoadPhase, SlotServer, simulate
 
 NODE = "sim-node"
@@ -143,6 +147,8 @@ def build_scenarios(store) -> dict[str, list]:
     ticket = simulate(SERVER, [LoadPhase(6 * 3600, 1 / 30)], start_ns=END_NS - 360 * MINUTE, node=NODE,
                       port=8007, seed=8)
     engine = simulate(SERVER, [LoadPhase(480, 3.0)], start_ns=START_NS, node=NODE, port=8008, seed=9)
+    unrelated = simulate(SERVER, [LoadPhase(480, 1.0)], start_ns=START_NS, node=NODE, port=8009, seed=10)
+    noise_ms = np.random.default_rng(10).uniform(0, 300, len(unrelated))
 
     rows = rows_of(load) + rows_of(retries) + rows_of(gpu) + rows_of(starved) + rows_of(engine)
     rows += slowing_streams(streams)
@@ -151,6 +157,7 @@ def build_scenarios(store) -> dict[str, list]:
     rows += [with_ttft_shift(row, 1500 * MS) if row["req_start"] >= failing_from and index % 2 else row
              for index, row in enumerate(rows_of(page))]
     rows += [with_ttft_shift(row, 1500 * MS) if index % 10 == 0 else row for index, row in enumerate(rows_of(ticket))]
+    rows += [with_ttft_shift(row, int(shift * MS)) for row, shift in zip(rows_of(unrelated), noise_ms, strict=True)]
     store.insert_rows("requests", rows)
     store.insert_arrow("gpu_samples", gpu_samples_arrow(gpu_readings(), NODE))
     store.insert_arrow("server_gpus", server_gpus_arrow([ServerGpu(0, 8002, GPU, GPU, "config")], START_NS, NODE))
@@ -192,7 +199,7 @@ def test_phases_recover_the_simulated_truth(analysed):
     frame = store.query_df(
         "SELECT response_id, queue_ms, prefill_ms, network_in_ms, accept_wait_ms, decode_ms, tpot_ms, itl_p50_ms, "
         "itl_max_ms, stalls, prompt_size_source, output_tokens_source, calibration_id, split_method "
-        "FROM tokenprobe.request_phases FINAL WHERE server_port = 8000")
+        f"FROM {phases_of(store)} WHERE server_port = 8000")
     assert len(frame) == len(truth["load"])
     assert max(r.queue_ms for r in truth["load"] if r.phase == len(LOAD_LEVELS) - 1) > 1000  # overload queued
     expected = {request.row["response_id"]: request for request in truth["load"]}
@@ -249,9 +256,58 @@ def test_engine_prefill_corrects_the_calibration(analysed):
     calibration = report.calibrations[(NODE, 8008, "sim-model")]
     assert calibration.engine_samples > 100
     assert calibration.engine_scale == pytest.approx(2.0, rel=0.1)
-    split = store.query_rows("SELECT DISTINCT split_method FROM tokenprobe.request_phases FINAL "
+    split = store.query_rows("SELECT DISTINCT split_method FROM tokenprobe.request_split FINAL "
                              "WHERE server_port = 8008")
     assert split == [("calibration+engine",)]
+
+
+def test_a_prefill_fit_too_poor_is_not_used_and_the_rows_say_so(analysed, capsys):
+    store, report, _, url = analysed
+    calibration = report.calibrations[(NODE, 8009, "sim-model")]
+    assert calibration.fits[BYTES].fit.r2 < MIN_R2 and calibration.usable_units == []
+    rows = store.query_rows("SELECT count(), countIf(queue_ms IS NULL AND prefill_ms IS NULL), "
+                            "groupUniqArray(split_method), groupUniqArray(calibration_id) "
+                            "FROM tokenprobe.request_split FINAL WHERE server_port = 8009")
+    assert rows[0][0] > 100 and rows[0][1] == rows[0][0] and rows[0][2:] == (["poor fit"], [""])
+    # the report names the rejected line instead of printing it as a result
+    assert run_cli("--store", url, *range_args(), "--window", "60", "--server", "8009") == 0
+    printed = capsys.readouterr().out
+    assert "8009 sim-model: queue and prefill not split; not used, too poor to split with: the per-token line (R2" \
+        in printed and "; the per-byte line (R2 0.05 < 0.5 and MAD" in printed
+
+
+def test_the_in_memory_split_equals_the_stores(analysed):
+    """The live pass's engine (numpy, analytics/split.py) and the SQL one split the same rows alike: every
+    scenario (idle, overload, retry storm, a one-slot jam, never idle, the engine's scale, a poor fit)."""
+    store, _, _, _ = analysed
+    report = analyze(store, TimeRange(START_NS, END_NS), window_s=WINDOW_S, now_ns=END_NS + 5 * MINUTE)
+    key = ["node", "server_port", "req_start", "conn_id", "req_seq"]
+    in_store = store.query_df(
+        "SELECT node, server_port, toUnixTimestamp64Nano(req_start) AS req_start, conn_id, req_seq, model, "
+        "queue_ms, prefill_ms, overhead_ms, prompt_size, prompt_size_source, calibration_id, split_method, "
+        "ifNull(toUnixTimestamp64Nano(req_end), -1) AS req_end, ifNull(toUnixTimestamp64Nano(last_token), -1) AS "
+        "last_token, toUnixTimestamp64Nano(finished_at) AS finished_at FROM tokenprobe.request_split FINAL")
+    requests = store.query_df(
+        "SELECT node, server_port, model, conn_id, req_seq, toUnixTimestamp64Nano(req_start) AS req_start, "
+        "ifNull(toUnixTimestamp64Nano(req_end), -1) AS req_end, "
+        "ifNull(toUnixTimestamp64Nano(first_token), -1) AS first_token, "
+        "ifNull(toUnixTimestamp64Nano(last_token), -1) AS last_token, "
+        "ifNull(toUnixTimestamp64Nano(resp_end), -1) AS resp_end, "
+        "toFloat64(prompt_tokens) AS prompt_tokens, bytes_in, toFloat64(engine_queue_ms) AS engine_queue_ms, "
+        "toFloat64(engine_prompt_ms) AS engine_prompt_ms FROM tokenprobe.requests WHERE method = 'POST'")
+    in_memory = split_requests(requests, report.calibrations)
+    both = in_store.merge(in_memory, on=key, suffixes=("_sql", "_numpy"), validate="one_to_one")
+    assert len(both) == len(in_store) > 5000
+    assert set(both["split_method_sql"]) >= {"", "calibration", "calibration+engine", POOR_FIT}
+    for name in ("model", "prompt_size_source", "calibration_id", "split_method", "req_end", "last_token",
+                 "finished_at"):
+        assert (both[f"{name}_sql"] == both[f"{name}_numpy"]).all(), name
+    assert (both["prompt_size_sql"].astype(float) == both["prompt_size_numpy"]).all()
+    for name in ("queue_ms", "prefill_ms", "overhead_ms"):
+        sql, numpy = both[f"{name}_sql"].to_numpy(float), both[f"{name}_numpy"].to_numpy(float)
+        assert (np.isnan(sql) == np.isnan(numpy)).all(), name
+        # both Float32 from the same float64 arithmetic: equal within one Float32 step of a second
+        assert np.allclose(sql[~np.isnan(sql)], numpy[~np.isnan(numpy)], rtol=1e-6, atol=1e-4), name
 
 
 # -- knee and matrix ---------------------------------------------------------------
@@ -443,7 +499,7 @@ def test_control_loop_survives_an_unreachable_actuator_and_a_closed_store(analys
 def test_analysing_again_replaces_results_instead_of_adding_to_them(analysed):
     store, report, _, _ = analysed
     scope = Scope((Server(8001),))
-    counts = "SELECT (SELECT count() FROM tokenprobe.request_phases FINAL WHERE server_port = 8001), " \
+    counts = "SELECT (SELECT count() FROM tokenprobe.request_split FINAL WHERE server_port = 8001), " \
              "(SELECT count() FROM tokenprobe.indicator_matrix FINAL WHERE server_port = 8001)"
     before = store.query_rows(counts)
     again = analyze(store, TimeRange(START_NS, END_NS), window_s=WINDOW_S, scope=scope, now_ns=END_NS + 2 * MINUTE)

@@ -105,21 +105,15 @@ GAVE_UP = [request_row(400, T0 + 20 * S, ttft_ms=None, outcome="client_closed")]
 ANALYSED = request_row(500, OLD + 10 * S, ttft_ms=80)
 
 
-def phases_row(request: dict, *, queue_ms: float, prefill_ms: float) -> dict:
-    """A request_phases row for ``request``, as `tokenprobe analyze` writes one."""
-    ttft_ms = (request["first_token"] - request["req_end"]) / MS
+def split_row(request: dict, *, queue_ms: float, prefill_ms: float) -> dict:
+    """A request_split row for ``request``, as `tokenprobe analyze` writes one (its other phases are the
+    figures the store computed when the request was inserted)."""
     return {
-        **{column: request[column] for column in (
-            "node", "server_port", "model", "conn_id", "req_seq", "req_start", "req_end", "first_token",
-            "last_token", "resp_end", "response_id", "client_addr", "path", "status", "outcome",
-            "inflight_at_arrival", "token_events")},
-        "network_in_ms": 1.0, "accept_wait_ms": 0.0, "tls_ms": 0.0, "queue_ms": queue_ms, "prefill_ms": prefill_ms,
-        "decode_ms": (request["last_token"] - request["first_token"]) / MS, "network_out_ms": 1.0,
-        "ttft_server_ms": ttft_ms, "ttft_client_ms": ttft_ms,
-        "e2e_ms": (request["resp_end"] - request["req_start"]) / MS,
-        "tpot_ms": 20.0, "itl_gaps": 3, "stalls": 0, "output_tokens": request["token_events"],
-        "output_tokens_source": "events", "prompt_size": 10, "prompt_size_source": "usage",
-        "calibration_id": "cal-1", "split_method": "calibration", "computed_at": OLD + 3600 * S,
+        **{column: request[column] for column in ("node", "server_port", "model", "conn_id", "req_seq",
+                                                  "req_start")},
+        "queue_ms": queue_ms, "prefill_ms": prefill_ms, "prompt_size": 10, "prompt_size_source": "usage",
+        "calibration_id": "cal-1", "split_method": "calibration", "req_end": request["req_end"],
+        "last_token": request["last_token"], "finished_at": request["resp_end"], "computed_at": OLD + 3600 * S,
     }
 
 
@@ -171,7 +165,7 @@ def store_url(tmp_path_factory):
         with open_store(url, owner_wait_s=OWNER_READY_S) as store:
             assert store.mode == "embedded-via-owner"
             store.insert_rows("requests", FAST + SLOW_COMPLETIONS + OTHER_SERVER + GAVE_UP + [ANALYSED])
-            store.insert_rows("request_phases", [phases_row(ANALYSED, queue_ms=10.0, prefill_ms=40.0)])
+            store.insert_rows("request_split", [split_row(ANALYSED, queue_ms=10.0, prefill_ms=40.0)])
             store.insert_rows("indicator_matrix", INDICATOR_CELLS)
             store.insert_rows("decisions", [DECISION])
             store.insert_arrow("gpu_samples", gpu_samples())

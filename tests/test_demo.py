@@ -38,7 +38,7 @@ def test_demo_contains_the_overload_and_lists_its_decisions(tmp_path):
     with open_store(store, serve=False) as opened:
         kinds = dict(opened.query_rows("SELECT kind, count() FROM tokenprobe.decisions GROUP BY kind"))
         # Analysis ran on its own: the dashboard's phase and indicator panels have data.
-        split, = opened.query_rows("SELECT countIf(calibration_id != ''), count() FROM tokenprobe.request_phases FINAL")
+        split, = opened.query_rows("SELECT countIf(calibration_id != ''), count() FROM tokenprobe.request_split FINAL")
         matrix, = opened.query_rows("SELECT count(), countIf(state != {no_data:String})"
                                     " FROM tokenprobe.indicator_matrix FINAL", {"no_data": NO_DATA})
     assert kinds.get("token_budget", 0) + kinds.get("breaker", 0) == len(listed) > 0, (kinds, listed)

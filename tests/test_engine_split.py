@@ -24,6 +24,7 @@ from tokenprobe.analytics.pipeline import analyze
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
 from tokenprobe.store.embedded import open_store
 
+from tests.support.phases import phases_of
 from tests.support.slot_simulation import MS, LoadPhase, SlotServer, simulate
 
 OVERHEAD_MS = 40.0
@@ -69,7 +70,7 @@ def split(tmp_path_factory):
         "sim-node"))
     analyze(store, TimeRange(START_NS, START_NS + 5 * MINUTE), window_s=60, now_ns=START_NS + 5 * MINUTE)
     frame = store.query_df("SELECT server_port, response_id, queue_ms, prefill_ms, overhead_ms, ttft_server_ms, "
-                           "split_method FROM tokenprobe.request_phases FINAL")
+                           f"split_method FROM {phases_of(store)}")
     yield frame, truth
     store.close()
 

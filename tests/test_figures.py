@@ -5,7 +5,7 @@ request" once, as SQL and as Python. Here a handful of rows that differ where
 the definitions have branches (a connection's first request and a keep-alive
 one, usage and counted events, one token, no tokens, a health check) go
 through each surface that shows a figure, and each must give the Python
-value: the SQL over a real embedded store, the analytics' request_phases
+value: the SQL over a real embedded store, the analytics' phases
 (stored as Float32), the dashboard's heatmap metrics, the agent's Prometheus
 endpoint, the OTLP exporter's GenAI metrics (a real gRPC receiver) and the
 controller's window figures.
@@ -28,6 +28,7 @@ from tokenprobe.contract import measures
 from tokenprobe.contract.latency import METRICS
 from tokenprobe.store.embedded import open_store
 
+from tests.support.phases import phases_of
 from tests.support.slot_simulation import LoadPhase, SlotServer, simulate
 from tests.test_otel_export import OtlpReceiver, attributes_of
 
@@ -90,7 +91,7 @@ def test_sql_and_python_agree_to_the_bit(stored):
 def test_the_analytics_store_the_same_figures(stored):
     store, data = stored
     phases = by_port(store, "SELECT server_port, ttft_server_ms, tpot_ms, e2e_ms, itl_max_ms "
-                            "FROM tokenprobe.request_phases FINAL")
+                            f"FROM {phases_of(store)}")
     for row in data:
         if not measures.is_inference(row):
             assert row["server_port"] not in phases

@@ -48,7 +48,7 @@ def request_row(conn_id: int, pid: int, server_port: int, req_start: int, first_
         inflight_at_arrival=0, bytes_in=0, bytes_out=0, body_fp=0, outcome="complete", error="",
         api="openai.chat", choices=1, choice_events=0, capture="exact", bytes_unseen=0, protocol="http/1.1", stream_id=0, unreadable_reason="",
         request_messages=0, request_message_bytes=0, response_message_bytes=0, largest_response_message_bytes=0,
-        namespace="", pod="", container="", pod_uid="", container_id="",
+        namespace="", pod="", container="", pod_uid="", container_id="", error_type="", engine_queue_ms=None,
     )  # fmt: skip
     return row
 

@@ -31,6 +31,7 @@ from tokenprobe.store.client import Store
 from tokenprobe.store.embedded import open_store
 from tokenprobe.store.sink import RequestSink
 
+from tests.support.phases import forget_analyses, phases_of
 from tests.support.slot_simulation import LoadPhase, SlotServer, simulate
 
 NODE = "live-node"
@@ -88,7 +89,7 @@ def test_passes_cover_every_request_once_window_by_window(store):
         assert {phase["node"] for phase in result.phases} == {NODE}
     assert seen == len(rows), "each request is handed to the outlets in exactly one pass"
     phases = store.query_rows("SELECT node, count(), countIf(calibration_id != '') "
-                              "FROM tokenprobe.request_phases FINAL GROUP BY node")
+                              "FROM tokenprobe.request_split FINAL GROUP BY node")
     assert phases == [(NODE, len(rows), len(rows))], "own node only, every request split"
 
     matrix = dict(store.query_rows(
@@ -105,9 +106,47 @@ def test_passes_cover_every_request_once_window_by_window(store):
     assert queued == prefilled == [len(rows)]
 
 
+def pass_outcome(result) -> tuple:
+    """What a pass found, as comparable values: its cells, the phases it handed on, its SLO verdicts."""
+    cells = sorted((cell.window_start_ns, cell.server_port, cell.device_id, cell.indicator, cell.state,
+                    None if cell.value is None else round(cell.value, 6)) for cell in result.cells)
+    phases = sorted(tuple(round(value, 6) if isinstance(value, float) else value for value in phase.values())
+                    for phase in result.phases)
+    slos = sorted((slo.server_port, slo.objective, slo.alert, tuple(sorted(slo.requests.items())))
+                  for slo in result.report.slos)
+    return result.analysed, cells, phases, slos
+
+
+def test_passes_from_the_requests_held_equal_passes_from_the_store(store):
+    """The same passes over the same traffic, one agent finding its requests in the store, the other taking
+    them from what it holds (its sink's rows, another node's among them): the same cells, phases and SLOs."""
+    store, rows = store
+    theirs = simulate(SERVER, [LoadPhase(120, 2.0)], start_ns=START_NS, node="other-node", port=8000, seed=2)
+    last_end = max(row["resp_end"] for row in rows)
+    outcomes = {}
+    for holding in (False, True):
+        forget_analyses(store)  # each from the same start
+        clock = Clock(START_NS)
+        live = live_at(store, clock, hold_requests=holding)
+        live.watermark_ns = START_NS
+        if holding:
+            for row in rows + [request.row for request in theirs]:
+                live.held.add(row)
+        passes = []
+        while clock.now_ns - SETTLE_S * NS_PER_S <= last_end:
+            clock.now_ns += WINDOW_NS
+            result = live.run_once()
+            if result is not None:
+                passes.append(pass_outcome(result))
+        outcomes[holding] = passes
+        assert live.passes_held == (len(passes) if holding else 0)
+    assert len(outcomes[False]) >= 4 and sum(len(phases) for _, _, phases, _ in outcomes[False]) == len(rows)
+    assert outcomes[True] == outcomes[False]
+
+
 def test_rerunning_a_window_replaces_its_results(store):
     store, rows = store
-    counts = ("SELECT (SELECT count() FROM tokenprobe.request_phases FINAL), "
+    counts = ("SELECT (SELECT count() FROM tokenprobe.request_split FINAL), "
               "(SELECT count() FROM tokenprobe.indicator_matrix FINAL)")
     before = store.query_rows(counts)[0]
     clock = Clock(START_NS + 4 * WINDOW_NS)
@@ -202,7 +241,7 @@ def test_a_pass_finds_requests_by_their_end_through_the_index_as_a_search_does(s
     ended = [(row["conn_id"], row["req_seq"]) for row in rows + [stream]
              if START_NS + 2 * WINDOW_NS <= row["resp_end"] < START_NS + 3 * WINDOW_NS]
     assert from_index == sorted(ended) and (stream["conn_id"], 0) in from_index
-    stored = store.query_rows("SELECT ttft_server_ms FROM tokenprobe.request_phases FINAL"
+    stored = store.query_rows(f"SELECT ttft_server_ms FROM {phases_of(store)}"
                               " WHERE node = {node:String} AND conn_id = {conn:UInt64}",
                               {"node": node, "conn": stream["conn_id"]})
     assert stored and stored[0][0] is not None, "the long stream, 20 min before the rest, has its phases"
@@ -234,7 +273,7 @@ def test_calibration_and_knee_are_refitted_when_due_and_kept_between(store):
             continue
         after = fits_stored(store)
         written = {row[0] for row in store.query_rows(
-            f"SELECT DISTINCT calibration_id FROM tokenprobe.request_phases FINAL"
+            f"SELECT DISTINCT calibration_id FROM tokenprobe.request_split FINAL"
             f" WHERE node = '{NODE}' AND toUnixTimestamp64Nano(computed_at) >= {pass_started_ns}")}
         passes.append((live.fits.refitting, after[0] - before[0], after[1] - before[1], knee_kept, written))
     assert len(passes) >= 4 and [p[0] for p in passes][:4] == [True, False, False, True], passes
@@ -265,7 +304,7 @@ def test_the_agent_stores_what_its_writers_hold_before_each_pass(store, tmp_path
             sink.put(dict(rows[0], node=node, api="openai.chat", choices=1, choice_events=rows[0]["token_events"],
                           request_messages=0, request_message_bytes=0, response_message_bytes=0,
                           largest_response_message_bytes=0, namespace="", pod="", container="",
-                          pod_uid="", container_id=""))
+                          pod_uid="", container_id="", error_type="", engine_queue_ms=None))
             deadline = time.monotonic() + 30
             while sink.rows_written < 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -281,3 +320,25 @@ def test_the_agent_stores_what_its_writers_hold_before_each_pass(store, tmp_path
         finally:
             samplers.stop()
             sink.close()
+
+
+def test_the_agent_holds_the_inference_requests_of_its_node_that_its_sink_takes(store, tmp_path):
+    store, rows = store
+    live = LiveAnalysis(store, "sink-node", every_s=EVERY_S, settle_s=SETTLE_S, hold_requests=True)
+    sink = RequestSink(store, spool_dir=tmp_path / "spool", flush_interval=0.05, views_every=3600)
+    try:
+        sink.watch(live.held.add)
+        extra = {"api": "openai.chat", "choices": 1, "request_messages": 0, "request_message_bytes": 0,
+                 "response_message_bytes": 0, "largest_response_message_bytes": 0, "error_type": "",
+                 "engine_queue_ms": None, "namespace": "", "pod": "", "container": "", "pod_uid": "",
+                 "container_id": ""}
+        ours = [dict(row, node="sink-node", choice_events=row["token_events"], **extra) for row in rows[:3]]
+        for row in [*ours, dict(ours[0], conn_id=1, method="GET"), dict(ours[1], conn_id=2, node="another")]:
+            sink.put(row)
+    finally:
+        sink.close()
+    first_end = min(row["resp_end"] for row in ours)
+    assert live.held.take(first_end).empty  # ended after: still held
+    taken = live.held.take(max(row["resp_end"] for row in ours) + 1)
+    assert sorted(taken["conn_id"]) == sorted(row["conn_id"] for row in ours)
+    assert live.held.take(2**62).empty and not live.held.complete_from(first_end)  # taken once, and no more

@@ -1,7 +1,7 @@
 """request_figures: the phases' calibration-independent figures, computed when a request is stored.
 
-A pass reads them instead of computing them from ``requests``; the phases it
-writes must be the ones computed from ``requests`` to the bit, in a store
+A pass reads them instead of computing them from ``requests``, and readers join them with the split it
+stores; the phases read must be the ones computed from ``requests`` to the bit, in a store
 made before the table existed too, with rows missing from it, and with other
 thresholds than the ones the view computes with.
 """
@@ -14,15 +14,19 @@ from dataclasses import replace
 
 import pytest
 from tokenprobe.analytics.config import DEFAULT_CONFIG, AnalyticsConfig
-from tokenprobe.analytics.phases import compute_phases, phase_requests
 from tokenprobe.analytics.pipeline import analyze
-from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
 from tokenprobe.contract import measures
 from tokenprobe.contract.analysis import REQUEST_PHASES_COLUMNS
-from tokenprobe.contract.figures import REQUEST_FIGURES_TABLE, REQUEST_FIGURES_VIEW
+from tokenprobe.contract.figures import (
+    DEFAULT_LONG_STREAM_EVENTS,
+    REQUEST_FIGURES_TABLE,
+    REQUEST_FIGURES_VIEW,
+    figures_definition,
+)
 from tokenprobe.store.embedded import open_store
 
+from tests.support.phases import phases_of
 from tests.support.slot_simulation import LoadPhase, SlotServer, simulate
 
 MINUTE = 60 * NS_PER_S
@@ -50,7 +54,7 @@ def request_rows() -> list[dict]:
 
 
 def phases(store) -> list[tuple]:
-    return store.query_rows(f"SELECT {PHASE_COLUMNS} FROM {store.table('request_phases')} FINAL ORDER BY {KEY}")
+    return store.query_rows(f"SELECT {PHASE_COLUMNS} FROM {phases_of(store)} ORDER BY {KEY}")
 
 
 def figures_count(store) -> int:
@@ -82,7 +86,7 @@ def restore_from_scratch(store, rows) -> None:
     """The store as an older tokenprobe left it: the requests stored, no figures table nor view, no phases."""
     store.command(f"DROP VIEW {store.table(REQUEST_FIGURES_VIEW)}")
     store.command(f"DROP TABLE {store.table(REQUEST_FIGURES_TABLE)}")
-    for table in ("requests", "request_phases"):
+    for table in ("requests", "request_split"):
         store.command(f"TRUNCATE TABLE {store.table(table)}")
     store.insert_rows("requests", rows)
 
@@ -91,13 +95,17 @@ def test_every_stored_request_has_its_figures_and_the_pass_reads_them(reference,
     store, expected = reference
     assert figures_count(store) == len(rows) == len(expected)
     assert any(row[PHASE_COLUMNS.split(", ").index("queue_ms")] is not None for row in expected)  # split
-    # The pass's figures are the stored ones: a changed stored figure shows in the phases it writes.
-    store.command(f"ALTER TABLE {store.table(REQUEST_FIGURES_TABLE)} UPDATE tls_ms = 1234.5 WHERE 1"
-                  " SETTINGS mutations_sync = 2")
-    compute_phases(store, phase_requests(store, ANALYSED, EVERYTHING, DEFAULT_CONFIG.thresholds), {},
-                   next(PASS_TIMES))
-    assert {tls for (tls,) in store.query_rows(
-        f"SELECT tls_ms FROM {store.table('request_phases')} FINAL")} == {1234.5}
+    # The phases are the stored figures with their split: a changed stored figure shows in them, and a pass
+    # splits from them (a TTFT a second longer is a second more queue).
+    store.command(f"ALTER TABLE {store.table(REQUEST_FIGURES_TABLE)} UPDATE tls_ms = 1234.5,"
+                  " first_token = first_token + toIntervalSecond(1) WHERE 1 SETTINGS mutations_sync = 2")
+    before = [row[PHASE_COLUMNS.split(", ").index("queue_ms")] for row in expected]
+    report = analyze(store, ANALYSED, window_s=60, now_ns=next(PASS_TIMES))
+    assert {tls for (tls,) in store.query_rows(f"SELECT tls_ms FROM {phases_of(store)}")} == {1234.5}
+    after = [queue for (queue,) in store.query_rows(f"SELECT queue_ms FROM {phases_of(store)} ORDER BY {KEY}")]
+    added = [new - old for new, old in zip(after, before, strict=True) if old is not None]
+    assert report.calibrations and added and all(0 < ms <= 1000.01 for ms in added)
+    assert sum(ms > 999.99 for ms in added) > len(added) / 2  # prefill, where below its TTFT, stays
 
 
 def test_a_store_made_before_the_figures_is_back_filled_and_analyses_the_same(reference, rows):
@@ -138,6 +146,6 @@ def test_other_thresholds_than_the_views_count_stalls_by_them(reference, rows):
     analyze(store, ANALYSED, window_s=60, now_ns=next(PASS_TIMES), config=AnalyticsConfig(thresholds=thresholds))
     by_key = {(row["conn_id"], row["req_seq"]): expected_stalls(row, 7.0) for row in rows}
     stored = {(conn_id, req_seq): stalls for conn_id, req_seq, stalls in store.query_rows(
-        f"SELECT conn_id, req_seq, stalls FROM {store.table('request_phases')} FINAL")}
+        f"SELECT conn_id, req_seq, stalls FROM {phases_of(store, definition=figures_definition(7.0, DEFAULT_LONG_STREAM_EVENTS))}")}
     assert stored == by_key
     assert sum(by_key.values()) == 0 < sum(expected_stalls(row, 5.0) for row in rows)  # 6x: a stall at 5, not 7

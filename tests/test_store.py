@@ -186,16 +186,23 @@ def test_ensure_schema_adds_the_tenant_column_to_a_store_made_before_it(owner):
 
 def test_ensure_schema_adds_new_columns_to_every_table_not_only_requests(owner):
     """An analytics table as the release before ``overhead_ms`` created it takes rows of either shape."""
-    phases = next(table for table in registry.TABLES if table.name == "request_phases")
-    overhead_line = next(column for column in phases.columns if column.name == "overhead_ms").ddl() + ",\n    "
-    owner.command("DROP TABLE tokenprobe.request_phases")
-    owner.command(phases.ddl_template.replace(overhead_line, "").format(db="tokenprobe", ttl_days=30))
+    split = next(table for table in registry.TABLES if table.name == "request_split")
+    overhead_line = next(column for column in split.columns if column.name == "overhead_ms").ddl() + ",\n    "
+    owner.command("DROP TABLE tokenprobe.request_split")
+    owner.command(split.ddl_template.replace(overhead_line, "").format(db="tokenprobe", ttl_days=30))
     assert "overhead_ms" not in {name for (name,) in owner.query_rows(
-        "SELECT name FROM system.columns WHERE database = 'tokenprobe' AND table = 'request_phases'")}
+        "SELECT name FROM system.columns WHERE database = 'tokenprobe' AND table = 'request_split'")}
     owner.ensure_schema()
     assert [name for (name,) in owner.query_rows(
-        "SELECT name FROM system.columns WHERE database = 'tokenprobe' AND table = 'request_phases' "
-        "ORDER BY position")] == phases.column_names
+        "SELECT name FROM system.columns WHERE database = 'tokenprobe' AND table = 'request_split' "
+        "ORDER BY position")] == split.column_names
+
+
+def test_ensure_schema_drops_the_wide_phases_table_of_an_older_release(owner):
+    owner.command("CREATE TABLE tokenprobe.request_phases (node String) ENGINE = MergeTree ORDER BY node")
+    owner.ensure_schema()
+    assert not owner.query_rows("SELECT name FROM system.tables WHERE database = 'tokenprobe' "
+                                "AND name = 'request_phases'")
 
 
 def test_ensure_schema_adds_any_missing_request_columns_before_views_read_them(store_dir):

@@ -189,50 +189,24 @@ PARTITION BY toDate(sampled_at)
 ORDER BY (node, server_port, sampled_at)
 TTL toDateTime(sampled_at) + INTERVAL 30 DAY;
 
-CREATE TABLE IF NOT EXISTS tokenprobe.request_phases_local ON CLUSTER '{cluster}'
+CREATE TABLE IF NOT EXISTS tokenprobe.request_split_local ON CLUSTER '{cluster}'
 (
     `node` LowCardinality(String) CODEC(ZSTD(1)),
     `server_port` UInt16 CODEC(T64, ZSTD(1)),
-    `model` LowCardinality(String) CODEC(ZSTD(1)),
+    `req_start` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
     `conn_id` UInt64 CODEC(T64, ZSTD(1)),
     `req_seq` UInt32 CODEC(T64, ZSTD(1)),
-    `req_start` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
-    `req_end` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
-    `first_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
-    `last_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
-    `resp_end` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
-    `response_id` String CODEC(ZSTD(1)),
-    `client_addr` String CODEC(ZSTD(1)),
-    `path` LowCardinality(String) CODEC(ZSTD(1)),
-    `status` UInt16 CODEC(T64, ZSTD(1)),
-    `outcome` LowCardinality(String) CODEC(ZSTD(1)),
-    `inflight_at_arrival` UInt32 CODEC(T64, ZSTD(1)),
-    `network_in_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `accept_wait_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `tls_ms` Nullable(Float32) CODEC(ZSTD(1)),
+    `model` LowCardinality(String) CODEC(ZSTD(1)),
     `queue_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `prefill_ms` Nullable(Float32) CODEC(ZSTD(1)),
     `overhead_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `decode_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `network_out_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `ttft_server_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `ttft_client_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `e2e_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `tpot_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `itl_p50_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `itl_p90_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `itl_p99_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `itl_max_ms` Nullable(Float32) CODEC(ZSTD(1)),
-    `itl_gaps` UInt32 CODEC(T64, ZSTD(1)),
-    `stalls` UInt32 CODEC(T64, ZSTD(1)),
-    `decode_rate_ratio` Nullable(Float32) CODEC(ZSTD(1)),
-    `token_events` UInt32 CODEC(T64, ZSTD(1)),
-    `output_tokens` UInt32 CODEC(T64, ZSTD(1)),
-    `output_tokens_source` LowCardinality(String) CODEC(ZSTD(1)),
     `prompt_size` Nullable(UInt64) CODEC(T64, ZSTD(1)),
     `prompt_size_source` LowCardinality(String) CODEC(ZSTD(1)),
     `calibration_id` LowCardinality(String) CODEC(ZSTD(1)),
     `split_method` LowCardinality(String) CODEC(ZSTD(1)),
+    `req_end` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `last_token` Nullable(DateTime64(9, 'UTC')) CODEC(Delta, ZSTD(1)),
+    `finished_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1)),
     `computed_at` DateTime64(9, 'UTC') CODEC(Delta, ZSTD(1))
 )
 ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', computed_at)
@@ -507,9 +481,9 @@ CREATE TABLE IF NOT EXISTS tokenprobe.inflight_samples ON CLUSTER '{cluster}'
 AS tokenprobe.inflight_samples_local
 ENGINE = Distributed('{cluster}', tokenprobe, inflight_samples_local, cityHash64(node));
 
-CREATE TABLE IF NOT EXISTS tokenprobe.request_phases ON CLUSTER '{cluster}'
-AS tokenprobe.request_phases_local
-ENGINE = Distributed('{cluster}', tokenprobe, request_phases_local, cityHash64(node));
+CREATE TABLE IF NOT EXISTS tokenprobe.request_split ON CLUSTER '{cluster}'
+AS tokenprobe.request_split_local
+ENGINE = Distributed('{cluster}', tokenprobe, request_split_local, cityHash64(node));
 
 CREATE TABLE IF NOT EXISTS tokenprobe.prefill_calibration ON CLUSTER '{cluster}'
 AS tokenprobe.prefill_calibration_local
