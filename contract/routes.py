@@ -39,6 +39,19 @@ INFERENCE_ROUTES = frozenset({
 _KSERVE_ROUTE = re.compile(r"^/v2/models/[^/]+(?:/versions/[^/]+)?/(?:generate|generate_stream|infer)$")
 
 
+def inference_route_sql(path: str = "path") -> str:
+    """``is_inference_route`` as a ClickHouse expression over the column ``path``: the same routes and
+    KServe pattern, the same case and trailing-slash rules, so SQL and Python agree on every path."""
+    canonical = f"if(length({path}) > 1, trimRight(lowerUTF8({path}), '/'), lowerUTF8({path}))"
+    routes = ", ".join(f"'{route}'" for route in sorted(INFERENCE_ROUTES))
+    return f"(has([{routes}], {canonical}) OR match({canonical}, '{_KSERVE_ROUTE.pattern}'))"
+
+
+def inference_request_sql(method: str = "method", path: str = "path") -> str:
+    """``is_inference_request`` as a ClickHouse expression over the columns ``method`` and ``path``."""
+    return f"(upper({method}) = '{INFERENCE_METHOD}' AND {inference_route_sql(path)})"
+
+
 def is_inference_route(path: str) -> bool:
     """Whether `path` (canonical, without the query) is a route that runs the model."""
     path = path.lower()
