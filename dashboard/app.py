@@ -4,11 +4,12 @@ Panels, top to bottom, all on one UTC time axis over the chosen window:
 latency heatmaps (TTFT, TPOT, end-to-end, ITL: time × log-spaced latency
 band, colour = request count, or gap count for ITL; a dashed line at each
 latency objective), the drill-down (a heatmap cell → its requests → one
-request's own timeline as labelled spans, every token included), the phase
-breakdown over time, GPU memory and utilization, the indicator matrix over
-time (a strip per server and indicator, each analysed window coloured by its
-state, and from one of its cells to the requests of that server's window),
-and the actuator decisions (breakers as bands, token budgets as a step line).
+request's own timeline as labelled spans, every token included), the
+indicator matrix over time (a strip per server and indicator, each analysed
+window coloured by its state, and from one of its cells to the requests of
+that server's window), the actuator decisions (breakers as bands, token
+budgets as a step line), the phase breakdown over time, GPU memory and
+utilization.
 The window fits the recent traffic unless another is chosen; the sidebar
 filters by server, model and route, and shows inference requests only unless
 health checks and scrapes are asked for; the panels refresh on their own
@@ -459,10 +460,11 @@ def panels(settings: DashboardSettings, selection: Selection | None) -> None:
         st.caption(f"{format_epoch_s(filters.start_ns / 1e9)} → {format_epoch_s(filters.end_ns / 1e9)}")
         cells_by_metric = heatmaps(queries, filters, bin_s)
         drill_down(queries, filters, bin_s, cells_by_metric)
-        phase_panel(queries, filters, bin_s)
-        gpu_panel(queries, filters, bin_s)
+        # What went wrong and what the controller did about it, before the detail of phases and GPUs.
         indicator_panel(queries, filters, bin_s)
         decisions_panel(queries, filters)
+        phase_panel(queries, filters, bin_s)
+        gpu_panel(queries, filters, bin_s)
     except StoreUnavailable as error:
         store_lost(error)
 

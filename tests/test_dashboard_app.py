@@ -35,7 +35,7 @@ from tokenprobe.dashboard.charts import (
     request_spans,
     time_format,
 )
-from tokenprobe.dashboard.cli import add_dashboard_parser
+from tokenprobe.dashboard.cli import add_dashboard_parser, streamlit_command
 from tokenprobe.dashboard.queries import (
     DashboardQueries,
     Filters,
@@ -709,6 +709,13 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "--port must be within 1-65535" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["dashboard", "--refresh", "-5"])
+
+
+def test_cli_serves_viewers_without_the_deploy_menu():
+    parser = argparse.ArgumentParser(prog="tokenprobe")
+    add_dashboard_parser(parser.add_subparsers(), default_store="chdb:///var/lib/tokenprobe/store")
+    command = streamlit_command(parser.parse_args(["dashboard"]))
+    assert command[command.index("--client.toolbarMode") + 1] == "viewer"
 
 
 def test_bad_settings_are_explained(monkeypatch):
