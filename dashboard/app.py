@@ -406,6 +406,7 @@ def indicator_drill_down(queries: DashboardQueries, rows: pd.DataFrame, inferenc
     Offered: the warning and critical cells, and whichever cell was clicked."""
     clicked = st.session_state.get("indicator_cell")
     offered = rows[rows["state"].isin([WARN, CRIT]) | (rows["cell_key"] == clicked)]
+    offered = offered.sort_values(["crit_windows", "window_end_ns"], ascending=False)  # critical first, newest first
     labels = {row.cell_key: (f"{row.row} · {STATE_WORDS.get(row.state, row.state)} · "
                              f"{format_epoch_s(row.window_start_ns / 1e9)} → {format_epoch_s(row.window_end_ns / 1e9)}")
               for row in offered.itertuples(index=False)}

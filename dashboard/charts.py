@@ -139,7 +139,9 @@ def timeline_chart(events: pd.DataFrame) -> alt.Chart:
     """A request as labelled spans, one row each (network, queue, prefill, decode, ...), and its token events."""
     spans = request_spans(events)
     rows = [*spans["span"], TOKENS_ROW]
-    x = alt.X("start_ms:Q", title="ms after the request's first byte")
+    # Not rounded out to a whole tick: a connection's setup, a fraction of a ms before 0, would stretch it to -100.
+    x = alt.X("start_ms:Q", title="ms after the request's first byte", scale=alt.Scale(nice=False, zero=False,
+                                                                                     padding=70))
     y = alt.Y("span:N", title=None, sort=rows, axis=alt.Axis(labelLimit=300))
     bars = alt.Chart(spans).mark_bar(height=SPAN_ROW_PX - 8).encode(
         x=x, x2="end_ms:Q", y=y, color=alt.Color("span:N", legend=None, sort=rows),
