@@ -12,9 +12,10 @@
   split) where it covers the window, else from the raw requests, with queue
   and prefill together as server TTFT;
 - ``gpu_usage``: memory used and utilization per GPU per time bin;
-- ``indicator_matrix``: the latest state of every indicator for every server
-  (and GPU) in the window; ``window_requests``: the requests of one server in
-  one analysed window (an indicator cell's);
+- ``indicator_history``: every indicator of every server (and GPU) over the
+  window, per time bin the worst of its analysed windows; ``window_requests``:
+  the requests of one server in one analysed window (an indicator cell's);
+- ``slo_thresholds``: the latency objectives the analysis judged by, else the defaults;
 - ``decisions``: the actuator decisions in force during the window;
 - ``cell_requests`` / ``request_timeline``: the drill-down, from one heatmap
   cell to its requests (bounded by a limit) and from one request to its events;
@@ -470,27 +471,6 @@ ORDER BY gpu, bin_start_s""",
             {**filters.window_parameters(), "bin_s": bin_s, "nodes": list(filters.nodes)},
         )
         frame["time_bin"] = _epoch_s_to_utc(frame["bin_start_s"])
-        return frame
-
-    def indicator_matrix(self, filters: Filters) -> pd.DataFrame:
-        """The cell of the latest analysed window that overlaps the dashboard's window, per server (and
-        GPU) and indicator: server, node, server_port, device_id, indicator, state, value, unit,
-        explanation, window_start_ns, window_end_ns and window_end (UTC)."""
-        # The matrix is per server (and GPU): model and route filters do not narrow it.
-        where, parameters = filters.conditions("window_start", models=False, routes=False, end_column="window_end")
-        frame = self._frame(
-            {"server": SERVER_SQL, "node": "node", "server_port": "server_port", "device_id": "device_id",
-             "indicator": "indicator", "state": "argMax(state, window_end)", "value": "argMax(value, window_end)",
-             "unit": "any(unit)", "explanation": "argMax(explanation, window_end)",
-             "window_start_ns": f"argMax({ns('window_start')}, window_end)",
-             "window_end_ns": ns("max(window_end)")},
-            f"""FROM {self.store.table(INDICATOR_MATRIX_TABLE)} FINAL
-WHERE {where}
-GROUP BY server, node, server_port, device_id, indicator
-ORDER BY server, device_id, indicator""",
-            parameters,
-        )
-        frame["window_end"] = pd.to_datetime(frame["window_end_ns"].astype("int64"), unit="ns", utc=True)
         return frame
 
     def window_requests(self, node: str, server_port: int, start_ns: int, end_ns: int,

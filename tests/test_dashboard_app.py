@@ -357,17 +357,19 @@ def test_phase_breakdown_splits_queue_and_prefill_once_analysed(queries):
     assert (by_phase["queue"], by_phase["prefill"], by_phase["server TTFT"]) == pytest.approx((10.0, 40.0, 0.0))
 
 
-def test_indicator_matrix_keeps_the_latest_window(queries):
-    matrix = queries.indicator_matrix(window())
-    states = {(row.server, row.device_id, row.indicator): row.state for row in matrix.itertuples()}
-    assert states == {("node-a:8000", "", "queue_wait_p95"): "crit", ("node-a:8000", "", "batch_fill"): "ok",
-                      ("node-a:8000", "GPU-0", "gpu_memory_pressure"): "warn",
-                      ("node-a:8000", "", "knee_proximity"): "ok", ("node-a:8000", "", "kv_cache_usage"): "n/a"}
-    assert queries.indicator_matrix(window(servers=["node-b:8001"])).empty
-    # A window that overlaps an analysed one shows it, though the analysed one started earlier.
-    overlapping = queries.indicator_matrix(Filters(T0 + 10 * S, T0 + 103 * S))
-    assert set(overlapping["state"]) == {"crit", "ok", "warn", "n/a"}
-    assert set(overlapping["window_start_ns"]) == {T0 - 180 * S} and set(overlapping["window_end_ns"]) == {T0 + 120 * S}
+def test_indicator_history_holds_every_analysed_cell_of_the_window(queries):
+    history = queries.indicator_history(window(), 30)
+    states = {(row.server, row.device_id, row.indicator, row.window_start_ns // S): row.state
+              for row in history.itertuples()}
+    first, latest = FIRST_WINDOW_S[0], LATEST_WINDOW_S[0]
+    assert states == {
+        ("node-a:8000", "", "queue_wait_p95", first): "ok", ("node-a:8000", "", "queue_wait_p95", latest): "crit",
+        ("node-a:8000", "", "knee_proximity", first): "crit", ("node-a:8000", "", "knee_proximity", latest): "ok",
+        ("node-a:8000", "", "batch_fill", latest): "ok", ("node-a:8000", "", "kv_cache_usage", latest): "n/a",
+        ("node-a:8000", "GPU-0", "gpu_memory_pressure", latest): "warn"}
+    # A window that overlaps analysed ones shows them, though they started before it.
+    overlapping = queries.indicator_history(Filters(T0 + 10 * S, T0 + 103 * S), 30)
+    assert sorted(overlapping["window_start_ns"]) == sorted(history["window_start_ns"])
 
 
 def test_indicator_history_keeps_an_overload_that_ended(queries):
