@@ -81,10 +81,10 @@ def connect(url: str, own_store: bool) -> Store:
 
 
 def format_ms(milliseconds: float) -> str:
-    """Three significant digits: band edges like 39.8 and 50.1 ms stay tellable apart."""
+    """Two decimals, in ms below a second and in s above."""
     if milliseconds < 1000:
-        return f"{milliseconds:.3g} ms"
-    return f"{milliseconds / 1000:.3g} s"
+        return f"{milliseconds:.2f} ms"
+    return f"{milliseconds / 1000:.2f} s"
 
 
 def format_epoch_s(seconds: float) -> str:

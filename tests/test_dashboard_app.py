@@ -563,8 +563,8 @@ def test_app_drills_from_a_cell_to_a_request_timeline(app):
     app.selectbox(key="drill_bin").set_value(T0_S).run()
     band = app.selectbox(key="drill_band")
     assert band.options == [
-        f"{low} – {high} ({count} requests)" for low, high, count in (("39.8 ms", "50.1 ms", 5),
-                                                                      ("2 s", "2.51 s", 2))]
+        f"{low} – {high} ({count} requests)" for low, high, count in (("39.81 ms", "50.12 ms", 5),
+                                                                      ("2.00 s", "2.51 s", 2))]
     band.set_value(16).run()
     listed = app.dataframe[0].value
     assert sorted(listed["response_id"]) == sorted(row["response_id"] for row in FAST)
