@@ -151,6 +151,22 @@ def act_until_shown(page, action, shown, what: str, attempts: int = 20) -> None:
     raise AssertionError(f"{what} did not work in {attempts} attempts (the page then: {FAILURE_SCREENSHOT})")
 
 
+def hover_until(page, chart, wanted: str) -> str:
+    """Move the mouse over a chart's plot (right of its row labels) until its tooltip shows ``wanted``;
+    the tooltip's text then, else the last one seen."""
+    chart.scroll_into_view_if_needed()
+    box = chart.bounding_box()
+    tooltip, seen = page.locator("#vg-tooltip-element"), ""
+    for row in range(1, 20):
+        for column in range(12):
+            page.mouse.move(box["x"] + box["width"] * (0.42 + 0.045 * column), box["y"] + box["height"] * row / 20)
+            if tooltip.count() and tooltip.is_visible():
+                seen = tooltip.inner_text()
+                if wanted in seen and "why" in seen:
+                    return seen
+    return seen
+
+
 def shown_window(page) -> tuple[float, float]:
     """The window the page says it shows (its caption "start UTC → end UTC"), as epoch seconds."""
     caption = page.get_by_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC → ")).first.inner_text()
@@ -183,9 +199,12 @@ def test_dashboard_renders_in_a_browser(dashboard, served_store, tmp_path):
             itl_panel.locator('[data-testid="stVegaLiteChart"]').locator("canvas, svg .mark-rect").first.wait_for()
             page.get_by_role("tab", name="TTFT").click()
 
-            # The indicator strip, computed by the real analytics, drawn over the whole window.
-            page.locator(".st-key-indicator_strip").locator("canvas, svg .mark-rect").first.wait_for()
+            # The indicator strip, computed by the real analytics, drawn over the whole window; hovering a
+            # critical cell says why.
+            strip = page.locator(".st-key-indicator_strip").locator("canvas.marks, svg.marks").first
+            strip.wait_for()
             expect(page.get_by_text("load vs. capacity knee", exact=False).first).to_be_visible()
+            assert "critical" in hover_until(page, strip, "critical"), "no critical cell on the strip"
             # A page for viewers: no Deploy button.
             expect(page.get_by_role("button", name="Deploy")).to_have_count(0)
 
