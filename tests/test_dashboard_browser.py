@@ -151,20 +151,18 @@ def act_until_shown(page, action, shown, what: str, attempts: int = 20) -> None:
     raise AssertionError(f"{what} did not work in {attempts} attempts (the page then: {FAILURE_SCREENSHOT})")
 
 
-def hover_until(page, chart, wanted: str) -> str:
-    """Move the mouse over a chart's plot (right of its row labels) until its tooltip shows ``wanted``;
-    the tooltip's text then, else the last one seen."""
+def hover_until(page, chart, shows) -> str | None:
+    """Move the mouse over a chart's plot (right of its row labels) until its tooltip's text satisfies
+    ``shows``; that text, or None if no tooltip did."""
     chart.scroll_into_view_if_needed()
     box = chart.bounding_box()
-    tooltip, seen = page.locator("#vg-tooltip-element"), ""
+    tooltip = page.locator("#vg-tooltip-element")
     for row in range(1, 20):
         for column in range(12):
             page.mouse.move(box["x"] + box["width"] * (0.42 + 0.045 * column), box["y"] + box["height"] * row / 20)
-            if tooltip.count() and tooltip.is_visible():
-                seen = tooltip.inner_text()
-                if wanted in seen and "why" in seen:
-                    return seen
-    return seen
+            if tooltip.count() and tooltip.is_visible() and shows(tooltip.inner_text()):
+                return tooltip.inner_text()
+    return None
 
 
 def shown_window(page) -> tuple[float, float]:
@@ -204,7 +202,9 @@ def test_dashboard_renders_in_a_browser(dashboard, served_store, tmp_path):
             strip = page.locator(".st-key-indicator_strip").locator("canvas.marks, svg.marks").first
             strip.wait_for()
             expect(page.get_by_text("load vs. capacity knee", exact=False).first).to_be_visible()
-            assert "critical" in hover_until(page, strip, "critical"), "no critical cell on the strip"
+            explained = hover_until(page, strip, lambda text: "\ncritical\n" in text
+                                    and re.search(r"^why\s*\n\S", text, re.MULTILINE))
+            assert explained is not None, "no critical cell on the strip explains itself"
             # A page for viewers: no Deploy button.
             expect(page.get_by_role("button", name="Deploy")).to_have_count(0)
 
