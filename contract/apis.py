@@ -158,7 +158,17 @@ def _sql_list(values) -> str:
     return ", ".join("'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'" for value in sorted(values))
 
 
-# The same rule in SQL over a `requests` row's `method` and `path` (canonical as above).
-_SQL_PATH = r"if(length(path) > 1, replaceRegexpOne(lower(path), '/+$', ''), lower(path))"
-IS_INFERENCE_SQL = (f"(method = '{INFERENCE_METHOD}' AND ({_SQL_PATH} IN ({_sql_list(INFERENCE_ROUTES)})"
-                    f" OR multiMatchAny({_SQL_PATH}, [{_sql_list(INFERENCE_PATTERNS)}])))")
+def inference_route_sql(path: str = "path") -> str:
+    """``is_inference_route`` as a ClickHouse expression over the column ``path``: the same routes and
+    patterns (RE2), the same case and trailing-slash rules, so SQL and Python agree on every path."""
+    canonical = f"if(length({path}) > 1, replaceRegexpOne(lower({path}), '/+$', ''), lower({path}))"
+    return f"({canonical} IN ({_sql_list(INFERENCE_ROUTES)}) OR multiMatchAny({canonical}, [{_sql_list(INFERENCE_PATTERNS)}]))"
+
+
+def inference_request_sql(method: str = "method", path: str = "path") -> str:
+    """``is_inference_request`` as a ClickHouse expression over the columns ``method`` and ``path``."""
+    return f"(upper({method}) = '{INFERENCE_METHOD}' AND {inference_route_sql(path)})"
+
+
+# The rule over a `requests` row's `method` and `path`.
+IS_INFERENCE_SQL = inference_request_sql()

@@ -2,13 +2,18 @@
 
 Panels, top to bottom, all on one UTC time axis over the chosen window:
 latency heatmaps (TTFT, TPOT, end-to-end, ITL: time × log-spaced latency
-band, colour = request count, or gap count for ITL), the drill-down (a
-heatmap cell → its requests → one request's own timeline, every token
-included), the phase breakdown over time, GPU memory and utilization, the
-indicator matrix (and from one of its cells to the requests of that server's
-window), and the actuator decisions. The window fits the recent traffic
-unless another is chosen; the sidebar filters by server, model and route;
-the panels refresh on their own every few seconds.
+band, colour = request count, or gap count for ITL; a dashed line at each
+latency objective), the drill-down (a heatmap cell → its requests → one
+request's own timeline as labelled spans, every token included), the
+indicator matrix over time (a strip per server and indicator, each analysed
+window coloured by its state, and from one of its cells to the requests of
+that server's window), the actuator decisions (breakers as bands, token
+budgets as a step line), the phase breakdown over time, GPU memory and
+utilization.
+The window fits the recent traffic unless another is chosen; the sidebar
+filters by server, model and route, and shows inference requests only unless
+health checks and scrapes are asked for; the panels refresh on their own
+every few seconds.
 
 Every figure is aggregated in ClickHouse by ``queries.DashboardQueries``; this
 script only lays the results out. Clicking a heatmap cell fills the drill-down
@@ -30,12 +35,24 @@ from clickhouse_connect.driver.exceptions import DatabaseError
 
 from ..contract.analysis import INDICATOR_MATRIX_TABLE
 from ..contract.decisions import DECISIONS_TABLE
-from ..contract.indicators import CRIT, INDICATORS, OK, WARN
+from ..contract.indicators import CRIT, NO_DATA, WARN
 from ..contract.latency import METRICS, band_bounds_ms
 from ..contract.samples import GPU_SAMPLES_TABLE
 from ..store.client import Store, StoreUnavailable
 from ..store.embedded import open_store
 from ..store.url import parse_store_url
+from .charts import (
+    breaker_band,
+    budget_chart,
+    heatmap_chart,
+    indicator_strip,
+    parse_cell_key,
+    strip_rows,
+    subject,
+    time_axis,
+    timeline_chart,
+)
+from .legend import INDICATOR_WORDS, STATE_WORDS, indicator_title
 from .queries import DashboardQueries, Filters, choose_bin_seconds, fitting_span_s
 from .settings import DashboardSettings, from_environment
 
@@ -46,10 +63,8 @@ WINDOWS_S = {FITTED_WINDOW: None, "15 minutes": 900, "1 hour": 3600, "6 hours": 
 DEFAULT_WINDOW = FITTED_WINDOW
 SPAN_WITHOUT_TRAFFIC_S = 3600  # a fitted window once the store holds no request any more
 ANCHORS = ("the latest request", "now")
-STATE_COLOURS = {OK: "#c8e6c9", WARN: "#ffe082", CRIT: "#ef9a9a"}
-NO_DATA_COLOUR = "#e0e0e0"  # n/a: the data for the indicator does not exist
 PHASE_ORDER = ["network in", "queue", "prefill", "server TTFT", "decode", "response tail"]
-EVENT_KINDS = ["connection", "request", "phase", "token", "response"]
+ALL_REQUESTS_TOGGLE = "Include health checks and scrapes"
 NO_INDICATORS = ("No indicator data in this window yet: the agent analyses its servers every `--analyze-every`"
                  " seconds; `tokenprobe analyze` analyses a past range.")
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -66,10 +81,10 @@ def connect(url: str, own_store: bool) -> Store:
 
 
 def format_ms(milliseconds: float) -> str:
-    """Three significant digits: band edges like 39.8 and 50.1 ms stay tellable apart."""
+    """Two decimals, in ms below a second and in s above."""
     if milliseconds < 1000:
-        return f"{milliseconds:.3g} ms"
-    return f"{milliseconds / 1000:.3g} s"
+        return f"{milliseconds:.2f} ms"
+    return f"{milliseconds / 1000:.2f} s"
 
 
 def format_epoch_s(seconds: float) -> str:
@@ -81,19 +96,14 @@ def band_label(band: int, count: int, counted: str) -> str:
     return f"{format_ms(low)} – {format_ms(high)} ({count} {counted})"
 
 
-def vega_time(epoch_ns: int) -> alt.DateTime:
-    # Vega-Lite takes a temporal domain as date-time objects (plain epoch numbers break line charts).
-    moment = pd.Timestamp(epoch_ns, unit="ns", tz="UTC")
-    return alt.DateTime(year=moment.year, month=moment.month, date=moment.day, hours=moment.hour,
-                        minutes=moment.minute, seconds=moment.second,
-                        milliseconds=moment.microsecond // 1000, utc=True)
+def two_decimals(frame: pd.DataFrame) -> dict:
+    """A dataframe's column_config that prints its fractional columns with two decimals."""
+    return {column: st.column_config.NumberColumn(format="%.2f") for column in frame.columns
+            if pd.api.types.is_float_dtype(frame[column])}
 
 
-def time_axis(filters: Filters, title: str = "time (UTC)") -> alt.X:
-    """The x axis every time-based panel shares: the window, in UTC."""
-    domain = [vega_time(filters.start_ns), vega_time(filters.end_ns)]
-    return alt.X("time_bin:T", title=title, scale=alt.Scale(type="utc", domain=domain),
-                 axis=alt.Axis(format="%H:%M", labelOverlap=True))
+def show_table(frame: pd.DataFrame, container=st) -> None:
+    container.dataframe(frame, hide_index=True, width="stretch", column_config=two_decimals(frame))
 
 
 @contextlib.contextmanager
@@ -109,13 +119,13 @@ def panel_errors(panel: str) -> Iterator[None]:
 
 
 def window_filters(queries: DashboardQueries, span_s: int, anchor: str, servers: tuple[str, ...] = (),
-                   models: tuple[str, ...] = (), routes: tuple[str, ...] = ()) -> Filters:
+                   models: tuple[str, ...] = (), routes: tuple[str, ...] = (), inference_only: bool = True) -> Filters:
     """The window of ``span_s`` ending at the latest request (or now), its end rounded up to a whole bin."""
     latest_ns = queries.latest_request_ns() if anchor == ANCHORS[0] else None
     end_ns = latest_ns + 1 if latest_ns is not None else time.time_ns()
     bin_ns = choose_bin_seconds(span_s) * 1_000_000_000
     end_ns = -(-end_ns // bin_ns) * bin_ns  # rounded up in integers: a float would lose the nanosecond
-    return Filters(end_ns - span_s * 1_000_000_000, end_ns, servers, models, routes)
+    return Filters(end_ns - span_s * 1_000_000_000, end_ns, servers, models, routes, inference_only)
 
 
 def window_span_s(queries: DashboardQueries, window: str) -> int:
@@ -135,11 +145,13 @@ class Selection:
     servers: tuple[str, ...]
     models: tuple[str, ...]
     routes: tuple[str, ...]
+    inference_only: bool = True
 
     def filters(self, queries: DashboardQueries) -> tuple[Filters, int]:
         """The window's filters as of now (a fitted window grows with the traffic) and its bin width."""
         span_s = window_span_s(queries, self.window)
-        filters = window_filters(queries, span_s, self.anchor, self.servers, self.models, self.routes)
+        filters = window_filters(queries, span_s, self.anchor, self.servers, self.models, self.routes,
+                                 self.inference_only)
         return filters, choose_bin_seconds(span_s)
 
 
@@ -148,41 +160,20 @@ def sidebar(queries: DashboardQueries, settings: DashboardSettings) -> Selection
     window = st.sidebar.selectbox("Window", list(WINDOWS_S), index=list(WINDOWS_S).index(DEFAULT_WINDOW),
                                   key="window")
     anchor = st.sidebar.radio("Window ends at", ANCHORS, key="anchor")
-    options = queries.filter_options(window_filters(queries, window_span_s(queries, window), anchor))
+    everything = st.sidebar.toggle(ALL_REQUESTS_TOGGLE, key="all_requests",
+                                   help="By default only inference requests (calls that run a model) are counted;"
+                                        " this adds health checks, metrics scrapes (the agent's own too) and the like.")
+    options = queries.filter_options(window_filters(queries, window_span_s(queries, window), anchor,
+                                                    inference_only=not everything))
     servers = st.sidebar.multiselect("Servers", options["servers"], key="servers", placeholder="all servers")
     models = st.sidebar.multiselect("Models", options["models"], key="models", placeholder="all models")
     routes = st.sidebar.multiselect("Routes", options["routes"], key="routes", placeholder="all routes")
     refresh = f"every {settings.refresh_s:g} s" if settings.refresh_s else "off"
     st.sidebar.caption(f"Auto-refresh: {refresh}. Times are UTC.")
-    return Selection(window, anchor, tuple(servers), tuple(models), tuple(routes))
+    return Selection(window, anchor, tuple(servers), tuple(models), tuple(routes), not everything)
 
 
 # --------------------------------------------------------------------------- heatmaps and drill-down
-
-
-def heatmap_chart(cells: pd.DataFrame, metric_key: str, filters: Filters) -> alt.Chart:
-    metric = METRICS[metric_key]
-    cell = alt.selection_point(name="cell", fields=["bin_start_s", "band"])
-    return (
-        alt.Chart(cells)
-        .mark_rect()
-        .encode(
-            x=time_axis(filters),
-            x2="time_bin_end:T",
-            y=alt.Y("low_ms:Q", title=f"{metric.title} (ms, log scale)", scale=alt.Scale(type="log")),
-            y2="high_ms:Q",
-            color=alt.Color("requests:Q", title=metric.counted, scale=alt.Scale(type="log", scheme="viridis")),
-            opacity=alt.condition(cell, alt.value(1.0), alt.value(0.4)),
-            tooltip=[
-                alt.Tooltip("time_bin:T", title="from (UTC)", format="%Y-%m-%d %H:%M:%S"),
-                alt.Tooltip("low_ms:Q", title="latency from (ms)", format=".3~g"),
-                alt.Tooltip("high_ms:Q", title="latency to (ms)", format=".3~g"),
-                alt.Tooltip("requests:Q", title=metric.counted),
-            ],
-        )
-        .add_params(cell)
-        .properties(height=280)
-    )
 
 
 def on_cell_clicked(metric_key: str) -> None:
@@ -196,8 +187,12 @@ def on_cell_clicked(metric_key: str) -> None:
 
 def heatmaps(queries: DashboardQueries, filters: Filters, bin_s: int) -> dict[str, pd.DataFrame]:
     st.subheader("Latency heatmaps")
-    st.caption(f"Requests (for ITL, inter-token gaps) per {bin_s} s bin and log-spaced latency band; "
-               "click a cell to list its requests.")
+    counted = "inference requests" if filters.inference_only else "requests of every kind"
+    st.caption(f"{counted.capitalize()} (for ITL, inter-token gaps) per {bin_s} s bin and log-spaced latency"
+               " band; the dashed line is the latency objective. Click a cell to list its requests.")
+    objectives = pd.DataFrame(columns=["objective", "threshold_ms", "target", "source"])  # none, if it fails
+    with panel_errors("latency objectives"):
+        objectives = queries.slo_thresholds(filters)
     sources = {"rollup": "the per-minute rollup", "requests": "the requests"}
     cells_by_metric = {}
     tabs = st.tabs([metric.title for metric in METRICS.values()])
@@ -211,7 +206,7 @@ def heatmaps(queries: DashboardQueries, filters: Filters, bin_s: int) -> dict[st
             if cells.empty:
                 st.info(f"No requests with a {metric.title} in this window.")
                 continue
-            st.altair_chart(heatmap_chart(cells, metric_key, filters), key=f"heatmap_{metric_key}",
+            st.altair_chart(heatmap_chart(cells, metric_key, filters, objectives), key=f"heatmap_{metric_key}",
                             on_select=functools.partial(on_cell_clicked, metric_key),
                             selection_mode="cell", width="stretch")
     return cells_by_metric
@@ -260,7 +255,7 @@ def drill_down(queries: DashboardQueries, filters: Filters, bin_s: int,
         shown = f"the {len(requests)} slowest" if requests["in_cell"].sum() < counts[band] else f"all {len(requests)}"
         holding = " holding them" if METRICS[metric_key].per_gap else ""
         st.caption(f"{counts[band]} {counted} in this cell; {shown} requests{holding} below.")
-        st.dataframe(cell_table(requests, metric_key), hide_index=True, width="stretch")
+        show_table(cell_table(requests, metric_key))
         request_drill_down(queries, requests, metric_key)
 
 
@@ -295,23 +290,10 @@ def request_drill_down(queries: DashboardQueries, requests: pd.DataFrame, metric
         st.warning("That request is no longer in the store (its data has expired).")
         return
     tokens = int((events["kind"] == "token").sum())
-    st.caption(f"Request timeline: {tokens} token events; times in ms after the request's first byte arrived.")
+    st.caption(f"Request timeline: {tokens} token events; times in ms after the request's first byte arrived."
+               " Queue and prefill show apart once the analysis has split them.")
     st.altair_chart(timeline_chart(events), width="stretch")
-    st.dataframe(events.rename(columns={"at_ms": "ms after first byte"}), hide_index=True, width="stretch")
-
-
-def timeline_chart(events: pd.DataFrame) -> alt.Chart:
-    return (
-        alt.Chart(events)
-        .mark_tick(thickness=2, size=22)
-        .encode(
-            x=alt.X("at_ms:Q", title="ms after the request's first byte"),
-            y=alt.Y("kind:N", title=None, sort=EVENT_KINDS),
-            color=alt.Color("kind:N", legend=None, sort=EVENT_KINDS),
-            tooltip=["event:N", alt.Tooltip("at_ms:Q", title="ms", format=".3f")],
-        )
-        .properties(height=200)
-    )
+    show_table(events.rename(columns={"at_ms": "ms after first byte"}))
 
 
 # --------------------------------------------------------------------------- panels over time
@@ -338,7 +320,7 @@ def phase_panel(queries: DashboardQueries, filters: Filters, bin_s: int) -> None
                 y=alt.Y("mean_ms:Q", title="mean per request (ms)", stack=True),
                 color=alt.Color("phase:N", sort=PHASE_ORDER, scale=alt.Scale(domain=PHASE_ORDER)),
                 order=alt.Order("phase_rank:Q"),
-                tooltip=["phase:N", alt.Tooltip("mean_ms:Q", format=".1f"),
+                tooltip=["phase:N", alt.Tooltip("mean_ms:Q", format=".2f"),
                          alt.Tooltip("time_bin:T", format="%H:%M:%S")],
             )
             .transform_calculate(phase_rank=f"indexof({PHASE_ORDER!r}, datum.phase)")
@@ -366,86 +348,78 @@ def gpu_panel(queries: DashboardQueries, filters: Filters, bin_s: int) -> None:
                 alt.Chart(samples)
                 .mark_line()
                 .encode(x=time_axis(filters), y=alt.Y(f"{field}:Q", title=title), color=alt.Color("gpu:N"),
-                        tooltip=["gpu:N", alt.Tooltip(f"{field}:Q", format=".1f"),
+                        tooltip=["gpu:N", alt.Tooltip(f"{field}:Q", format=".2f"),
                                  alt.Tooltip("time_bin:T", format="%H:%M:%S")])
                 .properties(height=200)
             )
             column.altair_chart(chart, width="stretch")
 
 
-def indicator_panel(queries: DashboardQueries, filters: Filters) -> None:
-    st.subheader("Indicators")
+def indicator_panel(queries: DashboardQueries, filters: Filters, bin_s: int) -> None:
+    st.subheader("Indicators over time")
     with panel_errors("indicator matrix"):
-        matrix = queries.indicator_matrix(filters) if queries.has_table(INDICATOR_MATRIX_TABLE) else None
-        if matrix is None or matrix.empty:
+        history = queries.indicator_history(filters, bin_s) if queries.has_table(INDICATOR_MATRIX_TABLE) else None
+        if history is None or history.empty:
             st.info(NO_INDICATORS)
             return
-        st.caption("Each server's (and GPU's) latest analysed window: state and value of every indicator.")
-        st.table(indicator_table(matrix))
-        attention = matrix[matrix["state"].isin([WARN, CRIT])]
-        if not attention.empty:
-            st.dataframe(attention[["server", "device_id", "indicator", "state", "explanation"]],
-                         hide_index=True, width="stretch")
-        indicator_drill_down(queries, matrix)
+        # A strip that is n/a throughout says only that its data does not exist: named, not drawn.
+        strips = ["server", "device_id", "indicator"]
+        judged = history.groupby(strips)["state"].transform(lambda states: (states != NO_DATA).any())
+        shown, unjudged = history[judged], history[~judged]
+        crit, warn = int(history["crit_windows"].sum()), int(history["warn_windows"].sum())
+        st.caption(f"Every analysed window of every server (and GPU), coloured by its state; where one {bin_s} s"
+                   f" bin holds several, the worst. This window holds {crit} critical and {warn} warning cells."
+                   " Hover for the explanation; click a cell to list the requests of its window.")
+        if shown.empty:
+            st.info("Every indicator is without data in this window.")
+        else:
+            st.altair_chart(indicator_strip(shown, filters), key="indicator_strip", on_select=on_strip_clicked,
+                            selection_mode="strip_cell", width="stretch")
+            indicator_legend(shown["indicator"])
+        if not unjudged.empty:
+            missing = unjudged.drop_duplicates(strips)
+            st.caption("No data for: " + "; ".join(
+                f"{subject(server, device)} {indicator_title(indicator)}"
+                for server, device, indicator in missing[strips].itertuples(index=False)))
+        if not shown.empty:
+            indicator_drill_down(queries, strip_rows(shown), filters.inference_only)
 
 
-def indicator_drill_down(queries: DashboardQueries, matrix: pd.DataFrame) -> None:
-    """From one cell of the matrix to the requests its server served in that cell's window."""
-    labels = {indicator.name: indicator.label for indicator in INDICATORS}
-    # A cell is chosen by its identity, not its row: a refresh may reorder the rows.
-    keys = matrix[["node", "server_port", "device_id", "indicator", "window_start_ns", "window_end_ns"]]
-    identities = [(str(node), int(port), str(device), str(indicator), int(start), int(end))
-                  for node, port, device, indicator, start, end in keys.itertuples(index=False)]
-    states = dict(zip(identities, matrix["state"], strict=True))
+def indicator_legend(indicators: pd.Series) -> None:
+    """What each indicator on the strip measures, in two columns."""
+    names = [name for name in INDICATOR_WORDS if name in set(indicators)]
+    columns = st.columns(2)
+    for position, name in enumerate(names):
+        words = INDICATOR_WORDS[name]
+        columns[position % 2].caption(f"**{words.title}**: {words.meaning}")
 
-    def label(identity: tuple) -> str:
-        node, port, device, indicator, start, end = identity
-        subject = f"{node}:{port}" + (f" · {device}" if device else "")
-        return (f"{subject} · {labels.get(indicator, indicator)} · {states[identity]} · "
-                f"{format_epoch_s(start / 1e9)} → {format_epoch_s(end / 1e9)}")
 
-    chosen = pick("Indicator cell", identities, "indicator_cell", label,
-                  "pick a cell to list the requests of its window")
+def on_strip_clicked() -> None:
+    """Point the indicator drill-down at the strip cell just clicked."""
+    points = st.session_state["indicator_strip"]["selection"].get("strip_cell") or []
+    if points:
+        st.session_state["indicator_cell"] = points[0]["cell_key"]
+
+
+def indicator_drill_down(queries: DashboardQueries, rows: pd.DataFrame, inference_only: bool) -> None:
+    """From one cell of the strip to the requests its server served in that cell's (worst) window.
+    Offered: the warning and critical cells, and whichever cell was clicked."""
+    clicked = st.session_state.get("indicator_cell")
+    offered = rows[rows["state"].isin([WARN, CRIT]) | (rows["cell_key"] == clicked)]
+    offered = offered.sort_values(["crit_windows", "window_end_ns"], ascending=False)  # critical first, newest first
+    labels = {row.cell_key: (f"{row.row} · {STATE_WORDS.get(row.state, row.state)} · "
+                             f"{format_epoch_s(row.window_start_ns / 1e9)} → {format_epoch_s(row.window_end_ns / 1e9)}")
+              for row in offered.itertuples(index=False)}
+    chosen = pick("Indicator cell", list(labels), "indicator_cell", labels.get,
+                  "click a strip cell, or pick a warning or critical one, to list the requests of its window")
     if chosen is None:
         return
-    node, port, _, _, start_ns, end_ns = chosen
-    requests = queries.window_requests(node, port, start_ns, end_ns)
+    node, port, _, _, start_ns, end_ns = parse_cell_key(chosen)
+    requests = queries.window_requests(node, port, start_ns, end_ns, inference_only=inference_only)
     total = int(requests["in_window"].iloc[0]) if not requests.empty else 0
     shown = f"the {len(requests)} slowest end to end" if len(requests) < total else f"all {total}"
     st.caption(f"{total} requests of {node}:{port} started in this window; {shown} below.")
-    st.dataframe(requests.drop(columns="in_window"), hide_index=True, width="stretch")
-
-
-def format_indicator_value(value: float | None, unit: str) -> str:
-    if value is None or pd.isna(value):
-        return ""
-    if unit == "ratio":
-        return f"{value:.0%}"
-    if unit == "ms":
-        return format_ms(value)
-    return f"{value:.3g} {unit}".strip()
-
-
-def indicator_table(matrix: pd.DataFrame):
-    """Servers (and GPUs) × indicators, each cell its state and value, coloured by state."""
-    subjects = [server if not device else f"{server} · {device}"
-                for server, device in zip(matrix["server"], matrix["device_id"], strict=True)]
-    labels = {indicator.name: indicator.label for indicator in INDICATORS}
-    cells = matrix.assign(
-        subject=subjects,
-        heading=[labels.get(name, name) for name in matrix["indicator"]],
-        text=[f"{state} {format_indicator_value(value, unit)}".strip()
-              for state, value, unit in zip(matrix["state"], matrix["value"], matrix["unit"], strict=True)],
-    )
-    headings = [heading for heading in dict.fromkeys([*labels.values(), *cells["heading"]])
-                if heading in set(cells["heading"])]
-    texts = cells.pivot(index="subject", columns="heading", values="text").reindex(columns=headings)
-    states = cells.pivot(index="subject", columns="heading", values="state").reindex(columns=headings)
-
-    def colours(_: pd.DataFrame) -> pd.DataFrame:
-        return states.map(lambda state: f"background-color: {STATE_COLOURS.get(state, NO_DATA_COLOUR)}")
-
-    return texts.fillna("").style.apply(colours, axis=None)
+    show_table(requests.drop(columns="in_window"))
 
 
 def decisions_panel(queries: DashboardQueries, filters: Filters) -> None:
@@ -458,23 +432,14 @@ def decisions_panel(queries: DashboardQueries, filters: Filters) -> None:
         if decisions.empty:
             st.info("No actuator decisions were in force in this window.")
             return
-        chart = (
-            alt.Chart(decisions.rename(columns={"issued_at": "time_bin"}))
-            .mark_bar(height=18)
-            .encode(
-                x=time_axis(filters),
-                x2="expires_at:T",
-                y=alt.Y("target:N", title=None, axis=alt.Axis(labelLimit=400)),
-                color=alt.Color("action:N"),
-                tooltip=["target:N", "action:N", "outcome:N", "reason:N",
-                         alt.Tooltip("time_bin:T", title="issued (UTC)", format="%H:%M:%S"),
-                         alt.Tooltip("expires_at:T", title="expires (UTC)", format="%H:%M:%S")],
-            )
-            .properties(height=alt.Step(36))  # a row per target, however many there are
-        )
-        st.altair_chart(chart, width="stretch")
-        st.dataframe(decisions[["issued_at", "expires_at", "target", "action", "outcome", "reason"]],
-                     hide_index=True, width="stretch")
+        st.caption("Breakers as bands (open, half-open while probing recovery, closed) and token budgets as a"
+                   " step line in tokens/s, each until it expired or the next decision for its target replaced it.")
+        breakers = decisions["kind"] == "breaker"
+        if breakers.any():
+            st.altair_chart(breaker_band(decisions, filters), width="stretch")
+        if not breakers.all():
+            st.altair_chart(budget_chart(decisions, filters), width="stretch")
+        show_table(decisions[["issued_at", "expires_at", "target", "action", "outcome", "reason"]])
 
 
 # --------------------------------------------------------------------------- the page
@@ -496,10 +461,11 @@ def panels(settings: DashboardSettings, selection: Selection | None) -> None:
         st.caption(f"{format_epoch_s(filters.start_ns / 1e9)} → {format_epoch_s(filters.end_ns / 1e9)}")
         cells_by_metric = heatmaps(queries, filters, bin_s)
         drill_down(queries, filters, bin_s, cells_by_metric)
+        # What went wrong and what the controller did about it, before the detail of phases and GPUs.
+        indicator_panel(queries, filters, bin_s)
+        decisions_panel(queries, filters)
         phase_panel(queries, filters, bin_s)
         gpu_panel(queries, filters, bin_s)
-        indicator_panel(queries, filters)
-        decisions_panel(queries, filters)
     except StoreUnavailable as error:
         store_lost(error)
 

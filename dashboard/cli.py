@@ -47,6 +47,8 @@ def streamlit_command(args: argparse.Namespace) -> list[str]:
         "--server.headless", "true",
         "--server.fileWatcherType", "none",
         "--browser.gatherUsageStats", "false",
+        # Viewers only: no Deploy button, no rerun or clear-cache (the default shows them on localhost).
+        "--client.toolbarMode", "viewer",
     ]
 
 

@@ -12,9 +12,10 @@
   written by ``tokenprobe analyze`` and the agent's live analysis) where the split covers the window, else from the raw requests, with queue
   and prefill together as server TTFT;
 - ``gpu_usage``: memory used and utilization per GPU per time bin;
-- ``indicator_matrix``: the latest state of every indicator for every server
-  (and GPU) in the window; ``window_requests``: the requests of one server in
-  one analysed window (an indicator cell's);
+- ``indicator_history``: every indicator of every server (and GPU) over the
+  window, per time bin the worst of its analysed windows; ``window_requests``:
+  the requests of one server in one analysed window (an indicator cell's);
+- ``slo_thresholds``: the latency objectives the analysis judged by, else the defaults;
 - ``decisions``: the actuator decisions in force during the window;
 - ``cell_requests`` / ``request_timeline``: the drill-down, from one heatmap
   cell to its requests (bounded by a limit) and from one request to its events;
@@ -27,6 +28,9 @@ its drill-down finds.
 
 Only requests the traced servers served (``role = 'server'``) are shown; the
 outbound legs a gateway opens (``role = 'client'``) would count each request twice.
+By default only inference requests (``contract.apis``: a POST to a route that
+runs the model): health checks and metrics scrapes (the agent's own among them)
+only where ``Filters.inference_only`` is False.
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from ..analytics.config import DEFAULT_CONFIG
 from ..analytics.scope import Scope, Server
 from ..contract import measures
-from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_SPLIT_TABLE
+from ..contract.analysis import INDICATOR_MATRIX_TABLE, REQUEST_SPLIT_TABLE, SLO_STATUS_TABLE
+from ..contract.apis import inference_request_sql, inference_route_sql
 from ..contract.decisions import DECISIONS_TABLE
+from ..contract.indicators import CRIT, NO_DATA, OK, WARN
 from ..contract.figures import DEFAULT_DEFINITION, REQUEST_FIGURES_TABLE, phases_select
 from ..contract.latency import (
     DEFAULT_BANDS_PER_DECADE,
@@ -66,6 +73,7 @@ DEFAULT_CELL_LIMIT = 200
 RECENT_TRAFFIC_S = 3600  # how far back from the newest request a fitted window reaches, at most
 MIN_FITTED_SPAN_S = 60
 SERVER_SQL = "concat(node, ':', toString(server_port))"
+STATES_BY_SEVERITY = (NO_DATA, OK, WARN, CRIT)  # a bin of several analysed windows shows its worst
 
 
 def _bin_start(column: str) -> str:
@@ -120,6 +128,8 @@ class Filters:
     servers: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     routes: tuple[str, ...] = ()
+    # Only calls that run a model (contract.apis); False adds health checks, metrics scrapes and the like.
+    inference_only: bool = True
 
     def __post_init__(self):
         if self.end_ns <= self.start_ns:
@@ -155,7 +165,15 @@ class Filters:
     def request_conditions(self) -> tuple[str, dict]:
         """The WHERE clause for the requests table: served requests that started in the window."""
         where, parameters = self.conditions("req_start")
-        return f"role = 'server' AND {where}", parameters
+        inference = f" AND {inference_request_sql()}" if self.inference_only else ""
+        return f"role = 'server' AND {where}{inference}", parameters
+
+    def rollup_conditions(self) -> tuple[str, dict]:
+        """The WHERE clause for the rollup's minutes. It keeps routes but no method: inference-only keeps
+        the inference routes, which ``DashboardQueries.heatmap_source`` checks against the requests."""
+        where, parameters = self.conditions("minute")
+        inference = f" AND {inference_route_sql()}" if self.inference_only else ""
+        return f"{where}{inference}", parameters
 
 
 class DashboardQueries:
@@ -214,9 +232,9 @@ class DashboardQueries:
 
     def filter_options(self, filters: Filters) -> dict[str, list[str]]:
         """The servers (``node:port``), models and routes seen in the window, ignoring the other filters."""
-        window = Filters(filters.start_ns, filters.end_ns)
+        window = Filters(filters.start_ns, filters.end_ns, inference_only=filters.inference_only)
         if self.heatmap_source(window, ROLLUP_STEP_S) == "rollup":  # far fewer rows, the same labels
-            where, parameters = window.conditions("minute")
+            where, parameters = window.rollup_conditions()
             source = f"{self.store.table(ROLLUP_TABLE)} WHERE metric = {{all:String}} AND {where}"
             parameters["all"] = ALL_REQUESTS
         else:
@@ -238,6 +256,8 @@ class DashboardQueries:
 
         With ``metric_key`` the rollup must count every sample of that metric in the window: minutes
         rolled up by an older view lack the metrics added since (ITL) though they count every request.
+        Inference-only, it must count what the requests do: a call to an inference route that is not a
+        POST (the rollup keeps no method) sends the window to a scan.
         """
         step_ns = ROLLUP_STEP_S * 1_000_000_000
         fits = (bands_per_decade == ROLLUP_BANDS_PER_DECADE and bin_s % ROLLUP_STEP_S == 0
@@ -254,7 +274,7 @@ class DashboardQueries:
             where, parameters = filters.request_conditions()
             ((requests,),) = self.store.query_rows(
                 f"SELECT sum({samples}) FROM {self.store.table(REQUESTS_TABLE)} WHERE {where}", parameters)
-            rolled_where, rolled_parameters = filters.conditions("minute")
+            rolled_where, rolled_parameters = filters.rollup_conditions()
             ((rolled,),) = self.store.query_rows(
                 f"SELECT sum(requests) FROM {self.store.table(ROLLUP_TABLE)}"
                 f" WHERE metric = {{metric:String}} AND {rolled_where}",
@@ -298,7 +318,7 @@ ORDER BY bin_start_s, band""",
         )
 
     def _heatmap_from_rollup(self, metric_key: str, filters: Filters, bin_s: int) -> pd.DataFrame:
-        where, parameters = filters.conditions("minute")
+        where, parameters = filters.rollup_conditions()
         return self._frame(
             {"bin_start_s": _bin_start("minute"), "band": "toInt32(band)", "requests": "sum(requests)"},
             f"""FROM {self.store.table(ROLLUP_TABLE)}
@@ -453,33 +473,12 @@ ORDER BY gpu, bin_start_s""",
         frame["time_bin"] = _epoch_s_to_utc(frame["bin_start_s"])
         return frame
 
-    def indicator_matrix(self, filters: Filters) -> pd.DataFrame:
-        """The cell of the latest analysed window that overlaps the dashboard's window, per server (and
-        GPU) and indicator: server, node, server_port, device_id, indicator, state, value, unit,
-        explanation, window_start_ns, window_end_ns and window_end (UTC)."""
-        # The matrix is per server (and GPU): model and route filters do not narrow it.
-        where, parameters = filters.conditions("window_start", models=False, routes=False, end_column="window_end")
-        frame = self._frame(
-            {"server": SERVER_SQL, "node": "node", "server_port": "server_port", "device_id": "device_id",
-             "indicator": "indicator", "state": "argMax(state, window_end)", "value": "argMax(value, window_end)",
-             "unit": "any(unit)", "explanation": "argMax(explanation, window_end)",
-             "window_start_ns": f"argMax({ns('window_start')}, window_end)",
-             "window_end_ns": ns("max(window_end)")},
-            f"""FROM {self.store.table(INDICATOR_MATRIX_TABLE)} FINAL
-WHERE {where}
-GROUP BY server, node, server_port, device_id, indicator
-ORDER BY server, device_id, indicator""",
-            parameters,
-        )
-        frame["window_end"] = pd.to_datetime(frame["window_end_ns"].astype("int64"), unit="ns", utc=True)
-        return frame
-
     def window_requests(self, node: str, server_port: int, start_ns: int, end_ns: int,
-                        limit: int = DEFAULT_CELL_LIMIT) -> pd.DataFrame:
+                        limit: int = DEFAULT_CELL_LIMIT, inference_only: bool = True) -> pd.DataFrame:
         """The requests one server served that started in [start_ns, end_ns) (an indicator cell's window),
         slowest end to end first, at most ``limit``: started, model, route, status, outcome, TTFT, TPOT
         and end-to-end ms, token_events, response_id, and ``in_window`` (how many there are in all)."""
-        window = Filters(start_ns, end_ns, (f"{node}:{server_port}",))
+        window = Filters(start_ns, end_ns, (f"{node}:{server_port}",), inference_only=inference_only)
         where, parameters = window.request_conditions()
         frame = self._frame(
             {"req_start_ms": "toUnixTimestamp64Milli(req_start)", "model": "model", "route": "path",
@@ -497,7 +496,8 @@ LIMIT {{limit:UInt32}}""",
 
     def decisions(self, filters: Filters, limit: int = 1000) -> pd.DataFrame:
         """The actuator decisions in force at some point of the window (for any model, or a filtered
-        one), oldest first: target, action, kind, outcome, reason, issued_at, expires_at."""
+        one), oldest first: target, action, kind, outcome, reason, decision_id, tokens_per_second (a
+        budget's), breaker_state (a breaker's), issued_at, expires_at."""
         model_condition = " AND (model = '' OR model IN {models:Array(String)})" if filters.models else ""
         frame = self._frame(
             {"issued_at_ms": "toUnixTimestamp64Milli(issued_at)",
@@ -508,7 +508,9 @@ LIMIT {{limit:UInt32}}""",
                        " if(tenant = '', '', concat('tenant=', tenant))]), ',')",
              "action": "if(kind = 'breaker', concat('breaker ', breaker_state),"
                        " concat('budget ', toString(round(tokens_per_second, 1)), ' tok/s'))",
-             "kind": "kind", "outcome": "outcome", "reason": "reason"},
+             "kind": "kind", "outcome": "outcome", "reason": "reason", "decision_id": "decision_id",
+             "tokens_per_second": "if(kind = 'breaker', NULL, tokens_per_second)",
+             "breaker_state": "if(kind = 'breaker', breaker_state, '')"},
             f"""FROM {self.store.table(DECISIONS_TABLE)}
 WHERE issued_at < {_timestamp('window_end_ns')} AND expires_at > {_timestamp('window_start_ns')}{model_condition}
 ORDER BY issued_at
@@ -519,3 +521,59 @@ LIMIT {{limit:UInt32}}""",
         frame["expires_at"] = _epoch_ms_to_utc(frame.pop("expires_at_ms"))
         frame["target"] = frame["target"].replace("", "everything")
         return frame
+
+    def indicator_history(self, filters: Filters, bin_s: int) -> pd.DataFrame:
+        """Every indicator of every server (and GPU) over the window, one row per time bin (by the start
+        of the analysed windows in it) showing the bin's worst window: server, node, server_port,
+        device_id, indicator, state, value, unit, explanation, window_start_ns and window_end_ns (that
+        window's), windows, warn_windows, crit_windows (how many the bin holds), and its extent
+        from and to (UTC, the first window's start to the last one's end)."""
+        where, parameters = filters.conditions("window_start", models=False, routes=False, end_column="window_end")
+        severities = ", ".join(f"'{state}'" for state in STATES_BY_SEVERITY)
+        worst = f"(indexOf([{severities}], state), window_end)"  # the latest of the worst windows
+        frame = self._frame(
+            {"server": SERVER_SQL, "node": "node", "server_port": "server_port", "device_id": "device_id",
+             "indicator": "indicator", "bin_start_s": _bin_start("window_start"),
+             # Named apart from the columns they aggregate, which ``worst`` reads.
+             "worst_state": f"argMax(state, {worst})", "worst_value": f"argMax(value, {worst})",
+             "unit": "any(unit)", "worst_explanation": f"argMax(explanation, {worst})",
+             "window_start_ns": f"argMax({ns('window_start')}, {worst})",
+             "window_end_ns": f"argMax({ns('window_end')}, {worst})",
+             "windows": "count()", "warn_windows": f"countIf(state = '{WARN}')",
+             "crit_windows": f"countIf(state = '{CRIT}')",
+             "from_ms": "toUnixTimestamp64Milli(min(window_start))", "to_ms": "toUnixTimestamp64Milli(max(window_end))"},
+            f"""FROM {self.store.table(INDICATOR_MATRIX_TABLE)} FINAL
+WHERE {where}
+GROUP BY server, node, server_port, device_id, indicator, bin_start_s
+ORDER BY server, device_id, indicator, bin_start_s""",
+            {**parameters, "bin_s": bin_s},
+        )
+        frame["from"] = _epoch_ms_to_utc(frame.pop("from_ms"))
+        frame["to"] = _epoch_ms_to_utc(frame.pop("to_ms"))
+        return frame.rename(columns={"worst_state": "state", "worst_value": "value",
+                                     "worst_explanation": "explanation"})
+
+    def slo_thresholds(self, filters: Filters) -> pd.DataFrame:
+        """The latency objectives the analysis judged the window's servers by (``slo_status``: the latest
+        evaluation per server, model and objective), else the analytics' defaults: objective, threshold_ms,
+        target, and source ("store" or "default"). One row per distinct objective, threshold and target."""
+        stored = pd.DataFrame(columns=["objective", "threshold_ms", "target"])
+        if self.has_table(SLO_STATUS_TABLE):
+            where, parameters = filters.conditions("evaluated_at", routes=False)
+            stored = self._frame(
+                {"objective": "objective", "threshold_ms": "latest_threshold_ms", "target": "latest_target"},
+                f"""FROM (
+    SELECT objective, argMax(threshold_ms, evaluated_at) AS latest_threshold_ms,
+        argMax(target, evaluated_at) AS latest_target
+    FROM {self.store.table(SLO_STATUS_TABLE)}
+    WHERE {where} AND threshold_ms IS NOT NULL
+    GROUP BY node, server_port, model, objective)
+GROUP BY objective, latest_threshold_ms, latest_target
+ORDER BY objective, latest_threshold_ms""",
+                parameters,
+            )
+        defaults = pd.DataFrame([(objective.objective, objective.threshold_ms, objective.target)
+                                 for objective in DEFAULT_CONFIG.objectives
+                                 if objective.objective not in set(stored["objective"])],
+                                columns=["objective", "threshold_ms", "target"])
+        return pd.concat([stored.assign(source="store"), defaults.assign(source="default")], ignore_index=True)

@@ -5,10 +5,12 @@ traffic, GPU samples and decisions, runs the real analytics over it, and
 serves the store as an agent would. The dashboard runs through its CLI code
 path (``streamlit run`` as a subprocess, auto-refreshing every few seconds). The test checks
 that the page opens on a window that fits the traffic, that the heatmaps (ITL
-among them) and the indicator matrix rendered, that clicking a heatmap cell
-drills down to its requests and on to one request's timeline, that an
-indicator cell lists the requests of its window, and that a request arriving
-later shows up on its own; it saves a screenshot (path printed, copy in /tmp).
+among them) and the indicator strip rendered, that Streamlit's deploy menu is
+hidden, that clicking a heatmap cell drills down to its requests and on to one
+request's timeline, that a critical indicator cell of the traffic's overload
+episode (over well before the window ends) lists the requests of its window,
+and that a request arriving later shows up on its own; it saves a screenshot
+(path printed, copy in /tmp).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tests.support import free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOT_COPY = Path("/tmp/tokenprobe-dashboard.png")
+FAILURE_SCREENSHOT = Path("/tmp/tokenprobe-dashboard-failure.png")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 # Generous: other engineers run tests on the same 2-core machine.
@@ -144,7 +147,22 @@ def act_until_shown(page, action, shown, what: str, attempts: int = 20) -> None:
             return
         except PlaywrightTimeout:
             page.keyboard.press("Escape")  # close whatever the lost attempt left open
-    raise AssertionError(f"{what} did not work in {attempts} attempts")
+    page.screenshot(path=str(FAILURE_SCREENSHOT), full_page=True)
+    raise AssertionError(f"{what} did not work in {attempts} attempts (the page then: {FAILURE_SCREENSHOT})")
+
+
+def hover_until(page, chart, shows) -> str | None:
+    """Move the mouse over a chart's plot (right of its row labels) until its tooltip's text satisfies
+    ``shows``; that text, or None if no tooltip did."""
+    chart.scroll_into_view_if_needed()
+    box = chart.bounding_box()
+    tooltip = page.locator("#vg-tooltip-element")
+    for row in range(1, 20):
+        for column in range(12):
+            page.mouse.move(box["x"] + box["width"] * (0.42 + 0.045 * column), box["y"] + box["height"] * row / 20)
+            if tooltip.count() and tooltip.is_visible() and shows(tooltip.inner_text()):
+                return tooltip.inner_text()
+    return None
 
 
 def shown_window(page) -> tuple[float, float]:
@@ -179,12 +197,16 @@ def test_dashboard_renders_in_a_browser(dashboard, served_store, tmp_path):
             itl_panel.locator('[data-testid="stVegaLiteChart"]').locator("canvas, svg .mark-rect").first.wait_for()
             page.get_by_role("tab", name="TTFT").click()
 
-            # The indicator matrix, computed by the real analytics: every server has a row, cells carry states.
-            matrix = page.locator('[data-testid="stTable"]')
-            for server in ("node-a:8000", "node-a:8001", "node-b:8000"):
-                expect(matrix.get_by_text(server, exact=True)).to_be_visible(timeout=PAGE_TIMEOUT_MS)
-            expect(matrix.get_by_text("knee", exact=True)).to_be_visible(timeout=PAGE_TIMEOUT_MS)
-            assert matrix.locator("td").filter(has_text="ok").count() > 0
+            # The indicator strip, computed by the real analytics, drawn over the whole window; hovering a
+            # critical cell says why.
+            strip = page.locator(".st-key-indicator_strip").locator("canvas.marks, svg.marks").first
+            strip.wait_for()
+            expect(page.get_by_text("load vs. capacity knee", exact=False).first).to_be_visible()
+            explained = hover_until(page, strip, lambda text: "\ncritical\n" in text
+                                    and re.search(r"^why\s*\n\S", text, re.MULTILINE))
+            assert explained is not None, "no critical cell on the strip explains itself"
+            # A page for viewers: no Deploy button.
+            expect(page.get_by_role("button", name="Deploy")).to_have_count(0)
 
             # A click on a heatmap cell fills the drill-down and lists the cell's requests. The click goes
             # where the synthetic traffic's cells are dense: TTFT of tens of ms, early in the hour.
@@ -201,17 +223,25 @@ def test_dashboard_renders_in_a_browser(dashboard, served_store, tmp_path):
 
             act_until_shown(page, pick_first_request, page.get_by_text("Request timeline:"), "picking a request")
 
-            # An indicator cell leads to the requests its server served in that window.
+            # The overload episode (60-70 % of the hour) is long over, yet its critical queue waits are offered,
+            # and one leads to the requests its server served in that window.
             cell_selector = page.locator('[data-testid="stSelectbox"]',
                                          has=page.get_by_text("Indicator cell", exact=True))
+            critical_window_ends = []
 
-            def pick_an_indicator_cell(_attempt: int) -> None:
+            def pick_a_critical_cell(_attempt: int) -> None:
                 cell_selector.click(timeout=ATTEMPT_TIMEOUT_MS)
-                page.get_by_role("option").filter(has_text="node-a:8000").first.click(timeout=ATTEMPT_TIMEOUT_MS)
+                # Typing narrows the options: the list draws only its first few.
+                page.keyboard.type("queue wait (p95) · critical")
+                option = page.get_by_role("option").filter(has_text="queue wait (p95) · critical · ").first
+                critical_window_ends.append(option.inner_text().rpartition("→")[2].strip())
+                option.click(timeout=ATTEMPT_TIMEOUT_MS)
 
-            window_listed = page.get_by_text(re.compile(r"\d+ requests of node-a:8000 started in this window"))
-            act_until_shown(page, pick_an_indicator_cell, window_listed, "picking an indicator cell")
+            window_listed = page.get_by_text(re.compile(r"\d+ requests of \S+ started in this window"))
+            act_until_shown(page, pick_a_critical_cell, window_listed, "picking a critical indicator cell")
             assert int(window_listed.inner_text().split()[0]) > 0
+            critical_end_s = calendar.timegm(time.strptime(critical_window_ends[-1], "%Y-%m-%d %H:%M:%S UTC"))
+            assert critical_end_s < shown_window(page)[1] - 0.2 * SPAN_S, critical_window_ends[-1]
 
             # Auto-refresh: a request arriving later moves the window on its own.
             with open_store(store_url) as store:

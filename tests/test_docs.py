@@ -15,9 +15,6 @@ README = REPO / "README.md"
 DOCS = REPO / "docs"
 README_LIMIT_BYTES = 10 * 1024
 
-# Files other branches add (issue 31), relative to docs/. Each must still be missing here: once it lands,
-# this test fails until it is taken off the list, and links to it are checked like any other.
-PENDING = {"dashboard.md", "img/dashboard.png"}
 
 
 def load_render_docs():
@@ -80,18 +77,11 @@ def test_every_link_lands():
                 continue
             path, _, anchor = target.partition("#")
             destination = (page.parent / path).resolve() if path else page
-            if destination.is_relative_to(DOCS) and str(destination.relative_to(DOCS)) in PENDING:
-                continue
             if not destination.exists():
                 broken.append(f"{page.name}: {target} (no such file)")
             elif anchor and destination.suffix == ".md" and anchor not in _anchors(destination):
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, broken
-
-
-def test_pending_pages_are_still_pending():
-    landed = sorted(name for name in PENDING if (DOCS / name).exists())
-    assert not landed, f"{landed} exist now: take them off PENDING in tests/test_docs.py"
 
 
 def _commands(page: Path) -> list[tuple[str, list[str]]]:
