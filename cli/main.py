@@ -236,8 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tokenprobe", fromfile_prefix_chars="@",
         description="eBPF observability for LLM serving: every streamed request's network, queue, "
                     "prefill and decode time, from the kernel, with no change to the server.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log details")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log details, and show a failure's traceback (also accepted after the command)")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.subparsers = sub  # main() reports a subcommand's usage errors with its own usage line
 
     p = sub.add_parser("agent", help="trace inference servers and store one row per request",
                        description="Load the probes, follow the target servers' connections and "
@@ -285,11 +288,63 @@ def build_parser() -> argparse.ArgumentParser:
     add_analyze_parser(sub, default_store=DEFAULT_STORE)
     add_dashboard_parser(sub, DEFAULT_STORE)
     add_control_parser(sub, DEFAULT_STORE)
+    for command in sub.choices.values():  # `tokenprobe query -v …` as well as `tokenprobe -v query …`
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log details, and show a failure's traceback")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"tokenprobe {version('tokenprobe')}"
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "tokenprobe (not installed: version unknown)"
+
+
+def configure_logging(verbose: bool) -> None:
+    """The project's own INFO lines; other libraries' only from WARNING (ERROR for the HTTP clients, whose
+    retry warnings restate, at length, a failure the store's own message names in one line). -v: all."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    logging.getLogger("tokenprobe").setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not verbose:
+        for chatty in ("urllib3", "clickhouse_connect"):
+            logging.getLogger(chatty).setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one command. Exit codes: 0 done, 1 failed, 2 wrong usage, 130 interrupted. A failure is one
+    line naming the command; the traceback only with -v."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.verbose)
+    if getattr(args, "store", None) is not None:
+        from ..store.url import parse_store_url
+
+        try:
+            parse_store_url(args.store)
+        except ValueError as error:
+            parser.subparsers.choices[args.command].error(f"--store: {error}")  # exits 2
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"tokenprobe {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - the last resort: one line instead of a traceback
+        if args.verbose:
+            raise
+        print(f"tokenprobe {args.command}: {describe_failure(error)}", file=sys.stderr)
+        return 1
+
+
+def describe_failure(error: BaseException) -> str:
+    """A failure in one line. A store that cannot be reached or a system error says what it is; anything
+    else is a fault, named by its type, with the way to see where it happened."""
+    from ..store.client import StoreUnavailable
+
+    message = " ".join(str(error).split())
+    if isinstance(error, StoreUnavailable) or (isinstance(error, OSError) and error.strerror):
+        return message
+    return f"{type(error).__name__}{': ' + message if message else ''} (-v shows where)"

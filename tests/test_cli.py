@@ -63,6 +63,44 @@ def test_doctor_reports_this_node():
     assert "tokenprobe_agent_map_overflows_total" in result.stdout
 
 
+def test_version():
+    from importlib.metadata import version
+
+    result = run("--version")
+    assert (result.returncode, result.stdout.strip()) == (0, f"tokenprobe {version('tokenprobe')}")
+
+
+@pytest.mark.parametrize("command", [["query", "SELECT 1"], ["analyze"], ["dashboard"],
+                                     ["agent", "--port", "8000"], ["demo"]])
+def test_a_store_url_that_cannot_be_right_is_a_usage_error(command):
+    result = run(*command, "--store", "ftp://host/")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"tokenprobe {command[0]}: error: --store: unsupported store URL scheme 'ftp' in 'ftp://host/': use "
+        "chdb:///DIR, a directory path, http://host:8123/ or https://host:8443/")
+
+
+def test_an_unreachable_store_is_one_line_naming_the_reason():
+    from tests.support import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/"
+    result = run("query", "--store", url, "SELECT 1")
+    assert result.returncode == 1
+    assert result.stderr == f"tokenprobe query: cannot reach ClickHouse at http://default@{url[7:]}: " \
+                            "Connection refused\n"
+    verbose = run("query", "-v", "--store", url, "SELECT 1")
+    assert verbose.returncode == 1 and "Traceback" in verbose.stderr, "-v after the command shows the traceback"
+
+
+def test_a_mistyped_store_path_is_said_to_hold_nothing_and_stays_empty(tmp_path):
+    typo = tmp_path / "typo"
+    result = run("query", "--store", f"chdb://{typo}", "SELECT count() FROM tokenprobe.requests")
+    assert result.returncode == 1
+    assert result.stderr == (f"tokenprobe query: no store at {typo}: no such directory (check the path; an agent "
+                             f"started with --store chdb://{typo} creates one)\n")
+    assert not typo.exists()
+
+
 def test_query_reads_a_store(tmp_path):
     from tokenprobe.store.embedded import open_store
 
