@@ -127,6 +127,7 @@ def samplers_from_args(args: argparse.Namespace):
 def _cmd_agent(args: argparse.Namespace) -> int:
     from ..agent.capture.kernel.loader import ProbeError, Targets
     from .agent import Agent, AgentConfig
+    from .preflight import PreflightError, check_metrics_port, warn_about_targets
 
     targets = Targets(ports=args.port, pids=args.pid, exes=args.exe, outbound=args.outbound)
     try:
@@ -165,6 +166,13 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tokenprobe agent: --alertmanager: {exc}", file=sys.stderr)
         return 2
+    try:
+        if args.metrics_port:
+            check_metrics_port(args.metrics_host, args.metrics_port)
+    except PreflightError as exc:
+        print(f"tokenprobe agent: {exc}", file=sys.stderr)
+        return 1
+    warn_about_targets(targets)
     config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
                          ringbuf_pages=pages, kernel_batching=args.kernel_batching, status=not args.quiet,
                          samplers=samplers,
@@ -191,14 +199,17 @@ def _cmd_agent(args: argparse.Namespace) -> int:
           + (f", {summary.rows_spooled} spooled to disk for later" if summary.rows_spooled else "")
           + f"; {summary.drops} events dropped by the kernel"
           + "".join(f"; kernel map {name} could not hold {count} entries"
-                    for name, count in summary.map_overflows.items() if count), file=sys.stderr)
+                    for name, count in summary.map_overflows.items() if count))  # stdout: `| tee log` keeps it
     return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from ..agent.doctor import FAIL, render, run_checks
 
-    checks = run_checks(load=not args.no_load)
+    if args.wait <= 0:
+        print("tokenprobe doctor: --wait must be a positive number of seconds", file=sys.stderr)
+        return 2
+    checks = run_checks(load=not args.no_load, port=args.port, wait_s=args.wait)
     print(render(checks))
     return 1 if any(c.state == FAIL for c in checks) else 0
 
@@ -272,8 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(by default they run, the gateway on --port + 1)")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("doctor", help="say what works on this node and what to do about what doesn't")
+    p = sub.add_parser("doctor", help="say what works on this node and what to do about what doesn't",
+                       description="Check what tracing needs here, trying it rather than inferring it: the "
+                                   "capabilities in effect, a BPF load (EPERM from a missing capability or a seccomp "
+                                   "filter is named), tracefs, the kernel headers, BCC, and the real probes, every "
+                                   "copy of OpenSSL found included. Exits 1 if tracing cannot work.")
     p.add_argument("--no-load", action="store_true", help="skip compiling and loading the probes")
+    p.add_argument("--port", type=int, metavar="PORT",
+                   help="also check a server: who listens on PORT, its TLS library and whether the probes read it, "
+                        "and the API of a request that arrives within --wait seconds")
+    p.add_argument("--wait", type=float, default=10.0, metavar="S",
+                   help="with --port, how long to wait for a request (default %(default)g)")
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("query", help="run SQL on a store (also while an agent owns it)",

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 from .btf import BtfError, socket_offset_flags
 from .go_tls import GO_TLS_HANDSHAKES, GO_TLS_READ, GO_TLS_WRITE
 from .headers import HeaderChoice, choose_headers
+from .privileges import bpf_refusal, try_bpf_load, uprobe_refusal
 from .procfs import ListenerScan, target_port_sockets
 from .records import (
     _STEADY_HEADER,
@@ -241,6 +242,11 @@ class Probes:
         self._conns_added = 0  # the agent's own inserts less its deletes (conns_fill[1])
         self._listeners = ListenerScan(set(targets.ports))
         self._ssl_scanned = False  # whether attach_ssl read every process's map once
+        # A kernel that refuses bpf() itself (capabilities, seccomp) is said now, not blamed on the headers
+        # after a compile of up to a minute.
+        refused = try_bpf_load()
+        if refused > 0:
+            raise ProbeError(f"the BPF program cannot load: {bpf_refusal(refused)}")
         ensure_tracefs()
         if self.headers.kernel_source is not None:
             os.environ["BCC_KERNEL_SOURCE"] = str(self.headers.kernel_source)
@@ -256,13 +262,13 @@ class Probes:
             cflags += socket_offset_flags()
         except BtfError as exc:
             log.warning("%s: accepted sockets' addresses are read from /proc instead of the kernel", exc)
-        log.info("compiling and loading the BPF program")
         try:
             self.bpf = bcc.BPF(text=source, cflags=cflags)
             # Vectored calls past MAX_IOV iovecs are captured on in this program, tail-called.
             more = self.bpf.load_func("capture_iov_more", bcc.BPF.TRACEPOINT)
         except Exception as exc:  # BCC raises bare Exceptions on compile/load failure
-            raise ProbeError(f"the BPF program did not load: {exc}. {self.headers.note}") from exc
+            raise ProbeError(f"the BPF program did not load: {' '.join(str(exc).split())}. {self.headers.note}") \
+                from exc
         self.bpf["iov_more"][ctypes.c_int(0)] = ctypes.c_int(more.fd)
         self._configure()
         self.attach_ssl()
@@ -376,7 +382,8 @@ class Probes:
             try:
                 self._attach(copy.path, [probe for probe in SSL_PROBES if probe[0].encode() in copy.api])
             except Exception as exc:  # BCC raises bare Exceptions when a uprobe does not attach
-                log.warning("OpenSSL in %s not probed: %s", copy.path, exc)
+                refused = uprobe_refusal()
+                log.warning("OpenSSL in %s not probed: %s%s", copy.path, exc, f" ({refused})" if refused else "")
                 continue
             try:
                 if copy.crypto is None:
