@@ -189,7 +189,7 @@ def _check_openssl_probed(probes: Probes) -> Check:
                  refused.fix if refused else "the agent's warnings ('OpenSSL in … not probed') say why")
 
 
-def _check_load(port: int | None, wait_s: float) -> list[Check]:
+def _check_load(port: int | None, servers: list[int], wait_s: float) -> list[Check]:
     print("compiling and loading the probes (11-60 s)…", file=sys.stderr, flush=True)
     try:
         probes = Probes(Targets(ports=[port or 1]))
@@ -203,27 +203,22 @@ def _check_load(port: int | None, wait_s: float) -> list[Check]:
                   Check("kernel maps", OK, f"entries each map holds (the ring buffer: bytes): {sizes}; every one is "
                         "an LRU or counts what it could not hold, which a running agent reports as "
                         "tokenprobe_agent_map_overflows_total{map=...} on /metrics and in its summary at stop")]
-        if port is not None:
-            checks += _check_target(probes, port, wait_s)
+        checks += [_check_server_tls(probes, pid) for pid in servers]
+        if servers:
+            print(f"waiting up to {wait_s:g} s for a request to port {port}…", file=sys.stderr, flush=True)
+            checks.append(_sample_request(probes, port, wait_s))
         return checks
     finally:
         probes.close()
 
 
-def _check_target(probes: Probes, port: int, wait_s: float) -> list[Check]:
-    """One server: who listens on ``port``, its TLS library and whether it is probed, and the API of the
-    first inference request that arrives within ``wait_s``."""
-    name = f"port {port}"
+def _check_listener(port: int) -> tuple[Check, list[int]]:
+    """Who listens on ``port`` (the processes, to look at their TLS once the probes are loaded)."""
     owners = sorted({owner.pid for owner in target_port_sockets({port})[0]})
     if not owners:
-        return [Check(name, FAIL, f"nothing listens on port {port}", "start the server, or give its port")]
+        return Check(f"port {port}", FAIL, f"nothing listens on port {port}", "start the server, or give its port"), []
     listeners = ", ".join(f"pid {pid} ({_exe(pid)})" for pid in owners)
-    checks = [Check(name, OK, f"listened on by {listeners}")]
-    for pid in owners:
-        checks.append(_check_server_tls(probes, pid))
-    print(f"waiting up to {wait_s:g} s for a request to port {port}…", file=sys.stderr, flush=True)
-    checks.append(_sample_request(probes, port, wait_s))
-    return checks
+    return Check(f"port {port}", OK, f"listened on by {listeners}"), owners
 
 
 def _exe(pid: int) -> str:
@@ -283,8 +278,12 @@ def run_checks(load: bool = True, port: int | None = None, wait_s: float = 10.0)
     checks = [Check("kernel", OK, f"{platform.release()} on {platform.machine()}"),
               _check_capabilities(), _check_bpf_syscall(), _check_btf(), _check_tracefs(), _check_headers(),
               *_check_probe_types(), _check_bcc(), _check_libssl(), _check_tls_reach(), _check_nvml()]
+    servers: list[int] = []
+    if port is not None:
+        listener, servers = _check_listener(port)
+        checks.append(listener)
     if load and not any(c.state == FAIL and c.name in ("capabilities", "bpf()") for c in checks):
-        checks += _check_load(port, wait_s)
+        checks += _check_load(port, servers, wait_s)
     return checks
 
 
