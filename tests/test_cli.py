@@ -101,6 +101,59 @@ def test_a_mistyped_store_path_is_said_to_hold_nothing_and_stays_empty(tmp_path)
     assert not typo.exists()
 
 
+def test_a_metrics_port_in_use_is_refused_before_the_compile(tmp_path):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        result = run("agent", "--port", "8000", "--metrics-port", str(busy), "--store", f"chdb://{tmp_path / 's'}")
+    assert result.returncode == 1
+    assert result.stderr == (f"tokenprobe agent: --metrics-port {busy}: 127.0.0.1:{busy} is in use by another "
+                             "process; choose another port, or stop what listens there\n")
+    assert not (tmp_path / "s").exists(), "refused before anything was opened"
+
+
+def test_targets_that_select_nothing_yet_are_said_at_start():
+    import socket
+
+    from tokenprobe.agent.capture.kernel.loader import Targets
+    from tokenprobe.cli.preflight import warn_about_targets
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        listening = server.getsockname()[1]
+        from tests.support import free_port
+
+        idle = free_port()
+        warnings = warn_about_targets(Targets(ports=[listening, idle], exes=["/nonexistent/vllm", sys.executable]))
+    assert warnings == [
+        f"nothing listens on port {idle} yet: its connections are traced once a server listens there (check the "
+        "port if none is about to)",
+        "--exe /nonexistent/vllm: no such file on this host and no process runs it: its processes are traced if "
+        "one starts (inside a container, give the path the container sees)"]
+
+
+@pytest.mark.kernel
+def test_the_agent_says_what_it_does_and_ends_with_its_summary_on_stdout(tmp_path):
+    """`agent … | tee log` keeps the summary; the compile is announced; an idle target port is named."""
+    require_kernel()
+    from tests.support import free_port
+
+    idle = free_port()
+    result = run("agent", "--port", str(idle), "--duration", "1", "--analyze-every", "0", "--quiet",
+                 "--store", f"chdb://{tmp_path / 'store'}")
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(r"done: 0 requests from \d+ kernel events .* in [\d.]+s; 0 rows stored; 0 events dropped "
+                        r"by the kernel\n", result.stdout), result.stdout
+    assert f"WARNING tokenprobe.agent: nothing listens on port {idle} yet" in result.stderr
+    assert "compiling and loading the BPF probes (11-60 s)…" in result.stderr
+    assert re.search(r"compiling and loading the BPF probes: done in \d+ s", result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_query_reads_a_store(tmp_path):
     from tokenprobe.store.embedded import open_store
 
