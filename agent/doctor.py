@@ -173,20 +173,21 @@ def _check_nvml() -> Check:
         pynvml.nvmlShutdown()
 
 
-def _check_openssl_probed(probes: Probes) -> Check:
-    """Every copy of OpenSSL found must have been probed by the real load: one found but not probed means
-    HTTPS through it is not read, which must not pass for health."""
-    found = {os.path.realpath(copy.path) for copy in openssl_copies()}
-    unprobed = sorted(found - set(probes.attached_ssl))
-    if not found:
-        return Check("TLS probes", OK, "no copy of OpenSSL to probe")
-    if not unprobed:
-        return Check("TLS probes", OK, f"all {len(found)} copies of OpenSSL probed")
+def _unprobed_fix() -> str:
     refused = uprobe_refusal()
-    shown = ", ".join(unprobed[:4]) + (f" and {len(unprobed) - 4} more" if len(unprobed) > 4 else "")
-    return Check("TLS probes", FAIL, f"{len(unprobed)} of {len(found)} copies of OpenSSL could not be probed ({shown}): "
-                 "HTTPS through them is not read" + (f"; {refused.cause}" if refused else ""),
-                 refused.fix if refused else "the agent's warnings ('OpenSSL in … not probed') say why")
+    return refused.fix if refused else "the reason above, as the agent's warning 'OpenSSL in … not probed' gives it"
+
+
+def _check_openssl_probed(probes: Probes) -> Check:
+    """Every copy of OpenSSL the load found must have been probed: one found but not probed means HTTPS
+    through it is not read, which must not pass for health."""
+    unprobed = sorted(probes.unprobed_ssl)
+    found = len(probes.attached_ssl) + len(unprobed)
+    if not unprobed:
+        return Check("TLS probes", OK, f"all {found} copies of OpenSSL found probed")
+    reasons = "; ".join(sorted(set(probes.unprobed_ssl.values())))
+    return Check("TLS probes", FAIL, f"{len(unprobed)} of {found} copies of OpenSSL could not be probed, so HTTPS "
+                 f"through them is not read ({', '.join(unprobed)}): {reasons}", _unprobed_fix())
 
 
 def _check_load(port: int | None, servers: list[int], wait_s: float) -> list[Check]:
@@ -239,13 +240,10 @@ def _check_server_tls(probes: Probes, pid: int) -> Check:
         mapped = {os.path.realpath(f"/proc/{pid}/root{elf.path}") for elf in mapped_elves(pid)}
     except OSError:
         mapped = set()
-    own = sorted(path for copy in openssl_copies([pid])
-                 if (path := os.path.realpath(copy.path)) in mapped and path not in probes.attached_ssl)
+    own = sorted(mapped & set(probes.unprobed_ssl))
     if own:
-        refused = uprobe_refusal()
-        return Check(f"TLS of pid {pid}", FAIL, f"{reach.library}, but {', '.join(own)} could not be probed"
-                     + (f": {refused.cause}" if refused else ""),
-                     refused.fix if refused else "the agent's warnings ('OpenSSL in … not probed') say why")
+        return Check(f"TLS of pid {pid}", FAIL, f"{reach.library}, but {', '.join(own)} could not be probed "
+                     f"({probes.unprobed_ssl[own[0]]})", _unprobed_fix())
     return Check(f"TLS of pid {pid}", OK, f"{reach.library}: probed")
 
 

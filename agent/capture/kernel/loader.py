@@ -233,6 +233,7 @@ class Probes:
         self.targets = targets
         self.headers = headers or choose_headers()
         self.attached_ssl: list[str] = []
+        self.unprobed_ssl: dict[str, str] = {}  # real path → why its uprobes did not attach (doctor names them)
         self.attached_go_tls: list[str] = []
         self._go_files: set[tuple[str, int]] = set()  # (device, inode) of each mapped file looked at
         self.decode_errors = 0
@@ -383,6 +384,7 @@ class Probes:
                 self._attach(copy.path, [probe for probe in SSL_PROBES if probe[0].encode() in copy.api])
             except Exception as exc:  # BCC raises bare Exceptions when a uprobe does not attach
                 refused = uprobe_refusal()
+                self.unprobed_ssl[real] = f"{exc}" + (f": {refused.cause}" if refused else "")
                 log.warning("OpenSSL in %s not probed: %s%s", copy.path, exc, f" ({refused})" if refused else "")
                 continue
             try:
