@@ -206,8 +206,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from ..agent.doctor import FAIL, render, run_checks
 
-    if args.wait <= 0:
-        print("tokenprobe doctor: --wait must be a positive number of seconds", file=sys.stderr)
+    if args.wait <= 0 or (args.port is not None and not 0 < args.port < 65536):
+        print("tokenprobe doctor: --port must be a TCP port and --wait a positive number of seconds",
+              file=sys.stderr)
         return 2
     checks = run_checks(load=not args.no_load, port=args.port, wait_s=args.wait)
     print(render(checks))

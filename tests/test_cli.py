@@ -154,6 +154,19 @@ def test_the_agent_says_what_it_does_and_ends_with_its_summary_on_stdout(tmp_pat
     assert "Traceback" not in result.stderr
 
 
+def test_an_agent_whose_store_does_not_answer_says_so_once_not_at_every_retry(caplog):
+    from tokenprobe.agent.capture.kernel.loader import Targets
+    from tokenprobe.cli.agent import Agent, AgentConfig
+
+    from tests.support import free_port
+
+    agent = Agent(AgentConfig(targets=Targets(ports=[8000]), store_url=f"http://127.0.0.1:{free_port()}/"))
+    with caplog.at_level("DEBUG"):
+        assert agent._open_store() is None and agent._open_store() is None
+    said = [(record.levelname, record.name) for record in caplog.records if "cannot reach" in record.getMessage()]
+    assert said == [("WARNING", "tokenprobe.agent"), ("DEBUG", "tokenprobe.agent")], said
+
+
 def test_query_reads_a_store(tmp_path):
     from tokenprobe.store.embedded import open_store
 
