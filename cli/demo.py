@@ -172,11 +172,12 @@ def shell_command() -> str:
 def next_commands(store_url: str) -> str:
     """The commands that show the store the demo leaves, ready to paste (no process owns it any more)."""
     tokenprobe, store = shell_command(), shlex.quote(store_url)
-    sql = ("SELECT path, count(), quantile(0.5)(dateDiff('millisecond', req_end, first_token)) AS ttft_p50_ms "
-           "FROM tokenprobe.requests GROUP BY path")
+    # In double quotes, as a person types it: it holds single quotes and nothing a shell expands.
+    sql = ("\"SELECT path, count(), quantile(0.5)(dateDiff('millisecond', req_end, first_token)) AS ttft_p50_ms "
+           "FROM tokenprobe.requests GROUP BY path\"")
     return (f"  {tokenprobe} dashboard --store {store} --own-store\n"
             f"and, beside it or alone, query it:\n"
-            f"  {tokenprobe} query --store {store} {shlex.quote(sql)}")
+            f"  {tokenprobe} query --store {store} {sql}")
 
 
 def gateway_answers(workdir: Path) -> str:
@@ -189,6 +190,10 @@ def gateway_answers(workdir: Path) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if not (0 < args.port < 65535 and args.duration > 0 and args.rate > 0 and args.slots > 0):
+        print("tokenprobe demo: --port must be within 1-65534 (the gateway takes the next), and --duration, --rate "
+              "and --slots positive", file=sys.stderr)
+        return 2
     with_actuator = not args.no_actuator and not args.tls
     gateway_port = args.port + 1
     for port, option in ((args.port, "--port"), *(((gateway_port, "--port"),) if with_actuator else ())):

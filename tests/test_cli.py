@@ -63,6 +63,13 @@ def test_doctor_reports_this_node():
     assert "tokenprobe_agent_map_overflows_total" in result.stdout
 
 
+@pytest.mark.parametrize("option", [["--port", "70000"], ["--rate", "0"], ["--duration", "-1"], ["--slots", "0"]])
+def test_demo_refuses_bad_options_in_plain_words(tmp_path, option):
+    result = run("demo", "--store", f"chdb://{tmp_path / 'store'}", *option)
+    assert result.returncode == 2 and result.stderr.startswith("tokenprobe demo: --port must be"), result.stderr
+    assert not (tmp_path / "store").exists()
+
+
 def test_version():
     from importlib.metadata import version
 
