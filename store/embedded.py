@@ -29,7 +29,7 @@ from .server import StoreServer
 from .url import StoreURL, parse_store_url
 
 LOCK_FILE = ".tokenprobe.lock"
-# The lock file's second line, where its owner will not serve the store: readers then need not wait for a serve file.
+# The lock file's second line where its owner will not serve the store, so that a reader waiting for it can say so.
 NOT_SERVING = "not serving"
 SERVE_FILE = ".tokenprobe-serve.json"
 # How long a reader waits for a starting owner to publish its serve file.
