@@ -1,16 +1,39 @@
 """`tokenprobe doctor`: what works on this node, in plain words, and what to do
-about what does not."""
+about what does not.
+
+What the kernel allows is tried, not inferred: the capabilities in effect are read, a trivial BPF program is
+loaded (EPERM from capabilities or a seccomp filter is named as such), and every copy of OpenSSL found must be
+probed by the real load, else the check fails with the reason (a read-only tracefs without CAP_SYS_ADMIN).
+With ``--port`` it also looks at one server: who listens, its TLS library and whether the probes read it, and
+the API of a request, if one arrives while it waits.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..contract.measures import is_inference
+from .capture.kernel.clock import MonotonicWallClock
 from .capture.kernel.headers import choose_headers
 from .capture.kernel.loader import ProbeError, Probes, Targets, openssl_copies
-from .capture.kernel.tls_libraries import unreadable_tls
+from .capture.kernel.privileges import (
+    CAPABILITIES,
+    GRANT,
+    bpf_refusal,
+    effective_capabilities,
+    missing_for_bpf,
+    tracefs,
+    try_bpf_load,
+    uprobe_refusal,
+)
+from .capture.kernel.procfs import target_port_sockets
+from .capture.kernel.tls_libraries import mapped_elves, tls_reach, unreadable_tls
+from .capture.tracker import ConnectionTracker
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -23,11 +46,27 @@ class Check:
     fix: str = ""
 
 
-def _check_root() -> Check:
-    if os.geteuid() == 0:
-        return Check("privileges", OK, "running as root")
-    return Check("privileges", FAIL, "not root: loading BPF programs needs CAP_BPF, CAP_PERFMON "
-                 "and CAP_SYS_RESOURCE", "run as root, or grant those capabilities")
+def _check_capabilities() -> Check:
+    held = effective_capabilities()
+    shown = ", ".join(f"{name} {'yes' if name in held else 'no'}" for name in CAPABILITIES)
+    missing = missing_for_bpf(held)
+    if missing:
+        return Check("capabilities", FAIL, f"in effect: {shown}; loading BPF programs needs {' and '.join(missing)}",
+                     GRANT)
+    if "CAP_SYS_PTRACE" not in held and "CAP_SYS_ADMIN" not in held:
+        return Check("capabilities", WARN, f"in effect: {shown}; without CAP_SYS_PTRACE other processes' "
+                     "libraries and executables cannot be read (TLS libraries, --exe targets)", GRANT)
+    return Check("capabilities", OK, f"in effect: {shown}")
+
+
+def _check_bpf_syscall() -> Check:
+    refused = try_bpf_load()
+    if refused == 0:
+        return Check("bpf()", OK, "the kernel loads a BPF tracepoint program from this process")
+    if refused < 0:
+        return Check("bpf()", WARN, f"not tried on {platform.machine()}: the BPF load below tells")
+    refusal = bpf_refusal(refused)
+    return Check("bpf()", FAIL, refusal.cause, refusal.fix)
 
 
 def _check_btf() -> Check:
@@ -48,7 +87,12 @@ def _check_tracefs() -> Check:
             if missing:
                 return Check("tracepoints", FAIL, f"tracefs at {path} lacks {', '.join(missing)}",
                              "use a kernel with CONFIG_FTRACE_SYSCALLS")
-            return Check("tracepoints", OK, f"tracefs mounted at {path}; syscall and sched "
+            refused = uprobe_refusal()
+            if refused is not None:
+                return Check("tracepoints", WARN, f"syscall and sched tracepoints present; {refused.cause}: "
+                             "TLS uprobes cannot attach", refused.fix)
+            writable = "read-write" if tracefs().writable else "read-only (uprobes go through CAP_SYS_ADMIN)"
+            return Check("tracepoints", OK, f"tracefs mounted at {path}, {writable}; syscall and sched "
                          "tracepoints present")
     return Check("tracepoints", WARN, "tracefs is not mounted (the agent mounts it itself when root)",
                  "mount -t tracefs nodev /sys/kernel/tracing")
@@ -129,29 +173,115 @@ def _check_nvml() -> Check:
         pynvml.nvmlShutdown()
 
 
-def _check_load() -> list[Check]:
+def _unprobed_fix() -> str:
+    refused = uprobe_refusal()
+    return refused.fix if refused else "the reason above, as the agent's warning 'OpenSSL in … not probed' gives it"
+
+
+def _check_openssl_probed(probes: Probes) -> Check:
+    """Every copy of OpenSSL the load found must have been probed: one found but not probed means HTTPS
+    through it is not read, which must not pass for health."""
+    unprobed = sorted(probes.unprobed_ssl)
+    found = len(probes.attached_ssl) + len(unprobed)
+    if not unprobed:
+        return Check("TLS probes", OK, f"all {found} copies of OpenSSL found probed")
+    reasons = "; ".join(sorted(set(probes.unprobed_ssl.values())))
+    return Check("TLS probes", FAIL, f"{len(unprobed)} of {found} copies of OpenSSL could not be probed, so HTTPS "
+                 f"through them is not read ({', '.join(unprobed)}): {reasons}", _unprobed_fix())
+
+
+def _check_load(port: int | None, servers: list[int], wait_s: float) -> list[Check]:
+    print("compiling and loading the probes (11-60 s)…", file=sys.stderr, flush=True)
     try:
-        probes = Probes(Targets(ports=[1]))
+        probes = Probes(Targets(ports=[port or 1]))
     except (ProbeError, ValueError) as exc:
         return [Check("BPF load", FAIL, str(exc), "see the checks above")]
     try:
         sizes = ", ".join(f"{name} {size}" for name, size in probes.map_sizes().items())
-        return [Check("BPF load", OK, f"the probes compile, pass the verifier and attach "
-                      f"({len(probes.attached_ssl)} copies of OpenSSL probed)"),
-                # This program's own maps are empty: a running agent's overflows are on its /metrics.
-                Check("kernel maps", OK, f"entries each map holds (the ring buffer: bytes): {sizes}; every one is "
-                      "an LRU or counts what it could not hold, which a running agent reports as "
-                      "tokenprobe_agent_map_overflows_total{map=...} on /metrics and in its summary at stop")]
+        checks = [Check("BPF load", OK, "the probes compile, pass the verifier and attach"),
+                  _check_openssl_probed(probes),
+                  # This program's own maps are empty: a running agent's overflows are on its /metrics.
+                  Check("kernel maps", OK, f"entries each map holds (the ring buffer: bytes): {sizes}; every one is "
+                        "an LRU or counts what it could not hold, which a running agent reports as "
+                        "tokenprobe_agent_map_overflows_total{map=...} on /metrics and in its summary at stop")]
+        checks += [_check_server_tls(probes, pid) for pid in servers]
+        if servers:
+            print(f"waiting up to {wait_s:g} s for a request to port {port}…", file=sys.stderr, flush=True)
+            checks.append(_sample_request(probes, port, wait_s))
+        return checks
     finally:
         probes.close()
 
 
-def run_checks(load: bool = True) -> list[Check]:
+def _check_listener(port: int) -> tuple[Check, list[int]]:
+    """Who listens on ``port`` (the processes, to look at their TLS once the probes are loaded)."""
+    owners = sorted({owner.pid for owner in target_port_sockets({port})[0]})
+    if not owners:
+        return Check(f"port {port}", FAIL, f"nothing listens on port {port}", "start the server, or give its port"), []
+    listeners = ", ".join(f"pid {pid} ({_exe(pid)})" for pid in owners)
+    return Check(f"port {port}", OK, f"listened on by {listeners}"), owners
+
+
+def _exe(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return "?"
+
+
+def _check_server_tls(probes: Probes, pid: int) -> Check:
+    reach = tls_reach(pid)
+    if reach is None:
+        return Check(f"TLS of pid {pid}", OK, "maps no TLS library: plain HTTP (or TLS ended before it)")
+    if not reach.probed:
+        return Check(f"TLS of pid {pid}", FAIL, f"{reach.library}: no probe reads it; its connections are stored as "
+                     "unsupported rows", "serve TLS with OpenSSL, or terminate TLS in a proxy that uses it")
+    try:
+        mapped = {os.path.realpath(f"/proc/{pid}/root{elf.path}") for elf in mapped_elves(pid)}
+    except OSError:
+        mapped = set()
+    own = sorted(mapped & set(probes.unprobed_ssl))
+    if own:
+        return Check(f"TLS of pid {pid}", FAIL, f"{reach.library}, but {', '.join(own)} could not be probed "
+                     f"({probes.unprobed_ssl[own[0]]})", _unprobed_fix())
+    return Check(f"TLS of pid {pid}", OK, f"{reach.library}: probed")
+
+
+def _sample_request(probes: Probes, port: int, wait_s: float) -> Check:
+    """The first inference request to ``port`` within ``wait_s``, traced as the agent would: its API."""
+    seen: list[dict] = []
+    tracker = ConnectionTracker(seen.append, clock=MonotonicWallClock(), fingerprint_key=os.urandom(32),
+                                target_ports={port}, forget_connection=probes.forget_connection,
+                                restart_connection=probes.restart_connection, steady=probes, unseen_ends=probes)
+    probes.open(tracker.handle)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not any(is_inference(row) for row in seen):
+        probes.poll(100)
+    tracker.close_all(time.monotonic_ns())
+    inference = [row for row in seen if is_inference(row)]
+    if not inference:
+        others = f" ({len(seen)} other requests)" if seen else ""
+        return Check("sample request", WARN, f"no inference request (a POST) reached port {port} within "
+                     f"{wait_s:g} s{others}", "send one while doctor waits, or wait longer with --wait")
+    row = inference[0]
+    api = row.get("api") or "unknown"
+    detail = (f"{row['method']} {row['path']} → {row['status']}, API {api}, {row['token_events']} token events, "
+              f"capture {row['capture']}" + (", over TLS" if row.get("tls") else ""))
+    if api == "unknown" or row.get("capture") != "exact":
+        return Check("sample request", WARN, detail, "see docs/servers.md for the APIs and stacks read")
+    return Check("sample request", OK, detail)
+
+
+def run_checks(load: bool = True, port: int | None = None, wait_s: float = 10.0) -> list[Check]:
     checks = [Check("kernel", OK, f"{platform.release()} on {platform.machine()}"),
-              _check_root(), _check_btf(), _check_tracefs(), _check_headers(), *_check_probe_types(),
-              _check_bcc(), _check_libssl(), _check_tls_reach(), _check_nvml()]
-    if load and os.geteuid() == 0:
-        checks += _check_load()
+              _check_capabilities(), _check_bpf_syscall(), _check_btf(), _check_tracefs(), _check_headers(),
+              *_check_probe_types(), _check_bcc(), _check_libssl(), _check_tls_reach(), _check_nvml()]
+    servers: list[int] = []
+    if port is not None:
+        listener, servers = _check_listener(port)
+        checks.append(listener)
+    if load and not any(c.state == FAIL and c.name in ("capabilities", "bpf()") for c in checks):
+        checks += _check_load(port, servers, wait_s)
     return checks
 
 

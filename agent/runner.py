@@ -377,6 +377,38 @@ class StatusLine:
             self.stream.flush()
 
 
+class Progress:
+    """Long work said while it lasts: a line when it starts and one when it ends, and on a terminal the
+    seconds so far, refreshed (the probes' compile takes 11–60 s, with nothing else to show)."""
+
+    def __init__(self, what: str, expected: str, *, live: bool, stream=sys.stderr) -> None:
+        self.what, self.expected, self.stream = what, expected, stream
+        self.live = live and stream.isatty()
+        self._done = threading.Event()
+
+    def __enter__(self) -> Progress:
+        self._started = time.monotonic()
+        log.info("%s (%s)…", self.what, self.expected)
+        self._ticker = threading.Thread(target=self._tick, name="tokenprobe-progress", daemon=True)
+        if self.live:
+            self._ticker.start()
+        return self
+
+    def _tick(self) -> None:
+        while not self._done.wait(1.0):
+            self.stream.write(f"\r\x1b[2K{self.what}… {time.monotonic() - self._started:.0f} s")
+            self.stream.flush()
+
+    def __exit__(self, failed, *_exc_info) -> None:
+        self._done.set()
+        if self.live:
+            self._ticker.join()  # no tick may land after the line is cleared
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+        if failed is None:
+            log.info("%s: done in %.0f s", self.what, time.monotonic() - self._started)
+
+
 class AgentRunner:
     """Runs the stages: the sink and exporters it is given, the store's services, the capture loop."""
 
@@ -424,7 +456,8 @@ class AgentRunner:
         identities = IdentityResolver(connect_runtime(cfg.runtime_socket) if cfg.identity else None)
         try:
             pods = pod_selection(cfg, identities)
-            probes = Probes(cfg.targets, ringbuf_pages=cfg.ringbuf_pages)
+            with Progress("compiling and loading the BPF probes", "11-60 s", live=cfg.status):
+                probes = Probes(cfg.targets, ringbuf_pages=cfg.ringbuf_pages)
         except BaseException:
             identities.stop()
             raise

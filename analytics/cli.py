@@ -55,7 +55,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         print(f"tokenprobe analyze: {error}", file=sys.stderr)
         return 2
     try:
-        store = open_store(args.store, serve=False)
+        store = open_store(args.store, serve=False, create=False)  # a mistyped path is said, not created
     except (StoreUnavailable, ValueError) as error:
         print(f"tokenprobe analyze: {error}", file=sys.stderr)
         return 1

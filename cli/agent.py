@@ -174,6 +174,7 @@ class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self._runner = AgentRunner(config.capture())
+        self._store_refusal = ""  # the last reason the store gave for not answering, said once
 
     def stop(self, *_args) -> None:
         self._runner.stop()
@@ -208,9 +209,10 @@ class Agent:
             return self._runner.run(sink, exporters, services, store, clock, node, blind)
 
     def _open_store(self) -> Store | None:
-        """The store, or None while it does not answer (said in the log)."""
+        """The store, or None while it does not answer (said in the log once per reason, not at every retry)."""
         try:
             return open_store(self.config.store_url)
         except StoreUnavailable as exc:
-            log.warning("%s", exc)
+            log.log(logging.DEBUG if str(exc) == self._store_refusal else logging.WARNING, "%s", exc)
+            self._store_refusal = str(exc)
             return None

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +40,7 @@ from ..actuator.controller import ControllerPolicy
 from ..agent.capture.kernel.loader import ProbeError, Targets
 from ..analytics.pipeline import analyze, default_range
 from ..analytics.scope import EVERYTHING
+from ..contract.measures import is_inference
 from ..store.client import StoreUnavailable
 from ..store.embedded import open_store
 from .agent import Agent, AgentConfig, SamplerConfig
@@ -70,16 +74,27 @@ def request_line(row: dict) -> str:
 
 
 class Totals:
+    """The inference requests traced, each printed as it ends; the rest (the agent's own scrapes of the
+    server's /metrics and simulated dcgm page) only counted, by method and path."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.rows: list[dict] = []
+        self.other = Counter()
 
     def add(self, row: dict) -> None:
-        if not row["path"].startswith("/v1/"):
-            return  # the agent's own scrapes of /metrics
         with self.lock:
+            if not is_inference(row):
+                self.other[f"{row['method']} {row['path']}"] += 1
+                return
             self.rows.append(row)
         print(request_line(row), flush=True)
+
+    def traced(self) -> str:
+        """Every request traced, inference apart from the rest."""
+        others = ", ".join(f"{count} {what}" for what, count in self.other.most_common())
+        return (f"{len(self.rows)} inference requests"
+                + (f" and {sum(self.other.values())} other requests ({others})" if self.other else "") + " traced")
 
     def summary(self) -> str:
         rows = self.rows
@@ -141,6 +156,30 @@ def analyse_the_run(store_url: str) -> str:
             + ", ".join(f"{count} {state}" for state, count in sorted(states.items())) + ")")
 
 
+def shell_command() -> str:
+    """How a shell runs this same tokenprobe: its name where PATH finds this installation's script, else that
+    script's path (relative when under the working directory, e.g. .venv/bin/tokenprobe), else python -m."""
+    script = Path(sys.executable).parent / "tokenprobe"  # the virtual environment's, not its resolved Python's
+    if not script.exists():
+        return f"{shlex.quote(sys.executable)} -m tokenprobe"
+    on_path = shutil.which("tokenprobe")
+    if on_path and Path(on_path).resolve() == script.resolve():
+        return "tokenprobe"
+    relative = os.path.relpath(script)
+    return shlex.quote(relative if not relative.startswith("..") else str(script))
+
+
+def next_commands(store_url: str) -> str:
+    """The commands that show the store the demo leaves, ready to paste (no process owns it any more)."""
+    tokenprobe, store = shell_command(), shlex.quote(store_url)
+    # In double quotes, as a person types it: it holds single quotes and nothing a shell expands.
+    sql = ("\"SELECT path, count(), quantile(0.5)(dateDiff('millisecond', req_end, first_token)) AS ttft_p50_ms "
+           "FROM tokenprobe.requests GROUP BY path\"")
+    return (f"  {tokenprobe} dashboard --store {store} --own-store\n"
+            f"and, beside it or alone, query it:\n"
+            f"  {tokenprobe} query --store {store} {sql}")
+
+
 def gateway_answers(workdir: Path) -> str:
     """How the gateway answered the load, from the load generator's records."""
     statuses: dict[int, int] = {}
@@ -151,6 +190,10 @@ def gateway_answers(workdir: Path) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if not (0 < args.port < 65535 and args.duration > 0 and args.rate > 0 and args.slots > 0):
+        print("tokenprobe demo: --port must be within 1-65534 (the gateway takes the next), and --duration, --rate "
+              "and --slots positive", file=sys.stderr)
+        return 2
     with_actuator = not args.no_actuator and not args.tls
     gateway_port = args.port + 1
     for port, option in ((args.port, "--port"), *(((gateway_port, "--port"),) if with_actuator else ())):
@@ -228,18 +271,15 @@ def run_demo(args: argparse.Namespace) -> int:
         server.terminate()
         server.wait(timeout=10)
 
-    print(f"\ndemo: {totals.summary()}", file=sys.stderr)
+    # The outcome goes to stdout, after the request lines: `tokenprobe demo | tee log` keeps it.
+    print(f"\ndemo: {totals.summary()}")
     if upstream is not None:
-        print(f"demo: the gateway answered {gateway_answers(workdir)}", file=sys.stderr)
+        print(f"demo: the gateway answered {gateway_answers(workdir)}")
         lines = decisions_summary(args.store, upstream)
-        print(f"demo: {len(lines)} decisions by the control loop (tokenprobe.decisions):", file=sys.stderr)
+        print(f"demo: {len(lines)} decisions by the control loop (tokenprobe.decisions):")
         for line in lines:
-            print(f"  {line}", file=sys.stderr)
-    print(f"demo: analysis: {analyse_the_run(args.store)}", file=sys.stderr)
-    print(f"demo: {summary.rows_written} rows in {args.store} "
-          f"({summary.drops} kernel events dropped). See it with:\n"
-          f"  tokenprobe dashboard --store {args.store}\nor query it:\n"
-          f"  tokenprobe query --store {args.store} "
-          f"\"SELECT path, count(), quantile(0.5)(dateDiff('millisecond', req_end, first_token)) "
-          f"AS ttft_p50_ms FROM tokenprobe.requests GROUP BY path\"", file=sys.stderr)
+            print(f"  {line}")
+    print(f"demo: analysis: {analyse_the_run(args.store)}")
+    print(f"demo: {totals.traced()}; {summary.rows_written} rows in {args.store} ({summary.drops} kernel events "
+          f"dropped). See it with:\n{next_commands(args.store)}")
     return 0

@@ -142,6 +142,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     from ..agent.identity.resolver import parse_pod_selector
     from ..agent.identity.runtime import connect_runtime
     from .agent import Agent, AgentConfig, KubernetesConfig
+    from .preflight import PreflightError, check_metrics_port, warn_about_targets
 
     targets = Targets(ports=args.port, pids=args.pid, exes=args.exe, outbound=args.outbound,
                       pods=args.namespace is not None or args.pod_selector is not None)
@@ -187,6 +188,13 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tokenprobe agent: --alertmanager: {exc}", file=sys.stderr)
         return 2
+    try:
+        if args.metrics_port:
+            check_metrics_port(args.metrics_host, args.metrics_port)
+    except PreflightError as exc:
+        print(f"tokenprobe agent: {exc}", file=sys.stderr)
+        return 1
+    warn_about_targets(targets)
     config = AgentConfig(targets=targets, store_url=args.store, duration_s=args.duration,
                          ringbuf_pages=pages, kernel_batching=args.kernel_batching, status=not args.quiet,
                          samplers=samplers,
@@ -213,14 +221,18 @@ def _cmd_agent(args: argparse.Namespace) -> int:
           + (f", {summary.rows_spooled} spooled to disk for later" if summary.rows_spooled else "")
           + f"; {summary.drops} events dropped by the kernel"
           + "".join(f"; kernel map {name} could not hold {count} entries"
-                    for name, count in summary.map_overflows.items() if count), file=sys.stderr)
+                    for name, count in summary.map_overflows.items() if count))  # stdout: `| tee log` keeps it
     return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from ..agent.doctor import FAIL, render, run_checks
 
-    checks = run_checks(load=not args.no_load)
+    if args.wait <= 0 or (args.port is not None and not 0 < args.port < 65536):
+        print("tokenprobe doctor: --port must be a TCP port and --wait a positive number of seconds",
+              file=sys.stderr)
+        return 2
+    checks = run_checks(load=not args.no_load, port=args.port, wait_s=args.wait)
     print(render(checks))
     return 1 if any(c.state == FAIL for c in checks) else 0
 
@@ -258,8 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tokenprobe", fromfile_prefix_chars="@",
         description="eBPF observability for LLM serving: every streamed request's network, queue, "
                     "prefill and decode time, from the kernel, with no change to the server.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log details")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log details, and show a failure's traceback (also accepted after the command)")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.subparsers = sub  # main() reports a subcommand's usage errors with its own usage line
 
     p = sub.add_parser("agent", help="trace inference servers and store one row per request",
                        description="Load the probes, follow the target servers' connections and "
@@ -291,8 +306,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(by default they run, the gateway on --port + 1)")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("doctor", help="say what works on this node and what to do about what doesn't")
+    p = sub.add_parser("doctor", help="say what works on this node and what to do about what doesn't",
+                       description="Check what tracing needs here, trying it rather than inferring it: the "
+                                   "capabilities in effect, a BPF load (EPERM from a missing capability or a seccomp "
+                                   "filter is named), tracefs, the kernel headers, BCC, and the real probes, every "
+                                   "copy of OpenSSL found included. Exits 1 if tracing cannot work.")
     p.add_argument("--no-load", action="store_true", help="skip compiling and loading the probes")
+    p.add_argument("--port", type=int, metavar="PORT",
+                   help="also check a server: who listens on PORT, its TLS library and whether the probes read it, "
+                        "and the API of a request that arrives within --wait seconds")
+    p.add_argument("--wait", type=float, default=10.0, metavar="S",
+                   help="with --port, how long to wait for a request (default %(default)g)")
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("query", help="run SQL on a store (also while an agent owns it)",
@@ -307,11 +331,63 @@ def build_parser() -> argparse.ArgumentParser:
     add_analyze_parser(sub, default_store=DEFAULT_STORE)
     add_dashboard_parser(sub, DEFAULT_STORE)
     add_control_parser(sub, DEFAULT_STORE)
+    for command in sub.choices.values():  # `tokenprobe query -v …` as well as `tokenprobe -v query …`
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log details, and show a failure's traceback")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"tokenprobe {version('tokenprobe')}"
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "tokenprobe (not installed: version unknown)"
+
+
+def configure_logging(verbose: bool) -> None:
+    """The project's own INFO lines; other libraries' only from WARNING (ERROR for the HTTP clients, whose
+    retry warnings restate, at length, a failure the store's own message names in one line). -v: all."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    logging.getLogger("tokenprobe").setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not verbose:
+        for chatty in ("urllib3", "clickhouse_connect"):
+            logging.getLogger(chatty).setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one command. Exit codes: 0 done, 1 failed, 2 wrong usage, 130 interrupted. A failure is one
+    line naming the command; the traceback only with -v."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.verbose)
+    if getattr(args, "store", None) is not None:
+        from ..store.url import parse_store_url
+
+        try:
+            parse_store_url(args.store)
+        except ValueError as error:
+            parser.subparsers.choices[args.command].error(f"--store: {error}")  # exits 2
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"tokenprobe {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - the last resort: one line instead of a traceback
+        if args.verbose:
+            raise
+        print(f"tokenprobe {args.command}: {describe_failure(error)}", file=sys.stderr)
+        return 1
+
+
+def describe_failure(error: BaseException) -> str:
+    """A failure in one line. A store that cannot be reached or a system error says what it is; anything
+    else is a fault, named by its type, with the way to see where it happened."""
+    from ..store.client import StoreUnavailable
+
+    message = " ".join(str(error).split())
+    if isinstance(error, StoreUnavailable) or (isinstance(error, OSError) and error.strerror):
+        return message
+    return f"{type(error).__name__}{': ' + message if message else ''} (-v shows where)"

@@ -73,8 +73,9 @@ TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 @st.cache_resource(show_spinner="Opening the store…", on_release=Store.close)
 def connect(url: str, own_store: bool) -> Store:
     # The dashboard only reads: an embedded store is reached through the agent that owns it, with its
-    # reader token. Only with --own-store does it open one nobody owns (never serving it on).
-    return open_store(url, serve=False, may_own=own_store, read_only=True)
+    # reader token. Only with --own-store does it open one nobody owns, and then it serves it to other
+    # processes as an agent would (a `tokenprobe query` beside it reads through it).
+    return open_store(url, serve=own_store, may_own=own_store, read_only=True)
 
 
 # --------------------------------------------------------------------------- formatting

@@ -31,8 +31,9 @@ def add_dashboard_parser(subparsers, default_store: str) -> None:
                         help="address to listen on (default %(default)s; the dashboard has no login of its own)")
     parser.add_argument("--own-store", action="store_true",
                         help="open an embedded store that no agent is running on (a finished demo's, say) and hold "
-                             "it while serving; an agent started on it meanwhile can only spool. Without it the "
-                             "dashboard reads an embedded store only through the agent that owns it")
+                             "it, serving it to other processes as an agent does (`tokenprobe query` and an agent "
+                             "started on it meanwhile go through the dashboard). Without it the dashboard reads an "
+                             "embedded store only through the agent that owns it")
     parser.add_argument("--refresh", type=parse_refresh, default=DEFAULT_REFRESH_S, metavar="S",
                         help="seconds between automatic refreshes, 0 for none (default %(default)s)")
     parser.set_defaults(func=run_dashboard)

@@ -51,6 +51,17 @@ class StoreUnavailable(RuntimeError):
     """The store cannot be reached now (server down, owner gone, store closed); retrying may succeed."""
 
 
+def network_reason(error: BaseException) -> str:
+    """Why a connection failed, in a few words: the innermost system error a client library wrapped (e.g.
+    "Connection refused", "Name or service not known"), else the error's own message on one line."""
+    innermost, cause = None, error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.strerror:
+            innermost = cause
+        cause = cause.__cause__ or cause.__context__
+    return innermost.strerror if innermost is not None else " ".join(str(error).split())
+
+
 # --------------------------------------------------------------------------- the store
 
 
@@ -98,7 +109,7 @@ class Store:
             try:
                 return method(statement, *args, **kwargs)
             except OperationalError as error:
-                raise StoreUnavailable(f"store {self.url} is unreachable: {error}") from error
+                raise StoreUnavailable(f"store {self.url} is unreachable: {network_reason(error)}") from error
             finally:
                 if logger.isEnabledFor(logging.DEBUG):
                     logger.debug("%7.3f s  %s %s", time.perf_counter() - started, method.__name__,

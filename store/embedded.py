@@ -25,13 +25,15 @@ from clickhouse_connect.driver.exceptions import OperationalError
 
 logger = logging.getLogger(__name__)
 
-from .client import Store, StoreUnavailable
+from .client import Store, StoreUnavailable, network_reason
 from .url import StoreURL, parse_store_url
 
 if TYPE_CHECKING:
     from .server import StoreServer
 
 LOCK_FILE = ".tokenprobe.lock"
+# The lock file's second line where its owner will not serve the store, so that a reader waiting for it can say so.
+NOT_SERVING = "not serving"
 SERVE_FILE = ".tokenprobe-serve.json"
 # How long a reader waits for a starting owner to publish its serve file.
 DEFAULT_OWNER_WAIT_S = 15.0
@@ -82,15 +84,38 @@ def _read_json(path: Path) -> dict:
     return content if isinstance(content, dict) else {}
 
 
-def _read_lock_owner(lock_path: Path) -> int | None:
+def _read_lock_owner(lock_path: Path) -> tuple[int | None, bool]:
+    """The owner's pid as its lock file names it, and whether it said it will serve the store."""
     try:
-        return int(lock_path.read_text().strip())
+        lines = lock_path.read_text().split("\n")
+        return int(lines[0]), NOT_SERVING not in lines[1:]
     except (OSError, ValueError):
-        return None
+        return None, True
+
+
+def _command_of(pid: int | None) -> str:
+    """The command line of ``pid``, shortened, to name a store's owner in messages ('' if it cannot be read)."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    except OSError:
+        return ""
+    command = " ".join(word.decode(errors="replace") for word in words)
+    return command if len(command) <= 100 else command[:99] + "…"
+
+
+def _no_store_here(target: StoreURL, directory: Path) -> StoreUnavailable:
+    return StoreUnavailable(
+        f"{directory} holds no tokenprobe store (no database {target.database!r} in it): check the path; an agent "
+        f"started with --store chdb://{directory} creates one")
+
+
+def _holds_store(target: StoreURL, directory: Path) -> bool:
+    """Whether chDB has the store's database in ``directory`` (its metadata file, written when it was created)."""
+    return (directory / "metadata" / f"{target.database}.sql").exists()
 
 
 def open_store(url: str, *, serve: bool = True, owner_wait_s: float = DEFAULT_OWNER_WAIT_S,
-               may_own: bool = True, read_only: bool = False) -> Store:
+               may_own: bool = True, read_only: bool = False, create: bool | None = None) -> Store:
     """Open the store at ``url`` (see the module docstring).
 
     Embedded: become the directory's owner if no live process is, serving it to
@@ -99,13 +124,16 @@ def open_store(url: str, *, serve: bool = True, owner_wait_s: float = DEFAULT_OW
     reader token when ``read_only`` (a server store is as read-only as the
     user in its URL). A long-lived reader passes ``may_own=False``: it never takes the directory
     (an agent started after it could then only spool), and is refused with
-    StoreUnavailable while no owner runs. Raises StoreUnavailable when the
-    store cannot be reached.
+    StoreUnavailable while no owner runs. An embedded store is created where
+    none is unless ``create`` is false (the default for a ``read_only`` opener:
+    a mistyped path must not become a new, empty store). Raises StoreUnavailable
+    when the store cannot be reached, or is not there to read.
     """
     target = parse_store_url(url)
     if target.kind == "server":
         return _open_server(target)
-    return _open_embedded(target, serve=serve, owner_wait_s=owner_wait_s, may_own=may_own, read_only=read_only)
+    return _open_embedded(target, serve=serve, owner_wait_s=owner_wait_s, may_own=may_own, read_only=read_only,
+                          create=not read_only if create is None else create)
 
 
 def _open_server(target: StoreURL) -> Store:
@@ -121,13 +149,22 @@ def _open_server(target: StoreURL) -> Store:
             autogenerate_session_id=False,
         )
     except OperationalError as error:
-        raise StoreUnavailable(f"cannot reach ClickHouse at {target.display()}: {error}") from error
+        raise StoreUnavailable(f"cannot reach ClickHouse at {target.display()}: {network_reason(error)}") from error
+    except ClickHouseError as error:  # it answered, but not as a ClickHouse server that lets this user in
+        raise StoreUnavailable(f"ClickHouse at {target.display()} refused the connection: "
+                               f"{network_reason(error)}") from error
     return Store(target, client, "server")
 
 
 def _open_embedded(target: StoreURL, *, serve: bool, owner_wait_s: float, may_own: bool,
-                   read_only: bool) -> Store:
+                   read_only: bool, create: bool) -> Store:
     directory = Path(target.path)
+    if not create:
+        if not directory.is_dir():
+            raise StoreUnavailable(f"no store at {directory}: no such directory (check the path; an agent started "
+                                   f"with --store chdb://{directory} creates one)")
+        if not (directory / LOCK_FILE).exists() and not _holds_store(target, directory):
+            raise _no_store_here(target, directory)
     try:
         # The store holds what every request did, and the owner's tokens: this user's alone.
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -144,26 +181,40 @@ def _open_embedded(target: StoreURL, *, serve: bool, owner_wait_s: float, may_ow
         except BlockingIOError:
             os.close(lock_fd)
         else:
+            refusal = None
             if not may_own:
+                refusal = StoreUnavailable(
+                    f"no process owns the embedded store {directory}: it is read through its owner. Start "
+                    f"`tokenprobe agent --store chdb://{directory} …` on it, or serve it as it is with "
+                    f"`tokenprobe dashboard --store chdb://{directory} --own-store`")
+            elif not create and not _holds_store(target, directory):
+                refusal = _no_store_here(target, directory)
+            if refusal is not None:
                 fcntl.flock(lock_fd, fcntl.LOCK_UN)
                 os.close(lock_fd)
-                raise StoreUnavailable(
-                    f"no process owns the embedded store {directory}: it is read through its owner, a running"
-                    " `tokenprobe agent` (or demo) on it")
+                raise refusal
             return _become_owner(target, directory, lock_fd, serve=serve)
         # A live process holds the lock (the kernel drops a dead holder's lock).
         # Its serve file counts only once it carries that holder's pid: an
         # older file is a stale leftover of a previous owner.
-        owner_pid = _read_lock_owner(lock_path)
+        owner_pid, will_serve = _read_lock_owner(lock_path)
         advert = _read_json(directory / SERVE_FILE)
         if owner_pid is not None and advert.get("pid") == owner_pid:
             return _open_via_owner(target, owner_pid, advert, read_only=read_only)
         if time.monotonic() >= deadline:
-            raise StoreUnavailable(
-                f"embedded store {directory} is owned by pid {owner_pid or 'unknown'}, which does not serve it"
-                " to other processes (started with serving off, or still starting)"
-            )
+            raise _not_served(directory, owner_pid, will_serve, owner_wait_s)
         time.sleep(0.1)
+
+
+def _not_served(directory: Path, owner_pid: int | None, will_serve: bool, waited_s: float) -> StoreUnavailable:
+    """Who holds the store without serving it, and what to do about it, in one line."""
+    command = _command_of(owner_pid)
+    holder = f"pid {owner_pid or 'unknown'}" + (f" ({command})" if command else "")
+    if will_serve:
+        return StoreUnavailable(f"embedded store {directory} is owned by {holder}, which has not served it to other "
+                                f"processes within {waited_s:g} s (still starting?): try again in a moment")
+    return StoreUnavailable(f"embedded store {directory} is owned by {holder}, which does not serve it to other "
+                            f"processes: try again once it ends, or stop it (kill {owner_pid})")
 
 
 def _become_owner(target: StoreURL, directory: Path, lock_fd: int, *, serve: bool) -> Store:
@@ -175,7 +226,8 @@ def _become_owner(target: StoreURL, directory: Path, lock_fd: int, *, serve: boo
     client = None
     try:
         os.ftruncate(lock_fd, 0)
-        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+        marker = "" if serve else f"{NOT_SERVING}\n"
+        os.pwrite(lock_fd, f"{os.getpid()}\n{marker}".encode(), 0)
         # Whatever serve file is here belongs to a dead owner.
         (directory / SERVE_FILE).unlink(missing_ok=True)
         try:

@@ -557,3 +557,10 @@ def test_cli_says_what_is_wrong(analysed, capsys, argv, code, message):
     _, _, _, url = analysed
     assert run_cli("--store", url, *argv) == code
     assert message in capsys.readouterr().err
+
+
+def test_cli_says_a_path_holds_no_store_and_creates_none(tmp_path, capsys):
+    typo = tmp_path / "typo"
+    assert run_cli("--store", f"chdb://{typo}") == 1
+    assert f"no store at {typo}: no such directory" in capsys.readouterr().err
+    assert not typo.exists()

@@ -63,6 +63,117 @@ def test_doctor_reports_this_node():
     assert "tokenprobe_agent_map_overflows_total" in result.stdout
 
 
+@pytest.mark.parametrize("option", [["--port", "70000"], ["--rate", "0"], ["--duration", "-1"], ["--slots", "0"]])
+def test_demo_refuses_bad_options_in_plain_words(tmp_path, option):
+    result = run("demo", "--store", f"chdb://{tmp_path / 'store'}", *option)
+    assert result.returncode == 2 and result.stderr.startswith("tokenprobe demo: --port must be"), result.stderr
+    assert not (tmp_path / "store").exists()
+
+
+def test_version():
+    from importlib.metadata import version
+
+    result = run("--version")
+    assert (result.returncode, result.stdout.strip()) == (0, f"tokenprobe {version('tokenprobe')}")
+
+
+@pytest.mark.parametrize("command", [["query", "SELECT 1"], ["analyze"], ["dashboard"],
+                                     ["agent", "--port", "8000"], ["demo"]])
+def test_a_store_url_that_cannot_be_right_is_a_usage_error(command):
+    result = run(*command, "--store", "ftp://host/")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"tokenprobe {command[0]}: error: --store: unsupported store URL scheme 'ftp' in 'ftp://host/': use "
+        "chdb:///DIR, a directory path, http://host:8123/ or https://host:8443/")
+
+
+def test_an_unreachable_store_is_one_line_naming_the_reason():
+    from tests.support import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/"
+    result = run("query", "--store", url, "SELECT 1")
+    assert result.returncode == 1
+    assert result.stderr == f"tokenprobe query: cannot reach ClickHouse at http://default@{url[7:]}: " \
+                            "Connection refused\n"
+    verbose = run("query", "-v", "--store", url, "SELECT 1")
+    assert verbose.returncode == 1 and "Traceback" in verbose.stderr, "-v after the command shows the traceback"
+
+
+def test_a_mistyped_store_path_is_said_to_hold_nothing_and_stays_empty(tmp_path):
+    typo = tmp_path / "typo"
+    result = run("query", "--store", f"chdb://{typo}", "SELECT count() FROM tokenprobe.requests")
+    assert result.returncode == 1
+    assert result.stderr == (f"tokenprobe query: no store at {typo}: no such directory (check the path; an agent "
+                             f"started with --store chdb://{typo} creates one)\n")
+    assert not typo.exists()
+
+
+def test_a_metrics_port_in_use_is_refused_before_the_compile(tmp_path):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        result = run("agent", "--port", "8000", "--metrics-port", str(busy), "--store", f"chdb://{tmp_path / 's'}")
+    assert result.returncode == 1
+    assert result.stderr == (f"tokenprobe agent: --metrics-port {busy}: 127.0.0.1:{busy} is in use by another "
+                             "process; choose another port, or stop what listens there\n")
+    assert not (tmp_path / "s").exists(), "refused before anything was opened"
+
+
+def test_targets_that_select_nothing_yet_are_said_at_start():
+    import socket
+
+    from tokenprobe.agent.capture.kernel.loader import Targets
+    from tokenprobe.cli.preflight import warn_about_targets
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        listening = server.getsockname()[1]
+        from tests.support import free_port
+
+        idle = free_port()
+        warnings = warn_about_targets(Targets(ports=[listening, idle], exes=["/nonexistent/vllm", sys.executable]))
+    assert warnings == [
+        f"nothing listens on port {idle} yet: its connections are traced once a server listens there (check the "
+        "port if none is about to)",
+        "--exe /nonexistent/vllm: no such file on this host and no process runs it: its processes are traced if "
+        "one starts (inside a container, give the path the container sees)"]
+
+
+@pytest.mark.kernel
+def test_the_agent_says_what_it_does_and_ends_with_its_summary_on_stdout(tmp_path):
+    """`agent … | tee log` keeps the summary; the compile is announced; an idle target port is named."""
+    require_kernel()
+    from tests.support import free_port
+
+    idle = free_port()
+    result = run("agent", "--port", str(idle), "--duration", "1", "--analyze-every", "0", "--quiet",
+                 "--store", f"chdb://{tmp_path / 'store'}")
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(r"done: 0 requests from \d+ kernel events .* in [\d.]+s; 0 rows stored; 0 events dropped "
+                        r"by the kernel\n", result.stdout), result.stdout
+    assert f"WARNING tokenprobe.agent: nothing listens on port {idle} yet" in result.stderr
+    assert "compiling and loading the BPF probes (11-60 s)…" in result.stderr
+    assert re.search(r"compiling and loading the BPF probes: done in \d+ s", result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_agent_whose_store_does_not_answer_says_so_once_not_at_every_retry(caplog):
+    from tokenprobe.agent.capture.kernel.loader import Targets
+    from tokenprobe.cli.agent import Agent, AgentConfig
+
+    from tests.support import free_port
+
+    agent = Agent(AgentConfig(targets=Targets(ports=[8000]), store_url=f"http://127.0.0.1:{free_port()}/"))
+    with caplog.at_level("DEBUG"):
+        assert agent._open_store() is None and agent._open_store() is None
+    said = [(record.levelname, record.name) for record in caplog.records if "cannot reach" in record.getMessage()]
+    assert said == [("WARNING", "tokenprobe.agent"), ("DEBUG", "tokenprobe.agent")], said
+
+
 def test_query_reads_a_store(tmp_path):
     from tokenprobe.store.embedded import open_store
 

@@ -647,12 +647,16 @@ def test_app_goes_from_an_indicator_cell_to_the_requests_of_its_window(app):
 def test_app_never_takes_a_store_nobody_owns_unless_told_to(tmp_path, monkeypatch):
     """Started before the agent, the dashboard must not hold the directory the agent is to own."""
     url = f"chdb://{tmp_path / 'bare'}"
+    with open_store(url, serve=False) as store:  # a store whose agent has stopped
+        store.ensure_schema()
     monkeypatch.setenv(STORE_ENV, url)
     monkeypatch.setenv(REFRESH_ENV, "0")
     try:
         app = AppTest.from_file(str(APP), default_timeout=APP_TIMEOUT_S).run()
         assert not app.exception
-        assert any("no process owns the embedded store" in error.value for error in app.error)
+        # It says what to run: an agent on the store, or the dashboard holding it.
+        assert any("no process owns the embedded store" in error.value and "--own-store" in error.value
+                   for error in app.error), [error.value for error in app.error]
         with open_store(url, serve=False) as agent_side:  # the directory is free for its owner
             assert agent_side.mode == "embedded-owner"
     finally:
@@ -682,6 +686,11 @@ def test_app_told_to_own_a_store_nobody_serves_says_what_is_missing(tmp_path, mo
         assert any(message.startswith("No indicator data in this window yet") for message in messages)
         assert any("No GPU samples table" in message for message in messages)
         assert any("No decisions table" in message for message in messages)
+        # Holding the store, the dashboard serves it to another process, as an agent would.
+        beside = subprocess.run([sys.executable, "-m", "tokenprobe", "query", "--store", url,
+                                 "SELECT count() AS n FROM tokenprobe.requests"], capture_output=True, text=True,
+                                timeout=120)
+        assert (beside.returncode, beside.stdout.split()) == (0, ["n", "1"]), beside.stderr
     finally:
         st.cache_resource.clear()  # closes the store the app opened, releasing the directory
 

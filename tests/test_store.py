@@ -470,8 +470,41 @@ def test_reader_gives_up_clearly_when_the_owner_does_not_serve(store_dir):
     with open_store(f"chdb://{store_dir}", serve=False) as store:
         assert store.mode == "embedded-owner"
         assert not (store_dir / SERVE_FILE).exists()
-        with pytest.raises(StoreUnavailable, match=f"owned by pid {os.getpid()}, which does not serve"):
+        # Who holds it, by pid and command line, and what to do about it.
+        with pytest.raises(StoreUnavailable, match=rf"owned by pid {os.getpid()} \(.*python.*\), which does not "
+                                                   rf"serve it .* stop it \(kill {os.getpid()}\)"):
             open_store(f"chdb://{store_dir}", owner_wait_s=0.5)
+
+
+def test_a_reader_creates_no_store_where_there_is_none(tmp_path):
+    """A mistyped path is said to hold no store; nothing is created there, neither a directory nor a file."""
+    missing = tmp_path / "typo"
+    with pytest.raises(StoreUnavailable, match=f"no store at {missing}: no such directory"):
+        open_store(f"chdb://{missing}", read_only=True)
+    assert not missing.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(StoreUnavailable, match=f"{empty} holds no tokenprobe store"):
+        open_store(f"chdb://{empty}", read_only=True)
+    assert list(empty.iterdir()) == []
+    # A directory a process once opened, with no database in it: refused too, left as it was.
+    with open_store(f"chdb://{empty}", serve=False):
+        pass
+    before = sorted(path.name for path in empty.iterdir())
+    with pytest.raises(StoreUnavailable, match="holds no tokenprobe store"):
+        open_store(f"chdb://{empty}", read_only=True)
+    assert sorted(path.name for path in empty.iterdir()) == before
+    # A real store is read, by a reader that owns it while no one else does.
+    with open_store(f"chdb://{empty}", serve=False) as store:
+        store.ensure_schema()
+    with open_store(f"chdb://{empty}", read_only=True) as reader:
+        assert reader.mode == "embedded-owner" and reader.command("SELECT count() FROM tokenprobe.requests") == 0
+
+
+def test_an_unreachable_server_is_named_with_the_reason_in_a_few_words():
+    with pytest.raises(StoreUnavailable) as refused:
+        open_store(f"http://127.0.0.1:{free_port()}/")
+    assert str(refused.value).endswith(": Connection refused"), refused.value
 
 
 # --------------------------------------------------------------------------- the read server

@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 from .btf import BtfError, socket_offset_flags
 from .go_tls import GO_TLS_HANDSHAKES, GO_TLS_READ, GO_TLS_WRITE
 from .headers import HeaderChoice, choose_headers
+from .privileges import bpf_refusal, try_bpf_load, uprobe_refusal
 from .procfs import ListenerScan, own_tcp_ports, target_port_sockets
 from .records import (
     _STEADY_HEADER,
@@ -245,6 +246,7 @@ class Probes:
         # (device, inode) of each attached copy: in a container, /proc/PID/root/usr/lib/... of a host process
         # resolves (realpath) to the container's own /usr/lib/..., another file that has the same name.
         self._ssl_files: set[tuple[int, int]] = set()
+        self.unprobed_ssl: dict[str, str] = {}  # real path → why its uprobes did not attach (doctor names them)
         self.attached_go_tls: list[str] = []
         self._go_files: set[tuple[str, int]] = set()  # (device, inode) of each mapped file looked at
         self.decode_errors = 0
@@ -255,6 +257,11 @@ class Probes:
         self._configured_ns = 0  # when the kernel knew the agent's tgid (own_conns noted from then on)
         self._listeners = ListenerScan(set(targets.ports))
         self._ssl_scanned = False  # whether attach_ssl read every process's map once
+        # A kernel that refuses bpf() itself (capabilities, seccomp) is said now, not blamed on the headers
+        # after a compile of up to a minute.
+        refused = try_bpf_load()
+        if refused > 0:
+            raise ProbeError(f"the BPF program cannot load: {bpf_refusal(refused)}")
         ensure_tracefs()
         if self.headers.kernel_source is not None:
             os.environ["BCC_KERNEL_SOURCE"] = str(self.headers.kernel_source)
@@ -270,13 +277,13 @@ class Probes:
             cflags += socket_offset_flags()
         except BtfError as exc:
             log.warning("%s: accepted sockets' addresses are read from /proc instead of the kernel", exc)
-        log.info("compiling and loading the BPF program")
         try:
             self.bpf = bcc.BPF(text=source, cflags=cflags)
             # Vectored calls past MAX_IOV iovecs are captured on in this program, tail-called.
             more = self.bpf.load_func("capture_iov_more", bcc.BPF.TRACEPOINT)
         except Exception as exc:  # BCC raises bare Exceptions on compile/load failure
-            raise ProbeError(f"the BPF program did not load: {exc}. {self.headers.note}") from exc
+            raise ProbeError(f"the BPF program did not load: {' '.join(str(exc).split())}. {self.headers.note}") \
+                from exc
         self.bpf["iov_more"][ctypes.c_int(0)] = ctypes.c_int(more.fd)
         self._configure()
         self.attach_ssl()
@@ -397,7 +404,9 @@ class Probes:
             try:
                 self._attach(copy.path, [probe for probe in SSL_PROBES if probe[0].encode() in copy.api])
             except Exception as exc:  # BCC raises bare Exceptions when a uprobe does not attach
-                log.warning("OpenSSL in %s not probed: %s", copy.path, exc)
+                refused = uprobe_refusal()
+                self.unprobed_ssl[os.path.realpath(copy.path)] = f"{exc}" + (f": {refused.cause}" if refused else "")
+                log.warning("OpenSSL in %s not probed: %s%s", copy.path, exc, f" ({refused})" if refused else "")
                 continue
             try:
                 if copy.crypto is None:
