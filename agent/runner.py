@@ -39,7 +39,7 @@ from .capture.tracker import DEFAULT_IDLE_TIMEOUT_S, ConnectionTracker
 from .export.metrics_endpoint import AgentMetrics
 from .export.otel_export import OtelExporter
 from .identity.resolver import IdentityResolver, PodSelection, RowNaming
-from .identity.runtime import DEFAULT_SOCKETS, connect_runtime
+from .identity.runtime import DEFAULT_SOCKETS
 from .sampling.samplers import SamplerSet
 
 log = logging.getLogger("tokenprobe.agent")
@@ -126,10 +126,7 @@ class CaptureConfig:
     on_ready: Callable[[], None] | None = None     # called once the probes are attached
     tenant_header: str | None = DEFAULT_TENANT_HEADER  # request header naming the tenant; None: off
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a connection with no I/O this long is forgotten
-    # Kubernetes: name each row's pod from the container runtime (socket: the first of
-    # identity.runtime.DEFAULT_SOCKETS found, unless given), and trace the pods selected.
-    identity: bool = True
-    runtime_socket: str | None = None
+    # Kubernetes: trace the pods selected (the runner is handed the resolver that names every row's pod).
     pod_namespace: str | None = None
     pod_labels: dict[str, str] = field(default_factory=dict)
 
@@ -431,15 +428,18 @@ class AgentRunner:
                 signal.signal(sig, handler)
 
     def run(self, sink: RowSink, exporters: Exporters, services: StoreServices, store: Closable | None,
-            clock: MonotonicWallClock, node: str, blind: BlindWindowLog) -> AgentSummary:
+            clock: MonotonicWallClock, node: str, blind: BlindWindowLog,
+            identities: IdentityResolver) -> AgentSummary:
         """Traces until stopped; then stops every stage, in reverse order of their start. ``store``: the
         store opened at start (None while it does not answer), handed to the services and closed last;
-        ``blind``: where the windows this node was not traced are noted."""
+        ``blind``: where the windows this node was not traced are noted; ``identities``: each process's pod
+        (the samplers name GPU memory by pod with it too)."""
         try:
             services.start(store)
-            summary = self._capture(sink, clock, node, exporters, blind)
+            summary = self._capture(sink, clock, node, exporters, blind, identities)
         finally:
             services.stop()
+            identities.stop()
             exporters.close()
             sink.close()
             blind.stop(sink.durable_until)
@@ -450,17 +450,12 @@ class AgentRunner:
         return summary
 
     def _capture(self, sink: RowSink, clock: MonotonicWallClock, node: str, exporters: Exporters,
-                 blind: BlindWindowLog) -> AgentSummary:
+                 blind: BlindWindowLog, identities: IdentityResolver) -> AgentSummary:
         """Probes → tracker → sink and exporters, until stopped or the duration ends."""
         cfg = self.config
-        identities = IdentityResolver(connect_runtime(cfg.runtime_socket) if cfg.identity else None)
-        try:
-            pods = pod_selection(cfg, identities)
-            with Progress("compiling and loading the BPF probes", "11-60 s", live=cfg.status):
-                probes = Probes(cfg.targets, ringbuf_pages=cfg.ringbuf_pages)
-        except BaseException:
-            identities.stop()
-            raise
+        pods = pod_selection(cfg, identities)
+        with Progress("compiling and loading the BPF probes", "11-60 s", live=cfg.status):
+            probes = Probes(cfg.targets, ringbuf_pages=cfg.ringbuf_pages)
 
         def dispatch(row: dict) -> None:
             sink.put(row)
@@ -534,7 +529,6 @@ class AgentRunner:
             naming.release(everything=True)
         finally:
             rescan.stop()
-            identities.stop()
             # Read before close(): the program's maps go with it.
             drops, overflows = probes.drops(), probes.map_overflows()
             probes.close()

@@ -16,6 +16,8 @@ from ..agent.capture.kernel.clock import MonotonicWallClock
 from ..agent.capture.kernel.loader import Targets
 from ..agent.capture.tracker import DEFAULT_IDLE_TIMEOUT_S
 from ..agent.heartbeat import HEARTBEAT_FILE, Heartbeat
+from ..agent.identity.resolver import IdentityResolver
+from ..agent.identity.runtime import connect_runtime
 from ..agent.runner import (
     AgentRunner,
     AgentSummary,
@@ -27,7 +29,7 @@ from ..agent.runner import (
 from ..agent.sampling.dcgm import DcgmScraper
 from ..agent.sampling.engine_metrics import EngineScraper
 from ..agent.sampling.gpu import NvmlSampler, ServerGpuMap
-from ..agent.sampling.samplers import SamplerSet
+from ..agent.sampling.samplers import PodOf, SamplerSet
 from ..analytics.alerting import AlertmanagerClient
 from ..analytics.config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsConfig
 from ..analytics.live import LiveAnalysis
@@ -56,7 +58,7 @@ class SamplerConfig:
     gpus_by_port: dict[int, list[str]] = field(default_factory=dict)  # configured server → GPU mapping
     scrape_interval_s: float = 1.0
 
-    def build(self, store: Store, node: str, clock: MonotonicWallClock) -> SamplerSet:
+    def build(self, store: Store, node: str, clock: MonotonicWallClock, pod_of: PodOf | None = None) -> SamplerSet:
         return SamplerSet(
             store, node, clock,
             nvml=NvmlSampler() if self.nvml_hz > 0 else None,
@@ -64,7 +66,7 @@ class SamplerConfig:
             dcgm=[DcgmScraper(url) for url in self.dcgm_urls],
             engines=[EngineScraper(url, server_port=port) for url, port in self.engine_urls.items()],
             scrape_interval_s=self.scrape_interval_s,
-            gpu_map=ServerGpuMap(self.gpus_by_port))
+            gpu_map=ServerGpuMap(self.gpus_by_port), pod_of=pod_of)
 
 
 @dataclass
@@ -104,8 +106,8 @@ class AgentConfig:
         return CaptureConfig(
             targets=self.targets, duration_s=self.duration_s, ringbuf_pages=self.ringbuf_pages,
             kernel_batching=self.kernel_batching, status=self.status, on_row=self.on_row, on_ready=self.on_ready,
-            tenant_header=self.tenant_header, idle_timeout_s=self.idle_timeout_s, identity=k8s.identity,
-            runtime_socket=k8s.runtime_socket, pod_namespace=k8s.namespace, pod_labels=k8s.pod_labels)
+            tenant_header=self.tenant_header, idle_timeout_s=self.idle_timeout_s, pod_namespace=k8s.namespace,
+            pod_labels=k8s.pod_labels)
 
 
 def before_each_pass(sink: RequestSink, samplers: SamplerSet | None) -> Callable[[], None]:
@@ -192,12 +194,14 @@ class Agent:
                             "once the store answers")
             sink = RequestSink(store or cfg.store_url, spool_max_bytes=cfg.spool_max_bytes)
             exporters = Exporters(cfg.metrics_address, cfg.otlp_endpoint, node)
+            k8s = cfg.kubernetes
+            identities = IdentityResolver(connect_runtime(k8s.runtime_socket) if k8s.identity else None)
 
             def bring_up(store: Store) -> list:
                 """The store's services, in their order of start: the samplers, then the live analysis."""
                 store.ensure_schema()
                 create_request_gpu_state_view(store)
-                samplers = cfg.samplers.build(store, node, clock)
+                samplers = cfg.samplers.build(store, node, clock, pod_of=lambda pid: identities.of(pid).fields())
                 samplers.start()
                 exporters.samplers = samplers
                 live = start_live_analysis(cfg, store, node, exporters, sink, samplers)
@@ -206,7 +210,7 @@ class Agent:
             services = StoreServices(self._open_store, bring_up)
             blind = BlindWindows(cfg.heartbeat_file or default_spool_dir(parse_store_url(cfg.store_url))
                                  / HEARTBEAT_FILE, store or cfg.store_url, node)
-            return self._runner.run(sink, exporters, services, store, clock, node, blind)
+            return self._runner.run(sink, exporters, services, store, clock, node, blind, identities)
 
     def _open_store(self) -> Store | None:
         """The store, or None while it does not answer (said in the log once per reason, not at every retry)."""

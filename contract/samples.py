@@ -92,6 +92,11 @@ SERVER_GPUS_COLUMNS: tuple[Column, ...] = (
     Column("gpu_uuid", "LowCardinality(String)", OPAQUE_CODEC),
     Column("source", "LowCardinality(String)", OPAQUE_CODEC),  # nvml | config
     Column("simulated", "Bool", OPAQUE_CODEC),
+    # The process's pod and container (agent/identity/): a GPU's memory named by pod. Empty for a configured
+    # port and outside containers.
+    Column("namespace", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
+    Column("pod", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
+    Column("container", "LowCardinality(String)", OPAQUE_CODEC, default="''"),
 )
 
 

@@ -199,6 +199,9 @@ COLUMN_MEANING = {
                "port",
         "server_port": "the configured port (`--gpu PORT=GPU`); 0 for a process NVML saw",
         "source": "`nvml` or `config`",
+        "namespace": "the process's pod's namespace (empty for a configured port or outside Kubernetes)",
+        "pod": "the process's pod: a GPU's memory named by pod",
+        "container": "the process's container in its pod",
     },
     "inflight_samples": {
         "sampled_at": "when the live pass sampled it",

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from tokenprobe.agent.identity.cgroup import NO_CONTAINER, identity_of_cgroup
 from tokenprobe.agent.identity.resolver import IdentityResolver, parse_pod_selector
 from tokenprobe.agent.identity.runtime import DockerApi, connect_runtime
+from tokenprobe.agent.sampling.gpu import ServerGpu
+from tokenprobe.agent.sampling.samplers import server_gpu_row
 
 from tests.kernel_harness import agent, free_port, read_rows, require_kernel
 from tests.support import wait_for_port, wait_until
@@ -143,6 +145,7 @@ def test_two_pods_on_one_port_are_two_named_servers(tmp_path):
             container_id = stack.enter_context(pod_container(namespace, pod, container, host_port))
             published[host_port] = (namespace, pod, container, container_id)
         assert isinstance(connect_runtime(socket), DockerApi)
+        assert_gpu_memory_is_named_by_pod(socket, published)
         traced = stack.enter_context(agent(tmp_path, "--runtime-socket", socket, "--metrics-port", str(metrics_port),
                                            "--analyze-every", "0", ports=[8000]))
         for host_port in published:
@@ -166,3 +169,21 @@ def test_two_pods_on_one_port_are_two_named_servers(tmp_path):
     for namespace, (pod, container) in PODS.items():
         assert (f'namespace="{namespace}"' in metrics and f'pod="{pod}"' in metrics
                 and f'container="{container}"' in metrics), metrics
+
+
+def assert_gpu_memory_is_named_by_pod(socket: str, published: dict) -> None:
+    """NVML names the processes holding a GPU's memory by pid (no GPU here: the pid of each container's
+    server stands for one); the server_gpus row of that pid names its pod and container."""
+    resolver = IdentityResolver(connect_runtime(socket))
+    try:
+        for namespace, pod, container, container_id in published.values():
+            pid = int(_podman("inspect", "-f", "{{.State.Pid}}", container_id))
+            wait_until(lambda: resolver.of(pid).pod == pod, timeout=10)
+            row = server_gpu_row(ServerGpu(pid, 0, "GPU-0", "GPU-0", "nvml"), time.time_ns(), "node",
+                                 lambda process: resolver.of(process).fields())
+            assert (row["namespace"], row["pod"], row["container"]) == (namespace, pod, container)
+        host = server_gpu_row(ServerGpu(os.getpid(), 0, "GPU-0", "GPU-0", "nvml"), time.time_ns(), "node",
+                              lambda process: resolver.of(process).fields())
+        assert (host["namespace"], host["pod"], host["container"]) == ("", "", "")
+    finally:
+        resolver.stop()

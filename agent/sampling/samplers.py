@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import pyarrow as pa
@@ -69,9 +69,16 @@ def engine_row(reading: EngineReading, node: str) -> dict:
     return row
 
 
-def server_gpu_row(entry: ServerGpu, ts_ns: int, node: str) -> dict:
+# A process's pod fields (agent/identity/: namespace, pod, container, …) by its pid.
+PodOf = Callable[[int], Mapping[str, str]]
+
+
+def server_gpu_row(entry: ServerGpu, ts_ns: int, node: str, pod_of: PodOf | None = None) -> dict:
+    """A server_gpus row; ``pod_of`` names the pod and container of an NVML-seen process (empty fields
+    for a configured port, outside containers, or without it)."""
     row = {column.name: getattr(entry, column.name, None) for column in SERVER_GPUS_COLUMNS}
-    row.update(ts=ts_ns, node=node)
+    pod = pod_of(entry.pid) if pod_of is not None and entry.pid else {}
+    row.update(ts=ts_ns, node=node, **{name: pod.get(name, "") for name in ("namespace", "pod", "container")})
     return row
 
 
@@ -136,6 +143,7 @@ class SamplerSet:
         map_refresh_s: float = 60.0,
         flush_interval_s: float = 5.0,
         max_buffered_rows: int = 200_000,
+        pod_of: PodOf | None = None,
     ) -> None:
         if nvml_hz <= 0 or scrape_interval_s <= 0 or flush_interval_s <= 0 or map_refresh_s <= 0:
             raise ValueError("sampling rate and intervals must be positive")
@@ -148,6 +156,7 @@ class SamplerSet:
         self._engines = list(engines)
         self._scrape_interval_s = scrape_interval_s
         self._gpu_map = gpu_map or ServerGpuMap()
+        self._pod_of = pod_of
         self._map_refresh_ns = int(map_refresh_s * 1e9)
         self._map_written_at_ns: int | None = None
         self._flush_interval_s = flush_interval_s
@@ -255,7 +264,7 @@ class SamplerSet:
             rows = []
             if changed or due:
                 self._map_written_at_ns = ts_ns
-                rows = [server_gpu_row(entry, ts_ns, self._node) for entry in self._gpu_map.entries()]
+                rows = [server_gpu_row(entry, ts_ns, self._node, self._pod_of) for entry in self._gpu_map.entries()]
         for port, reference in unresolved:
             self._report(
                 f"gpu configuration: port {port} -> {reference} not found",
