@@ -148,6 +148,11 @@ def test_two_pods_on_one_port_are_two_named_servers(tmp_path):
         assert_gpu_memory_is_named_by_pod(socket, published)
         traced = stack.enter_context(agent(tmp_path, "--runtime-socket", socket, "--metrics-port", str(metrics_port),
                                            "--analyze-every", "0", ports=[8000]))
+        # A second agent targets one pod by namespace and label alone: no port, no pid.
+        (tmp_path / "selected").mkdir()
+        selected = stack.enter_context(agent(tmp_path / "selected", "--runtime-socket", socket, "--namespace",
+                                             "team-a", "--pod-selector", "app=vllm", "--analyze-every", "0",
+                                             ports=[], ready="pods selected: tracing processes"))
         for host_port in published:
             for _ in range(3):
                 with urllib.request.urlopen(f"http://127.0.0.1:{host_port}/", timeout=10) as response:
@@ -159,6 +164,8 @@ def test_two_pods_on_one_port_are_two_named_servers(tmp_path):
                 break
             time.sleep(0.5)
         assert traced.stop() == 0, traced.log()
+        assert selected.stop() == 0, selected.log()
+    assert {(row["namespace"], row["pod"]) for row in read_rows(selected.store_url)} == {("team-a", PODS["team-a"][0])}
     rows = read_rows(traced.store_url)
     by_pod = {}
     for row in rows:
