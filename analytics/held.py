@@ -40,7 +40,7 @@ class HeldRequests:
 
     def __init__(self, node: str, since_ns: int, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.node, self.since_ns, self.max_rows = node, since_ns, max_rows
-        self._rows: list[tuple] = []
+        self._rows: list[tuple] = []  # each (when it ended, *its HELD values)
         self._lock = threading.Lock()
         self._missed_until_ns = 0  # requests were dropped (too many held) until this moment
         self._taken_until_ns = 0  # what ended before this was taken (by a pass that may have failed)
@@ -49,12 +49,13 @@ class HeldRequests:
         """Hold ``row`` if it is one of this node's inference requests (called for every row the sink takes)."""
         if not measures.is_inference(row) or row.get("node") != self.node:
             return
-        held = tuple(row.get(name) for name in HELD)
+        ended_ns = _ended_ns(row)
+        held = (ended_ns, *[row.get(name) for name in HELD])
         with self._lock:
             if len(self._rows) < self.max_rows:
                 self._rows.append(held)
                 return
-            self._missed_until_ns = max(self._missed_until_ns, _ended_ns(row))
+            self._missed_until_ns = max(self._missed_until_ns, ended_ns)
 
     def complete_from(self, start_ns: int) -> bool:
         """Whether every request of this node that ended at or after ``start_ns`` is held (none dropped, none
@@ -67,11 +68,10 @@ class HeldRequests:
         with self._lock:
             self._taken_until_ns = max(self._taken_until_ns, until_ns)
             rows = self._rows
-            ended = np.fromiter((_first_time(row) for row in rows), dtype=np.int64, count=len(rows))
-            taken = ended < until_ns
-            self._rows = [row for row, keep in zip(rows, ~taken, strict=True) if keep]
-        chosen = [row for row, take in zip(rows, taken, strict=True) if take]
-        columns = dict(zip(HELD, zip(*chosen, strict=True) if chosen else [()] * len(HELD), strict=True))
+            self._rows = [row for row in rows if row[0] >= until_ns]
+        chosen = [row for row in rows if row[0] < until_ns]
+        ended, *values = zip(*chosen, strict=True) if chosen else [()] * (1 + len(HELD))
+        columns = dict(zip(HELD, values, strict=True))
         frame = pd.DataFrame({
             "node": self.node, "model": np.array(columns["model"], dtype=object),
             **{name: np.array(columns[name], dtype=np.int64)
@@ -80,19 +80,13 @@ class HeldRequests:
                for name in TIMES},
             **{name: np.array([np.nan if value is None else value for value in columns[name]], dtype=np.float64)
                for name in ("prompt_tokens", *ENGINE_FIGURES)},
-            "ended_ns": ended[taken]})
+            "ended_ns": np.array(ended, dtype=np.int64)})
         return frame[["node", *HELD, "ended_ns"]]
 
 
-_ENDED_INDEX = tuple(HELD.index(name) for name in ENDED_AT)
-
-
-def _first_time(row: tuple) -> int:
-    for index in _ENDED_INDEX:
-        if row[index] is not None:
-            return row[index]
-    return NO_TIME
-
-
 def _ended_ns(row: dict) -> int:
-    return next((row[name] for name in ENDED_AT if row.get(name) is not None), NO_TIME)
+    for name in ENDED_AT:  # a loop, not next() over a generator: the capture thread calls this for every row
+        value = row.get(name)
+        if value is not None:
+            return value
+    return NO_TIME

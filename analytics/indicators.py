@@ -65,9 +65,9 @@ from ..contract.samples import (
 from ..store.client import Store
 from .config import Thresholds
 from .phases import grouped_phases, phases_source
-from .split import NO_TIME, first_known
 from .robust import theil_sen
 from .scope import Scope
+from .split import NO_TIME, first_known
 from .timerange import NS_PER_S, TimeRange, range_condition
 
 SUB_BUCKET_MAX_S = 10
@@ -265,9 +265,9 @@ def _occupancy_rows(store: Store, windows: Windows, scope: Scope) -> tuple[str, 
     since = TimeRange(windows.base_ns, windows.analysed.end_ns)
     in_range, range_parameters = range_condition("req_start", "occupancy", since.extended_back(
         OCCUPANCY_LOOKBACK_S))
-    return (f"SELECT * FROM {store.table(REQUEST_SPLIT_TABLE)} FINAL WHERE {in_range} AND {in_scope}"
-            " AND finished_at >= fromUnixTimestamp64Nano({base_ns:Int64}, 'UTC')",
-            {**range_parameters, **scope_parameters, **_bucket_parameters(windows)})
+    overlapping = (f"SELECT * FROM {store.table(REQUEST_SPLIT_TABLE)} FINAL WHERE {in_range} AND {in_scope}"
+                   " AND finished_at >= fromUnixTimestamp64Nano({base_ns:Int64}, 'UTC')")
+    return overlapping, {**range_parameters, **scope_parameters, **_bucket_parameters(windows)}
 
 
 def _occupancy(store: Store, windows: Windows, scope: Scope) -> pd.DataFrame:

@@ -37,11 +37,16 @@ import pandas as pd
 from ..contract import measures
 from ..contract.analysis import (
     PREFILL_CALIBRATION_TABLE,
-    SPLIT_COLUMNS,
     REQUEST_SPLIT_COLUMNS,
     REQUEST_SPLIT_TABLE,
+    SPLIT_COLUMNS,
 )
-from ..contract.figures import REQUEST_FIGURES_TABLE, figures_definition, figures_select, phases_select
+from ..contract.figures import (
+    REQUEST_FIGURES_TABLE,
+    figures_definition,
+    figures_select,
+    phases_select,
+)
 from ..contract.requests import REQUESTS_TABLE
 from ..store.client import Store
 from .calibration import Calibration, ServerModel

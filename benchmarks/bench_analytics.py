@@ -64,8 +64,10 @@ import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
+from tokenprobe.analytics import pipeline
 from tokenprobe.analytics.calibration import calibrate
 from tokenprobe.analytics.config import DEFAULT_CONFIG
+from tokenprobe.analytics.held import TIMES
 from tokenprobe.analytics.indicators import (
     OCCUPANCY_LOOKBACK_S,
     Windows,
@@ -74,11 +76,9 @@ from tokenprobe.analytics.indicators import (
 )
 from tokenprobe.analytics.knee import fit_knees
 from tokenprobe.analytics.phases import compute_phases, phase_requests, phase_summary
-from tokenprobe.analytics import pipeline
 from tokenprobe.analytics.pipeline import auto_window_s, server_capacities
 from tokenprobe.analytics.scope import EVERYTHING
 from tokenprobe.analytics.slo import evaluate_slos
-from tokenprobe.analytics.held import TIMES
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange, range_condition
 from tokenprobe.contract import measures
 from tokenprobe.contract.requests import REQUESTS_TABLE
