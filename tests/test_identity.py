@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenprobe.agent.identity.cgroup import NO_CONTAINER, identity_of_cgroup
 from tokenprobe.agent.identity.resolver import IdentityResolver, parse_pod_selector
-from tokenprobe.agent.identity.runtime import DockerApi, connect_runtime
+from tokenprobe.agent.identity.runtime import CriApi, DockerApi, connect_runtime
 from tokenprobe.agent.sampling.gpu import ServerGpu
 from tokenprobe.agent.sampling.samplers import server_gpu_row
 
@@ -77,6 +77,38 @@ def test_pod_selectors_are_parsed_or_refused_clearly():
     for bad in ("app", "=x", ",", ""):
         with pytest.raises(ValueError, match="pod-selector"):
             parse_pod_selector(bad)
+
+
+@contextmanager
+def containerd(tmp: Path) -> Iterator[str]:
+    """A real containerd, its CRI service on a socket of the test's own (no pods: none can be pulled here)."""
+    socket = tmp / "containerd.sock"
+    config = tmp / "containerd.toml"
+    config.write_text(f'version = 2\nroot = "{tmp}/root"\nstate = "{tmp}/state"\n'
+                      f'[grpc]\n  address = "{socket}"\n[ttrpc]\n  address = "{socket}.ttrpc"\n')
+    daemon = subprocess.Popen(["containerd", "--config", str(config)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        wait_until(socket.is_socket, timeout=30)
+        yield str(socket)
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=20)
+
+
+def test_the_cri_client_speaks_to_a_real_containerd(tmp_path):
+    """The few runtime.v1 messages the agent builds are the ones containerd's CRI service reads and answers."""
+    if shutil.which("containerd") is None:
+        pytest.fail("containerd is not installed (scripts/install.sh --test installs it)")
+    with containerd(tmp_path) as socket:
+        runtime = connect_runtime(socket)
+        assert isinstance(runtime, CriApi)
+        try:
+            assert runtime.names("0" * 64) is None  # NOT_FOUND: not a failure
+            assert runtime.matching("team-a", {"app": "vllm"}) == set()
+        finally:
+            runtime.close()
+    assert connect_runtime(str(tmp_path / "nothing.sock")) is None
 
 
 # -- real containers ----------------------------------------------------------------------------------
