@@ -17,6 +17,7 @@ import os
 import secrets
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import clickhouse_connect
 from clickhouse_connect.driver.exceptions import Error as ClickHouseError
@@ -25,8 +26,10 @@ from clickhouse_connect.driver.exceptions import OperationalError
 logger = logging.getLogger(__name__)
 
 from .client import Store, StoreUnavailable
-from .server import StoreServer
 from .url import StoreURL, parse_store_url
+
+if TYPE_CHECKING:  # the engine (chDB, ~235 MiB resident once imported) is loaded only by an owner
+    from .server import StoreServer
 
 LOCK_FILE = ".tokenprobe.lock"
 SERVE_FILE = ".tokenprobe-serve.json"
@@ -171,6 +174,8 @@ def _become_owner(target: StoreURL, directory: Path, lock_fd: int, *, serve: boo
         os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
         # Whatever serve file is here belongs to a dead owner.
         (directory / SERVE_FILE).unlink(missing_ok=True)
+        from .server import StoreServer  # imports the engine: only an owner of the directory needs it
+
         try:
             client = clickhouse_connect.get_client(interface="chdb", path=f"{directory}?{ENGINE_STARTUP}")
         except ClickHouseError as error:

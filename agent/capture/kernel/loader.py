@@ -10,9 +10,12 @@ import ipaddress
 import logging
 import os
 import re
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from .btf import BtfError, socket_offset_flags
 from .go_tls import GO_TLS_HANDSHAKES, GO_TLS_READ, GO_TLS_WRITE
@@ -50,6 +53,8 @@ MAX_TARGET_PORTS = 256  # the target_ports map's size
 # wakes no one: bpf/shared.c) 250 ms in place of 100 took the main thread from 15.5 to 12.3 ms of
 # CPU a second. A row comes at most this much later; its times are the kernel's.
 POLL_TIMEOUT_MS = 250
+# How often a long step of the start (the BPF compile: 10-60 s) says it is still going.
+PROGRESS_EVERY_S = 5.0
 
 CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
 # The slots of map_overflows (enum map_slot in bpf/shared.c), by map name.
@@ -214,6 +219,36 @@ def program_source() -> str:
     return "".join(inlined(line) for line in bpf_dir.joinpath("tokenprobe.c").read_text().splitlines(keepends=True))
 
 
+@contextmanager
+def reporting_progress(doing: str, every_s: float = PROGRESS_EVERY_S,
+                       report: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Says "<doing>… N s" every ``every_s`` seconds (through ``report``, by default the log) until the
+    block ends, from a thread of its own: the block may sit in C code for a minute (the BPF compile)."""
+    say = report or (lambda line: log.info("%s", line))
+    started, done = time.monotonic(), threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            say(f"{doing}… {time.monotonic() - started:.0f} s")
+
+    ticker = threading.Thread(target=tick, name="tokenprobe-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+
+
+def release_free_heap() -> None:
+    """Hands the C heap's free pages back to the kernel. LLVM frees what the compile took (~500 MiB at its
+    peak) but glibc keeps much of it mapped: 37 MiB of the agent's steady RSS here. No-op without glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # musl and others have no malloc_trim
+        pass
+
+
 def _bcc():
     try:
         import bcc  # Debian's python3-bpfcc, linked into the venv
@@ -259,11 +294,14 @@ class Probes:
             log.warning("%s: accepted sockets' addresses are read from /proc instead of the kernel", exc)
         log.info("compiling and loading the BPF program")
         try:
-            self.bpf = bcc.BPF(text=source, cflags=cflags)
-            # Vectored calls past MAX_IOV iovecs are captured on in this program, tail-called.
-            more = self.bpf.load_func("capture_iov_more", bcc.BPF.TRACEPOINT)
+            with reporting_progress("compiling the probes"):
+                self.bpf = bcc.BPF(text=source, cflags=cflags)
+                # Vectored calls past MAX_IOV iovecs are captured on in this program, tail-called.
+                more = self.bpf.load_func("capture_iov_more", bcc.BPF.TRACEPOINT)
         except Exception as exc:  # BCC raises bare Exceptions on compile/load failure
             raise ProbeError(f"the BPF program did not load: {exc}. {self.headers.note}") from exc
+        finally:
+            release_free_heap()
         self.bpf["iov_more"][ctypes.c_int(0)] = ctypes.c_int(more.fd)
         self._configure()
         self.attach_ssl()

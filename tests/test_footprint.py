@@ -1,0 +1,69 @@
+"""The agent's footprint: what it imports with its store elsewhere, and the progress it shows while a long
+step of its start runs (benchmarks/bench_footprint.py prints the figures)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from tokenprobe.agent.capture.kernel.loader import reporting_progress
+from tokenprobe.store.embedded import SERVE_FILE, open_store
+
+# In a fresh interpreter: the agent's command module, then the store at argv[1] used once; prints the
+# answer and the engine's modules it imported.
+OPEN_AS_THE_AGENT = """
+import sys
+import tokenprobe.cli.agent
+from tokenprobe.store.embedded import open_store
+with open_store(sys.argv[1]) as store:
+    print(store.mode, store.command("SELECT 40 + 2"))
+print(sorted(name for name in sys.modules if name.split(".")[0] == "chdb"))
+"""
+
+
+@pytest.mark.parametrize("shape, engine_expected", [
+    ("http", False),        # the DaemonSet's: a ClickHouse server's URL
+    ("via-owner", False),   # an embedded store another process owns
+    ("owner", True),        # the store embedded in this process: the engine is needed, and seen
+])
+def test_the_engine_is_imported_only_where_the_store_is_embedded(store_dir, shape, engine_expected):
+    directory = store_dir
+    if shape == "owner":
+        url = f"chdb://{directory}"
+        answer = _run_as_agent(url)
+    else:
+        with open_store(f"chdb://{directory}"):  # this test's process owns it and serves it over HTTP
+            if shape == "http":
+                token, port = _advert(directory)
+                url = f"http://default:{token}@127.0.0.1:{port}/"
+            else:
+                url = f"chdb://{directory}"
+            answer = _run_as_agent(url)
+    mode, engine = answer
+    assert mode == {"http": "server 42", "via-owner": "embedded-via-owner 42", "owner": "embedded-owner 42"}[shape]
+    assert (engine != "[]") == engine_expected, engine
+
+
+def _advert(directory) -> tuple[str, int]:
+    advert = json.loads((directory / SERVE_FILE).read_text())
+    return advert["token"], advert["port"]
+
+
+def _run_as_agent(url: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", OPEN_AS_THE_AGENT, url], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()
+
+
+def test_progress_is_said_while_the_step_runs_and_not_after():
+    lines: list[str] = []
+    with reporting_progress("compiling the probes", every_s=0.05, report=lines.append):
+        time.sleep(0.4)
+    said = len(lines)
+    time.sleep(0.2)
+    assert said >= 3 and len(lines) == said, lines
+    assert all(re.fullmatch(r"compiling the probes… \d+ s", line) for line in lines), lines
