@@ -1,15 +1,18 @@
-"""The agent's footprint: what it imports with its store elsewhere, and the progress it shows while a long
-step of its start runs (benchmarks/bench_footprint.py prints the figures)."""
+"""The agent's footprint: what it imports with its store elsewhere, how much of another process's file its
+scans hold at once, and the progress it shows while a long step of its start runs
+(benchmarks/bench_footprint.py prints the figures)."""
 
 from __future__ import annotations
 
 import json
+import mmap
 import re
 import subprocess
 import sys
 import time
 
 import pytest
+from tokenprobe.agent.capture.kernel.elf import SEARCH_WINDOW, find_in_file
 from tokenprobe.agent.capture.kernel.loader import reporting_progress
 from tokenprobe.store.embedded import SERVE_FILE, open_store
 
@@ -67,3 +70,40 @@ def test_progress_is_said_while_the_step_runs_and_not_after():
     time.sleep(0.2)
     assert said >= 3 and len(lines) == said, lines
     assert all(re.fullmatch(r"compiling the probes… \d+ s", line) for line in lines), lines
+
+
+def _rss_bytes() -> int:
+    return int(re.search(r"VmRSS:\s+(\d+) kB", open("/proc/self/status").read())[1]) * 1024
+
+
+def _mapped(path) -> mmap.mmap:
+    with open(path, "rb") as file:
+        return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def test_a_whole_file_search_finds_what_straddles_its_windows(tmp_path):
+    path = tmp_path / "lib.so"
+    with open(path, "wb") as file:
+        file.truncate(SEARCH_WINDOW * 2 + 100)
+        file.seek(SEARCH_WINDOW - 3)
+        file.write(b"/rustls-")  # across the first window's end
+        file.seek(SEARCH_WINDOW * 2 + 92)
+        file.write(b"go1.22.3")  # the file's last bytes
+    elf = _mapped(path)
+    with elf:
+        assert find_in_file(elf, b"/rustls-") == SEARCH_WINDOW - 3
+        assert find_in_file(elf, b"go1.22.3") == SEARCH_WINDOW * 2 + 92
+        assert find_in_file(elf, b"absent") == -1
+
+
+def test_a_whole_file_search_holds_a_window_of_the_file_not_the_file(tmp_path):
+    """The scans read every library the node's processes map; a GPU server's run to gigabytes."""
+    path = tmp_path / "large.so"
+    with open(path, "wb") as file:
+        file.truncate(SEARCH_WINDOW * 8)  # 128 MiB, read as zeros
+    elf = _mapped(path)
+    with elf:
+        before = _rss_bytes()
+        assert find_in_file(elf, b"/rustls-") == -1
+        held = _rss_bytes() - before
+    assert held < 2 * SEARCH_WINDOW, f"{held >> 20} MiB of a {len(elf) >> 20} MiB file held after the search"
