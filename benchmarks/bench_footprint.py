@@ -8,7 +8,8 @@ that a client asks a few times a second. For each run the benchmark prints:
 - peak: the most memory the agent held at once, BPF compile included: the largest of its own VmHWM and
   the sum of VmRSS over it and its child processes, sampled every 50 ms (a compile in a child counts);
 - steady: the agent's RSS (children included) once it has traced for ``--steady-s`` seconds, a live
-  analysis pass included (one every 30 s).
+  analysis pass included (one every 30 s), and the anonymous part of it (heap, maps: what the kernel
+  cannot reclaim; the rest is files' pages, libraries' code).
 
 This checkout and ``--baseline REF`` (installed apart) alternate, round after round, so that the
 machine's drift lands on both. Prints figures; asserts nothing. Needs root (real BPF) and git.
@@ -48,6 +49,7 @@ class Footprint:
     start_s: float
     peak: int   # bytes
     steady: int  # bytes
+    steady_anon: int  # bytes of it that are no file's pages (the kernel cannot reclaim them without swap)
 
 
 def checkout(ref: str, tmp: Path) -> Implementation:
@@ -82,9 +84,9 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
-def tree_rss(pid: int) -> int:
-    """Bytes resident in the process and its descendants now."""
-    return sum(_status_kib(each, "VmRSS") for each in _tree(pid)) * 1024
+def tree_rss(pid: int, field: str = "VmRSS") -> int:
+    """Bytes resident in the process and its descendants now (``field``: VmRSS, or its part RssAnon)."""
+    return sum(_status_kib(each, field) for each in _tree(pid)) * 1024
 
 
 class PeakWatch:
@@ -139,12 +141,12 @@ def run_agent(impl: Implementation, store_url: str, tmp: Path, steady_s: float) 
             while time.monotonic() < until:  # a few requests a second, so that rows flow to the store
                 urllib.request.urlopen(f"http://127.0.0.1:{server_port}/", timeout=5).read()
                 time.sleep(0.2)
-            steady = tree_rss(agent.pid)
+            steady, steady_anon = tree_rss(agent.pid), tree_rss(agent.pid, "RssAnon")
         finally:
             peak = watch.stop()
             agent.terminate()
             agent.wait(timeout=60)
-        return Footprint(start_s, peak, steady)
+        return Footprint(start_s, peak, steady, steady_anon)
     finally:
         server.terminate()
         server.wait()
@@ -171,18 +173,20 @@ def main() -> None:
                     footprint = run_agent(impl, store_url, tmp, args.steady_s)
                     figures[impl.name].append(footprint)
                     print(f"round {round_no + 1} {impl.name:>20}: start {footprint.start_s:5.1f} s  "
-                          f"peak {footprint.peak / MIB:6.0f} MiB  steady {footprint.steady / MIB:6.0f} MiB",
+                          f"peak {footprint.peak / MIB:6.0f} MiB  steady {footprint.steady / MIB:6.0f} MiB "
+                          f"(anonymous {footprint.steady_anon / MIB:.0f})",
                           flush=True)
         finally:
             owner.stop()
     load = os.getloadavg()[0]
     print(f"\nagent with --store http://… ({os.cpu_count()} CPUs, load average {load:.1f}); medians of "
           f"{args.rounds} rounds, steady after {args.steady_s:.0f} s of tracing:")
-    print(f"{'':>24} {'start s':>8} {'peak MiB':>9} {'steady MiB':>11}")
+    print(f"{'':>24} {'start s':>8} {'peak MiB':>9} {'steady MiB':>11} {'of it anonymous':>16}")
     for name, runs in figures.items():
         print(f"{name:>24} {statistics.median(r.start_s for r in runs):8.1f} "
               f"{statistics.median(r.peak for r in runs) / MIB:9.0f} "
-              f"{statistics.median(r.steady for r in runs) / MIB:11.0f}")
+              f"{statistics.median(r.steady for r in runs) / MIB:11.0f} "
+              f"{statistics.median(r.steady_anon for r in runs) / MIB:16.0f}")
 
 
 if __name__ == "__main__":
