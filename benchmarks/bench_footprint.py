@@ -8,8 +8,9 @@ that a client asks a few times a second. For each run the benchmark prints:
 - peak: the most memory the agent held at once, BPF compile included: the largest of its own VmHWM and
   the sum of VmRSS over it and its child processes, sampled every 50 ms (a compile in a child counts);
 - steady: the agent's RSS (children included) once it has traced for ``--steady-s`` seconds, a live
-  analysis pass included (one every 30 s), and the anonymous part of it (heap, maps: what the kernel
-  cannot reclaim; the rest is files' pages, libraries' code).
+  analysis pass included (one every 30 s); of it, the anonymous part (heap, maps: what the kernel
+  cannot reclaim; the rest is files' pages, libraries' code) and the pages of LLVM's and clang's
+  libraries (paged out after the compile, except those another process maps too).
 
 This checkout and ``--baseline REF`` (installed apart) alternate, round after round, so that the
 machine's drift lands on both. Prints figures; asserts nothing. Needs root (real BPF) and git.
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.bench_hot_path import Implementation, StoreOwner
+from tokenprobe.agent.capture.kernel.loader import COMPILER_LIBRARY
 from tokenprobe.refserver.harness import free_port, wait_for_port
 from tokenprobe.store.embedded import SERVE_FILE
 
@@ -50,6 +52,7 @@ class Footprint:
     peak: int   # bytes
     steady: int  # bytes
     steady_anon: int  # bytes of it that are no file's pages (the kernel cannot reclaim them without swap)
+    steady_compiler: int  # bytes of it in LLVM's and clang's libraries
 
 
 def checkout(ref: str, tmp: Path) -> Implementation:
@@ -87,6 +90,22 @@ def _tree(pid: int) -> list[int]:
 def tree_rss(pid: int, field: str = "VmRSS") -> int:
     """Bytes resident in the process and its descendants now (``field``: VmRSS, or its part RssAnon)."""
     return sum(_status_kib(each, field) for each in _tree(pid)) * 1024
+
+
+def compiler_rss(pid: int) -> int:
+    """Bytes of LLVM's and clang's libraries resident in the process. The agent pages them out after its
+    compile, but the kernel keeps a page that another process maps too (another BCC tool running)."""
+    total, in_compiler = 0, False
+    try:
+        with open(f"/proc/{pid}/smaps") as smaps:
+            for line in smaps:
+                if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                    in_compiler = bool(COMPILER_LIBRARY.search(line))
+                elif in_compiler and line.startswith("Rss:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:  # the process is gone
+        return 0
+    return total
 
 
 class PeakWatch:
@@ -142,11 +161,12 @@ def run_agent(impl: Implementation, store_url: str, tmp: Path, steady_s: float) 
                 urllib.request.urlopen(f"http://127.0.0.1:{server_port}/", timeout=5).read()
                 time.sleep(0.2)
             steady, steady_anon = tree_rss(agent.pid), tree_rss(agent.pid, "RssAnon")
+            steady_compiler = compiler_rss(agent.pid)
         finally:
             peak = watch.stop()
             agent.terminate()
             agent.wait(timeout=60)
-        return Footprint(start_s, peak, steady, steady_anon)
+        return Footprint(start_s, peak, steady, steady_anon, steady_compiler)
     finally:
         server.terminate()
         server.wait()
@@ -174,19 +194,20 @@ def main() -> None:
                     figures[impl.name].append(footprint)
                     print(f"round {round_no + 1} {impl.name:>20}: start {footprint.start_s:5.1f} s  "
                           f"peak {footprint.peak / MIB:6.0f} MiB  steady {footprint.steady / MIB:6.0f} MiB "
-                          f"(anonymous {footprint.steady_anon / MIB:.0f})",
+                          f"(anonymous {footprint.steady_anon / MIB:.0f}, compiler {footprint.steady_compiler / MIB:.0f})",
                           flush=True)
         finally:
             owner.stop()
     load = os.getloadavg()[0]
     print(f"\nagent with --store http://… ({os.cpu_count()} CPUs, load average {load:.1f}); medians of "
           f"{args.rounds} rounds, steady after {args.steady_s:.0f} s of tracing:")
-    print(f"{'':>24} {'start s':>8} {'peak MiB':>9} {'steady MiB':>11} {'of it anonymous':>16}")
+    print(f"{'':>24} {'start s':>8} {'peak MiB':>9} {'steady MiB':>11} {'of it anonymous':>16} {'compiler':>9}")
     for name, runs in figures.items():
         print(f"{name:>24} {statistics.median(r.start_s for r in runs):8.1f} "
               f"{statistics.median(r.peak for r in runs) / MIB:9.0f} "
               f"{statistics.median(r.steady for r in runs) / MIB:11.0f} "
-              f"{statistics.median(r.steady_anon for r in runs) / MIB:16.0f}")
+              f"{statistics.median(r.steady_anon for r in runs) / MIB:16.0f} "
+              f"{statistics.median(r.steady_compiler for r in runs) / MIB:9.0f}")
 
 
 if __name__ == "__main__":

@@ -241,7 +241,7 @@ def reporting_progress(doing: str, every_s: float = PROGRESS_EVERY_S,
 
 
 # The compiler's libraries (BCC links LLVM and clang), named in /proc/self/maps: used by the compile only.
-_COMPILER_LIBRARY = re.compile(r"/lib(?:LLVM|clang)[^/]*\.so")
+COMPILER_LIBRARY = re.compile(r"/lib(?:LLVM|clang)[^/]*\.so")
 MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim the range now; dirty pages are written to swap or kept, never lost
 
 
@@ -257,7 +257,7 @@ def release_compiler_memory() -> None:
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(None, 5)
-            if len(fields) == 6 and _COMPILER_LIBRARY.search(fields[5]):
+            if len(fields) == 6 and COMPILER_LIBRARY.search(fields[5]):
                 start, end = (int(address, 16) for address in fields[0].split("-"))
                 libc.madvise(start, end - start, MADV_PAGEOUT)
 
