@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 from .client import Store, StoreUnavailable
 from .url import StoreURL, parse_store_url
 
-if TYPE_CHECKING:  # the engine (chDB, ~235 MiB resident once imported) is loaded only by an owner
+if TYPE_CHECKING:  # the engine (chDB: 212 MiB resident once imported) is loaded only by an owner
     from .server import StoreServer
 
 LOCK_FILE = ".tokenprobe.lock"

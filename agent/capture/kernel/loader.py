@@ -53,7 +53,8 @@ MAX_TARGET_PORTS = 256  # the target_ports map's size
 # wakes no one: bpf/shared.c) 250 ms in place of 100 took the main thread from 15.5 to 12.3 ms of
 # CPU a second. A row comes at most this much later; its times are the kernel's.
 POLL_TIMEOUT_MS = 250
-# How often a long step of the start (the BPF compile: 10-60 s) says it is still going.
+# How often a long step of the start (the BPF compile: 5-7 s idle, up to 40 s and more loaded) says it is
+# still going.
 PROGRESS_EVERY_S = 5.0
 
 CFG_TRACK_OUTBOUND, CFG_EXE_PATHS, CFG_SELF_TGID = 0, 1, 2
