@@ -375,31 +375,36 @@ class StatusLine:
 
 
 class Progress:
-    """Long work said while it lasts: a line when it starts and one when it ends, and on a terminal the
-    seconds so far, refreshed (the probes' compile takes 11–60 s, with nothing else to show)."""
+    """Long work said while it lasts: a line when it starts and one when it ends, and between them the
+    seconds so far, refreshed each second on a terminal, else logged every ``every_s`` (the probes'
+    compile takes 5-60 s, with nothing else to show; a pod's log shows it too)."""
 
-    def __init__(self, what: str, expected: str, *, live: bool, stream=sys.stderr) -> None:
+    def __init__(self, what: str, expected: str, *, live: bool, stream=sys.stderr, every_s: float = 5.0) -> None:
         self.what, self.expected, self.stream = what, expected, stream
         self.live = live and stream.isatty()
+        self.every_s = 1.0 if self.live else every_s
         self._done = threading.Event()
 
     def __enter__(self) -> Progress:
         self._started = time.monotonic()
         log.info("%s (%s)…", self.what, self.expected)
         self._ticker = threading.Thread(target=self._tick, name="tokenprobe-progress", daemon=True)
-        if self.live:
-            self._ticker.start()
+        self._ticker.start()
         return self
 
     def _tick(self) -> None:
-        while not self._done.wait(1.0):
-            self.stream.write(f"\r\x1b[2K{self.what}… {time.monotonic() - self._started:.0f} s")
-            self.stream.flush()
+        while not self._done.wait(self.every_s):
+            so_far = f"{self.what}… {time.monotonic() - self._started:.0f} s"
+            if self.live:
+                self.stream.write(f"\r\x1b[2K{so_far}")
+                self.stream.flush()
+            else:
+                log.info("%s", so_far)
 
     def __exit__(self, failed, *_exc_info) -> None:
         self._done.set()
+        self._ticker.join()  # no tick may land after the line is cleared or the end is said
         if self.live:
-            self._ticker.join()  # no tick may land after the line is cleared
             self.stream.write("\r\x1b[2K")
             self.stream.flush()
         if failed is None:

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 from .client import Store, StoreUnavailable, network_reason
 from .url import StoreURL, parse_store_url
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engine (chDB: 212 MiB resident once imported) is loaded only by an owner
     from .server import StoreServer
 
 LOCK_FILE = ".tokenprobe.lock"
@@ -230,6 +230,8 @@ def _become_owner(target: StoreURL, directory: Path, lock_fd: int, *, serve: boo
         os.pwrite(lock_fd, f"{os.getpid()}\n{marker}".encode(), 0)
         # Whatever serve file is here belongs to a dead owner.
         (directory / SERVE_FILE).unlink(missing_ok=True)
+        from .server import StoreServer  # imports the engine: only an owner of the directory needs it
+
         try:
             client = clickhouse_connect.get_client(interface="chdb", path=f"{directory}?{ENGINE_STARTUP}")
         except ClickHouseError as error:

@@ -30,6 +30,7 @@ from .elf import (
     MalformedElf,
     file_bytes,
     file_offset,
+    find_in_file,
     machine,
     open_elf,
     symbol_entries,
@@ -66,11 +67,11 @@ class GoTlsBinary:
 
 def _links_go_tls(elf: mmap.mmap) -> bool:
     # Go keeps its function names in .gopclntab even when .symtab is stripped.
-    return elf.find(GO_TLS_READ.encode()) >= 0
+    return find_in_file(elf, GO_TLS_READ.encode()) >= 0
 
 
 def _go_version(elf: mmap.mmap) -> str:
-    at = elf.find(_BUILDINFO_MAGIC)
+    at = find_in_file(elf, _BUILDINFO_MAGIC)
     if at < 0:
         raise GoTlsUnprobed(f"built by a Go older than 1.{_MIN_GO_MINOR}")
     header = file_bytes(elf, at, 32, "Go's build information")

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .elf import MalformedElf, exported_names, open_elf
+from .elf import MalformedElf, exported_names, find_in_file, open_elf
 from .go_tls import GoTlsBinary, GoTlsUnprobed, go_tls_in
 
 __all__ = ["OPENSSL_IO", "ElfTls", "MappedElf", "TlsReach", "elf_tls", "mapped_elves", "skipped_files", "tls_reach", "unreadable_tls"]
@@ -117,7 +117,7 @@ def _read_tls(path: str) -> ElfTls:
                 go = go_tls_in(elf, sections)
             except GoTlsUnprobed as why:
                 unprobed = f"Go crypto/tls, {why}"
-            if go is None and unprobed is None and elf.find(_RUSTLS) >= 0:
+            if go is None and unprobed is None and find_in_file(elf, _RUSTLS) >= 0:
                 unprobed = "rustls"
         return ElfTls(openssl, unprobed, go)
 
