@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Callable
 
 from ..agent.capture.kernel.clock import MonotonicWallClock
-from ..agent.capture.kernel.loader import Targets
-from ..agent.capture.tracker import DEFAULT_IDLE_TIMEOUT_S
 from ..agent.heartbeat import HEARTBEAT_FILE, Heartbeat
 from ..agent.identity.resolver import IdentityResolver
 from ..agent.identity.runtime import connect_runtime
@@ -35,13 +33,12 @@ from ..analytics.config import DEFAULT_CONFIG, DEFAULT_LIVE_EVERY_S, AnalyticsCo
 from ..analytics.live import LiveAnalysis
 from ..analytics.outlets import AlertmanagerOutlet, MetricsOutlet, OtelOutlet
 from ..contract.gaps import AGENT_GAPS
-from ..contract.tenant import DEFAULT_TENANT_HEADER
 from ..store.client import Store, StoreUnavailable
 from ..store.embedded import open_store
 from ..store.schema import create_request_gpu_state_view
 from ..store.sink import RequestSink, default_spool_dir
 from ..store.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_MAX_BYTES
-from ..store.url import parse_store_url
+from ..store.url import DEFAULT_STORE, parse_store_url
 
 __all__ = ["Agent", "AgentConfig", "AgentSummary", "SamplerConfig", "before_each_pass"]
 
@@ -70,44 +67,21 @@ class SamplerConfig:
 
 
 @dataclass
-class KubernetesConfig:
-    """Pod identity and selection (agent/identity/)."""
+class AgentConfig(CaptureConfig):
+    """The agent as the command runs it: what it traces (CaptureConfig) and where its rows, samples and
+    findings go."""
 
-    identity: bool = True                  # name each row's pod and container
-    runtime_socket: str | None = None      # the container runtime's API; None: the usual sockets
-    namespace: str | None = None           # trace the pods of this namespace ...
-    pod_labels: dict[str, str] = field(default_factory=dict)  # ... and/or the pods with these labels
-
-
-@dataclass
-class AgentConfig:
-    targets: Targets
-    store_url: str
-    duration_s: float | None = None
-    ringbuf_pages: int = 4096
-    kernel_batching: bool = True  # the kernel batches steady SSE writes (bpf/steady.c)
-    status: bool = True
-    on_row: Callable[[dict], None] | None = None   # e.g. the demo's live lines
-    on_ready: Callable[[], None] | None = None     # called once the probes are attached
+    store_url: str = DEFAULT_STORE
     samplers: SamplerConfig = field(default_factory=SamplerConfig)
     metrics_address: tuple[str, int] | None = None  # serve Prometheus /metrics here
     otlp_endpoint: str | None = None                # export spans and GenAI metrics here
-    tenant_header: str | None = DEFAULT_TENANT_HEADER  # request header naming the tenant; None: off
     spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES  # the disk spool's bound while the store is away
     analyze_every_s: int = DEFAULT_LIVE_EVERY_S     # live analysis window; 0: off
     analysis: AnalyticsConfig = DEFAULT_CONFIG      # its thresholds, SLOs and look-backs
     alertmanager_urls: list[str] = field(default_factory=list)  # post the live analysis' findings here
-    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a connection with no I/O this long is forgotten
-    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    pod_identity: bool = True                       # name each row's pod and container (agent/identity/)
+    runtime_socket: str | None = None               # the container runtime's API; None: the usual sockets
     heartbeat_file: Path | None = None  # where the agent notes it traces; None: beside the store's spool
-
-    def capture(self) -> CaptureConfig:
-        k8s = self.kubernetes
-        return CaptureConfig(
-            targets=self.targets, duration_s=self.duration_s, ringbuf_pages=self.ringbuf_pages,
-            kernel_batching=self.kernel_batching, status=self.status, on_row=self.on_row, on_ready=self.on_ready,
-            tenant_header=self.tenant_header, idle_timeout_s=self.idle_timeout_s, pod_namespace=k8s.namespace,
-            pod_labels=k8s.pod_labels)
 
 
 def before_each_pass(sink: RequestSink, samplers: SamplerSet | None) -> Callable[[], None]:
@@ -175,7 +149,7 @@ class Agent:
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
-        self._runner = AgentRunner(config.capture())
+        self._runner = AgentRunner(config)
         self._store_refusal = ""  # the last reason the store gave for not answering, said once
 
     def stop(self, *_args) -> None:
@@ -194,8 +168,7 @@ class Agent:
                             "once the store answers")
             sink = RequestSink(store or cfg.store_url, spool_max_bytes=cfg.spool_max_bytes)
             exporters = Exporters(cfg.metrics_address, cfg.otlp_endpoint, node)
-            k8s = cfg.kubernetes
-            identities = IdentityResolver(connect_runtime(k8s.runtime_socket) if k8s.identity else None)
+            identities = IdentityResolver(connect_runtime(cfg.runtime_socket) if cfg.pod_identity else None)
 
             def bring_up(store: Store) -> list:
                 """The store's services, in their order of start: the samplers, then the live analysis."""

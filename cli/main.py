@@ -141,16 +141,14 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     from ..agent.capture.kernel.loader import ProbeError, Targets
     from ..agent.identity.resolver import parse_pod_selector
     from ..agent.identity.runtime import connect_runtime
-    from .agent import Agent, AgentConfig, KubernetesConfig
+    from .agent import Agent, AgentConfig
     from .preflight import PreflightError, check_metrics_port, warn_about_targets
 
     targets = Targets(ports=args.port, pids=args.pid, exes=args.exe, outbound=args.outbound,
                       pods=args.namespace is not None or args.pod_selector is not None)
     try:
         targets.validate()
-        kubernetes = KubernetesConfig(
-            identity=args.pod_identity, runtime_socket=args.runtime_socket, namespace=args.namespace,
-            pod_labels=parse_pod_selector(args.pod_selector) if args.pod_selector is not None else {})
+        pod_labels = parse_pod_selector(args.pod_selector) if args.pod_selector is not None else {}
         if targets.pods and connect_runtime(args.runtime_socket) is None:
             raise ValueError("--namespace/--pod-selector find pods through the container runtime's API, and no "
                              "runtime socket answers here: give --runtime-socket (a CRI or Docker API socket)")
@@ -202,7 +200,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
                          otlp_endpoint=args.otlp_endpoint, tenant_header=tenant_header,
                          spool_max_bytes=args.spool_max_bytes, idle_timeout_s=args.idle_timeout,
                          analyze_every_s=args.analyze_every, analysis=analysis,
-                         alertmanager_urls=args.alertmanager, kubernetes=kubernetes)
+                         alertmanager_urls=args.alertmanager, pod_namespace=args.namespace, pod_labels=pod_labels,
+                         pod_identity=args.pod_identity, runtime_socket=args.runtime_socket)
     try:
         if args.otlp_endpoint:
             from ..agent.export.otel_export import check_endpoint

@@ -30,13 +30,10 @@ RETRY_AFTER_FAILURE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
-class Identity:
-    """A row's Kubernetes identity; every field empty for a process outside any container."""
+class Identity(ContainerNames):
+    """A row's Kubernetes identity: its container's names and id; every field empty for a process outside
+    any container."""
 
-    namespace: str = ""
-    pod: str = ""
-    container: str = ""
-    pod_uid: str = ""
     container_id: str = ""
 
     def fields(self) -> dict[str, str]:
