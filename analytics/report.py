@@ -13,7 +13,7 @@ from .indicators import Cell
 from .pipeline import AnalysisReport
 from .slo import WINDOWS_S
 from .timerange import NS_PER_S, format_ns
-from .tool_figures import FIGURES, GOODPUT_FOLLOWS, LEVELS
+from .tool_figures import FIGURES, GOODPUT_FOLLOWS, SUMMARIES
 
 _SEVERITY = {NO_DATA: 0, OK: 1, WARN: 2, CRIT: 3}
 _PHASE_COLUMNS = (
@@ -76,7 +76,7 @@ def to_json(report: AnalysisReport, store_url: str) -> dict:
 def _tool_figures_json(entry: dict) -> dict:
     """One server and model's figures, each with the tools whose definition it follows."""
     figures = {figure.name: {"follows": figure.follows,
-                             **{level: entry[f"{figure.name}_{level}"] for level, _ in LEVELS}}
+                             **{summary: entry[f"{figure.name}_{summary}"] for summary in SUMMARIES}}
                for figure in FIGURES}
     return {key: entry[key] for key in ("node", "server_port", "model", "requests", "duration_s")} | {
         "figures": figures, "goodput": {"follows": GOODPUT_FOLLOWS, "requests_per_s": entry["goodput_rps"]}}
@@ -176,11 +176,12 @@ def _tool_figures_text(report: AnalysisReport) -> list[str]:
     for entry in report.tool_figures:
         lines.append(f"  {entry['node']}:{entry['server_port']} {entry['model'] or '-'}: {entry['requests']} requests "
                      f"over {entry['duration_s']:.1f} s")
-        rows = [[figure.label, *(_ms(entry[f"{figure.name}_{level}"]) for level, _ in LEVELS), figure.follows]
+        rows = [[figure.label, *(_ms(entry[f"{figure.name}_{summary}"]) for summary in SUMMARIES), figure.follows]
                 for figure in FIGURES]
         goodput = entry["goodput_rps"]
-        rows.append(["goodput", "-" if goodput is None else f"{goodput:.2f} req/s", "", "", GOODPUT_FOLLOWS])
-        lines += ["    " + line for line in _table(["figure", *(level for level, _ in LEVELS), "as defined by"], rows)]
+        rows.append(["goodput", "-" if goodput is None else f"{goodput:.2f} req/s", *[""] * (len(SUMMARIES) - 1),
+                     GOODPUT_FOLLOWS])
+        lines += ["    " + line for line in _table(["figure", *SUMMARIES, "as defined by"], rows)]
     return [*lines, ""]
 
 

@@ -34,6 +34,7 @@ from .slo import good_condition
 from .timerange import TimeRange, range_condition
 
 LEVELS = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
+SUMMARIES = ("mean", *(name for name, _ in LEVELS))  # the tools print a mean beside their percentiles
 
 
 @dataclass(frozen=True)
@@ -62,14 +63,15 @@ GOODPUT_FOLLOWS = "vLLM bench request_goodput (req/s meeting every SLO)"
 
 def tool_figures(store: Store, analysed: TimeRange, scope: Scope, objectives: Sequence[Objective]) -> list[dict]:
     """One dict per server and model with successful inference requests starting in ``analysed``: ``requests``,
-    ``{figure}_{p50,p90,p99}`` for every ``FIGURES`` entry, ``goodput_rps`` and ``duration_s``."""
+    ``{figure}_{mean,p50,p90,p99}`` for every ``FIGURES`` entry, ``goodput_rps`` and ``duration_s``."""
     in_range, range_parameters = range_condition("req_start", "analysed", analysed)
     in_scope, scope_parameters = scope.condition()
     levels = ", ".join(str(level) for _, level in LEVELS)
     columns = []
     for figure in FIGURES:
-        aggregate = "quantilesExactInclusiveArray" if figure.pooled else "quantilesExactInclusive"
-        columns.append(f"{aggregate}({levels})({figure.sql}) AS {figure.name}")
+        pooled = "Array" if figure.pooled else ""
+        columns.append(f"avg{pooled}({figure.sql}) AS {figure.name}_mean, "
+                       f"quantilesExactInclusive{pooled}({levels})({figure.sql}) AS {figure.name}")
     every_objective = " AND ".join(good_condition(objective) for objective in objectives) or "1"
     duration = measures.ms_between("min(req_start)", f"max({measures.ENDED_AT})")
     rows = store.query_df(
@@ -86,9 +88,9 @@ def tool_figures(store: Store, analysed: TimeRange, scope: Scope, objectives: Se
         entry = {"node": row["node"], "server_port": int(row["server_port"]), "model": row["model"],
                  "requests": int(row["requests"]), "duration_s": float(row["duration_s"])}
         for figure in FIGURES:
-            values = list(row[figure.name])
-            for (level_name, _), value in zip(LEVELS, values or [None] * len(LEVELS), strict=True):
-                entry[f"{figure.name}_{level_name}"] = None if value is None or math.isnan(value) else float(value)
+            values = [row[f"{figure.name}_mean"], *(list(row[figure.name]) or [None] * len(LEVELS))]
+            for summary, value in zip(SUMMARIES, values, strict=True):
+                entry[f"{figure.name}_{summary}"] = None if value is None or math.isnan(value) else float(value)
         entry["goodput_rps"] = int(row["good"]) / entry["duration_s"] if entry["duration_s"] > 0 else None
         figures.append(entry)
     return figures
