@@ -76,7 +76,7 @@ def _engine_arrival_ns(entry: Mapping) -> int:
 def errors_by_level(errors: pd.DataFrame, level_of: Mapping[str, str]) -> pd.DataFrame:
     """Per load level (``level_of``: response id → level name, in the order given): requests, median TTFT and
     true queue and overhead (ms), median and p90 of the relative queue and prefill errors, median of the
-    overhead's."""
+    overhead's, and the queue's and prefill's in aggregate (``*_error_aggregate``)."""
     levels = list(dict.fromkeys(level_of.values()))
     labelled = errors.assign(level=[level_of.get(i) for i in errors["response_id"]]).dropna(subset=["level"])
     summary = labelled.groupby("level").agg(
@@ -90,6 +90,10 @@ def errors_by_level(errors: pd.DataFrame, level_of: Mapping[str, str]) -> pd.Dat
         prefill_error_p90=("prefill_error", lambda e: e.quantile(0.9)),
         overhead_error_median=("overhead_error", "median"),
     )
+    # In aggregate, as the engine's histograms would show it: |sum of estimates - sum of truths| / sum of TTFTs.
+    sums = labelled.groupby("level")[["ttft_ms", "queue_ms", "true_queue_ms", "prefill_ms", "true_prefill_ms"]].sum()
+    summary["queue_error_aggregate"] = (sums["queue_ms"] - sums["true_queue_ms"]).abs() / sums["ttft_ms"]
+    summary["prefill_error_aggregate"] = (sums["prefill_ms"] - sums["true_prefill_ms"]).abs() / sums["ttft_ms"]
     return summary.reindex([level for level in levels if level in summary.index])
 
 
