@@ -9,7 +9,8 @@ whose figure it is, so a user can hold ours beside the one their tool printed:
   which the server side cannot see.
 - TPOT: decode / (output tokens − 1), the same request's figure in all three (GuideLLM calls it
   ``inter_token_latency_ms``, AIPerf ``inter_token_latency``).
-- TPOT over all tokens: decode / output tokens, GuideLLM's ``time_per_output_token_ms``.
+- time per output token: (TTFT + decode) / output tokens, GuideLLM's ``time_per_output_token_ms`` (since
+  0.3 its span starts at the request, not at the first token).
 - ITL: every gap between streamed text events, pooled over the requests before the percentiles are
   taken (vLLM bench ``itl``, AIPerf ``inter_chunk_latency``).
 - end to end: ``E2E_MS`` (vLLM bench ``e2el``, GuideLLM and AIPerf ``request_latency``).
@@ -51,8 +52,9 @@ FIGURES = (
                f"if(first_token IS NULL, NULL, {measures.TTFT_CLIENT_MS})"),
     ToolFigure("tpot_ms", "TPOT", "vLLM bench tpot; GuideLLM inter_token_latency_ms; AIPerf inter_token_latency",
                measures.TPOT_MS),
-    ToolFigure("tpot_all_tokens_ms", "TPOT all tokens", "GuideLLM time_per_output_token_ms",
-               f"if({measures.OUTPUT_TOKENS} > 0, {measures.DECODE_MS} / {measures.OUTPUT_TOKENS}, NULL)"),
+    ToolFigure("time_per_output_token_ms", "time per token", "GuideLLM time_per_output_token_ms (TTFT included)",
+               f"if({measures.OUTPUT_TOKENS} > 0, ({measures.TTFT_CLIENT_MS} + {measures.DECODE_MS})"
+               f" / {measures.OUTPUT_TOKENS}, NULL)"),
     ToolFigure("itl_ms", "ITL", "vLLM bench itl; AIPerf inter_chunk_latency (every gap, pooled)",
                measures.ITL_GAPS_MS, pooled=True),
     ToolFigure("e2e_ms", "end to end", "vLLM bench e2el; GuideLLM request_latency; AIPerf request_latency",
