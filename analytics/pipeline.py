@@ -34,6 +34,7 @@ from .scope import EVERYTHING, Scope
 from .slo import SloMinutes, SloStatus, evaluate_slos
 from .split import split_requests, store_split
 from .timerange import NS_PER_S, TimeRange, range_condition
+from .tool_figures import tool_figures
 
 # Window lengths offered when none is asked for: the smallest giving at most MAX_AUTO_WINDOWS windows.
 NICE_WINDOWS_S = (5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
@@ -51,6 +52,8 @@ class AnalysisReport:
     capacities: dict[tuple[str, int], Capacity]
     cells: list[Cell]
     slos: list[SloStatus]
+    # per server and model, the figures as the benchmark tools define them (tool_figures); None with no summary
+    tool_figures: list[dict] | None = None
 
 
 def auto_window_s(analysed: TimeRange) -> int:
@@ -137,7 +140,8 @@ def analyze(store: Store, analysed: TimeRange, *, window_s: int | None = None, s
     cells = compute_matrix(store, analysed, window_s, scope, config.thresholds, capacities, now_ns, occupancy)
     slos = evaluate_slos(store, analysed.end_ns, config.objectives, scope, slo_minutes)
     summary = phase_summary(store, analysed, scope, config.thresholds) if summarize else None
-    return AnalysisReport(analysed, window_s, summary, calibrations, knees, capacities, cells, slos)
+    as_tools = tool_figures(store, analysed, scope, config.objectives) if summarize else None
+    return AnalysisReport(analysed, window_s, summary, calibrations, knees, capacities, cells, slos, as_tools)
 
 
 class KeptFits:

@@ -13,6 +13,7 @@ from .indicators import Cell
 from .pipeline import AnalysisReport
 from .slo import WINDOWS_S
 from .timerange import NS_PER_S, format_ns
+from .tool_figures import FIGURES, GOODPUT_FOLLOWS, SUMMARIES
 
 _SEVERITY = {NO_DATA: 0, OK: 1, WARN: 2, CRIT: 3}
 _PHASE_COLUMNS = (
@@ -46,6 +47,7 @@ def to_json(report: AnalysisReport, store_url: str) -> dict:
         "window_s": report.window_s,
         "phases": [{key: _clean(value) for key, value in record.items()}
                    for record in report.phases.to_dict("records")],
+        "benchmark_figures": [_tool_figures_json(entry) for entry in report.tool_figures or []],
         "calibrations": [_calibration_json(c) for c in report.calibrations.values()],
         "knees": [
             {"node": k.node, "server_port": k.server_port, "model": k.model, "fitted_at": iso(k.fitted_at_ns),
@@ -69,6 +71,15 @@ def to_json(report: AnalysisReport, store_url: str) -> dict:
             for s in report.slos
         ],
     }
+
+
+def _tool_figures_json(entry: dict) -> dict:
+    """One server and model's figures, each with the tools whose definition it follows."""
+    figures = {figure.name: {"follows": figure.follows,
+                             **{summary: entry[f"{figure.name}_{summary}"] for summary in SUMMARIES}}
+               for figure in FIGURES}
+    return {key: entry[key] for key in ("node", "server_port", "model", "requests", "duration_s")} | {
+        "figures": figures, "goodput": {"follows": GOODPUT_FOLLOWS, "requests_per_s": entry["goodput_rps"]}}
 
 
 def _calibration_json(calibration: Calibration) -> dict:
@@ -127,6 +138,7 @@ def render_text(report: AnalysisReport, store_url: str) -> str:
              f"{format_ns(report.analysed.start_ns)} -> {format_ns(report.analysed.end_ns)}, "
              f"windows of {report.window_s} s", ""]
     lines += _phases_text(report)
+    lines += _tool_figures_text(report)
     lines += _matrix_text(report)
     lines += _slo_text(report)
     return "\n".join(lines).rstrip() + "\n"
@@ -151,6 +163,25 @@ def _phases_text(report: AnalysisReport) -> list[str]:
         stalls, gaps = int(record["total_stalls"]), int(record["total_itl_gaps"])
         if gaps:
             lines.append(f"  {server}: {stalls} stalls in {gaps} inter-token gaps")
+    return [*lines, ""]
+
+
+def _tool_figures_text(report: AnalysisReport) -> list[str]:
+    if report.tool_figures is None:
+        return []
+    lines = [("AS THE BENCHMARK TOOLS PRINT THEM per server and model (ms; successful requests; TTFT leaves out "
+              "the network's own delay)")]
+    if not report.tool_figures:
+        return [*lines, "  no successful inference requests in this range", ""]
+    for entry in report.tool_figures:
+        lines.append(f"  {entry['node']}:{entry['server_port']} {entry['model'] or '-'}: {entry['requests']} requests "
+                     f"over {entry['duration_s']:.1f} s")
+        rows = [[figure.label, *(_ms(entry[f"{figure.name}_{summary}"]) for summary in SUMMARIES), figure.follows]
+                for figure in FIGURES]
+        goodput = entry["goodput_rps"]
+        rows.append(["goodput", "-" if goodput is None else f"{goodput:.2f} req/s", *[""] * (len(SUMMARIES) - 1),
+                     GOODPUT_FOLLOWS])
+        lines += ["    " + line for line in _table(["figure", *SUMMARIES, "as defined by"], rows)]
     return [*lines, ""]
 
 

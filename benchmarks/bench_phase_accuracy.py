@@ -64,6 +64,10 @@ def main() -> int:
     parser.add_argument("--prefill-base-ms", type=float, default=20.0)
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     parser.add_argument("--decode-ms", type=float, default=10.0)
+    parser.add_argument("--overhead-ms", type=float, default=0.0,
+                        help="the load-level server's own time per request outside its engine, at idle")
+    parser.add_argument("--overhead-ms-per-request", type=float, default=0.0,
+                        help="and more for every other request it holds (grows with load)")
     parser.add_argument("--knee-slots", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8],
                         help="slot counts to find the knee of (default %(default)s)")
     parser.add_argument("--requests-per-worker", type=int, default=8)
@@ -81,7 +85,9 @@ def main() -> int:
     print(f"reference server: {args.slots} slots, about {capacity:.1f} requests/s at capacity; "
           f"knee servers: {args.knee_slots} slots; workdir {tmp}", flush=True)
     with ExitStack() as servers:
-        port, truth_log = servers.enter_context(reference_server(tmp, slots=args.slots, **timing))
+        port, truth_log = servers.enter_context(reference_server(
+            tmp, slots=args.slots, overhead_ms=args.overhead_ms, overhead_ms_per_request=args.overhead_ms_per_request,
+            **timing))
         knee_ports = {slots: servers.enter_context(reference_server(tmp, slots=slots, **timing))[0]
                       for slots in args.knee_slots}
         with agent(tmp, ports=[port, *knee_ports.values()]) as handle:
@@ -99,7 +105,7 @@ def main() -> int:
 
     summary["meets 10%"] = (summary["queue_error_median"] <= TARGET) & (summary["prefill_error_median"] <= TARGET)
     with pd.option_context("display.width", 200, "display.float_format", "{:.3f}".format):
-        print("\nqueue and prefill |estimate - truth| as a share of TTFT, per load level")
+        print("\nqueue and prefill |estimate - truth| as a share of TTFT, per load level (aggregate: of the sums)")
         print(summary.to_string())
     knees = {port: knee for (_, port, _), knee in report.knees.items()}
     print("\nknee per slot count (target: slots +- 1)")

@@ -35,9 +35,9 @@ sources; they time at the client, we at the server's socket):
   decode window ends at the last chunk (which may carry only usage), ours at
   the last text event.
 - GuideLLM: ``inter_token_latency_ms`` = (last − first token) / (output
-  tokens − 1) is our TPOT; its ``time_per_output_token_ms`` divides the same
-  span by all output tokens, so it reads lower than ours by a factor
-  (n − 1) / n.
+  tokens − 1) is our TPOT; its ``time_per_output_token_ms`` divides the span
+  from the request's start to the last token (TTFT included, since 0.3) by
+  all output tokens.
 - NVIDIA AIPerf (GenAI-Perf): ``inter_token_latency`` = (request latency −
   TTFT) / (output sequence length − 1) is our TPOT (newer versions subtract
   the first chunk's token count instead of 1); its per-gap figure is

@@ -92,6 +92,10 @@ def _serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--fail-streams-every", type=int, default=defaults.fail_streams_every, metavar="N",
                    help="every Nth streamed request fails after its first token with an error event in its 200 stream")
+    p.add_argument("--overhead-ms", type=float, default=defaults.overhead_ms,
+                   help="the API server's own time on a request before its engine sees it (handling, tokenising)")
+    p.add_argument("--overhead-ms-per-request", type=float, default=defaults.overhead_ms_per_request,
+                   help="more overhead for every other request the server holds: it grows with load")
     p.add_argument("--truth-log", metavar="PATH", help="append one JSON line of ground truth per request to PATH")
     p.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (needs --tls-key)")
     p.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
@@ -185,6 +189,8 @@ def _serve(args: argparse.Namespace) -> int:
                 kv_cache_blocks=args.kv_cache_blocks,
                 per_request_metrics=args.enable_per_request_metrics,
                 fail_streams_every=args.fail_streams_every,
+                overhead_ms=args.overhead_ms,
+                overhead_ms_per_request=args.overhead_ms_per_request,
             )
         except ValueError as exc:
             raise SystemExit(f"invalid setting: {exc}") from None

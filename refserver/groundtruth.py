@@ -1,9 +1,10 @@
 """How well the queue/prefill split matches the reference server's ground truth.
 
 The reference server (``refserver``) logs, per request, when it was fully
-read (``arrival_ns``), got a slot (``slot_ns``) and finished prefill
-(``prefill_done_ns``): its true queue time is ``slot − arrival`` and its true
-prefill ``prefill_done − slot``. Matched to the analysed split (``request_split``) by response id,
+read (``arrival_ns``), reached its engine after the server's own overhead (``engine_arrival_ns``), got a
+slot (``slot_ns``) and finished prefill (``prefill_done_ns``): its true overhead is
+``engine_arrival − arrival``, its true queue time ``slot − engine_arrival`` and its true prefill
+``prefill_done − slot``. Matched to the analysed split (``request_split``) by response id,
 each request's error is |estimate − truth|, also relative to its TTFT (the
 quantity being split).
 
@@ -33,13 +34,14 @@ DRAIN_S = 0.5
 def phase_errors(store: Store, truth: Iterable[Mapping]) -> pd.DataFrame:
     """One row per request present in both the truth log and the analysed split (``request_split``).
 
-    Columns: response_id, ttft_ms (measured server TTFT), queue_ms, prefill_ms
-    (estimated), true_queue_ms, true_prefill_ms, queue_error (|error| / TTFT),
-    prefill_error (likewise), inflight_at_arrival.
+    Columns: response_id, ttft_ms (measured server TTFT), queue_ms, prefill_ms, overhead_ms
+    (estimated; overhead 0 where the split books none), true_queue_ms, true_prefill_ms, true_overhead_ms,
+    queue_error (|error| / TTFT), prefill_error and overhead_error (likewise), inflight_at_arrival.
     """
     true_times = {
-        entry["id"]: ((entry["slot_ns"] - entry["arrival_ns"]) / 1e6,
-                      (entry["prefill_done_ns"] - entry["slot_ns"]) / 1e6)
+        entry["id"]: ((entry["slot_ns"] - _engine_arrival_ns(entry)) / 1e6,
+                      (entry["prefill_done_ns"] - entry["slot_ns"]) / 1e6,
+                      (_engine_arrival_ns(entry) - entry["arrival_ns"]) / 1e6)
         for entry in truth
         if entry.get("id") and entry.get("slot_ns") and entry.get("prefill_done_ns") and entry.get("arrival_ns")
     }
@@ -50,7 +52,8 @@ def phase_errors(store: Store, truth: Iterable[Mapping]) -> pd.DataFrame:
     phases = phases_select(figures, store.table(REQUEST_SPLIT_TABLE), in_truth, DEFAULT_DEFINITION,
                            split_condition=f"({key}) IN (SELECT {key} FROM {figures} WHERE {in_truth})")
     measured = store.query_df(
-        f"""SELECT response_id, ttft_server_ms AS ttft_ms, queue_ms, prefill_ms, inflight_at_arrival
+        f"""SELECT response_id, ttft_server_ms AS ttft_ms, queue_ms, prefill_ms, ifNull(overhead_ms, 0) AS overhead_ms,
+                   inflight_at_arrival
             FROM ({phases}) WHERE queue_ms IS NOT NULL""",
         {"ids": sorted(true_times)},
     )
@@ -58,25 +61,39 @@ def phase_errors(store: Store, truth: Iterable[Mapping]) -> pd.DataFrame:
         raise ValueError("no request of the truth log has a queue/prefill split in request_split")
     measured["true_queue_ms"] = [true_times[i][0] for i in measured["response_id"]]
     measured["true_prefill_ms"] = [true_times[i][1] for i in measured["response_id"]]
+    measured["true_overhead_ms"] = [true_times[i][2] for i in measured["response_id"]]
     measured["queue_error"] = (measured["queue_ms"] - measured["true_queue_ms"]).abs() / measured["ttft_ms"]
     measured["prefill_error"] = (measured["prefill_ms"] - measured["true_prefill_ms"]).abs() / measured["ttft_ms"]
+    measured["overhead_error"] = (measured["overhead_ms"] - measured["true_overhead_ms"]).abs() / measured["ttft_ms"]
     return measured
+
+
+def _engine_arrival_ns(entry: Mapping) -> int:
+    """When the request reached the engine's queue (truth logs from before the server's overhead lack it)."""
+    return entry.get("engine_arrival_ns") or entry["arrival_ns"]
 
 
 def errors_by_level(errors: pd.DataFrame, level_of: Mapping[str, str]) -> pd.DataFrame:
     """Per load level (``level_of``: response id → level name, in the order given): requests, median TTFT and
-    true queue (ms), median and p90 of the relative queue and prefill errors."""
+    true queue and overhead (ms), median and p90 of the relative queue and prefill errors, median of the
+    overhead's, and the queue's and prefill's in aggregate (``*_error_aggregate``)."""
     levels = list(dict.fromkeys(level_of.values()))
     labelled = errors.assign(level=[level_of.get(i) for i in errors["response_id"]]).dropna(subset=["level"])
     summary = labelled.groupby("level").agg(
         requests=("response_id", "count"),
         ttft_ms=("ttft_ms", "median"),
         true_queue_ms=("true_queue_ms", "median"),
+        true_overhead_ms=("true_overhead_ms", "median"),
         queue_error_median=("queue_error", "median"),
         queue_error_p90=("queue_error", lambda e: e.quantile(0.9)),
         prefill_error_median=("prefill_error", "median"),
         prefill_error_p90=("prefill_error", lambda e: e.quantile(0.9)),
+        overhead_error_median=("overhead_error", "median"),
     )
+    # In aggregate, as the engine's histograms would show it: |sum of estimates - sum of truths| / sum of TTFTs.
+    sums = labelled.groupby("level")[["ttft_ms", "queue_ms", "true_queue_ms", "prefill_ms", "true_prefill_ms"]].sum()
+    summary["queue_error_aggregate"] = (sums["queue_ms"] - sums["true_queue_ms"]).abs() / sums["ttft_ms"]
+    summary["prefill_error_aggregate"] = (sums["prefill_ms"] - sums["true_prefill_ms"]).abs() / sums["ttft_ms"]
     return summary.reindex([level for level in levels if level in summary.index])
 
 

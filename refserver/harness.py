@@ -102,7 +102,8 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
                      send_buffer: int | None = None,
                      kv_cache_blocks: int | None = None,
                      engine_kv_blocks: int | None = None, per_request_metrics: bool = False,
-                     fail_streams_every: int = 0) -> Iterator[tuple[int, Path]]:
+                     fail_streams_every: int = 0, overhead_ms: float = 0.0,
+                     overhead_ms_per_request: float = 0.0) -> Iterator[tuple[int, Path]]:
     """The reference server in a child process; yields (port, truth log).
 
     ``simulated_metrics``: it also serves simulated vLLM /metrics (the slot
@@ -110,8 +111,8 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
     of ``kv_cache_blocks`` (the server's default when None). ``engine_kv_blocks``:
     the engine is bounded by a KV cache of that many blocks, admitting and
     preempting as vLLM's (see ``refserver.engine``). ``send_buffer``: the
-    accepted sockets' SO_SNDBUF (small: a slow client pushes back on its writes). ``per_request_metrics``
-    and ``fail_streams_every``: see ``ServerConfig``."""
+    accepted sockets' SO_SNDBUF (small: a slow client pushes back on its writes). ``per_request_metrics``,
+    ``fail_streams_every``, ``overhead_ms`` and ``overhead_ms_per_request``: see ``ServerConfig``."""
     port = port or free_port()
     truth = tmp / f"truth-{port}.jsonl"
     cmd = [sys.executable, "-m", "tokenprobe.refserver", "serve", "--port", str(port),
@@ -134,6 +135,8 @@ def reference_server(tmp: Path, *, port: int | None = None, tls: bool = False, s
         cmd.append("--enable-per-request-metrics")
     if fail_streams_every:
         cmd += ["--fail-streams-every", str(fail_streams_every)]
+    if overhead_ms or overhead_ms_per_request:
+        cmd += ["--overhead-ms", str(overhead_ms), "--overhead-ms-per-request", str(overhead_ms_per_request)]
     # The ground truth is stamped in Python just after a read and just before a write: at a raised
     # priority, the load generator's threads on the same few cores cannot delay those stamps.
     with listening_process(cmd, port, cwd=tmp, preexec_fn=_raise_priority):

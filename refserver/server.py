@@ -97,6 +97,12 @@ class ServerConfig:
     # vLLM sends one (`stream_error_type`, code 500), then `data: [DONE]`. 0: none fails.
     fail_streams_every: int = 0
     stream_error_type: str = "InternalServerError"
+    # Time the API server spends on a request before its engine sees it (request handling, tokenising), as
+    # vLLM's API server does: ``overhead_ms`` at idle, plus ``overhead_ms_per_request`` for every other
+    # request in the server, as one busy event loop serves them all. The truth log's ``engine_arrival_ns``
+    # says when the request reached the engine's queue.
+    overhead_ms: float = 0.0
+    overhead_ms_per_request: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -109,6 +115,8 @@ class ServerConfig:
             raise ValueError("idle_timeout_s must be positive")
         if self.fail_streams_every < 0:
             raise ValueError(f"fail_streams_every must be 0 (none) or more, got {self.fail_streams_every}")
+        if self.overhead_ms < 0 or self.overhead_ms_per_request < 0:
+            raise ValueError("overhead_ms and overhead_ms_per_request must not be negative")
         if self.send_buffer is not None and self.send_buffer < 1:
             raise ValueError(f"send_buffer must be a positive number of bytes, got {self.send_buffer}")
         if self.kv_cache_blocks is not None:
@@ -137,6 +145,25 @@ class _ServingContext:
     wall_offset_ns: int
     simulated: SimulatedMetrics | None
     stream_numbers: Iterator[int]  # numbers the streamed requests, 1 up, across connections
+    in_server: InServer  # completions between parse and last byte, for the server's overhead
+
+
+class InServer:
+    """How many completions the server holds (parsed, not yet answered in full)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def enter(self) -> int:
+        """Count one more; returns how many others there were."""
+        with self._lock:
+            self._count += 1
+            return self._count - 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._count -= 1
 
 
 class _StreamFailed(Exception):
@@ -172,6 +199,7 @@ class RequestTrace:
     request_start_ns: int | None = None  # first byte of the request received
     arrival_ns: int | None = None  # request fully read (after its last body byte)
     headers_ns: int | None = None  # just before the response head's sendall
+    engine_arrival_ns: int | None = None  # after the server's overhead (ServerConfig.overhead_ms): queued for a slot
     slot_ns: int | None = None
     prefill_done_ns: int | None = None
     preemptions: int = 0  # times the engine's full KV cache preempted it (each costs a recompute)
@@ -212,7 +240,8 @@ class ReferenceServer:
                                       kv_cache=self.config.simulated_kv_cache)
                      if self.config.simulated_metrics else None)
         self._context = _ServingContext(
-            self.config, self._engine, self._truth_log, self._stopping, wall_offset_ns, simulated, itertools.count(1))
+            self.config, self._engine, self._truth_log, self._stopping, wall_offset_ns, simulated, itertools.count(1),
+            InServer())
         self._accept_thread = threading.Thread(target=self._accept_forever, name="refserver-accept", daemon=True)
         self._accept_thread.start()
         log.info("reference server listening on %s", self.url)
@@ -362,6 +391,7 @@ class _Connection:
         self._stopping = context.stopping
         self._simulated = context.simulated
         self._stream_numbers = context.stream_numbers
+        self._in_server = context.in_server
         self._sock = sock
         self._reader = RequestReader(sock)
         self._trace_base = {
@@ -483,14 +513,19 @@ class _Connection:
         trace.prompt_tokens = completion.prompt_tokens
         trace.completion_tokens = 0
         formatter = ResponseFormatter(completion, trace.id)
-        if completion.stream:
-            self._stream(completion, formatter, trace, close)
-        else:
-            self._respond_whole(completion, formatter, trace, close)
+        others = self._in_server.enter()
+        try:
+            if completion.stream:
+                self._stream(completion, formatter, trace, close, others)
+            else:
+                self._respond_whole(completion, formatter, trace, close, others)
+        finally:
+            self._in_server.leave()
         return not close
 
     def _stream(
-        self, completion: CompletionRequest, formatter: ResponseFormatter, trace: RequestTrace, close: bool
+        self, completion: CompletionRequest, formatter: ResponseFormatter, trace: RequestTrace, close: bool,
+        others: int,
     ) -> None:
         # Like vLLM (starlette + uvicorn), the head goes out before the request
         # is even queued; the role chunk follows prefill, right before token 1.
@@ -513,7 +548,7 @@ class _Connection:
             self._send(chunk(formatter.token_event(text, last)))
 
         try:
-            self._generate(completion, trace, emit)
+            self._generate(completion, trace, emit, others)
         except _StreamFailed:
             trace.outcome, trace.error = "stream_error", self._config.stream_error_type
             self._send(chunk(stream_error_event(trace.error, "the engine failed while generating", 500)))
@@ -525,7 +560,8 @@ class _Connection:
         trace.done_ns = time.monotonic_ns()
 
     def _respond_whole(
-        self, completion: CompletionRequest, formatter: ResponseFormatter, trace: RequestTrace, close: bool
+        self, completion: CompletionRequest, formatter: ResponseFormatter, trace: RequestTrace, close: bool,
+        others: int,
     ) -> None:
         pieces: list[str] = []
 
@@ -533,7 +569,7 @@ class _Connection:
             trace.token_ns.append(time.monotonic_ns())  # generated; nothing is sent until the end
             pieces.append(text)
 
-        self._generate(completion, trace, emit)
+        self._generate(completion, trace, emit, others)
         body = formatter.full_body("".join(pieces), trace.completion_tokens, self._metrics(trace))
         self._send_json(trace, 200, body, close)
 
@@ -541,14 +577,18 @@ class _Connection:
         """vLLM's per-request `metrics` for a finished request, when the server states them."""
         if not self._config.per_request_metrics or not trace.token_ns:
             return None
-        return per_request_metrics(trace.arrival_ns, trace.slot_ns, trace.token_ns[0], trace.token_ns[-1],
+        return per_request_metrics(trace.engine_arrival_ns, trace.slot_ns, trace.token_ns[0], trace.token_ns[-1],
                                    trace.completion_tokens)
 
     def _generate(
-        self, completion: CompletionRequest, trace: RequestTrace, emit: Callable[[int, str, bool], None]
+        self, completion: CompletionRequest, trace: RequestTrace, emit: Callable[[int, str, bool], None], others: int
     ) -> None:
-        """Queue for a slot, prefill, then emit one token per decode interval (see ``engine`` on preemption)."""
+        """The server's overhead (``others``: the other requests it holds), then queue for a slot, prefill, and
+        emit one token per decode interval (see ``engine`` on preemption)."""
         engine = self._engine
+        overhead_ms = self._config.overhead_ms + others * self._config.overhead_ms_per_request
+        trace.engine_arrival_ns = trace.arrival_ns + round(overhead_ms * 1e6)
+        engine.sleep_until(trace.engine_arrival_ns)
         sequence = engine.admit(completion.prompt_tokens)
         trace.slot_ns = time.monotonic_ns()
         finished = False

@@ -26,6 +26,7 @@ import json
 import time
 
 import numpy as np
+import pandas as pd
 import pytest
 from tokenprobe.agent.sampling.engine_metrics import EngineReading
 from tokenprobe.agent.sampling.gpu import GpuReading, ServerGpu
@@ -45,6 +46,7 @@ from tokenprobe.analytics.phases import POOR_FIT
 from tokenprobe.analytics.scope import EVERYTHING, Scope, Server
 from tokenprobe.analytics.split import split_requests
 from tokenprobe.analytics.timerange import NS_PER_S, TimeRange
+from tokenprobe.contract import measures
 from tokenprobe.contract.indicators import CRIT, NO_DATA, OK, WARN
 from tokenprobe.store.embedded import open_store
 
@@ -514,6 +516,50 @@ def test_analysing_again_replaces_results_instead_of_adding_to_them(analysed):
 # -- the command -------------------------------------------------------------------
 
 
+def test_figures_as_the_benchmark_tools_define_them(analysed):
+    """Each tool figure is numpy's percentile of that tool's definition, applied row by row to the stored rows."""
+    store, report, _, _ = analysed
+    [entry] = [e for e in report.tool_figures if e["server_port"] == 8000]
+    columns = ("req_seq", "accept_ts", "req_start", "req_end", "first_token", "last_token", "resp_end")
+    rows = store.query_df(
+        f"SELECT {', '.join(f'toUnixTimestamp64Nano({c}) AS {c}_ns' if c != 'req_seq' else c for c in columns)},"
+        " completion_tokens, token_events, token_offsets_us FROM tokenprobe.requests"
+        f" WHERE server_port = 8000 AND req_start >= fromUnixTimestamp64Nano({START_NS})"
+        f" AND req_start < fromUnixTimestamp64Nano({END_NS}) AND first_token IS NOT NULL"
+        f" AND NOT {measures.FAILED}").to_dict("records")
+    rows = [{key.removesuffix("_ns"): list(value) if isinstance(value, (list, np.ndarray)) else None if pd.isna(value) else value
+             for key, value in row.items()} for row in rows]
+    assert entry["requests"] == len(rows) > 100
+
+    def connection_ms(row):
+        return (row["req_start"] - row["accept_ts"]) / 1e6 if row["req_seq"] == 0 and row["accept_ts"] else 0.0
+
+    def tokens(row):
+        return row["completion_tokens"] if row["completion_tokens"] is not None else row["token_events"]
+
+    definitions = {
+        "ttft_ms": [(row["first_token"] - row["req_start"]) / 1e6 + connection_ms(row) for row in rows],
+        "tpot_ms": [(row["last_token"] - row["first_token"]) / 1e6 / (tokens(row) - 1) for row in rows
+                    if tokens(row) > 1],
+        "time_per_output_token_ms": [((row["last_token"] - row["req_start"]) / 1e6 + connection_ms(row)) / tokens(row)
+                                     for row in rows],
+        "itl_ms": [(later - earlier) / 1000 for row in rows
+                   for earlier, later in zip(row["token_offsets_us"], row["token_offsets_us"][1:])],
+        "e2e_ms": [(row["resp_end"] - row["req_start"]) / 1e6 + connection_ms(row) for row in rows],
+    }
+    for name, values in definitions.items():
+        expected = [np.mean(values), *np.percentile(values, [50, 90, 99])]
+        got = [entry[f"{name}_{summary}"] for summary in ("mean", "p50", "p90", "p99")]
+        assert got == pytest.approx(expected, rel=1e-9), name
+    # goodput: requests meeting every default objective (client TTFT <= 1 s, TPOT <= 100 ms, e2e <= 30 s) per s
+    good = sum(ttft <= 1000 and e2e <= 30_000 and (tokens(row) < 2 or tpot <= 100) for row, ttft, e2e, tpot in zip(
+        rows, definitions["ttft_ms"], definitions["e2e_ms"],
+        [(r["last_token"] - r["first_token"]) / 1e6 / max(tokens(r) - 1, 1) for r in rows], strict=True))
+    span_s = (max(row["resp_end"] for row in rows) - min(row["req_start"] for row in rows)) / 1e9
+    assert entry["goodput_rps"] == pytest.approx(good / span_s, rel=1e-9)
+    assert 0 < good < len(rows)  # the overload past the knee misses the TTFT objective
+
+
 def run_cli(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="tokenprobe")
     add_analyze_parser(parser.add_subparsers(dest="command", required=True), default_store="chdb:///nonexistent")
@@ -534,6 +580,8 @@ def test_cli_prints_phases_matrix_and_slos(analysed, capsys):
     assert "knee 4.0 concurrent requests" in out
     assert "CRIT queue_wait_p95" in out and "CRIT knee_proximity" in out
     assert "sim-node:8001" not in out  # filtered
+    assert "AS THE BENCHMARK TOOLS PRINT THEM" in out
+    assert "vLLM bench tpot; GuideLLM inter_token_latency_ms; AIPerf inter_token_latency" in out
 
 
 def test_cli_json_for_machines(analysed, capsys):
@@ -545,6 +593,10 @@ def test_cli_json_for_machines(analysed, capsys):
     cells = [cell for cell in document["matrix"] if cell["indicator"] == "gpu_memory_pressure"]
     assert [cell["state"] for cell in cells] == [OK, WARN, CRIT, CRIT]
     assert {s["objective"] for s in document["slo"]} == {"ttft", "tpot", "e2e", "goodput"}
+    [as_tools] = document["benchmark_figures"]
+    assert as_tools["server_port"] == 8002 and as_tools["figures"]["itl_ms"]["follows"].startswith("vLLM bench itl")
+    assert as_tools["figures"]["e2e_ms"]["p50"] <= as_tools["figures"]["e2e_ms"]["p99"]
+    assert as_tools["goodput"]["requests_per_s"] > 0
 
 
 @pytest.mark.parametrize("argv, code, message", [

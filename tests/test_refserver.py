@@ -55,6 +55,7 @@ TRUTH_KEYS = {
     "request_start_ns",
     "arrival_ns",
     "headers_ns",
+    "engine_arrival_ns",
     "slot_ns",
     "prefill_done_ns",
     "preemptions",
@@ -196,6 +197,7 @@ def check_truth_record(record: dict[str, Any]) -> None:
             record["accept_ns"],
             record["request_start_ns"],
             record["arrival_ns"],
+            record["engine_arrival_ns"],
             record["slot_ns"],
             record["prefill_done_ns"],
             *record["token_ns"],
@@ -330,6 +332,33 @@ def test_per_request_metrics_and_a_stream_that_fails_inside_its_200(tmp_path: Pa
     assert (truth[1]["outcome"], truth[1]["error"], truth[1]["completion_tokens"]) == (
         "stream_error", "InternalServerError", 1)
     assert set(json.loads(whole)["metrics"]) == set(metrics)  # a whole body's, all fields, none dropped
+
+
+def test_the_server_s_own_overhead_is_time_outside_its_engine_and_grows_with_load(tmp_path: Path) -> None:
+    """As vLLM's API server: time on each request before the engine sees it (handling, tokenising), at idle and
+    more for every other request the server holds; on the wire it is TTFT, in the engine's `metrics` it is not
+    queue, and the truth log marks where it ends (``engine_arrival_ns``)."""
+    config = ServerConfig(engine=EngineTiming(slots=4, prefill_base_ms=5.0, prefill_ms_per_token=0.0, decode_ms=5.0),
+                          truth_log=tmp_path / "truth.jsonl", per_request_metrics=True,
+                          overhead_ms=30.0, overhead_ms_per_request=20.0)
+    with ReferenceServer(config) as server:
+        idle = exchange(server.port, post_raw("/v1/chat/completions", chat_body(2, usage=True)))
+        together = [connect(server.port) for _ in range(3)]  # 3 requests sent at once, then read
+        for sock in together:
+            sock.sendall(post_raw("/v1/chat/completions", chat_body(20, usage=True)))
+        for sock in together:
+            with sock:
+                while sock.recv(65536):
+                    pass
+        truth = read_truth(server, 4)
+    overhead_ms = sorted((t["engine_arrival_ns"] - t["arrival_ns"]) / 1e6 for t in truth)
+    # 3 requests at once: each sees the others that arrived before it (0, 1, 2 of them, as the scheduler lets in)
+    assert overhead_ms[0] == pytest.approx(30.0) and overhead_ms[-1] >= 50.0
+    for t in truth:  # the engine saw nothing of it: its slot came at or after the overhead, free slots at once
+        assert 0 <= (t["slot_ns"] - t["engine_arrival_ns"]) / 1e6 < 15
+        assert (t["token_ns"][0] - t["arrival_ns"]) / 1e6 >= (t["engine_arrival_ns"] - t["arrival_ns"]) / 1e6 + 5.0
+    metrics = sse_events(split_response(idle)[2])[-2]["metrics"]
+    assert metrics["queue_time_ms"] < 15  # the overhead is not the engine's queue
 
 
 def test_tls_stream_and_truth(tmp_path: Path, tls_files: tuple[Path, Path]) -> None:
