@@ -2,7 +2,7 @@
 
 AIPerf pulls in a dependency tree of its own (transformers, pandas, pydantic versions …), so it lives in a
 virtual environment apart from the project's: ``TOKENPROBE_AIPERF`` names its ``aiperf`` executable, else
-the one on ``PATH``. It needs a tokenizer even when it counts tokens from the server's ``usage``
+the one on ``PATH``, else the one ``scripts/install.sh --test`` installs (``.venv-aiperf``). It needs a tokenizer even when it counts tokens from the server's ``usage``
 (``--use-server-token-count``): one is built locally in seconds with that environment's ``tokenizers`` and
 ``transformers``, so nothing is downloaded.
 """
@@ -30,8 +30,13 @@ PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pret
 """
 
 
+# Where scripts/install.sh --test installs AIPerf: a virtual environment of its own (its pins clash with the
+# project's), beside the project's .venv.
+INSTALLED_AIPERF = Path(__file__).resolve().parents[1] / ".venv-aiperf" / "bin" / "aiperf"
+
+
 def find_aiperf() -> Path | None:
-    named = os.environ.get("TOKENPROBE_AIPERF") or shutil.which("aiperf")
+    named = os.environ.get("TOKENPROBE_AIPERF") or shutil.which("aiperf") or str(INSTALLED_AIPERF)
     return Path(named) if named and Path(named).is_file() else None
 
 

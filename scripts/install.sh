@@ -90,6 +90,13 @@ PY
   chmod 0755 .venv/bin/helm
   rm -rf "$wheels"
 fi
+if [ "$EXTRAS" = test ] && [ ! -x .venv-aiperf/bin/aiperf ]; then
+  # A real benchmark client the tests hold analyze's figures to (tests/test_kernel_benchmark_client.py),
+  # in a venv of its own: its pins clash with the project's.
+  log "aiperf: in .venv-aiperf"
+  "$PY" -m venv .venv-aiperf
+  .venv-aiperf/bin/pip install -q --disable-pip-version-check aiperf==0.13.0
+fi
 
 # python3-bpfcc installs for Debian's python only; expose just its bcc package.
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

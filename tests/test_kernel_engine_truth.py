@@ -78,10 +78,10 @@ def test_stated_split_and_errors_inside_200_streams_end_to_end(tmp_path: Path):
         analysed = TimeRange(started_ns, time.time_ns())
         analyze(store, analysed, window_s=60)
         phases = store.query_df(
-            "SELECT p.response_id AS response_id, split_method, queue_ms, prefill_ms, overhead_ms,"
+            "SELECT r.response_id AS response_id, split_method, queue_ms, prefill_ms, overhead_ms,"
             " r.engine_queue_ms AS engine_queue_ms, r.engine_prompt_ms AS engine_prompt_ms"
-            " FROM tokenprobe.request_phases AS p FINAL"
-            " JOIN tokenprobe.requests AS r ON r.response_id = p.response_id").to_dict("records")
+            " FROM tokenprobe.request_split AS p FINAL"
+            " JOIN tokenprobe.requests AS r USING (node, server_port, req_start, conn_id, req_seq)").to_dict("records")
         split = [row for row in phases if row["engine_queue_ms"] == row["engine_queue_ms"]]  # not NaN
         assert len(split) == REQUESTS - REQUESTS // FAIL_EVERY
         for row in split:
