@@ -74,8 +74,8 @@ def request_line(row: dict) -> str:
 
 
 class Totals:
-    """The inference requests traced, each printed as it ends; the rest (the agent's own scrapes of the
-    server's /metrics and simulated dcgm page) only counted, by method and path."""
+    """The inference requests traced, each printed as it ends; the rest (health checks, other clients'
+    scrapes: the agent's own are no rows) only counted, by method and path."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -78,9 +78,12 @@ def test_the_commands_the_demo_and_the_readme_print_work_verbatim(tmp_path):
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "Traceback" not in demo.stderr, demo.stderr[-3000:]
     lines = demo.stdout.splitlines()
-    # Inference apart from the agent's own scrapes of the server's metrics pages.
+    # Inference counted apart from other traffic; the agent's own scrapes of the server's metrics pages are
+    # no rows at all.
     traced = next(line for line in lines if " inference requests" in line and line.startswith("demo: "))
-    assert re.match(r"demo: \d+ inference requests and \d+ other requests \(\d+ GET /", traced), traced
+    assert re.match(r"demo: [1-9]\d* inference requests( and \d+ other requests \([^)]*\))? traced; \d+ rows", traced), \
+        traced
+    assert "/metrics" not in traced and "/sim/dcgm" not in traced, traced
     dashboard, query = [line.strip() for line in lines[-3:] if line.startswith("  ")]
     tokenprobe = shell_command()
     assert dashboard.startswith(f"{tokenprobe} dashboard --store ") and dashboard.endswith(" --own-store"), dashboard
