@@ -1,8 +1,8 @@
 // A streaming server, and its clients, for the hot-path benchmark: neither may be the bottleneck.
 //
 // Serves keep-alive POSTs on 127.0.0.1:PORT. Each response is an SSE stream of
-// TOKENS OpenAI chat-completion chunks as vLLM writes them (an id and creation time
-// of the response's own in every chunk), chunked transfer encoding,
+// TOKENS OpenAI chat-completion chunks in SHAPE (default vllm: as vLLM writes them, an id
+// and creation time of the response's own in every chunk; see SHAPES), chunked transfer encoding,
 // one write() per chunk (what uvicorn and most servers do at low load), paced so that all
 // connections together write RATE events per second. The clients run in the same
 // loop (a Python client would be slower than the agent it loads): each sends its
@@ -14,7 +14,7 @@
 //               read since the last report (responses that ended)
 // At the end of stdin it prints "written EVENTS RESPONSES" and exits.
 //
-//   cc -O2 -o firehose firehose.c && ./firehose PORT TOKENS
+//   cc -O2 -o firehose firehose.c && ./firehose PORT TOKENS [SHAPE]
 #define _GNU_SOURCE // memmem
 #include <arpa/inet.h>
 #include <errno.h>
@@ -35,15 +35,27 @@
 
 static const char HEADERS[] =
     "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
-// %016lx: the response's number, as vLLM's ids are hex; %ld: the time it began.
-static const char EVENT[] =
-    "data: {\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,"
-    "\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok\"},\"finish_reason\":null}]}\n\n";
-static const char LAST[] =
-    "data: {\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,"
-    "\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],"
-    "\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":%d,\"total_tokens\":%d}}\n\n"
-    "data: [DONE]\n\n";
+// How a chunk begins, up to its choices, and the line end of its SSE framing. %016lx: the
+// response's number, as vLLM's ids are hex; %ld: the time it began (a shape without `created` has
+// no %ld: printf ignores the argument).
+struct shape {
+    const char *name, *head, *eol;
+};
+static const struct shape SHAPES[] = {
+    {"vllm", "{\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,\"model\":\"bench\"", "\n"},
+    // Servers that leave out `created` and `model`.
+    {"bare", "{\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\"", "\n"},
+    // OpenAI's own: a system_fingerprint (the choices' logprobs are in CHOICE).
+    {"openai", "{\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,\"model\":\"bench\","
+     "\"system_fingerprint\":\"fp_bench\"", "\n"},
+    // sse-starlette's framing: CRLF line ends.
+    {"starlette", "{\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,\"model\":\"bench\"",
+     "\r\n"},
+};
+static const char CHOICE[] = ",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok\"},%s\"finish_reason\":null}]}";
+static const char LAST_CHOICE[] =
+    ",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],"
+    "\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":%d,\"total_tokens\":%d}}";
 static const char REQUEST[] =
     "POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\ncontent-type: application/json\r\n"
     "content-length: 48\r\n\r\n{\"model\":\"bench\",\"stream\":true,\"messages\":[]}   ";
@@ -56,8 +68,20 @@ struct stream {
     long id;        // the response's number
     long created;   // when it began (s)
     char event[512];
-    int event_len;  // EVENT with the response's own id and time
+    int event_len;  // the text chunk's data, with the response's own id and time
 };
+
+// The data of a chunk: `data: ` and the shape's head, then `rest` (a format of `a` and `b`), and the
+// blank line; the last chunk's data also holds [DONE].
+static int format_event(char *buf, int cap, const struct shape *shape, long id, long created, int last,
+                        const char *rest, int a, int b) {
+    int n = snprintf(buf, cap, "data: ");
+    n += snprintf(buf + n, cap - n, shape->head, id, created);
+    n += snprintf(buf + n, cap - n, rest, a, b);
+    n += snprintf(buf + n, cap - n, "%s%s", shape->eol, shape->eol);
+    if (last) n += snprintf(buf + n, cap - n, "data: [DONE]%s%s", shape->eol, shape->eol);
+    return n;
+}
 
 struct client {
     int fd;
@@ -98,10 +122,17 @@ static int client_send(struct client *c) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s PORT TOKENS (commands on stdin)\n", argv[0]);
+    const struct shape *shape = &SHAPES[0];
+    for (size_t i = 0; argc == 4 && i < sizeof SHAPES / sizeof *SHAPES; i++)
+        if (strcmp(argv[3], SHAPES[i].name) == 0) shape = &SHAPES[i];
+    if ((argc != 3 && argc != 4) || (argc == 4 && strcmp(argv[3], shape->name) != 0)) {
+        fprintf(stderr, "usage: %s PORT TOKENS [vllm|bare|openai|starlette] (commands on stdin)\n", argv[0]);
         return 2;
     }
+    // OpenAI's chunks say `"logprobs":null` in each choice; vLLM's benchmark chunk does not.
+    const char *logprobs = strcmp(shape->name, "openai") == 0 ? "\"logprobs\":null," : "";
+    char choice[256];
+    snprintf(choice, sizeof choice, CHOICE, logprobs);
     int port = atoi(argv[1]), tokens = atoi(argv[2]);
     double rate = 0;
     int listener = socket(AF_INET, SOCK_STREAM, 0), one = 1;
@@ -208,7 +239,7 @@ int main(int argc, char **argv) {
                 s->remaining = tokens;
                 s->id = ++started;
                 s->created = time(NULL);
-                s->event_len = snprintf(s->event, sizeof s->event, EVENT, s->id, s->created);
+                s->event_len = format_event(s->event, sizeof s->event, shape, s->id, s->created, 0, choice, 0, 0);
             }
         }
         // Streams and clients are indexed as polled until here: only now do they move.
@@ -250,7 +281,7 @@ int main(int argc, char **argv) {
             }
             written++;
             if (--s->remaining == 0) {
-                int len = snprintf(last, sizeof last, LAST, s->id, s->created, tokens, tokens + 8);
+                int len = format_event(last, sizeof last, shape, s->id, s->created, 1, LAST_CHOICE, tokens, tokens + 8);
                 send_chunk(s->fd, last, len);
                 send(s->fd, END_MARK, sizeof END_MARK - 1, MSG_NOSIGNAL);
                 s->remaining = -1;

@@ -136,6 +136,39 @@ def test_a_keep_alive_connections_responses_keep_the_kernels_template(name):
     assert batched == [12 - 3, 12 - 2, 12 - 3] and len([t for t in named if t is not None]) == 2
 
 
+def reshaped(writes: list[bytes], edit) -> list[bytes]:
+    """The capture's response with each chunk's data edited by `edit` (its size line rewritten)."""
+    again = [writes[0]]
+    for write in writes[1:]:
+        body = write.split(b"\r\n", 1)[1][:-2]
+        again.append(b"%x\r\n" % len(edit(body)) + edit(body) + b"\r\n" if body else write)
+    return again
+
+
+# OpenAI-shaped chunk streams as other servers write them: without `created` or `model` (a chunk
+# that names no model), with OpenAI's `system_fingerprint`, and sse-starlette's CRLF line ends.
+CHUNK_SHAPES = {
+    "no created": lambda body: re.sub(rb',"created":[0-9]+', b"", body),
+    "no model": lambda body: re.sub(rb',"model":"[^"]*"', b"", body),
+    "no created, no model": lambda body: re.sub(rb',"(created|model)":("[^"]*"|[0-9]+)', b"", body),
+    "system_fingerprint": lambda body: body.replace(b',"choices"', b',"system_fingerprint":"fp_44709d6fcb","choices"'),
+    "CRLF": lambda body: body.replace(b"\n", b"\r\n"),
+}
+
+
+@pytest.mark.parametrize("name", CAPTURES)
+@pytest.mark.parametrize("shape", CHUNK_SHAPES)
+def test_every_openai_chunk_shape_is_batched_by_the_kernel(name, shape):
+    """Each shape batched as the capture itself is (all but three of its texts), and read the same
+    on every path; a response that names no model has none."""
+    request, writes = capture(name)
+    before = KernelBatching.batched
+    (exchange,) = run(request, reshaped(writes, CHUNK_SHAPES[shape]))
+    assert KernelBatching.batched - before == exchange["choice_events"] - 3 > 0
+    assert exchange["choice_events"] == 12 and exchange["outcome"] == "complete"
+    assert (exchange["resp_model"] is None) == ("no model" in shape)
+
+
 @pytest.mark.parametrize("name", CAPTURES)
 @pytest.mark.parametrize("per_write", [2, 3, 16])
 def test_captures_with_several_chunks_a_write(name, per_write):

@@ -269,10 +269,14 @@ class SseBody(_LineEvents):
         just read, that the dialect counts from its size alone (Dialect.steady_text), and the
         stream is in step to count more like it (steady_events), with the spans before it that
         hold values of the response's own (digits, plain: Dialect.steady_own_fields); else None."""
-        if not self._in_step() or data[stop - 2:stop] != b"\n\n" or not data.startswith(b"data:", start):
+        if not self._in_step() or not data.startswith(b"data:", start):
+            return None
+        # The blank line after the data line: LF (vLLM, SGLang) or CRLF (sse-starlette) line ends.
+        end = 4 if data[stop - 4:stop] == b"\r\n\r\n" else 2 if data[stop - 2:stop] == b"\n\n" else 0
+        if not end:
             return None
         value = start + (6 if data[start + 5:start + 6] == b" " else 5)
-        payload = data[value:stop - 2]
+        payload = data[value:stop - end]
         if b"\n" in payload or b"\r" in payload:
             return None
         span = self._learn_template(payload)
