@@ -108,10 +108,10 @@ class FirehoseBinary:
     shape: str
 
 
-def build_firehose(tmp: Path, shape: str) -> FirehoseBinary:
+def build_firehose(tmp: Path) -> Path:
     binary = tmp / "firehose"
     subprocess.run(["cc", "-O2", "-o", str(binary), str(HERE / "firehose.c")], check=True)
-    return FirehoseBinary(binary, shape)
+    return binary
 
 
 def previous_implementation(ref: str, tmp: Path) -> Implementation:
@@ -630,7 +630,7 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="tokenprobe-hot-path-") as scratch:
         tmp = Path(scratch)
-        binary = build_firehose(tmp, args.shape)
+        binary = FirehoseBinary(build_firehose(tmp), args.shape)
         print(f"streams of shape {args.shape}")
         impls = [Implementation("this checkout", None),
                  Implementation("this checkout, no kernel batching", None, ("--no-kernel-batching",))]
