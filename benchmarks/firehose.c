@@ -1,8 +1,8 @@
 // A streaming server, and its clients, for the hot-path benchmark: neither may be the bottleneck.
 //
 // Serves keep-alive POSTs on 127.0.0.1:PORT. Each response is an SSE stream of
-// TOKENS OpenAI chat-completion chunks in SHAPE (default vllm: as vLLM writes them, an id
-// and creation time of the response's own in every chunk; see SHAPES), chunked transfer encoding,
+// TOKENS text events in SHAPE (default vllm: OpenAI chat-completion chunks as vLLM writes them, an
+// id and creation time of the response's own in every chunk; see SHAPES), chunked transfer encoding,
 // one write() per chunk (what uvicorn and most servers do at low load), paced so that all
 // connections together write RATE events per second. The clients run in the same
 // loop (a Python client would be slower than the agent it loads): each sends its
@@ -35,29 +35,47 @@
 
 static const char HEADERS[] =
     "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
-// How a chunk begins, up to its choices, and the line end of its SSE framing. %016lx: the
-// response's number, as vLLM's ids are hex; %ld: the time it began (a shape without `created` has
-// no %ld: printf ignores the argument).
+// A shape's events, in which {id} is the response's number (16 hex digits, as vLLM's ids are hex),
+// {created} the time it began (s), {tokens} and {total} the usage's counts.
 struct shape {
-    const char *name, *head, *eol;
+    const char *name, *path; // path: the API's, which the clients ask
+    const char *start;       // events before the first text, in a write of their own ("": none)
+    const char *text;        // a text event: one write each
+    const char *last;        // the closing events, in one write
 };
+#define CHUNK_HEAD "{\"id\":\"chatcmpl-{id}\",\"object\":\"chat.completion.chunk\""
+#define CHAT_TEXT(head, logprobs, eol) \
+    "data: " head ",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok\"}," logprobs "\"finish_reason\":null}]}" eol eol
+#define CHAT_LAST(head, eol)                                                                                   \
+    "data: " head ",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],"                       \
+    "\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":{tokens},\"total_tokens\":{total}}}" eol eol "data: [DONE]" eol eol
+#define VLLM_HEAD CHUNK_HEAD ",\"created\":{created},\"model\":\"bench\""
+#define OPENAI_HEAD VLLM_HEAD ",\"system_fingerprint\":\"fp_bench\""
 static const struct shape SHAPES[] = {
-    {"vllm", "{\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,\"model\":\"bench\"", "\n"},
+    {"vllm", "/v1/chat/completions", "", CHAT_TEXT(VLLM_HEAD, "", "\n"), CHAT_LAST(VLLM_HEAD, "\n")},
     // Servers that leave out `created` and `model`.
-    {"bare", "{\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\"", "\n"},
-    // OpenAI's own: a system_fingerprint (the choices' logprobs are in CHOICE).
-    {"openai", "{\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,\"model\":\"bench\","
-     "\"system_fingerprint\":\"fp_bench\"", "\n"},
+    {"bare", "/v1/chat/completions", "", CHAT_TEXT(CHUNK_HEAD, "", "\n"), CHAT_LAST(CHUNK_HEAD, "\n")},
+    // OpenAI's own: a system_fingerprint, and logprobs in each choice.
+    {"openai", "/v1/chat/completions", "", CHAT_TEXT(OPENAI_HEAD, "\"logprobs\":null,", "\n"),
+     CHAT_LAST(OPENAI_HEAD, "\n")},
     // sse-starlette's framing: CRLF line ends.
-    {"starlette", "{\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,\"model\":\"bench\"",
-     "\r\n"},
+    {"starlette", "/v1/chat/completions", "", CHAT_TEXT(VLLM_HEAD, "", "\r\n"), CHAT_LAST(VLLM_HEAD, "\r\n")},
+    // Anthropic's Messages API: named events, the message's id and model in the first.
+    {"anthropic", "/v1/messages",
+     "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_{id}\",\"type\":\"message\","
+     "\"role\":\"assistant\",\"model\":\"bench\",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null,"
+     "\"usage\":{\"input_tokens\":8,\"output_tokens\":1}}}\n\n"
+     "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,"
+     "\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n",
+     "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,"
+     "\"delta\":{\"type\":\"text_delta\",\"text\":\" tok\"}}\n\n",
+     "event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n"
+     "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\","
+     "\"stop_sequence\":null},\"usage\":{\"output_tokens\":{tokens}}}\n\n"
+     "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"},
 };
-static const char CHOICE[] = ",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok\"},%s\"finish_reason\":null}]}";
-static const char LAST_CHOICE[] =
-    ",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],"
-    "\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":%d,\"total_tokens\":%d}}";
-static const char REQUEST[] =
-    "POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\ncontent-type: application/json\r\n"
+static const char REQUEST[] =  // %s: the shape's path
+    "POST %s HTTP/1.1\r\nHost: bench\r\ncontent-type: application/json\r\n"
     "content-length: 48\r\n\r\n{\"model\":\"bench\",\"stream\":true,\"messages\":[]}   ";
 static const char EVENT_MARK[] = "\ndata: {";  // one per event the clients read (chunk line, then data)
 static const char END_MARK[] = "0\r\n\r\n";     // the last chunk
@@ -68,19 +86,30 @@ struct stream {
     long id;        // the response's number
     long created;   // when it began (s)
     char event[512];
-    int event_len;  // the text chunk's data, with the response's own id and time
+    int event_len;  // the text event, with the response's own id and time
 };
 
-// The data of a chunk: `data: ` and the shape's head, then `rest` (a format of `a` and `b`), and the
-// blank line; the last chunk's data also holds [DONE].
-static int format_event(char *buf, int cap, const struct shape *shape, long id, long created, int last,
-                        const char *rest, int a, int b) {
-    int n = snprintf(buf, cap, "data: ");
-    n += snprintf(buf + n, cap - n, shape->head, id, created);
-    n += snprintf(buf + n, cap - n, rest, a, b);
-    n += snprintf(buf + n, cap - n, "%s%s", shape->eol, shape->eol);
-    if (last) n += snprintf(buf + n, cap - n, "data: [DONE]%s%s", shape->eol, shape->eol);
-    return n;
+// `format` (a shape's events) with its placeholders filled in; its length.
+static int fill(char *buf, int cap, const char *format, long id, long created, int tokens) {
+    char values[4][24];
+    const char *names[4] = {"{id}", "{created}", "{tokens}", "{total}"};
+    snprintf(values[0], sizeof values[0], "%016lx", id);
+    snprintf(values[1], sizeof values[1], "%ld", created);
+    snprintf(values[2], sizeof values[2], "%d", tokens);
+    snprintf(values[3], sizeof values[3], "%d", tokens + 8);
+    int n = 0;
+    while (*format && n < cap - 1) {
+        int k = 0;
+        while (k < 4 && strncmp(format, names[k], strlen(names[k])) != 0) k++;
+        if (k < 4) {
+            n += snprintf(buf + n, cap - n, "%s", values[k]);
+            format += strlen(names[k]);
+        } else {
+            buf[n++] = *format++;
+        }
+    }
+    buf[n < cap ? n : cap - 1] = 0;
+    return n < cap ? n : cap - 1;
 }
 
 struct client {
@@ -114,11 +143,11 @@ static int count_marks(const char *data, int len, const char *mark, int mark_len
     return found;
 }
 
-static int client_send(struct client *c) {
+static int client_send(struct client *c, const char *request, int len) {
     c->sent_at = now_s();
     c->seen_first = 0;
     c->tail_len = 0;
-    return send(c->fd, REQUEST, sizeof REQUEST - 1, MSG_NOSIGNAL) == sizeof REQUEST - 1 ? 0 : -1;
+    return send(c->fd, request, len, MSG_NOSIGNAL) == len ? 0 : -1;
 }
 
 int main(int argc, char **argv) {
@@ -126,13 +155,12 @@ int main(int argc, char **argv) {
     for (size_t i = 0; argc == 4 && i < sizeof SHAPES / sizeof *SHAPES; i++)
         if (strcmp(argv[3], SHAPES[i].name) == 0) shape = &SHAPES[i];
     if ((argc != 3 && argc != 4) || (argc == 4 && strcmp(argv[3], shape->name) != 0)) {
-        fprintf(stderr, "usage: %s PORT TOKENS [vllm|bare|openai|starlette] (commands on stdin)\n", argv[0]);
+        fprintf(stderr, "usage: %s PORT TOKENS [vllm|bare|openai|starlette|anthropic] (commands on stdin)\n",
+                argv[0]);
         return 2;
     }
-    // OpenAI's chunks say `"logprobs":null` in each choice; vLLM's benchmark chunk does not.
-    const char *logprobs = strcmp(shape->name, "openai") == 0 ? "\"logprobs\":null," : "";
-    char choice[256];
-    snprintf(choice, sizeof choice, CHOICE, logprobs);
+    static char request_text[512];
+    int request_len = snprintf(request_text, sizeof request_text, REQUEST, shape->path);
     int port = atoi(argv[1]), tokens = atoi(argv[2]);
     double rate = 0;
     int listener = socket(AF_INET, SOCK_STREAM, 0), one = 1;
@@ -150,7 +178,7 @@ int main(int argc, char **argv) {
     static struct client clients[MAX_CONNECTIONS];
     static struct pollfd fds[2 * MAX_CONNECTIONS + 2];
     static double ttfts[MAX_TTFTS];
-    static char request[65536], last[512], read_buf[MARK_LEN + 65536], line[256];
+    static char request[65536], last[1024], read_buf[MARK_LEN + 65536], line[256];
     int count = 0, nclients = 0, nttfts = 0, line_len = 0, gone = 0;  // gone: streams closed, to remove
     long written = 0, responses = 0, started = 0, received = 0, answered = 0;
     double next_at = now_s();
@@ -185,7 +213,7 @@ int main(int argc, char **argv) {
                         }
                         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
                         clients[nclients] = (struct client){.fd = fd};
-                        client_send(&clients[nclients++]);
+                        client_send(&clients[nclients++], request_text, request_len);
                     }
                 } else if (strcmp(line, "report") == 0) {
                     qsort(ttfts, nttfts, sizeof *ttfts, by_value);
@@ -222,7 +250,7 @@ int main(int argc, char **argv) {
             memcpy(c->tail, read_buf + len - c->tail_len, c->tail_len);
             if (ended) {
                 answered++;
-                client_send(c);
+                client_send(c, request_text, request_len);
             }
         }
         for (int i = 0; i < count; i++) {
@@ -239,7 +267,11 @@ int main(int argc, char **argv) {
                 s->remaining = tokens;
                 s->id = ++started;
                 s->created = time(NULL);
-                s->event_len = format_event(s->event, sizeof s->event, shape, s->id, s->created, 0, choice, 0, 0);
+                s->event_len = fill(s->event, sizeof s->event, shape->text, s->id, s->created, tokens);
+                if (*shape->start) {
+                    int len = fill(last, sizeof last, shape->start, s->id, s->created, tokens);
+                    send_chunk(s->fd, last, len);
+                }
             }
         }
         // Streams and clients are indexed as polled until here: only now do they move.
@@ -281,7 +313,7 @@ int main(int argc, char **argv) {
             }
             written++;
             if (--s->remaining == 0) {
-                int len = format_event(last, sizeof last, shape, s->id, s->created, 1, LAST_CHOICE, tokens, tokens + 8);
+                int len = fill(last, sizeof last, shape->last, s->id, s->created, tokens);
                 send_chunk(s->fd, last, len);
                 send(s->fd, END_MARK, sizeof END_MARK - 1, MSG_NOSIGNAL);
                 s->remaining = -1;

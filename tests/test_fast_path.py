@@ -169,6 +169,42 @@ def test_every_openai_chunk_shape_is_batched_by_the_kernel(name, shape):
     assert (exchange["resp_model"] is None) == ("no model" in shape)
 
 
+def sse_chunk(event: str, data: dict, eol: bytes) -> bytes:
+    """One HTTP chunk of one named SSE event, as Anthropic's API writes it (compact JSON, UTF-8)."""
+    value = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+    body = b"event: %s%sdata: %s%s%s" % (event.encode(), eol, value, eol, eol)
+    return b"%x\r\n" % len(body) + body + b"\r\n"
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n"])
+def test_anthropic_text_deltas_are_batched_by_the_kernel(eol):
+    """Anthropic's named events: the text deltas batched (a suffix shorter than the kernel's word with
+    LF line ends) but the first two (the first names the template, the next is read whole) and one
+    with a quote (escaped: read whole); read the same on every path."""
+    body = json.dumps({"model": "claude", "max_tokens": 9, "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    request = b"POST /v1/messages HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    texts = ["Hello", " world", " this", ' a "quote"', " caf\u00e9", " x", " of", " tokens", " ok"]
+    writes = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+              sse_chunk("message_start", {"type": "message_start", "message": {
+                  "id": "msg_01", "type": "message", "role": "assistant", "model": "claude-x", "content": [],
+                  "usage": {"input_tokens": 12, "output_tokens": 1}}}, eol),
+              sse_chunk("content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {"type": "text", "text": ""}}, eol),
+              *(sse_chunk("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                  "delta": {"type": "text_delta", "text": text}}, eol)
+                for text in texts),
+              sse_chunk("content_block_stop", {"type": "content_block_stop", "index": 0}, eol),
+              sse_chunk("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                          "usage": {"output_tokens": 9}}, eol),
+              sse_chunk("message_stop", {"type": "message_stop"}, eol), b"0\r\n\r\n"]
+    before = KernelBatching.batched
+    (exchange,) = run(request, writes)
+    assert KernelBatching.batched - before == len(texts) - 3
+    assert (exchange["api"], exchange["choice_events"], exchange["completion_tokens"], exchange["outcome"]) == (
+        "anthropic.messages", len(texts), 9, "complete")
+
+
 @pytest.mark.parametrize("name", CAPTURES)
 @pytest.mark.parametrize("per_write", [2, 3, 16])
 def test_captures_with_several_chunks_a_write(name, per_write):

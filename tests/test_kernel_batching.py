@@ -185,9 +185,9 @@ def test_only_values_of_their_own_kind_keep_a_response_batched(tmp_path: Path):
     assert events_off - events_on == sum(count + carried - 1 for *_, count, carried in SCRIPTED_RESPONSES if count)
 
 
-# benchmarks/firehose.c serving each OpenAI chunk shape (vLLM's; without created and model; OpenAI's own,
-# with system_fingerprint and logprobs; sse-starlette's CRLF framing), RESPONSES responses of TOKENS
-# texts each on one keep-alive connection, at RATE texts/s.
+# benchmarks/firehose.c serving each stream shape (OpenAI chunks: vLLM's, without created and model,
+# OpenAI's own with system_fingerprint and logprobs, sse-starlette's CRLF framing; Anthropic's named
+# events), RESPONSES responses of TOKENS texts each on one keep-alive connection, at RATE texts/s.
 FIREHOSE_TOKENS, FIREHOSE_RESPONSES, FIREHOSE_RATE = 100, 10, 5000
 
 
@@ -202,7 +202,7 @@ def _batched_writes(metrics_port: int) -> int:
     return counts[-1]
 
 
-def test_every_openai_chunk_shape_is_batched(tmp_path: Path):
+def test_every_stream_shape_is_batched(tmp_path: Path):
     ports = {shape: free_port() for shape in bench_hot_path.SHAPES}
     metrics_port = free_port()
     for name in ("on", "off"):
@@ -216,18 +216,20 @@ def test_every_openai_chunk_shape_is_batched(tmp_path: Path):
                                              ports=list(ports.values())))
         full = stack.enter_context(agent(tmp_path / "off", "--no-kernel-batching", ports=list(ports.values())))
         for shape, port in ports.items():
+            path = bench_hot_path.SHAPES[shape].encode()
             before = _batched_writes(metrics_port)
             hoses[shape].rate(FIREHOSE_RATE)
             with socket.create_connection(("127.0.0.1", port)) as client:
                 for _ in range(FIREHOSE_RESPONSES):
-                    client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 45\r\n\r\n"
-                                   b'{"model":"bench","stream":true,"messages":[]}')
+                    client.sendall(b"POST %s HTTP/1.1\r\nhost: t\r\ncontent-length: 45\r\n\r\n"
+                                   b'{"model":"bench","stream":true,"messages":[]}' % path)
                     received = b""
                     while not received.endswith(b"0\r\n\r\n"):
                         received += client.recv(65536)
             batched[shape] = _batched_writes(metrics_port) - before
         assert batching.stop() == 0, batching.log()
         assert full.stop() == 0, full.log()
+    print(f"writes batched per shape, of {FIREHOSE_RESPONSES * FIREHOSE_TOKENS}: {batched}")
     rows = _same_rows(batching, full, len(ports) * FIREHOSE_RESPONSES)
     assert all(row["token_events"] == row["completion_tokens"] == FIREHOSE_TOKENS for row in rows.values())
     # A response's texts are batched but its first (read whole, for its id) and those the kernel met before

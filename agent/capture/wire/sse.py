@@ -265,20 +265,22 @@ class SseBody(_LineEvents):
         return True
 
     def steady_text(self, data, start: int, stop: int) -> tuple[int, int, Spans, Spans] | None:
-        """Where the text of data[start:stop] lies, if that is one whole event of one `data:` line,
-        just read, that the dialect counts from its size alone (Dialect.steady_text), and the
-        stream is in step to count more like it (steady_events), with the spans before it that
-        hold values of the response's own (digits, plain: Dialect.steady_own_fields); else None."""
-        if not self._in_step() or not data.startswith(b"data:", start):
+        """Where the text of data[start:stop] lies, if that is one whole event of one `data:` line
+        (after an `event:` line, as Anthropic's and the Responses API's events have), just read,
+        that the dialect counts from its size alone (Dialect.steady_text), and the stream is in step
+        to count more like it (steady_events), with the spans before it that hold values of the
+        response's own (digits, plain: Dialect.steady_own_fields); else None."""
+        if not self._in_step():
             return None
-        # The blank line after the data line: LF (vLLM, SGLang) or CRLF (sse-starlette) line ends.
-        end = 4 if data[stop - 4:stop] == b"\r\n\r\n" else 2 if data[stop - 2:stop] == b"\n\n" else 0
-        if not end:
-            return None
-        value = start + (6 if data[start + 5:start + 6] == b" " else 5)
-        payload = data[value:stop - end]
-        if b"\n" in payload or b"\r" in payload:
-            return None
+        # Its lines end in LF (vLLM, SGLang) or CRLF (sse-starlette), the blank line after them too.
+        eol = b"\r\n" if data.endswith(b"\r\n\r\n", start, stop) else b"\n" if data.endswith(b"\n\n", start, stop) else b""
+        lines = data[start:stop - 2 * len(eol)].split(eol) if eol else ()
+        if not 1 <= len(lines) <= 2 or (len(lines) == 2 and not lines[0].startswith(b"event:")) \
+                or not lines[-1].startswith(b"data:") or any(b"\r" in line or b"\n" in line for line in lines):
+            return None  # an event line is ignored as `data` ignores it; any other line may not be
+        line = stop - 2 * len(eol) - len(lines[-1])
+        value = line + (6 if data[line + 5:line + 6] == b" " else 5)
+        payload = data[value:stop - 2 * len(eol)]
         span = self._learn_template(payload)
         if span is None or span[0] == span[1]:
             return None  # an empty text (vLLM's first chunk, with the role) names no shape the next ones have
