@@ -51,7 +51,7 @@ takes fewer rates for less time each, and the server's figures in three rounds
 for this checkout alone (about 8 minutes in all).
 
     .venv/bin/python -m benchmarks.bench_hot_path [--quick] [--baseline REF] [--rates ...] [--seconds S]
-        [--rounds N] [--shape vllm|bare|openai|starlette|anthropic] [--streams N ...]
+        [--rounds N] [--shape vllm|bare|openai|starlette|anthropic|ollama] [--streams N ...]
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ class Implementation:
 
 # The stream shapes benchmarks/firehose.c serves (its SHAPES), and the API path each answers: vLLM's chunks;
 # chunks without `created` and `model`; OpenAI's own (a system_fingerprint, logprobs null); sse-starlette's
-# CRLF framing; Anthropic's named events.
+# CRLF framing; Anthropic's named events; Ollama's NDJSON lines.
 SHAPES = {"vllm": "/v1/chat/completions", "bare": "/v1/chat/completions", "openai": "/v1/chat/completions",
-          "starlette": "/v1/chat/completions", "anthropic": "/v1/messages"}
+          "starlette": "/v1/chat/completions", "anthropic": "/v1/messages", "ollama": "/api/chat"}
 
 
 @dataclass(frozen=True)
@@ -614,7 +614,8 @@ def main() -> int:
                         "rounds, for this checkout alone")
     parser.add_argument("--shape", choices=SHAPES, default="vllm", help="the chunks the server streams "
                         "(default %(default)s; bare: without created and model; openai: with system_fingerprint and"
-                        " logprobs; starlette: sse-starlette's CRLF framing; anthropic: Anthropic's Messages API)")
+                        " logprobs; starlette: sse-starlette's CRLF framing; anthropic: Anthropic's Messages API; ollama: Ollama's"
+                        " /api/chat)")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 512],
                         help="concurrent stream counts (default %(default)s)")
     parser.add_argument("--steady", action="store_true", help="instead, the whole agent's CPU with 64 streams held"

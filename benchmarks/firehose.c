@@ -30,19 +30,20 @@
 
 #define MAX_CONNECTIONS 1024
 #define MAX_TTFTS (1 << 20)
-#define MARK_LEN 8 // strlen(EVENT_MARK)
+#define MARK_LEN 8 // strlen of a shape's mark
 #define BURST 64   // events written between two reads of the clients
 
-static const char HEADERS[] =
-    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
 // A shape's events, in which {id} is the response's number (16 hex digits, as vLLM's ids are hex),
 // {created} the time it began (s), {tokens} and {total} the usage's counts.
 struct shape {
     const char *name, *path; // path: the API's, which the clients ask
+    const char *type;        // the response's content type
+    const char *mark;        // MARK_LEN bytes, one per event the clients read (after its chunk line)
     const char *start;       // events before the first text, in a write of their own ("": none)
     const char *text;        // a text event: one write each
     const char *last;        // the closing events, in one write
 };
+#define SSE "text/event-stream", "\ndata: {"
 #define CHUNK_HEAD "{\"id\":\"chatcmpl-{id}\",\"object\":\"chat.completion.chunk\""
 #define CHAT_TEXT(head, logprobs, eol) \
     "data: " head ",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok\"}," logprobs "\"finish_reason\":null}]}" eol eol
@@ -52,16 +53,16 @@ struct shape {
 #define VLLM_HEAD CHUNK_HEAD ",\"created\":{created},\"model\":\"bench\""
 #define OPENAI_HEAD VLLM_HEAD ",\"system_fingerprint\":\"fp_bench\""
 static const struct shape SHAPES[] = {
-    {"vllm", "/v1/chat/completions", "", CHAT_TEXT(VLLM_HEAD, "", "\n"), CHAT_LAST(VLLM_HEAD, "\n")},
+    {"vllm", "/v1/chat/completions", SSE, "", CHAT_TEXT(VLLM_HEAD, "", "\n"), CHAT_LAST(VLLM_HEAD, "\n")},
     // Servers that leave out `created` and `model`.
-    {"bare", "/v1/chat/completions", "", CHAT_TEXT(CHUNK_HEAD, "", "\n"), CHAT_LAST(CHUNK_HEAD, "\n")},
+    {"bare", "/v1/chat/completions", SSE, "", CHAT_TEXT(CHUNK_HEAD, "", "\n"), CHAT_LAST(CHUNK_HEAD, "\n")},
     // OpenAI's own: a system_fingerprint, and logprobs in each choice.
-    {"openai", "/v1/chat/completions", "", CHAT_TEXT(OPENAI_HEAD, "\"logprobs\":null,", "\n"),
+    {"openai", "/v1/chat/completions", SSE, "", CHAT_TEXT(OPENAI_HEAD, "\"logprobs\":null,", "\n"),
      CHAT_LAST(OPENAI_HEAD, "\n")},
     // sse-starlette's framing: CRLF line ends.
-    {"starlette", "/v1/chat/completions", "", CHAT_TEXT(VLLM_HEAD, "", "\r\n"), CHAT_LAST(VLLM_HEAD, "\r\n")},
+    {"starlette", "/v1/chat/completions", SSE, "", CHAT_TEXT(VLLM_HEAD, "", "\r\n"), CHAT_LAST(VLLM_HEAD, "\r\n")},
     // Anthropic's Messages API: named events, the message's id and model in the first.
-    {"anthropic", "/v1/messages",
+    {"anthropic", "/v1/messages", SSE,
      "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_{id}\",\"type\":\"message\","
      "\"role\":\"assistant\",\"model\":\"bench\",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null,"
      "\"usage\":{\"input_tokens\":8,\"output_tokens\":1}}}\n\n"
@@ -73,11 +74,19 @@ static const struct shape SHAPES[] = {
      "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\","
      "\"stop_sequence\":null},\"usage\":{\"output_tokens\":{tokens}}}\n\n"
      "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"},
+    // Ollama's /api/chat: NDJSON, each line with the model and a creation time (the response's own).
+    {"ollama", "/api/chat", "application/x-ndjson", "\n{\"model", "",
+     "{\"model\":\"bench\",\"created_at\":\"2025-01-02T03:04:05.{created}Z\",\"message\":{\"role\":\"assistant\","
+     "\"content\":\" tok\"},\"done\":false}\n",
+     "{\"model\":\"bench\",\"created_at\":\"2025-01-02T03:04:05.{created}Z\",\"message\":{\"role\":\"assistant\","
+     "\"content\":\"\"},\"done\":true,\"done_reason\":\"stop\",\"prompt_eval_count\":8,\"eval_count\":{tokens},"
+     "\"prompt_eval_duration\":1000000,\"eval_duration\":9000000}\n"},
 };
+static const char HEADERS[] = // %s: the shape's content type
+    "HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n";
 static const char REQUEST[] =  // %s: the shape's path
     "POST %s HTTP/1.1\r\nHost: bench\r\ncontent-type: application/json\r\n"
     "content-length: 48\r\n\r\n{\"model\":\"bench\",\"stream\":true,\"messages\":[]}   ";
-static const char EVENT_MARK[] = "\ndata: {";  // one per event the clients read (chunk line, then data)
 static const char END_MARK[] = "0\r\n\r\n";     // the last chunk
 
 struct stream {
@@ -155,12 +164,13 @@ int main(int argc, char **argv) {
     for (size_t i = 0; argc == 4 && i < sizeof SHAPES / sizeof *SHAPES; i++)
         if (strcmp(argv[3], SHAPES[i].name) == 0) shape = &SHAPES[i];
     if ((argc != 3 && argc != 4) || (argc == 4 && strcmp(argv[3], shape->name) != 0)) {
-        fprintf(stderr, "usage: %s PORT TOKENS [vllm|bare|openai|starlette|anthropic] (commands on stdin)\n",
+        fprintf(stderr, "usage: %s PORT TOKENS [vllm|bare|openai|starlette|anthropic|ollama] (commands on stdin)\n",
                 argv[0]);
         return 2;
     }
-    static char request_text[512];
+    static char request_text[512], headers[256];
     int request_len = snprintf(request_text, sizeof request_text, REQUEST, shape->path);
+    int headers_len = snprintf(headers, sizeof headers, HEADERS, shape->type);
     int port = atoi(argv[1]), tokens = atoi(argv[2]);
     double rate = 0;
     int listener = socket(AF_INET, SOCK_STREAM, 0), one = 1;
@@ -239,8 +249,8 @@ int main(int argc, char **argv) {
             if (n <= 0) continue;  // the server side went away: the benchmark is over
             int len = c->tail_len + (int)n;
             // A mark is longer than the tail kept: each one counted holds new bytes.
-            received += count_marks(read_buf, len, EVENT_MARK, MARK_LEN);
-            if (!c->seen_first && memmem(read_buf, len, "data:", 5)) {
+            received += count_marks(read_buf, len, shape->mark, MARK_LEN);
+            if (!c->seen_first && memmem(read_buf, len, shape->mark + 1, MARK_LEN - 1)) {
                 if (nttfts < MAX_TTFTS) ttfts[nttfts++] = now_s() - c->sent_at;
                 c->seen_first = 1;
             }
@@ -262,7 +272,7 @@ int main(int argc, char **argv) {
                 gone = 1;
                 continue;
             }
-            if (send(streams[i].fd, HEADERS, sizeof HEADERS - 1, MSG_NOSIGNAL) > 0) {
+            if (send(streams[i].fd, headers, headers_len, MSG_NOSIGNAL) > 0) {
                 struct stream *s = &streams[i];
                 s->remaining = tokens;
                 s->id = ++started;

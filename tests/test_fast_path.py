@@ -205,6 +205,41 @@ def test_anthropic_text_deltas_are_batched_by_the_kernel(eol):
         "anthropic.messages", len(texts), 9, "complete")
 
 
+@pytest.mark.parametrize(("path", "text_key"), [("/api/chat", "message"), ("/api/generate", "response")])
+def test_ollama_text_lines_are_batched_by_the_kernel(path, text_key):
+    """Ollama's NDJSON lines, their creation times their own (Go trims a time's trailing zeros: a
+    shorter one is another template): the text lines batched but the first two after each template
+    is named and one with a quote; read the same on every path."""
+    request = b"POST %s HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n{}" % path.encode()
+    texts = ["Hello", " world", " this", ' a "quote"', " caf\u00e9", " x", " of", " tokens", " ok", " end"]
+    times = ["2025-01-02T03:04:05.%09dZ" % (123456789 + i) for i in range(len(texts))]
+    times[7] = "2025-01-02T03:04:05.12345679Z"  # 123456790 ns, its zero trimmed
+
+    def line(obj: dict) -> bytes:
+        body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+        return b"%x\r\n" % len(body) + body + b"\r\n"
+
+    def text(value: str, at: str) -> dict:
+        if text_key == "message":
+            return {"model": "llama3.2", "created_at": at, "message": {"role": "assistant", "content": value},
+                    "done": False}
+        return {"model": "llama3.2", "created_at": at, "response": value, "done": False}
+
+    writes = [b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n",
+              *(line(text(value, at)) for value, at in zip(texts, times)),
+              line({"model": "llama3.2", "created_at": times[-1], **({"message": {"role": "assistant", "content": ""}}
+                    if text_key == "message" else {"response": ""}), "done": True, "done_reason": "stop",
+                    "prompt_eval_count": 12, "eval_count": len(texts), "prompt_eval_duration": 1000000,
+                    "eval_duration": 9000000}), b"0\r\n\r\n"]
+    before = KernelBatching.batched
+    (exchange,) = run(request, writes)
+    # Whole: the first two, the quote, and the trimmed time and the two after it (each of another template
+    # than the one before, and then the first after the template was named).
+    assert KernelBatching.batched - before == len(texts) - 6
+    assert (exchange["choice_events"], exchange["completion_tokens"], exchange["resp_model"], exchange["outcome"]) \
+        == (len(texts), len(texts), "llama3.2", "complete")
+
+
 @pytest.mark.parametrize("name", CAPTURES)
 @pytest.mark.parametrize("per_write", [2, 3, 16])
 def test_captures_with_several_chunks_a_write(name, per_write):

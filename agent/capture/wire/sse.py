@@ -181,6 +181,32 @@ class _LineEvents:
             self._template = payload[:span[0]], payload[span[1]:]
         return span
 
+    def _steady_span(self, value: int, payload: bytes) -> tuple[int, int, Spans, Spans] | None:
+        """steady_text's answer for an event whose payload (its JSON) starts at `value` of the write."""
+        span = self._learn_template(payload)
+        if span is None or span[0] == span[1]:
+            return None  # an empty text (vLLM's first chunk, with the role) names no shape the next ones have
+        digits, plain = self._dialect.steady_own_fields(payload)
+        return (value + span[0], value + span[1], tuple((value + a, value + b) for a, b in digits if b <= span[0]),
+                tuple((value + a, value + b) for a, b in plain if b <= span[0]))
+
+    def steady_events(self, times: list[int]) -> bool:
+        """Events the kernel counted from their size alone (kernel batching), at `times`: each one
+        whole event of visible text around a template steady_text named, read as `data` would read
+        it. False, with nothing read, when the stream is not in step for them."""
+        if not self._in_step():
+            return False
+        exchange = self._exchange
+        exchange.sse_events += len(times)
+        exchange.record_outputs(times)
+        return True
+
+    def _in_step(self) -> bool:
+        """No line or event pending, and the dialect counts events from their template now."""
+        dialect = self._dialect
+        return (self._scan and dialect is not None and not self._line.length and self._cr_ts is None
+                and dialect.counts_steady(self._exchange))
+
     def _partial_event(self, ts: int, head: bytes, tail: bytes) -> None:
         """An event too large for json.loads, cut by a gap, or not valid JSON."""
         if (tail or head).rstrip().endswith(b"[DONE]"):
@@ -280,29 +306,10 @@ class SseBody(_LineEvents):
             return None  # an event line is ignored as `data` ignores it; any other line may not be
         line = stop - 2 * len(eol) - len(lines[-1])
         value = line + (6 if data[line + 5:line + 6] == b" " else 5)
-        payload = data[value:stop - 2 * len(eol)]
-        span = self._learn_template(payload)
-        if span is None or span[0] == span[1]:
-            return None  # an empty text (vLLM's first chunk, with the role) names no shape the next ones have
-        digits, plain = self._dialect.steady_own_fields(payload)
-        return (value + span[0], value + span[1], tuple((value + a, value + b) for a, b in digits if b <= span[0]),
-                tuple((value + a, value + b) for a, b in plain if b <= span[0]))
-
-    def steady_events(self, times: list[int]) -> bool:
-        """Events the kernel counted from their size alone (kernel batching), at `times`: each one
-        whole event of visible text around a template steady_text named, read as `data` would read
-        it. False, with nothing read, when the stream is not in step for them."""
-        if not self._in_step():
-            return False
-        exchange = self._exchange
-        exchange.sse_events += len(times)
-        exchange.record_outputs(times)
-        return True
+        return self._steady_span(value, data[value:stop - 2 * len(eol)])
 
     def _in_step(self) -> bool:
-        dialect = self._dialect
-        return (self._scan and dialect is not None and not self._line.length and self._cr_ts is None
-                and not self._event_has_data and dialect.counts_steady(self._exchange))
+        return not self._event_has_data and super()._in_step()
 
     def _dispatch(self, ts: int) -> None:
         if not self._event_has_data:  # a blank line after comments only: no event
@@ -328,6 +335,15 @@ class NdjsonBody(_LineEvents):
     """application/x-ndjson: every non-blank line is one JSON event."""
 
     __slots__ = ()
+
+    def steady_text(self, data, start: int, stop: int) -> tuple[int, int, Spans, Spans] | None:
+        """As SseBody.steady_text, for data[start:stop] that is one whole line (Ollama's)."""
+        if not self._in_step():
+            return None
+        end = stop - 2 if data.endswith(b"\r\n", start, stop) else stop - 1 if data.endswith(b"\n", start, stop) else -1
+        if end <= start or data.find(b"\n", start, end) >= 0 or data.find(b"\r", start, end) >= 0:
+            return None
+        return self._steady_span(start, data[start:end])
 
     def _whole_line(self, ts: int, line: bytes) -> None:
         if line.strip():
