@@ -212,7 +212,7 @@ def test_ollama_text_lines_are_batched_by_the_kernel(path, text_key):
     is named and one with a quote; read the same on every path."""
     request = b"POST %s HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n{}" % path.encode()
     texts = ["Hello", " world", " this", ' a "quote"', " caf\u00e9", " x", " of", " tokens", " ok", " end"]
-    times = ["2025-01-02T03:04:05.%09dZ" % (123456789 + i) for i in range(len(texts))]
+    times = [f"2025-01-02T03:04:05.{123456789 + i:09d}Z" for i in range(len(texts))]
     times[7] = "2025-01-02T03:04:05.12345679Z"  # 123456790 ns, its zero trimmed
 
     def line(obj: dict) -> bytes:
