@@ -205,6 +205,21 @@ def test_anthropic_text_deltas_are_batched_by_the_kernel(eol):
         "anthropic.messages", len(texts), 9, "complete")
 
 
+@pytest.mark.parametrize(("kind", "after"), [(b"error", b""), (b"chat.completion.chunk", b',"error":"boom"')])
+def test_an_error_event_in_the_common_shape_is_an_error_on_every_path(kind, after):
+    """An error event that otherwise has the common chunk's shape (vLLM's older `"object": "error"`, TGI's
+    `error` string after the choices) is read as an error by the fast path too."""
+    def event(text: bytes, kind: bytes = b"chat.completion.chunk", after: bytes = b"") -> bytes:
+        body = (b'data: {"id":"a","object":"%s","created":1,"model":"m","choices":[{"index":0,"delta":'
+                b'{"content":"%s"},"finish_reason":null}]%s}\n\n' % (kind, text, after))
+        return b"%x\r\n" % len(body) + body + b"\r\n"
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n{}"
+    writes = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+              event(b"x"), event(b"y"), event(b"z", kind, after), b"e\r\ndata: [DONE]\n\n\r\n", b"0\r\n\r\n"]
+    (exchange,) = run(request, writes)
+    assert exchange["outcome"] == "error"
+
+
 @pytest.mark.parametrize(("path", "text_key"), [("/api/chat", "message"), ("/api/generate", "response")])
 def test_ollama_text_lines_are_batched_by_the_kernel(path, text_key):
     """Ollama's NDJSON lines, their creation times their own (Go trims a time's trailing zeros: a

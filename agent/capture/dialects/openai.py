@@ -88,13 +88,14 @@ _CHOICE = re.compile(rb'\{"index":(' + _INT + rb'),(?:"delta":\{(?:"role":(?:"as
                      rb'|"text":(' + _STRING + rb'))' + _nulls(rb'index|delta|text') + rb'\}')
 # The start of a chunk with its first choice, if any, in one match: the groups are _CHOICE's. Servers
 # leave out `created` and `model` (a chunk without `model` names none: `event` reads nothing there
-# either) and OpenAI adds `system_fingerprint`, which nothing reads.
-_CHUNK_START = re.compile(rb'\{"id":' + _STRING + rb',"object":' + _STRING + rb'(?:,"created":' + _INT
+# either) and OpenAI adds `system_fingerprint`, which nothing reads. An `"object": "error"` is an error
+# event (base.reported_error): its object is plain bytes other than those.
+_CHUNK_START = re.compile(rb'\{"id":' + _STRING + rb',"object":(?!"error")"[^"\\\x00-\x1f]*"(?:,"created":' + _INT
                           + rb')?(?:,"model":' + _STRING + rb')?(?:,"system_fingerprint":(?:null|' + _STRING
                           + rb'))?,"choices":\[(?:' + _CHOICE.pattern + rb')?')
 # Top-level members after `choices` hold null or a string: never a usage object, never
-# llama.cpp's top-level `content`.
-_CHUNK_END = re.compile(rb'\]' + _nulls(rb'choices|content', rb'null|' + _STRING) + rb'\}')
+# llama.cpp's top-level `content`, never an `error` (a string there is TGI's error event).
+_CHUNK_END = re.compile(rb'\]' + _nulls(rb'choices|content|error', rb'null|' + _STRING) + rb'\}')
 
 
 # A chunk's members whose values are the response's own: its id (plain string bytes) and, where it
