@@ -1,7 +1,7 @@
 """The agent's hot path as a busy node sees it: token events per second on one core, side by side.
 
 A C server (benchmarks/firehose.c, built here with cc) streams OpenAI chat
-chunks, one write per event, over keep-alive connections held by its own
+chunks (vLLM's, or another server's: --shape), one write per event, over keep-alive connections held by its own
 clients (in the same C loop, so that neither is the bottleneck; connected once per
 stream count and warmed up, as a node's keep-alive pool is), on CPU 0. The
 real `tokenprobe agent` runs pinned to CPU 1 and reports through its own
@@ -51,7 +51,7 @@ takes fewer rates for less time each, and the server's figures in three rounds
 for this checkout alone (about 8 minutes in all).
 
     .venv/bin/python -m benchmarks.bench_hot_path [--quick] [--baseline REF] [--rates ...] [--seconds S]
-        [--rounds N]
+        [--rounds N] [--shape vllm|bare|openai|starlette|anthropic|ollama] [--streams N ...]
 """
 
 from __future__ import annotations
@@ -93,6 +93,21 @@ class Implementation:
     name: str
     pythonpath: str | None  # None: this checkout as installed
     agent_args: tuple[str, ...] = ()
+
+
+# The stream shapes benchmarks/firehose.c serves (its SHAPES), and the API path each answers: vLLM's chunks;
+# chunks without `created` and `model`; OpenAI's own (a system_fingerprint, logprobs null); sse-starlette's
+# CRLF framing; Anthropic's named events; Ollama's NDJSON lines.
+SHAPES = {"vllm": "/v1/chat/completions", "bare": "/v1/chat/completions", "openai": "/v1/chat/completions",
+          "starlette": "/v1/chat/completions", "anthropic": "/v1/messages", "ollama": "/api/chat"}
+
+
+@dataclass(frozen=True)
+class FirehoseBinary:
+    """benchmarks/firehose.c built, and the shape of the streams it is to serve (SHAPES)."""
+
+    path: Path
+    shape: str
 
 
 def build_firehose(tmp: Path) -> Path:
@@ -347,8 +362,9 @@ class ResponseLog:
 class Firehose:
     """benchmarks/firehose.c on CPU 0, listening before the agent starts; its rate set on stdin."""
 
-    def __init__(self, binary: Path, port: int, tokens: int):
-        self.proc = subprocess.Popen(["taskset", "-c", LOAD_CPU, str(binary), str(port), str(tokens)],
+    def __init__(self, binary: FirehoseBinary, port: int, tokens: int):
+        self.proc = subprocess.Popen(["taskset", "-c", LOAD_CPU, str(binary.path), str(port), str(tokens),
+                                      binary.shape],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if self.proc.stdout.readline().strip() != "listening":
             raise RuntimeError("the firehose did not start")
@@ -379,7 +395,7 @@ class Firehose:
 
 
 @contextmanager
-def streaming_server(binary: Path, port: int, tokens: int) -> Iterator[Firehose]:
+def streaming_server(binary: FirehoseBinary, port: int, tokens: int) -> Iterator[Firehose]:
     hose = Firehose(binary, port, tokens)
     try:
         yield hose
@@ -415,7 +431,7 @@ def connect_clients(hose: Firehose, streams: int, rate: float) -> None:
     hose.rate(0)
 
 
-def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], seconds: float,
+def capacity(impl: Implementation, binary: FirehoseBinary, tmp: Path, rates: list[float], seconds: float,
              stream_counts: tuple[int, ...]) -> list[Capacity]:
     print(f"\n== {impl.name}: agent on CPU {AGENT_CPU}, server and clients on CPU {LOAD_CPU}, {seconds:.0f} s a rate")
     print("   CPU ms/1k ev: the capture's (the agent's, less its live analysis' passes); store part: what of it"
@@ -476,7 +492,7 @@ def capacity(impl: Implementation, binary: Path, tmp: Path, rates: list[float], 
     return found
 
 
-def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: float, seconds: float,
+def server_cost(impls: list[Implementation], binary: FirehoseBinary, tmp: Path, rate: float, seconds: float,
                 rounds: int) -> dict[str, tuple[float, float]]:
     """The server's delivered rate and TTFT without an agent and with each implementation, in
     `rounds` rounds, each one run without an agent and one with each implementation, in turn (the
@@ -523,7 +539,7 @@ def server_cost(impls: list[Implementation], binary: Path, tmp: Path, rate: floa
     return costs
 
 
-def steady(impl: Implementation, binary: Path, tmp: Path, rates: list[float], seconds: float,
+def steady(impl: Implementation, binary: FirehoseBinary, tmp: Path, rates: list[float], seconds: float,
            store_apart: bool = False) -> None:
     """The whole agent's CPU at each rate held steady (see ``--steady`` in the module docstring)."""
     shape = ("the store in a process of its own (the DaemonSet's shape), its CPU apart" if store_apart
@@ -596,6 +612,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, help="rounds of the server's figures (default 5; --quick: 3)")
     parser.add_argument("--quick", action="store_true", help="two rates, 3 s each; the server's figures in three "
                         "rounds, for this checkout alone")
+    parser.add_argument("--shape", choices=SHAPES, default="vllm", help="the chunks the server streams "
+                        "(default %(default)s; bare: without created and model; openai: with system_fingerprint and"
+                        " logprobs; starlette: sse-starlette's CRLF framing; anthropic: Anthropic's Messages API; ollama: Ollama's"
+                        " /api/chat)")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 512],
+                        help="concurrent stream counts (default %(default)s)")
     parser.add_argument("--steady", action="store_true", help="instead, the whole agent's CPU with 64 streams held"
                         " at each rate (default 10k, 100k) for --seconds (default 90) after"
                         f" {STEADY_WARM_UP_S:.0f} s, for this checkout (its store apart, then embedded) and the"
@@ -611,7 +633,8 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="tokenprobe-hot-path-") as scratch:
         tmp = Path(scratch)
-        binary = build_firehose(tmp)
+        binary = FirehoseBinary(build_firehose(tmp), args.shape)
+        print(f"streams of shape {args.shape}")
         impls = [Implementation("this checkout", None),
                  Implementation("this checkout, no kernel batching", None, ("--no-kernel-batching",))]
         if args.baseline:
@@ -621,7 +644,7 @@ def main() -> int:
             for impl in (impl for impl in impls if not impl.agent_args):
                 steady(impl, binary, tmp, rates, seconds)
             return 0
-        results = {impl.name: capacity(impl, binary, tmp, rates, seconds, (1, 64, 512)) for impl in impls}
+        results = {impl.name: capacity(impl, binary, tmp, rates, seconds, tuple(args.streams)) for impl in impls}
         rounds = args.rounds or (3 if args.quick else 5)
         # --quick: this checkout's cost to the server alone (an agent's start, its BPF compile, is the
         # most of a run's time).

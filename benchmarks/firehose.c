@@ -1,8 +1,8 @@
 // A streaming server, and its clients, for the hot-path benchmark: neither may be the bottleneck.
 //
 // Serves keep-alive POSTs on 127.0.0.1:PORT. Each response is an SSE stream of
-// TOKENS OpenAI chat-completion chunks as vLLM writes them (an id and creation time
-// of the response's own in every chunk), chunked transfer encoding,
+// TOKENS text events in SHAPE (default vllm: OpenAI chat-completion chunks as vLLM writes them, an
+// id and creation time of the response's own in every chunk; see SHAPES), chunked transfer encoding,
 // one write() per chunk (what uvicorn and most servers do at low load), paced so that all
 // connections together write RATE events per second. The clients run in the same
 // loop (a Python client would be slower than the agent it loads): each sends its
@@ -14,7 +14,7 @@
 //               read since the last report (responses that ended)
 // At the end of stdin it prints "written EVENTS RESPONSES" and exits.
 //
-//   cc -O2 -o firehose firehose.c && ./firehose PORT TOKENS
+//   cc -O2 -o firehose firehose.c && ./firehose PORT TOKENS [SHAPE]
 #define _GNU_SOURCE // memmem
 #include <arpa/inet.h>
 #include <errno.h>
@@ -30,24 +30,63 @@
 
 #define MAX_CONNECTIONS 1024
 #define MAX_TTFTS (1 << 20)
-#define MARK_LEN 8 // strlen(EVENT_MARK)
+#define MARK_LEN 8 // strlen of a shape's mark
 #define BURST 64   // events written between two reads of the clients
 
-static const char HEADERS[] =
-    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
-// %016lx: the response's number, as vLLM's ids are hex; %ld: the time it began.
-static const char EVENT[] =
-    "data: {\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,"
-    "\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok\"},\"finish_reason\":null}]}\n\n";
-static const char LAST[] =
-    "data: {\"id\":\"chatcmpl-%016lx\",\"object\":\"chat.completion.chunk\",\"created\":%ld,"
-    "\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],"
-    "\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":%d,\"total_tokens\":%d}}\n\n"
-    "data: [DONE]\n\n";
-static const char REQUEST[] =
-    "POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\ncontent-type: application/json\r\n"
+// A shape's events, in which {id} is the response's number (16 hex digits, as vLLM's ids are hex),
+// {created} the time it began (s), {tokens} and {total} the usage's counts.
+struct shape {
+    const char *name, *path; // path: the API's, which the clients ask
+    const char *type;        // the response's content type
+    const char *mark;        // MARK_LEN bytes, one per event the clients read (after its chunk line)
+    const char *start;       // events before the first text, in a write of their own ("": none)
+    const char *text;        // a text event: one write each
+    const char *last;        // the closing events, in one write
+};
+#define SSE "text/event-stream", "\ndata: {"
+#define CHUNK_HEAD "{\"id\":\"chatcmpl-{id}\",\"object\":\"chat.completion.chunk\""
+#define CHAT_TEXT(head, logprobs, eol) \
+    "data: " head ",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok\"}," logprobs "\"finish_reason\":null}]}" eol eol
+#define CHAT_LAST(head, eol)                                                                                   \
+    "data: " head ",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],"                       \
+    "\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":{tokens},\"total_tokens\":{total}}}" eol eol "data: [DONE]" eol eol
+#define VLLM_HEAD CHUNK_HEAD ",\"created\":{created},\"model\":\"bench\""
+#define OPENAI_HEAD VLLM_HEAD ",\"system_fingerprint\":\"fp_bench\""
+static const struct shape SHAPES[] = {
+    {"vllm", "/v1/chat/completions", SSE, "", CHAT_TEXT(VLLM_HEAD, "", "\n"), CHAT_LAST(VLLM_HEAD, "\n")},
+    // Servers that leave out `created` and `model`.
+    {"bare", "/v1/chat/completions", SSE, "", CHAT_TEXT(CHUNK_HEAD, "", "\n"), CHAT_LAST(CHUNK_HEAD, "\n")},
+    // OpenAI's own: a system_fingerprint, and logprobs in each choice.
+    {"openai", "/v1/chat/completions", SSE, "", CHAT_TEXT(OPENAI_HEAD, "\"logprobs\":null,", "\n"),
+     CHAT_LAST(OPENAI_HEAD, "\n")},
+    // sse-starlette's framing: CRLF line ends.
+    {"starlette", "/v1/chat/completions", SSE, "", CHAT_TEXT(VLLM_HEAD, "", "\r\n"), CHAT_LAST(VLLM_HEAD, "\r\n")},
+    // Anthropic's Messages API: named events, the message's id and model in the first.
+    {"anthropic", "/v1/messages", SSE,
+     "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_{id}\",\"type\":\"message\","
+     "\"role\":\"assistant\",\"model\":\"bench\",\"content\":[],\"stop_reason\":null,\"stop_sequence\":null,"
+     "\"usage\":{\"input_tokens\":8,\"output_tokens\":1}}}\n\n"
+     "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,"
+     "\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n",
+     "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,"
+     "\"delta\":{\"type\":\"text_delta\",\"text\":\" tok\"}}\n\n",
+     "event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n"
+     "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\","
+     "\"stop_sequence\":null},\"usage\":{\"output_tokens\":{tokens}}}\n\n"
+     "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"},
+    // Ollama's /api/chat: NDJSON, each line with the model and a creation time (the response's own).
+    {"ollama", "/api/chat", "application/x-ndjson", "\n{\"model", "",
+     "{\"model\":\"bench\",\"created_at\":\"2025-01-02T03:04:05.{created}Z\",\"message\":{\"role\":\"assistant\","
+     "\"content\":\" tok\"},\"done\":false}\n",
+     "{\"model\":\"bench\",\"created_at\":\"2025-01-02T03:04:05.{created}Z\",\"message\":{\"role\":\"assistant\","
+     "\"content\":\"\"},\"done\":true,\"done_reason\":\"stop\",\"prompt_eval_count\":8,\"eval_count\":{tokens},"
+     "\"prompt_eval_duration\":1000000,\"eval_duration\":9000000}\n"},
+};
+static const char HEADERS[] = // %s: the shape's content type
+    "HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n";
+static const char REQUEST[] =  // %s: the shape's path
+    "POST %s HTTP/1.1\r\nHost: bench\r\ncontent-type: application/json\r\n"
     "content-length: 48\r\n\r\n{\"model\":\"bench\",\"stream\":true,\"messages\":[]}   ";
-static const char EVENT_MARK[] = "\ndata: {";  // one per event the clients read (chunk line, then data)
 static const char END_MARK[] = "0\r\n\r\n";     // the last chunk
 
 struct stream {
@@ -56,8 +95,31 @@ struct stream {
     long id;        // the response's number
     long created;   // when it began (s)
     char event[512];
-    int event_len;  // EVENT with the response's own id and time
+    int event_len;  // the text event, with the response's own id and time
 };
+
+// `format` (a shape's events) with its placeholders filled in; its length.
+static int fill(char *buf, int cap, const char *format, long id, long created, int tokens) {
+    char values[4][24];
+    const char *names[4] = {"{id}", "{created}", "{tokens}", "{total}"};
+    snprintf(values[0], sizeof values[0], "%016lx", id);
+    snprintf(values[1], sizeof values[1], "%ld", created);
+    snprintf(values[2], sizeof values[2], "%d", tokens);
+    snprintf(values[3], sizeof values[3], "%d", tokens + 8);
+    int n = 0;
+    while (*format && n < cap - 1) {
+        int k = 0;
+        while (k < 4 && strncmp(format, names[k], strlen(names[k])) != 0) k++;
+        if (k < 4) {
+            n += snprintf(buf + n, cap - n, "%s", values[k]);
+            format += strlen(names[k]);
+        } else {
+            buf[n++] = *format++;
+        }
+    }
+    buf[n < cap ? n : cap - 1] = 0;
+    return n < cap ? n : cap - 1;
+}
 
 struct client {
     int fd;
@@ -90,18 +152,25 @@ static int count_marks(const char *data, int len, const char *mark, int mark_len
     return found;
 }
 
-static int client_send(struct client *c) {
+static int client_send(struct client *c, const char *request, int len) {
     c->sent_at = now_s();
     c->seen_first = 0;
     c->tail_len = 0;
-    return send(c->fd, REQUEST, sizeof REQUEST - 1, MSG_NOSIGNAL) == sizeof REQUEST - 1 ? 0 : -1;
+    return send(c->fd, request, len, MSG_NOSIGNAL) == len ? 0 : -1;
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s PORT TOKENS (commands on stdin)\n", argv[0]);
+    const struct shape *shape = &SHAPES[0];
+    for (size_t i = 0; argc == 4 && i < sizeof SHAPES / sizeof *SHAPES; i++)
+        if (strcmp(argv[3], SHAPES[i].name) == 0) shape = &SHAPES[i];
+    if ((argc != 3 && argc != 4) || (argc == 4 && strcmp(argv[3], shape->name) != 0)) {
+        fprintf(stderr, "usage: %s PORT TOKENS [vllm|bare|openai|starlette|anthropic|ollama] (commands on stdin)\n",
+                argv[0]);
         return 2;
     }
+    static char request_text[512], headers[256];
+    int request_len = snprintf(request_text, sizeof request_text, REQUEST, shape->path);
+    int headers_len = snprintf(headers, sizeof headers, HEADERS, shape->type);
     int port = atoi(argv[1]), tokens = atoi(argv[2]);
     double rate = 0;
     int listener = socket(AF_INET, SOCK_STREAM, 0), one = 1;
@@ -119,7 +188,7 @@ int main(int argc, char **argv) {
     static struct client clients[MAX_CONNECTIONS];
     static struct pollfd fds[2 * MAX_CONNECTIONS + 2];
     static double ttfts[MAX_TTFTS];
-    static char request[65536], last[512], read_buf[MARK_LEN + 65536], line[256];
+    static char request[65536], last[1024], read_buf[MARK_LEN + 65536], line[256];
     int count = 0, nclients = 0, nttfts = 0, line_len = 0, gone = 0;  // gone: streams closed, to remove
     long written = 0, responses = 0, started = 0, received = 0, answered = 0;
     double next_at = now_s();
@@ -154,7 +223,7 @@ int main(int argc, char **argv) {
                         }
                         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
                         clients[nclients] = (struct client){.fd = fd};
-                        client_send(&clients[nclients++]);
+                        client_send(&clients[nclients++], request_text, request_len);
                     }
                 } else if (strcmp(line, "report") == 0) {
                     qsort(ttfts, nttfts, sizeof *ttfts, by_value);
@@ -180,8 +249,8 @@ int main(int argc, char **argv) {
             if (n <= 0) continue;  // the server side went away: the benchmark is over
             int len = c->tail_len + (int)n;
             // A mark is longer than the tail kept: each one counted holds new bytes.
-            received += count_marks(read_buf, len, EVENT_MARK, MARK_LEN);
-            if (!c->seen_first && memmem(read_buf, len, "data:", 5)) {
+            received += count_marks(read_buf, len, shape->mark, MARK_LEN);
+            if (!c->seen_first && memmem(read_buf, len, shape->mark + 1, MARK_LEN - 1)) {
                 if (nttfts < MAX_TTFTS) ttfts[nttfts++] = now_s() - c->sent_at;
                 c->seen_first = 1;
             }
@@ -191,7 +260,7 @@ int main(int argc, char **argv) {
             memcpy(c->tail, read_buf + len - c->tail_len, c->tail_len);
             if (ended) {
                 answered++;
-                client_send(c);
+                client_send(c, request_text, request_len);
             }
         }
         for (int i = 0; i < count; i++) {
@@ -203,12 +272,16 @@ int main(int argc, char **argv) {
                 gone = 1;
                 continue;
             }
-            if (send(streams[i].fd, HEADERS, sizeof HEADERS - 1, MSG_NOSIGNAL) > 0) {
+            if (send(streams[i].fd, headers, headers_len, MSG_NOSIGNAL) > 0) {
                 struct stream *s = &streams[i];
                 s->remaining = tokens;
                 s->id = ++started;
                 s->created = time(NULL);
-                s->event_len = snprintf(s->event, sizeof s->event, EVENT, s->id, s->created);
+                s->event_len = fill(s->event, sizeof s->event, shape->text, s->id, s->created, tokens);
+                if (*shape->start) {
+                    int len = fill(last, sizeof last, shape->start, s->id, s->created, tokens);
+                    send_chunk(s->fd, last, len);
+                }
             }
         }
         // Streams and clients are indexed as polled until here: only now do they move.
@@ -250,7 +323,7 @@ int main(int argc, char **argv) {
             }
             written++;
             if (--s->remaining == 0) {
-                int len = snprintf(last, sizeof last, LAST, s->id, s->created, tokens, tokens + 8);
+                int len = fill(last, sizeof last, shape->last, s->id, s->created, tokens);
                 send_chunk(s->fd, last, len);
                 send(s->fd, END_MARK, sizeof END_MARK - 1, MSG_NOSIGNAL);
                 s->remaining = -1;

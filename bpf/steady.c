@@ -45,7 +45,7 @@
 
 struct steady_template {
     u32 prefix_len; // 8..STEADY_PREFIX_CAP
-    u32 suffix_len; // 8..STEADY_SUFFIX_CAP, the chunk's closing CRLF included
+    u32 suffix_len; // 1..STEADY_SUFFIX_CAP, the chunk's closing CRLF included (under 8: in suffix[8 - len..8])
     u32 hold;       // 1: the next write that matches is read whole (and clears it)
     u32 pad;
     u8 prefix[STEADY_PREFIX_CAP];
@@ -199,7 +199,7 @@ enum steady_verdict {
 
 static __always_inline int steady_classify(const u8 *buf, u32 n, struct steady_template *t) {
     u32 plen = t->prefix_len, slen = t->suffix_len;
-    if (plen < 8 || plen > STEADY_PREFIX_CAP || slen < 8 || slen > STEADY_SUFFIX_CAP)
+    if (plen < 8 || plen > STEADY_PREFIX_CAP || slen < 1 || slen > STEADY_SUFFIX_CAP)
         return STEADY_DIFFERENT;
     if (n > STEADY_WRITE_MAX || n < plen + slen + 4)
         return STEADY_DIFFERENT;
@@ -217,9 +217,19 @@ static __always_inline int steady_classify(const u8 *buf, u32 n, struct steady_t
     u32 from = steady_chunk_line(data, n);
     if (!from || n < from + plen + slen + 1)
         return STEADY_DIFFERENT;
-    if (!steady_same(data, from, t->prefix, t->exact, t->digits, t->plain, plen, STEADY_PREFIX_CAP)
-        || !steady_same(data, n - slen, t->suffix, 0, 0, 0, slen, STEADY_SUFFIX_CAP))
+    if (!steady_same(data, from, t->prefix, t->exact, t->digits, t->plain, plen, STEADY_PREFIX_CAP))
         return STEADY_DIFFERENT;
+    if (slen < 8) {
+        // A suffix shorter than a word (Anthropic's `"}}\n\n` and the chunk's CRLF): the write's last
+        // word, its last slen bytes compared (those before it are the text's, judged below).
+        u64 at = n - 8;
+        OPAQUE(at);
+        u64 got = *(const u64 *)(data + (at & (STEADY_WRITE_MAX - 1)));
+        if ((got ^ *(const u64 *)t->suffix) & (~0ULL << ((8 - slen) * 8)))
+            return STEADY_DIFFERENT;
+    } else if (!steady_same(data, n - slen, t->suffix, 0, 0, 0, slen, STEADY_SUFFIX_CAP)) {
+        return STEADY_DIFFERENT;
+    }
     // The text between them: whole words, then the word that ends the text, its
     // bytes already judged replaced with a harmless 'a'.
     from += plen;

@@ -136,6 +136,125 @@ def test_a_keep_alive_connections_responses_keep_the_kernels_template(name):
     assert batched == [12 - 3, 12 - 2, 12 - 3] and len([t for t in named if t is not None]) == 2
 
 
+def reshaped(writes: list[bytes], edit) -> list[bytes]:
+    """The capture's response with each chunk's data edited by `edit` (its size line rewritten)."""
+    again = [writes[0]]
+    for write in writes[1:]:
+        body = write.split(b"\r\n", 1)[1][:-2]
+        again.append(b"%x\r\n" % len(edit(body)) + edit(body) + b"\r\n" if body else write)
+    return again
+
+
+# OpenAI-shaped chunk streams as other servers write them: without `created` or `model` (a chunk
+# that names no model), with OpenAI's `system_fingerprint`, and sse-starlette's CRLF line ends.
+CHUNK_SHAPES = {
+    "no created": lambda body: re.sub(rb',"created":[0-9]+', b"", body),
+    "no model": lambda body: re.sub(rb',"model":"[^"]*"', b"", body),
+    "no created, no model": lambda body: re.sub(rb',"(created|model)":("[^"]*"|[0-9]+)', b"", body),
+    "system_fingerprint": lambda body: body.replace(b',"choices"', b',"system_fingerprint":"fp_44709d6fcb","choices"'),
+    "CRLF": lambda body: body.replace(b"\n", b"\r\n"),
+}
+
+
+@pytest.mark.parametrize("name", CAPTURES)
+@pytest.mark.parametrize("shape", CHUNK_SHAPES)
+def test_every_openai_chunk_shape_is_batched_by_the_kernel(name, shape):
+    """Each shape batched as the capture itself is (all but three of its texts), and read the same
+    on every path; a response that names no model has none."""
+    request, writes = capture(name)
+    before = KernelBatching.batched
+    (exchange,) = run(request, reshaped(writes, CHUNK_SHAPES[shape]))
+    assert KernelBatching.batched - before == exchange["choice_events"] - 3 > 0
+    assert exchange["choice_events"] == 12 and exchange["outcome"] == "complete"
+    assert (exchange["resp_model"] is None) == ("no model" in shape)
+
+
+def sse_chunk(event: str, data: dict, eol: bytes) -> bytes:
+    """One HTTP chunk of one named SSE event, as Anthropic's API writes it (compact JSON, UTF-8)."""
+    value = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+    body = b"event: %s%sdata: %s%s%s" % (event.encode(), eol, value, eol, eol)
+    return b"%x\r\n" % len(body) + body + b"\r\n"
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n"])
+def test_anthropic_text_deltas_are_batched_by_the_kernel(eol):
+    """Anthropic's named events: the text deltas batched (a suffix shorter than the kernel's word with
+    LF line ends) but the first two (the first names the template, the next is read whole) and one
+    with a quote (escaped: read whole); read the same on every path."""
+    body = json.dumps({"model": "claude", "max_tokens": 9, "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    request = b"POST /v1/messages HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    texts = ["Hello", " world", " this", ' a "quote"', " caf\u00e9", " x", " of", " tokens", " ok"]
+    writes = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+              sse_chunk("message_start", {"type": "message_start", "message": {
+                  "id": "msg_01", "type": "message", "role": "assistant", "model": "claude-x", "content": [],
+                  "usage": {"input_tokens": 12, "output_tokens": 1}}}, eol),
+              sse_chunk("content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {"type": "text", "text": ""}}, eol),
+              *(sse_chunk("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                  "delta": {"type": "text_delta", "text": text}}, eol)
+                for text in texts),
+              sse_chunk("content_block_stop", {"type": "content_block_stop", "index": 0}, eol),
+              sse_chunk("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                          "usage": {"output_tokens": 9}}, eol),
+              sse_chunk("message_stop", {"type": "message_stop"}, eol), b"0\r\n\r\n"]
+    before = KernelBatching.batched
+    (exchange,) = run(request, writes)
+    assert KernelBatching.batched - before == len(texts) - 3
+    assert (exchange["api"], exchange["choice_events"], exchange["completion_tokens"], exchange["outcome"]) == (
+        "anthropic.messages", len(texts), 9, "complete")
+
+
+@pytest.mark.parametrize(("kind", "after"), [(b"error", b""), (b"chat.completion.chunk", b',"error":"boom"')])
+def test_an_error_event_in_the_common_shape_is_an_error_on_every_path(kind, after):
+    """An error event that otherwise has the common chunk's shape (vLLM's older `"object": "error"`, TGI's
+    `error` string after the choices) is read as an error by the fast path too."""
+    def event(text: bytes, kind: bytes = b"chat.completion.chunk", after: bytes = b"") -> bytes:
+        body = (b'data: {"id":"a","object":"%s","created":1,"model":"m","choices":[{"index":0,"delta":'
+                b'{"content":"%s"},"finish_reason":null}]%s}\n\n' % (kind, text, after))
+        return b"%x\r\n" % len(body) + body + b"\r\n"
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n{}"
+    writes = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+              event(b"x"), event(b"y"), event(b"z", kind, after), b"e\r\ndata: [DONE]\n\n\r\n", b"0\r\n\r\n"]
+    (exchange,) = run(request, writes)
+    assert exchange["outcome"] == "error"
+
+
+@pytest.mark.parametrize(("path", "text_key"), [("/api/chat", "message"), ("/api/generate", "response")])
+def test_ollama_text_lines_are_batched_by_the_kernel(path, text_key):
+    """Ollama's NDJSON lines, their creation times their own (Go trims a time's trailing zeros: a
+    shorter one is another template): the text lines batched but the first two after each template
+    is named and one with a quote; read the same on every path."""
+    request = b"POST %s HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\n{}" % path.encode()
+    texts = ["Hello", " world", " this", ' a "quote"', " caf\u00e9", " x", " of", " tokens", " ok", " end"]
+    times = [f"2025-01-02T03:04:05.{123456789 + i:09d}Z" for i in range(len(texts))]
+    times[7] = "2025-01-02T03:04:05.12345679Z"  # 123456790 ns, its zero trimmed
+
+    def line(obj: dict) -> bytes:
+        body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+        return b"%x\r\n" % len(body) + body + b"\r\n"
+
+    def text(value: str, at: str) -> dict:
+        if text_key == "message":
+            return {"model": "llama3.2", "created_at": at, "message": {"role": "assistant", "content": value},
+                    "done": False}
+        return {"model": "llama3.2", "created_at": at, "response": value, "done": False}
+
+    writes = [b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n",
+              *(line(text(value, at)) for value, at in zip(texts, times)),
+              line({"model": "llama3.2", "created_at": times[-1], **({"message": {"role": "assistant", "content": ""}}
+                    if text_key == "message" else {"response": ""}), "done": True, "done_reason": "stop",
+                    "prompt_eval_count": 12, "eval_count": len(texts), "prompt_eval_duration": 1000000,
+                    "eval_duration": 9000000}), b"0\r\n\r\n"]
+    before = KernelBatching.batched
+    (exchange,) = run(request, writes)
+    # Whole: the first two, the quote, and the trimmed time and the two after it (each of another template
+    # than the one before, and then the first after the template was named).
+    assert KernelBatching.batched - before == len(texts) - 6
+    assert (exchange["choice_events"], exchange["completion_tokens"], exchange["resp_model"], exchange["outcome"]) \
+        == (len(texts), len(texts), "llama3.2", "complete")
+
+
 @pytest.mark.parametrize("name", CAPTURES)
 @pytest.mark.parametrize("per_write", [2, 3, 16])
 def test_captures_with_several_chunks_a_write(name, per_write):

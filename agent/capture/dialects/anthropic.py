@@ -13,6 +13,8 @@ sends `event: error` with `{"type": "error", "error": {"type": "overloaded_error
 
 from __future__ import annotations
 
+import re
+
 from ..exchange import Exchange
 from .base import Dialect, record_error, set_id_model, set_usage
 from .json_scan import count
@@ -22,6 +24,13 @@ __all__ = ["ANTHROPIC"]
 # delta type -> (field with the generated text, visible)
 _DELTAS = {"text_delta": ("text", True), "thinking_delta": ("thinking", False),
            "input_json_delta": ("partial_json", False)}
+
+
+# A text delta as Anthropic writes it, byte for byte, its text of plain bytes (no quote, backslash or
+# control byte). Every event like it is valid JSON and reads as one event of visible text: a content
+# block's index is not a choice (the row's output is choice 0's).
+_TEXT_DELTA = re.compile(rb'\{"type":"content_block_delta","index":(?:0|[1-9][0-9]{0,8}),'
+                         rb'"delta":\{"type":"text_delta","text":"[^"\\\x00-\x1f]+"\}\}')
 
 
 def _prompt_tokens(usage: dict) -> int | None:
@@ -66,6 +75,14 @@ class _Anthropic(Dialect):
         elif kind == "error":
             error = obj.get("error")
             record_error(exchange, error.get("type") if isinstance(error, dict) else None)
+
+    def steady_text(self, payload: bytes) -> tuple[int, int] | None:
+        if _TEXT_DELTA.fullmatch(payload) is None:
+            return None
+        return payload.rindex(b'"text":"') + 8, len(payload) - 3
+
+    def counts_steady(self, exchange: Exchange) -> bool:
+        return True  # a text delta says nothing of the message (its id, model and usage are in others)
 
 
 ANTHROPIC = _Anthropic("anthropic.messages", counts=("usage", "input_tokens", "output_tokens"),

@@ -11,6 +11,8 @@ fails after its 200 ends in a line `{"error": "<message>"}`: it names no type.
 
 from __future__ import annotations
 
+import re
+
 from ..exchange import Exchange
 from .base import Dialect, reported_error, set_engine_ms, set_id_model, set_usage
 from .json_scan import is_text, last_number, number_key, text_value
@@ -23,8 +25,29 @@ _PROMPT_DURATION = number_key(b"prompt_eval_duration")
 _EVAL_DURATION = number_key(b"eval_duration")
 
 
+# A line of visible text as Ollama writes it, byte for byte (its text after `before`, then `after`): its
+# model's name, creation time and text in plain string bytes (the time is a span of the line's own).
+def _text_line_shape(before: bytes, after: bytes) -> re.Pattern:
+    return re.compile(rb'\{"model":"[^"\\\x00-\x1f]+","created_at":"([^"\\\x00-\x1f]+)",' + before
+                      + rb'"([^"\\\x00-\x1f]+)"' + after + rb',"done":false\}')
+
+
 class _Ollama(Dialect):
     __slots__ = ()
+    _text_line: re.Pattern  # a visible text line's shape (_text_line_shape), fullmatched
+
+    def steady_text(self, payload: bytes) -> tuple[int, int] | None:
+        # A line of that shape whatever its plain text is valid JSON (a text json.loads refuses, bad
+        # UTF-8, is read by `partial`, which finds the same visible text), and one event of visible text.
+        line = self._text_line.fullmatch(payload)
+        return line.span(2) if line else None
+
+    def counts_steady(self, exchange: Exchange) -> bool:
+        return exchange.resp_model is not None  # what `event` reads of a text line besides its text
+
+    def steady_own_fields(self, payload: bytes) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        line = self._text_line.fullmatch(payload)
+        return ((), (line.span(1),)) if line else ((), ())
 
     def _output(self, obj: dict) -> int:
         """0: nothing generated; 1: thinking or tool calls only; 2: visible text."""
@@ -54,6 +77,7 @@ class _Ollama(Dialect):
 
 class _Generate(_Ollama):
     __slots__ = ()
+    _text_line = _text_line_shape(rb'"response":', b"")
 
     def _output(self, obj: dict) -> int:
         if is_text(obj.get("response")):
@@ -63,6 +87,7 @@ class _Generate(_Ollama):
 
 class _Chat(_Ollama):
     __slots__ = ()
+    _text_line = _text_line_shape(rb'"message":\{"role":"assistant","content":', rb"\}")
 
     def _output(self, obj: dict) -> int:
         message = obj.get("message")

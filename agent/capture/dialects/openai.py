@@ -86,17 +86,21 @@ def _nulls(but: bytes, values: bytes = b"null") -> bytes:
 _CHOICE = re.compile(rb'\{"index":(' + _INT + rb'),(?:"delta":\{(?:"role":(?:"assistant"|null),)?'
                      rb'"(content|reasoning_content|reasoning)":(' + _STRING + rb')' + _nulls(rb'\2') + rb'\}'
                      rb'|"text":(' + _STRING + rb'))' + _nulls(rb'index|delta|text') + rb'\}')
-# The start of a chunk with its first choice, if any, in one match: the groups are _CHOICE's.
-_CHUNK_START = re.compile(rb'\{"id":' + _STRING + rb',"object":' + _STRING + rb',"created":' + _INT
-                          + rb',"model":' + _STRING + rb',"choices":\[(?:' + _CHOICE.pattern + rb')?')
+# The start of a chunk with its first choice, if any, in one match: the groups are _CHOICE's. Servers
+# leave out `created` and `model` (a chunk without `model` names none: `event` reads nothing there
+# either) and OpenAI adds `system_fingerprint`, which nothing reads. An `"object": "error"` is an error
+# event (base.reported_error): its object is plain bytes other than those.
+_CHUNK_START = re.compile(rb'\{"id":' + _STRING + rb',"object":(?!"error")"[^"\\\x00-\x1f]*"(?:,"created":' + _INT
+                          + rb')?(?:,"model":' + _STRING + rb')?(?:,"system_fingerprint":(?:null|' + _STRING
+                          + rb'))?,"choices":\[(?:' + _CHOICE.pattern + rb')?')
 # Top-level members after `choices` hold null or a string: never a usage object, never
-# llama.cpp's top-level `content`.
-_CHUNK_END = re.compile(rb'\]' + _nulls(rb'choices|content', rb'null|' + _STRING) + rb'\}')
+# llama.cpp's top-level `content`, never an `error` (a string there is TGI's error event).
+_CHUNK_END = re.compile(rb'\]' + _nulls(rb'choices|content|error', rb'null|' + _STRING) + rb'\}')
 
 
-# A chunk's members whose values are the response's own: its id (plain string bytes) and its
-# creation time (digits after the first, which stays: a JSON number has no leading zero).
-_OWN_FIELDS = re.compile(rb'\{"id":"([^"\\\x00-\x1f]*)","object":' + _STRING + rb',"created":[1-9]([0-9]*),')
+# A chunk's members whose values are the response's own: its id (plain string bytes) and, where it
+# has one, its creation time (digits after the first, which stays: a JSON number has no leading zero).
+_OWN_FIELDS = re.compile(rb'\{"id":"([^"\\\x00-\x1f]*)","object":' + _STRING + rb'(?:,"created":[1-9]([0-9]*))?,')
 
 
 def _scanned_output(choice: re.Match) -> tuple[int, int]:
@@ -186,8 +190,9 @@ class ChoicesDialect(Dialect):
                           queue=last_number(_VLLM_QUEUE_MS, tail))
 
     def scan(self, exchange: Exchange, payload: bytes, ts: int) -> bool:
-        # Once id and model are known, a chunk of the common shape only counts output.
-        if exchange.response_id is None or exchange.resp_model is None:
+        # Once id and model are known, a chunk of the common shape only counts output (one without a
+        # model once the id is: a chunk that may name one is parsed until one is known).
+        if exchange.response_id is None or (exchange.resp_model is None and b'"model":' in payload):
             return False
         choices = _scanned_choices(payload)
         if choices is None or not (payload.isascii() or _is_utf8(payload)):  # json.loads refuses bad UTF-8
@@ -214,7 +219,9 @@ class ChoicesDialect(Dialect):
         return span
 
     def counts_steady(self, exchange: Exchange) -> bool:
-        return exchange.response_id is not None and exchange.resp_model is not None  # what scan needs
+        # What scan needs: a template's model, if it has one, was read from the response's own event
+        # of that shape (the template's first, read whole), so the events like it name no other.
+        return exchange.response_id is not None
 
     def steady_own_fields(self, payload: bytes) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
         found = _OWN_FIELDS.match(payload)

@@ -603,7 +603,8 @@ class Probes:
         those that match from the next but one on (bpf/steady.c). False
         when the map is full (the connection's writes stay whole events)."""
         if not steady_template_fits(template):
-            raise ValueError(f"a steady template's parts hold {STEADY_PART_MIN}..{STEADY_PART_CAP} bytes")
+            raise ValueError(f"a steady template's prefix holds {STEADY_PART_MIN}..{STEADY_PART_CAP} bytes, "
+                             f"its suffix 1..{STEADY_PART_CAP}")
         table = self.bpf["steady_templates"]
         leaf = table.Leaf()
         prefix, suffix = template.prefix, template.suffix
@@ -615,7 +616,7 @@ class Probes:
                 kind[start:end] = b"\xff" * (end - start)
         base, fields = ctypes.addressof(leaf), type(leaf)
         for name, part in (("prefix", prefix), ("exact", exact), ("digits", digits), ("plain", plain),
-                           ("suffix", suffix)):
+                           ("suffix", suffix.rjust(8, b"\0"))):  # one shorter than a word ends it (bpf/steady.c)
             ctypes.memmove(base + getattr(fields, name).offset, bytes(part), len(part))
         return self._put("steady_templates", self._conn_key(table, tgid, fd), leaf)
 

@@ -64,7 +64,8 @@ class UnseenEnd:
 STEADY_WORDS, STEADY_WHOLE_MAX = 512, 16  # words of a batch record, writes carried whole in one (the kernel's)
 _STEADY_HEADER = struct.Struct(f"<QQQQIIIIBBBBIQII{STEADY_WHOLE_MAX}H")
 KIND_OFFSET = 48  # of `kind`, in both records
-# What a template may hold (the kernel's STEADY_PREFIX_CAP, STEADY_SUFFIX_CAP, STEADY_WRITE_MAX).
+# What a template may hold (the kernel's STEADY_PREFIX_CAP, STEADY_SUFFIX_CAP, STEADY_WRITE_MAX): a prefix
+# of a word or more, a suffix of a byte or more.
 STEADY_PART_MIN, STEADY_PART_CAP, STEADY_WRITE_MAX = 8, 256, 1024
 
 
@@ -82,7 +83,7 @@ class SteadyShape(Protocol):
 def steady_template_fits(template: SteadyShape) -> bool:
     """Whether the kernel can hold this template."""
     return (STEADY_PART_MIN <= len(template.prefix) <= STEADY_PART_CAP
-            and STEADY_PART_MIN <= len(template.suffix) <= STEADY_PART_CAP)
+            and 1 <= len(template.suffix) <= STEADY_PART_CAP)
 
 
 @dataclass(slots=True)

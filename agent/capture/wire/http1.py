@@ -24,7 +24,7 @@ from typing import Protocol
 from ....contract.tenant import FRAMING_HEADERS, printable, tenant_id
 from ..exchange import Txn
 from .bodies import RequestBody, path_of, response_body_reader
-from .sse import SseBody, SteadyTemplate
+from .sse import NdjsonBody, SseBody, SteadyTemplate
 
 
 class Connection(Protocol):
@@ -579,10 +579,10 @@ class ResponseStream(MessageStream):
         self.last_ts = times[-1]
         return True
 
-    def _steady_body(self) -> SseBody | None:
+    def _steady_body(self) -> SseBody | NdjsonBody | None:
         """The event stream read between two chunks, as the fast path reads it; None otherwise."""
         body = self._body
-        if self._fast_path and self._state == _CHUNK_SIZE and not self._buf and type(body) is SseBody:
+        if self._fast_path and self._state == _CHUNK_SIZE and not self._buf and type(body) in (SseBody, NdjsonBody):
             return body
         return None
 

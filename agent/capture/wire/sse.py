@@ -181,6 +181,32 @@ class _LineEvents:
             self._template = payload[:span[0]], payload[span[1]:]
         return span
 
+    def _steady_span(self, value: int, payload: bytes) -> tuple[int, int, Spans, Spans] | None:
+        """steady_text's answer for an event whose payload (its JSON) starts at `value` of the write."""
+        span = self._learn_template(payload)
+        if span is None or span[0] == span[1]:
+            return None  # an empty text (vLLM's first chunk, with the role) names no shape the next ones have
+        digits, plain = self._dialect.steady_own_fields(payload)
+        return (value + span[0], value + span[1], tuple((value + a, value + b) for a, b in digits if b <= span[0]),
+                tuple((value + a, value + b) for a, b in plain if b <= span[0]))
+
+    def steady_events(self, times: list[int]) -> bool:
+        """Events the kernel counted from their size alone (kernel batching), at `times`: each one
+        whole event of visible text around a template steady_text named, read as `data` would read
+        it. False, with nothing read, when the stream is not in step for them."""
+        if not self._in_step():
+            return False
+        exchange = self._exchange
+        exchange.sse_events += len(times)
+        exchange.record_outputs(times)
+        return True
+
+    def _in_step(self) -> bool:
+        """No line or event pending, and the dialect counts events from their template now."""
+        dialect = self._dialect
+        return (self._scan and dialect is not None and not self._line.length and self._cr_ts is None
+                and dialect.counts_steady(self._exchange))
+
     def _partial_event(self, ts: int, head: bytes, tail: bytes) -> None:
         """An event too large for json.loads, cut by a gap, or not valid JSON."""
         if (tail or head).rstrip().endswith(b"[DONE]"):
@@ -265,38 +291,25 @@ class SseBody(_LineEvents):
         return True
 
     def steady_text(self, data, start: int, stop: int) -> tuple[int, int, Spans, Spans] | None:
-        """Where the text of data[start:stop] lies, if that is one whole event of one `data:` line,
-        just read, that the dialect counts from its size alone (Dialect.steady_text), and the
-        stream is in step to count more like it (steady_events), with the spans before it that
-        hold values of the response's own (digits, plain: Dialect.steady_own_fields); else None."""
-        if not self._in_step() or data[stop - 2:stop] != b"\n\n" or not data.startswith(b"data:", start):
-            return None
-        value = start + (6 if data[start + 5:start + 6] == b" " else 5)
-        payload = data[value:stop - 2]
-        if b"\n" in payload or b"\r" in payload:
-            return None
-        span = self._learn_template(payload)
-        if span is None or span[0] == span[1]:
-            return None  # an empty text (vLLM's first chunk, with the role) names no shape the next ones have
-        digits, plain = self._dialect.steady_own_fields(payload)
-        return (value + span[0], value + span[1], tuple((value + a, value + b) for a, b in digits if b <= span[0]),
-                tuple((value + a, value + b) for a, b in plain if b <= span[0]))
-
-    def steady_events(self, times: list[int]) -> bool:
-        """Events the kernel counted from their size alone (kernel batching), at `times`: each one
-        whole event of visible text around a template steady_text named, read as `data` would read
-        it. False, with nothing read, when the stream is not in step for them."""
+        """Where the text of data[start:stop] lies, if that is one whole event of one `data:` line
+        (after an `event:` line, as Anthropic's and the Responses API's events have), just read,
+        that the dialect counts from its size alone (Dialect.steady_text), and the stream is in step
+        to count more like it (steady_events), with the spans before it that hold values of the
+        response's own (digits, plain: Dialect.steady_own_fields); else None."""
         if not self._in_step():
-            return False
-        exchange = self._exchange
-        exchange.sse_events += len(times)
-        exchange.record_outputs(times)
-        return True
+            return None
+        # Its lines end in LF (vLLM, SGLang) or CRLF (sse-starlette), the blank line after them too.
+        eol = b"\r\n" if data.endswith(b"\r\n\r\n", start, stop) else b"\n" if data.endswith(b"\n\n", start, stop) else b""
+        lines = data[start:stop - 2 * len(eol)].split(eol) if eol else ()
+        if not 1 <= len(lines) <= 2 or (len(lines) == 2 and not lines[0].startswith(b"event:")) \
+                or not lines[-1].startswith(b"data:") or any(b"\r" in line or b"\n" in line for line in lines):
+            return None  # an event line is ignored as `data` ignores it; any other line may not be
+        line = stop - 2 * len(eol) - len(lines[-1])
+        value = line + (6 if data[line + 5:line + 6] == b" " else 5)
+        return self._steady_span(value, data[value:stop - 2 * len(eol)])
 
     def _in_step(self) -> bool:
-        dialect = self._dialect
-        return (self._scan and dialect is not None and not self._line.length and self._cr_ts is None
-                and not self._event_has_data and dialect.counts_steady(self._exchange))
+        return not self._event_has_data and super()._in_step()
 
     def _dispatch(self, ts: int) -> None:
         if not self._event_has_data:  # a blank line after comments only: no event
@@ -322,6 +335,15 @@ class NdjsonBody(_LineEvents):
     """application/x-ndjson: every non-blank line is one JSON event."""
 
     __slots__ = ()
+
+    def steady_text(self, data, start: int, stop: int) -> tuple[int, int, Spans, Spans] | None:
+        """As SseBody.steady_text, for data[start:stop] that is one whole line (Ollama's)."""
+        if not self._in_step():
+            return None
+        end = stop - 2 if data.endswith(b"\r\n", start, stop) else stop - 1 if data.endswith(b"\n", start, stop) else -1
+        if end <= start or data.find(b"\n", start, end) >= 0 or data.find(b"\r", start, end) >= 0:
+            return None
+        return self._steady_span(start, data[start:end])
 
     def _whole_line(self, ts: int, line: bytes) -> None:
         if line.strip():
