@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from .cgroup import CgroupIdentity, read_cgroup_identity
@@ -37,11 +37,12 @@ class Identity(ContainerNames):
     container_id: str = ""
 
     def fields(self) -> dict[str, str]:
-        return asdict(self)
+        """The row's columns (asdict's deep copy costs several times this, once a row)."""
+        return {"namespace": self.namespace, "pod": self.pod, "container": self.container, "pod_uid": self.pod_uid,
+                "container_id": self.container_id}
 
 
 HOST = Identity()
-IDENTITY_FIELDS = tuple(HOST.fields())
 
 
 @dataclass
@@ -161,11 +162,13 @@ class RowNaming:
         self._held: deque[tuple[float, dict]] = deque()
 
     def put(self, row: dict) -> None:
-        if not self._held and not self._unnamed(row):
-            self._send(row)
+        identity = self._resolver.of(row["pid"])
+        if not self._held and not self._unnamed(identity):
+            self._send(row, identity)
             return
         if len(self._held) >= self.MAX_HELD:
-            self._send(self._held.popleft()[1])
+            held = self._held.popleft()[1]
+            self._send(held, self._resolver.of(held["pid"]))
         self._held.append((time.monotonic() + self.NAMES_WAIT_S, row))
 
     def release(self, *, everything: bool = False) -> None:
@@ -173,17 +176,17 @@ class RowNaming:
         now = time.monotonic()
         while self._held:
             deadline, row = self._held[0]
-            if not (everything or now >= deadline or not self._unnamed(row)):
+            identity = self._resolver.of(row["pid"])
+            if not (everything or now >= deadline or not self._unnamed(identity)):
                 return
             self._held.popleft()
-            self._send(row)
+            self._send(row, identity)
 
-    def _unnamed(self, row: dict) -> bool:
-        identity = self._resolver.of(row["pid"])
+    def _unnamed(self, identity: Identity) -> bool:
         return bool(identity.container_id and not identity.container and self._resolver.naming(identity.container_id))
 
-    def _send(self, row: dict) -> None:
-        row.update(self._resolver.of(row["pid"]).fields())
+    def _send(self, row: dict, identity: Identity) -> None:
+        row.update(identity.fields())
         self._dispatch(row)
 
 
